@@ -1,0 +1,200 @@
+"""Prometheus families for kvtier (`kvtier_` prefix), labelled by rank and, where it applies, tier.
+
+One `Metrics` object per rank binds the rank label; several may share one registry (a bench that
+runs four rank servers in one process). Families are created once per registry.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
+
+@dataclass(frozen=True)
+class _Families:
+    lookups: Counter
+    lookup_hit_tokens: Counter
+    lookup_timeouts: Counter
+    retrieved_tokens: Counter
+    retrieved_bytes: Counter
+    stored_tokens: Counter
+    stored_bytes: Counter
+    load_failures: Counter
+    save_failures: Counter
+    skipped_loads: Counter
+    lease_releases: Counter
+    lease_expiries: Counter
+    lease_double_releases: Counter
+    verify_failures: Counter
+    tier_hits: Counter
+    tier_residency_bytes: Gauge
+    tier_capacity_bytes: Gauge
+    evictions: Counter
+    store_failures: Counter
+    dropped_writes: Counter
+    rejected_frames: Counter
+    breaker_open: Gauge
+    queue_depth: Gauge
+    lookup_seconds: Histogram
+    load_seconds: Histogram
+    save_seconds: Histogram
+
+
+def _build(reg: CollectorRegistry) -> _Families:
+    def c(name: str, doc: str, *labels: str) -> Counter:
+        return Counter(f"kvtier_{name}", doc, ("rank", *labels), registry=reg)
+
+    def g(name: str, doc: str, *labels: str) -> Gauge:
+        return Gauge(f"kvtier_{name}", doc, ("rank", *labels), registry=reg)
+
+    def h(name: str, doc: str) -> Histogram:
+        return Histogram(f"kvtier_{name}", doc, ("rank",), registry=reg, buckets=_LATENCY_BUCKETS)
+
+    return _Families(
+        lookups=c("lookups", "Lookups answered (server) or sent (client)."),
+        lookup_hit_tokens=c("lookup_hit_tokens", "Tokens found in the tier by lookups."),
+        lookup_timeouts=c("lookup_timeouts", "Rank lookups that missed the deadline.", "target"),
+        retrieved_tokens=c("retrieved_tokens", "Tokens loaded from the tier into KV blocks."),
+        retrieved_bytes=c("retrieved_bytes", "Bytes loaded from the tier into KV blocks."),
+        stored_tokens=c("stored_tokens", "Tokens saved into the tier."),
+        stored_bytes=c("stored_bytes", "Bytes saved into the tier."),
+        load_failures=c("load_failures", "Loads that failed, by reason.", "reason"),
+        save_failures=c("save_failures", "Saves that failed, by reason.", "reason"),
+        skipped_loads=c("skipped_loads", "Tier hits not loaded, by reason.", "reason"),
+        lease_releases=c("lease_releases", "Leases released."),
+        lease_expiries=c("lease_expiries", "Leases that expired before release."),
+        lease_double_releases=c(
+            "lease_double_releases", "Releases of a lease not held (counted no-ops)."
+        ),
+        verify_failures=c("verify_failures", "Records that failed verification.", "tier", "reason"),
+        tier_hits=c("tier_hits", "Chunks served by each tier.", "tier"),
+        tier_residency_bytes=g("tier_residency_bytes", "Bytes resident per tier.", "tier"),
+        tier_capacity_bytes=g("tier_capacity_bytes", "Byte budget per tier.", "tier"),
+        evictions=c("evictions", "Chunks evicted per tier.", "tier"),
+        store_failures=c("store_failures", "Tier writes that failed, by reason.", "tier", "reason"),
+        dropped_writes=c(
+            "dropped_writes", "Write-behind chunks dropped, by reason.", "tier", "reason"
+        ),
+        rejected_frames=c("rejected_frames", "Malformed or oversized frames rejected.", "reason"),
+        breaker_open=g("breaker_open", "1 while a tier's circuit breaker is open.", "tier"),
+        queue_depth=g("queue_depth", "Items waiting per queue.", "queue"),
+        lookup_seconds=h("lookup_seconds", "Lookup latency."),
+        load_seconds=h("load_seconds", "Load latency."),
+        save_seconds=h("save_seconds", "Save latency."),
+    )
+
+
+_families: weakref.WeakKeyDictionary[CollectorRegistry, _Families] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def families(registry: CollectorRegistry) -> _Families:
+    """The kvtier families registered in `registry`, created on first use."""
+    with _lock:
+        fam = _families.get(registry)
+        if fam is None:
+            fam = _families[registry] = _build(registry)
+        return fam
+
+
+class Metrics:
+    """The kvtier metrics of one rank. Attributes are rank-bound children; methods add labels."""
+
+    def __init__(self, rank: int = 0, registry: CollectorRegistry | None = None) -> None:
+        self.rank = rank
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.f = families(self.registry)
+        r = str(rank)
+        f = self.f
+        self.lookups = f.lookups.labels(r)
+        self.lookup_hit_tokens = f.lookup_hit_tokens.labels(r)
+        self.retrieved_tokens = f.retrieved_tokens.labels(r)
+        self.retrieved_bytes = f.retrieved_bytes.labels(r)
+        self.stored_tokens = f.stored_tokens.labels(r)
+        self.stored_bytes = f.stored_bytes.labels(r)
+        self.lease_releases = f.lease_releases.labels(r)
+        self.lease_expiries = f.lease_expiries.labels(r)
+        self.lease_double_releases = f.lease_double_releases.labels(r)
+        self.lookup_seconds = f.lookup_seconds.labels(r)
+        self.load_seconds = f.load_seconds.labels(r)
+        self.save_seconds = f.save_seconds.labels(r)
+
+    def lookup_timeout(self, target: int) -> Counter:
+        return self.f.lookup_timeouts.labels(str(self.rank), str(target))
+
+    def load_failure(self, reason: str) -> Counter:
+        return self.f.load_failures.labels(str(self.rank), reason)
+
+    def save_failure(self, reason: str) -> Counter:
+        return self.f.save_failures.labels(str(self.rank), reason)
+
+    def skipped_load(self, reason: str) -> Counter:
+        return self.f.skipped_loads.labels(str(self.rank), reason)
+
+    def verify_failure(self, tier: str, reason: str) -> Counter:
+        return self.f.verify_failures.labels(str(self.rank), tier, reason)
+
+    def tier_hit(self, tier: str) -> Counter:
+        return self.f.tier_hits.labels(str(self.rank), tier)
+
+    def residency(self, tier: str) -> Gauge:
+        return self.f.tier_residency_bytes.labels(str(self.rank), tier)
+
+    def capacity(self, tier: str) -> Gauge:
+        return self.f.tier_capacity_bytes.labels(str(self.rank), tier)
+
+    def eviction(self, tier: str) -> Counter:
+        return self.f.evictions.labels(str(self.rank), tier)
+
+    def store_failure(self, tier: str, reason: str) -> Counter:
+        return self.f.store_failures.labels(str(self.rank), tier, reason)
+
+    def dropped_write(self, tier: str, reason: str) -> Counter:
+        return self.f.dropped_writes.labels(str(self.rank), tier, reason)
+
+    def rejected_frame(self, reason: str) -> Counter:
+        return self.f.rejected_frames.labels(str(self.rank), reason)
+
+    def breaker(self, tier: str) -> Gauge:
+        return self.f.breaker_open.labels(str(self.rank), tier)
+
+    def queue(self, name: str) -> Gauge:
+        return self.f.queue_depth.labels(str(self.rank), name)
+
+    def value(self, name: str, **labels: str) -> float:
+        """Current value of `kvtier_<name>` for this rank (0.0 when never touched); for tests."""
+        got = self.registry.get_sample_value(f"kvtier_{name}", {"rank": str(self.rank), **labels})
+        return 0.0 if got is None else got
+
+    def total(self, name: str, **labels: str) -> float:
+        """Sum of `kvtier_<name>` for this rank over every value of the labels not given."""
+        total = 0.0
+        for metric in self.registry.collect():
+            for s in metric.samples:
+                if s.name != f"kvtier_{name}" or s.labels.get("rank") != str(self.rank):
+                    continue
+                if all(s.labels.get(k) == v for k, v in labels.items()):
+                    total += s.value
+        return total
