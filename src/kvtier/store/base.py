@@ -1,0 +1,45 @@
+"""What every tier provides to the `TierStack` (memory, disk, remote)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class Tier(Protocol):
+    """One storage tier holding verified chunk payloads under 16-byte chunk keys.
+
+    A tier is built for one namespace fingerprint (model, layout, dtype, chunk size, TP size and
+    rank); records written under another namespace never read back as hits.
+    """
+
+    name: str
+
+    def contains(self, key: bytes) -> bool:
+        """True if the tier holds `key` (cheap; no payload read)."""
+        ...
+
+    def get(self, key: bytes) -> bytes | memoryview | None:
+        """The verified payload of `key`, or None on a miss. A record that fails verification
+        is dropped, counted in `kvtier_verify_failures_total{tier=...}` and reads as a miss."""
+        ...
+
+    def put(self, key: bytes, payload: bytes | memoryview) -> bool:
+        """Store `payload` under `key`; False (counted) when the tier cannot take it."""
+        ...
+
+    def lease(self, lease_id: str, keys: Sequence[bytes]) -> None:
+        """Keep `keys` from eviction under `lease_id` until released or expired."""
+        ...
+
+    def release(self, lease_id: str) -> None:
+        """Release `lease_id`; an unknown id is a counted no-op."""
+        ...
+
+    def residency_bytes(self) -> int:
+        """Bytes the tier holds now."""
+        ...
+
+    def close(self) -> None:
+        """Release resources; the tier is unusable afterwards."""
+        ...
