@@ -1,0 +1,93 @@
+"""Scheduler -> worker operations and worker -> scheduler reports (msgspec, no pickle).
+
+A chunk of an operation names its key and the KV block of each of its block positions; `-1`
+marks a position the worker must not touch (below the HBM floor, or past what a load claims).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class ChunkRef(msgspec.Struct, frozen=True, array_like=True):
+    """One chunk: its 16-byte key and `chunk_size // block_size` block ids (-1 = skip)."""
+
+    key: bytes
+    block_ids: list[int]
+
+
+class LoadOp(msgspec.Struct, frozen=True):
+    """Read chunks from the tier into KV blocks; `tokens` is what the load claims."""
+
+    op_id: str
+    req_id: str
+    lookup_id: str
+    chunks: list[ChunkRef]
+    tokens: int
+
+
+class SaveOp(msgspec.Struct, frozen=True):
+    """Pack KV blocks of whole prompt chunks into the tier."""
+
+    op_id: str
+    req_id: str
+    chunks: list[ChunkRef]
+    tokens: int
+
+
+class OffloadMeta(msgspec.Struct):
+    """Everything the workers must do for one engine step."""
+
+    loads: list[LoadOp] = msgspec.field(default_factory=list)
+    saves: list[SaveOp] = msgspec.field(default_factory=list)
+    # requests whose block frees the host delayed; workers report them finished_sending once idle
+    delayed_free: list[str] = msgspec.field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.loads or self.saves or self.delayed_free)
+
+
+class OpResult(msgspec.Struct, frozen=True, array_like=True):
+    """The outcome of one operation on one rank."""
+
+    op_id: str
+    ok: bool
+    reason: str = ""
+    nbytes: int = 0
+    seconds: float = 0.0
+    tier: str = ""
+
+
+class WorkerReport(msgspec.Struct):
+    """What one rank finished since its last report."""
+
+    rank: int
+    results: list[OpResult] = msgspec.field(default_factory=list)
+    finished_sending: list[str] = msgspec.field(default_factory=list)
+    finished_recving: list[str] = msgspec.field(default_factory=list)
+    invalid_block_ids: list[int] = msgspec.field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (
+            self.results or self.finished_sending or self.finished_recving or self.invalid_block_ids
+        )
+
+
+_meta_encoder = msgspec.msgpack.Encoder()
+_meta_decoder = msgspec.msgpack.Decoder(OffloadMeta)
+_report_decoder = msgspec.msgpack.Decoder(WorkerReport)
+
+
+def encode(msg: OffloadMeta | WorkerReport) -> bytes:
+    """msgpack bytes of a meta or report."""
+    return _meta_encoder.encode(msg)
+
+
+def decode_meta(data: bytes) -> OffloadMeta:
+    """Inverse of `encode` for an OffloadMeta."""
+    return _meta_decoder.decode(data)
+
+
+def decode_report(data: bytes) -> WorkerReport:
+    """Inverse of `encode` for a WorkerReport."""
+    return _report_decoder.decode(data)

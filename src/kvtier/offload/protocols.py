@@ -1,0 +1,60 @@
+"""What a host must give the offload core. The core reads these views and never writes them,
+so a host may hand it frozen or `__slots__` adapters over its own request objects."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class RequestView(Protocol):
+    """A host request as the scheduler core sees it."""
+
+    @property
+    def request_id(self) -> str:
+        """Stable id of the request for its whole lifecycle."""
+        ...
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]:
+        """The prompt; only its whole chunks are ever looked up or saved."""
+        ...
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose KV is in the host's cache now (after allocation: the HBM floor)."""
+        ...
+
+    @property
+    def block_ids(self) -> Sequence[int]:
+        """The request's KV block table, one id per `block_size` tokens."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class StepRequest:
+    """A request scheduled in this step and the tokens it will have computed after the step."""
+
+    view: RequestView
+    computed_after_step: int
+
+
+class LookupResultLike(Protocol):
+    """The answer of an all-rank lookup."""
+
+    hit_chunks: int
+    limiting_rank: int | None
+    timed_out: tuple[int, ...]
+
+
+class LookupPort(Protocol):
+    """The scheduler's handle on every rank's tier (a `kvtier.lookup.LookupClient`)."""
+
+    def lookup(self, keys: Sequence[bytes], lookup_id: str, lease: bool = True) -> LookupResultLike:
+        """Ask every rank in scope how many leading chunks it holds; lease them."""
+        ...
+
+    def release(self, lookup_ids: Sequence[str]) -> None:
+        """Release leases on every rank; never raises for a dead rank."""
+        ...

@@ -1,0 +1,371 @@
+"""OffloadScheduler: the engine-side half of the offload core (one per engine).
+
+It decides, per request, what to load from the tier and what to save into it, emits one
+`OffloadMeta` per step, and turns the ranks' reports into exactly one terminal per operation.
+It knows no host: hosts call it through the methods below with `RequestView`s.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvtier.config import KVTierConfig
+from kvtier.keys import chain_keys, key_seed
+from kvtier.metrics import Metrics
+from kvtier.offload.gate import LoadGate
+from kvtier.offload.messages import ChunkRef, LoadOp, OffloadMeta, SaveOp, WorkerReport
+from kvtier.offload.protocols import LookupPort, RequestView, StepRequest
+from kvtier.offload.quorum import Quorum, Terminal
+
+log = logging.getLogger("kvtier")
+
+# Skip reasons (the `reason` label of kvtier_skipped_loads_total).
+HBM_SATISFIES = "hbm_satisfies"
+UNALIGNED = "unaligned"
+TOO_SMALL = "too_small"
+SLOWER = "slower_than_recompute"
+LOOKUP_TIMEOUT = "lookup_timeout"
+WITHDRAWN = "withdrawn"
+REPEAT = "failed_before"
+
+
+@dataclass
+class _Load:
+    hbm: int  # the HBM floor: nothing below it is written
+    end: int  # tokens the load claims (a full-prompt hit is one short of the prompt)
+    lookup_id: str
+    block_ids: list[int] | None = None
+    op_id: str | None = None
+
+
+@dataclass
+class _Req:
+    req_id: str
+    prompt_len: int
+    keys: list[bytes]
+    load: _Load | None = None
+    load_failed: bool = False
+    saved: int = 0  # committed save frontier (tokens): advanced only by a successful save
+    emitted: int = 0  # emitted save frontier: saves in flight cover [saved, emitted)
+    saves: dict[str, tuple[int, int]] = field(default_factory=dict)
+    finished: bool = False
+
+    def busy(self) -> bool:
+        return bool(self.saves) or (self.load is not None and self.load.op_id is not None)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOutcome:
+    """A load's agreed terminal, translated back to its request."""
+
+    req_id: str
+    ok: bool
+    tokens: int
+    reason: str
+
+
+class OffloadScheduler:
+    """Lookup, load decisions, save frontiers and operation terminals for one engine."""
+
+    def __init__(
+        self,
+        config: KVTierConfig,
+        lookup: LookupPort,
+        *,
+        model_id: str,
+        block_size: int,
+        world: int,
+        metrics: Metrics,
+        load_tokens_per_s: float | None = None,
+    ) -> None:
+        self.config = config
+        self.chunk = config.chunk_size
+        if self.chunk % block_size:
+            raise ValueError(
+                f"chunk_size={self.chunk} is not a multiple of block_size={block_size}; "
+                f"set chunk_size to a multiple of {block_size}"
+            )
+        self.block_size = block_size
+        self.blocks_per_chunk = self.chunk // block_size
+        self.world = world
+        self._lookup = lookup
+        self._seed = key_seed(model_id, self.chunk)
+        self._m = metrics
+        self._reqs: dict[str, _Req] = {}
+        self._quorum = Quorum(world)
+        self._ops: dict[str, tuple[str, str]] = {}  # op id -> (req id, "load" | "save")
+        self._nonce = itertools.count()
+        self._delayed: list[str] = []
+        self.gate = LoadGate.seeded(config.prefill_tokens_per_s, load_tokens_per_s)
+        self.min_load = config.effective_min_load_tokens
+
+    # ---- lookup -------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, req: RequestView, num_computed_tokens: int) -> int:
+        """Tokens beyond the HBM hit that the tier will load for `req` (0 = none).
+
+        A positive answer holds a lease on every rank until the load's terminal or a withdrawal.
+        """
+        if not self.config.enabled:
+            return 0
+        st = self._state(req)
+        if st.load is not None:
+            # asked again before allocation (the host could not allocate last time): start over
+            self._drop_load(st, WITHDRAWN, count=False)
+        if st.load_failed:
+            self._m.skipped_load(REPEAT).inc()
+            return 0
+        if not st.keys:
+            return 0
+        lookup_id = f"{st.req_id}#lk{next(self._nonce)}"
+        result = self._lookup.lookup(st.keys, lookup_id, lease=True)
+        hit = result.hit_chunks * self.chunk
+        self._m.lookups.inc()
+        self._m.lookup_hit_tokens.inc(hit)
+        # chunks the tier holds on every rank need no saving again
+        st.saved = max(st.saved, hit)
+        st.emitted = max(st.emitted, hit)
+        if hit == 0:
+            self._lookup.release([lookup_id])
+            if result.timed_out:
+                self._m.skipped_load(LOOKUP_TIMEOUT).inc()
+            return 0
+        end = min(hit, st.prompt_len - 1)
+        reason = self._skip_reason(num_computed_tokens, end)
+        if reason is not None:
+            self._m.skipped_load(reason).inc()
+            self._lookup.release([lookup_id])
+            return 0
+        st.load = _Load(hbm=num_computed_tokens, end=end, lookup_id=lookup_id)
+        return end - num_computed_tokens
+
+    def _skip_reason(self, hbm: int, end: int) -> str | None:
+        if end <= hbm:
+            return HBM_SATISFIES
+        if hbm % self.block_size:
+            return UNALIGNED
+        if end - hbm < self.min_load:
+            return TOO_SMALL
+        if self.config.load_gate and not self.gate.worth_loading(end - hbm):
+            return SLOWER
+        return None
+
+    def update_state_after_alloc(
+        self,
+        req: RequestView,
+        block_ids: Sequence[int],
+        num_external_tokens: int,
+        hbm_tokens: int | None = None,
+    ) -> int:
+        """Record the blocks allocated for a promised load; returns the tokens still promised.
+
+        `hbm_tokens` is the HBM floor re-read after allocation when the host knows it better
+        than at lookup time; a load that no longer pays off is withdrawn (0 is returned).
+        """
+        st = self._reqs.get(req.request_id)
+        if st is None or st.load is None or st.load.op_id is not None:
+            return 0
+        if num_external_tokens <= 0:
+            self._drop_load(st, WITHDRAWN)
+            return 0
+        load = st.load
+        if hbm_tokens is not None and hbm_tokens != load.hbm:
+            reason = self._skip_reason(hbm_tokens, load.end)
+            if reason is not None:
+                self._drop_load(st, reason)
+                return 0
+            load.hbm = hbm_tokens
+        need_blocks = -(-load.end // self.block_size)
+        if len(block_ids) < need_blocks:
+            raise ValueError(
+                f"request {st.req_id}: {len(block_ids)} blocks allocated for a load ending at "
+                f"token {load.end}, which needs {need_blocks}"
+            )
+        load.block_ids = list(block_ids)
+        return load.end - load.hbm
+
+    # ---- per step -----------------------------------------------------------------------------
+
+    def build_meta(self, scheduled: Sequence[StepRequest]) -> OffloadMeta:
+        """The loads ready to go, the saves this step completes, and the delayed frees."""
+        meta = OffloadMeta()
+        for st in self._reqs.values():
+            load = st.load
+            if load is not None and load.block_ids is not None and load.op_id is None:
+                meta.loads.append(self._emit_load(st, load))
+        for item in scheduled:
+            st = self._reqs.get(item.view.request_id)
+            if st is None:
+                st = self._state(item.view)
+            op = self._emit_save(st, item)
+            if op is not None:
+                meta.saves.append(op)
+        meta.delayed_free, self._delayed = self._delayed, []
+        return meta
+
+    def _emit_load(self, st: _Req, load: _Load) -> LoadOp:
+        first = load.hbm // self.chunk
+        last = -(-load.end // self.chunk)
+        chunks = []
+        for c in range(first, last):
+            ids = []
+            for b in range(self.blocks_per_chunk):
+                token = (c * self.chunk) + b * self.block_size
+                # below the floor: shared HBM blocks; past the claim: not ours to write
+                inside = load.hbm <= token < load.end
+                ids.append(load.block_ids[token // self.block_size] if inside else -1)
+            chunks.append(ChunkRef(st.keys[c], ids))
+        load.op_id = f"{st.req_id}#ld{next(self._nonce)}"
+        self._quorum.open(load.op_id)
+        self._ops[load.op_id] = (st.req_id, "load")
+        log.debug("kvtier: load %s tokens [%d, %d)", load.op_id, load.hbm, load.end)
+        return LoadOp(load.op_id, st.req_id, load.lookup_id, chunks, load.end - load.hbm)
+
+    def _emit_save(self, st: _Req, item: StepRequest) -> SaveOp | None:
+        if st.load is not None:
+            return None  # its blocks are being filled by a load
+        computed = min(item.computed_after_step, st.prompt_len)
+        aligned = (computed // self.chunk) * self.chunk
+        if aligned <= st.emitted:
+            return None
+        blocks = item.view.block_ids
+        if len(blocks) * self.block_size < aligned:
+            raise ValueError(
+                f"request {st.req_id}: {len(blocks)} blocks cannot hold {aligned} computed tokens"
+            )
+        chunks = []
+        for c in range(st.emitted // self.chunk, aligned // self.chunk):
+            b0 = c * self.blocks_per_chunk
+            chunks.append(ChunkRef(st.keys[c], list(blocks[b0 : b0 + self.blocks_per_chunk])))
+        op_id = f"{st.req_id}#sv{next(self._nonce)}"
+        self._quorum.open(op_id)
+        self._ops[op_id] = (st.req_id, "save")
+        st.saves[op_id] = (st.emitted, aligned)
+        op = SaveOp(op_id, st.req_id, chunks, aligned - st.emitted)
+        st.emitted = aligned
+        return op
+
+    # ---- reports ------------------------------------------------------------------------------
+
+    def process_reports(self, reports: Sequence[WorkerReport]) -> list[LoadOutcome]:
+        """Feed every rank's report; returns the load terminals reached."""
+        outcomes = []
+        for report in reports:
+            for result in report.results:
+                term = self._quorum.report(report.rank, result)
+                if term is not None:
+                    outcome = self._terminal(term)
+                    if outcome is not None:
+                        outcomes.append(outcome)
+        return outcomes
+
+    def _terminal(self, term: Terminal) -> LoadOutcome | None:
+        req_id, kind = self._ops.pop(term.op_id)
+        st = self._reqs.get(req_id)
+        if kind == "save":
+            self._save_terminal(st, term)
+            outcome = None
+        else:
+            outcome = self._load_terminal(req_id, st, term)
+        if st is not None and st.finished and not st.busy():
+            del self._reqs[req_id]
+        return outcome
+
+    def _save_terminal(self, st: _Req | None, term: Terminal) -> None:
+        if st is None:
+            return
+        start, end = st.saves.pop(term.op_id)
+        if term.ok:
+            if start <= st.saved:
+                st.saved = max(st.saved, end)
+        else:
+            self._m.save_failure(term.reason or "unknown").inc()
+            st.emitted = min(st.emitted, start)  # saved again on a later step
+            log.warning(
+                "kvtier: save %s of tokens [%d, %d) failed (%s); it will be retried",
+                term.op_id, start, end, term.reason,
+            )
+
+    def _load_terminal(self, req_id: str, st: _Req | None, term: Terminal) -> LoadOutcome:
+        load = st.load if st is not None else None
+        tokens = (load.end - load.hbm) if load is not None else 0
+        if st is not None:
+            st.load = None
+        if term.ok:
+            self.gate.observe_load(tokens, term.seconds, term.tier)
+            return LoadOutcome(req_id, True, tokens, "")
+        self._m.load_failure(term.reason or "unknown").inc()
+        if st is not None and load is not None:
+            st.load_failed = True
+            # the recomputed chunks above the floor must be saved again
+            floor = (load.hbm // self.chunk) * self.chunk
+            st.saved = min(st.saved, floor)
+            st.emitted = min(st.emitted, floor)
+        log.warning(
+            "kvtier: load %s failed on some rank (%s); request %s recomputes it",
+            term.op_id, term.reason, req_id,
+        )
+        return LoadOutcome(req_id, False, tokens, term.reason)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def request_finished(self, req: RequestView) -> bool:
+        """The request ended (finished or aborted). True: the host must delay freeing its blocks
+        until the workers report it in `finished_sending`."""
+        st = self._reqs.get(req.request_id)
+        if st is None:
+            return False
+        if st.load is not None and st.load.op_id is None:
+            self._drop_load(st, WITHDRAWN)
+        st.finished = True
+        if st.busy():
+            self._delayed.append(st.req_id)
+            return True
+        del self._reqs[st.req_id]
+        return False
+
+    def request_preempted(self, req: RequestView) -> None:
+        """The host took the request's blocks back; an unsent load is withdrawn."""
+        st = self._reqs.get(req.request_id)
+        if st is not None and st.load is not None and st.load.op_id is None:
+            self._drop_load(st, WITHDRAWN)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The host's measured prefill rate feeds the load gate."""
+        self.gate.observe_prefill(tokens, seconds)
+
+    def has_pending_work(self) -> bool:
+        """True while any operation awaits its terminal or a load awaits dispatch."""
+        return bool(self._ops) or any(st.load is not None for st in self._reqs.values())
+
+    def pending_load(self, req_id: str) -> tuple[int, int] | None:
+        """(floor, end) of the request's promised load, for hosts and tests."""
+        st = self._reqs.get(req_id)
+        if st is None or st.load is None:
+            return None
+        return st.load.hbm, st.load.end
+
+    def saved_frontier(self, req_id: str) -> tuple[int, int] | None:
+        """(committed, emitted) save frontiers of a request, for hosts and tests."""
+        st = self._reqs.get(req_id)
+        return None if st is None else (st.saved, st.emitted)
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _state(self, req: RequestView) -> _Req:
+        st = self._reqs.get(req.request_id)
+        if st is None:
+            prompt = req.prompt_token_ids
+            keys = chain_keys(prompt, self.chunk, self._seed)
+            st = self._reqs[req.request_id] = _Req(req.request_id, len(prompt), keys)
+        return st
+
+    def _drop_load(self, st: _Req, reason: str, count: bool = True) -> None:
+        assert st.load is not None and st.load.op_id is None
+        self._lookup.release([st.load.lookup_id])
+        if count:
+            self._m.skipped_load(reason).inc()
+        st.load = None

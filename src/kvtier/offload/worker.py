@@ -1,0 +1,260 @@
+"""OffloadWorker: the per-rank half of the offload core.
+
+It owns the rank's TierStack, codec and LookupServer. Loads run on their own lane (a thread),
+so a load never queues behind saves; saves pack finished blocks into the memory tier right
+after the forward that produced them, and lower tiers are written behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from kvtier.config import KVTierConfig
+from kvtier.errors import StartupError
+from kvtier.keys import Namespace
+from kvtier.layout import TensorSpec, from_tensors
+from kvtier.lookup import LookupServer
+from kvtier.metrics import Metrics
+from kvtier.offload.codec import BlockCodec
+from kvtier.offload.messages import LoadOp, OffloadMeta, OpResult, SaveOp, WorkerReport
+from kvtier.offload.selftest import SELF_TEST_KEY, self_test_payload
+from kvtier.store.factory import build_stack
+from kvtier.store.stack import TierStack
+
+log = logging.getLogger("kvtier")
+_GIB = 1 << 30
+
+
+class OffloadWorker:
+    """Loads and saves KV chunks of one rank and answers its lookups."""
+
+    def __init__(
+        self,
+        config: KVTierConfig,
+        *,
+        rank: int,
+        world: int,
+        model_id: str,
+        metrics: Metrics,
+        lookup_endpoint: str | None,
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.world = world
+        self.model_id = model_id
+        self.metrics = metrics
+        self.lookup_endpoint = lookup_endpoint
+        self.tag = f"kvtier[rank {rank}/{world}]"
+        self.stack: TierStack | None = None
+        self.codec: BlockCodec | None = None
+        self.server: LookupServer | None = None
+        self._lock = threading.Lock()
+        self._results: list[OpResult] = []
+        self._recving: list[str] = []
+        self._invalid: list[int] = []
+        self._sending: list[str] = []
+        self._inflight: Counter[str] = Counter()  # req id -> ops not yet reported
+        self._delayed: set[str] = set()
+        self._loads: queue.Queue[LoadOp | None] = queue.Queue()
+        self._idle = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+
+    # ---- startup ------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], block_size: int) -> None:
+        """Build layout, codec, tiers and lookup server for this rank's KV caches; self-test."""
+        chunk = self.config.chunk_size
+        specs = {n: TensorSpec(tuple(t.shape), t.dtype, 0) for n, t in kv_caches.items()}
+        layout = from_tensors(specs, block_size)
+        layout.check_chunk(chunk)
+        self.codec = BlockCodec(kv_caches, chunk // block_size, layout.num_blocks)
+        if self.codec.chunk_bytes != layout.chunk_bytes(chunk):
+            raise StartupError(
+                f"{self.tag}: codec chunk of {self.codec.chunk_bytes} bytes disagrees with the "
+                f"layout's {layout.chunk_bytes(chunk)}; the registered tensors are not block-major"
+            )
+        ns = Namespace(
+            model_id=self.model_id,
+            layout_fingerprint=layout.fingerprint,
+            dtype=layout.dtype,
+            chunk_size=chunk,
+            tp_size=self.world,
+            tp_rank=self.rank,
+            tenant=self.config.tenant,
+        )
+        self.stack = build_stack(self.config, ns.fingerprint, self.codec.chunk_bytes, self.metrics)
+        self._staging = torch.empty(self.codec.chunk_bytes, dtype=torch.uint8)
+        self._self_test()
+        if self.lookup_endpoint is not None:
+            self.server = LookupServer(self.rank, self.stack, self.lookup_endpoint, self.metrics)
+            self.server.start()
+        self._thread = threading.Thread(target=self._load_lane, name=f"kvtier-load-{self.rank}")
+        self._thread.daemon = True
+        self._thread.start()
+        log.info(
+            "%s: registered %d KV tensors, %d B/block, %d B/chunk, namespace %s, tiers %s, "
+            "lookup server %s",
+            self.tag, len(kv_caches), self.codec.bytes_per_block, self.codec.chunk_bytes,
+            ns.hex, "+".join(self.stack.tiers), self.lookup_endpoint,
+        )
+
+    def _self_test(self) -> None:
+        assert self.stack is not None
+        payload = self_test_payload(self.codec.chunk_bytes if self.codec else 0)
+        if not self.stack.put(SELF_TEST_KEY, payload):
+            raise StartupError(f"{self.tag}: self-test could not store a chunk in the memory tier")
+        back = torch.empty_like(payload)
+        if self.stack.read_into(SELF_TEST_KEY, back) is None or not torch.equal(back, payload):
+            raise StartupError(f"{self.tag}: self-test chunk did not read back identical bytes")
+
+    # ---- per step -----------------------------------------------------------------------------
+
+    def start_load_kv(self, meta: OffloadMeta) -> None:
+        """Queue this step's loads on the load lane and note delayed frees."""
+        with self._lock:
+            for op in meta.loads:
+                self._inflight[op.req_id] += 1
+            self._delayed.update(meta.delayed_free)
+        for op in meta.loads:
+            self._loads.put(op)
+
+    def wait_for_save(self, meta: OffloadMeta) -> None:
+        """Pack this step's finished chunks into the tier (after the forward wrote them)."""
+        for op in meta.saves:
+            self._record(op.req_id, self._save(op), recv=False, invalid=())
+
+    def take_report(self) -> WorkerReport:
+        """Drain what finished since the last call into one report."""
+        with self._lock:
+            for req_id in list(self._delayed):
+                if not self._inflight.get(req_id):
+                    self._delayed.discard(req_id)
+                    self._sending.append(req_id)
+            report = WorkerReport(
+                rank=self.rank,
+                results=self._results,
+                finished_sending=self._sending,
+                finished_recving=self._recving,
+                invalid_block_ids=self._invalid,
+            )
+            self._results, self._sending, self._recving, self._invalid = [], [], [], []
+        return report
+
+    def wait_loads(self, timeout_s: float) -> bool:
+        """Block until no load is queued or running (deadline-bounded); for drains and tests."""
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            while any(self._inflight.values()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def close(self) -> None:
+        """Stop the load lane and the lookup server, flush and close the tiers."""
+        if self._thread is not None:
+            self._loads.put(None)
+            self._thread.join(timeout=10)
+            self._thread = None
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        if self.stack is not None:
+            self.stack.close()
+            self.stack = None
+
+    # ---- lanes --------------------------------------------------------------------------------
+
+    def _load_lane(self) -> None:
+        while True:
+            op = self._loads.get()
+            if op is None:
+                return
+            result, invalid = self._load(op)
+            self._record(op.req_id, result, recv=True, invalid=invalid)
+
+    def _record(self, req_id: str, result: OpResult, *, recv: bool, invalid: Iterable[int]) -> None:
+        with self._lock:
+            self._results.append(result)
+            if recv:
+                self._recving.append(req_id)
+                self._invalid.extend(invalid)
+                self._inflight[req_id] -= 1
+                if not self._inflight[req_id]:
+                    del self._inflight[req_id]
+                self._idle.notify_all()
+
+    def _load(self, op: LoadOp) -> tuple[OpResult, list[int]]:
+        assert self.stack is not None and self.codec is not None
+        t0 = time.perf_counter()
+        written = 0
+        served: Counter[str] = Counter()
+        reason = ""
+        try:
+            for ref in op.chunks:
+                tier = self.stack.read_into(ref.key, self._staging)
+                if tier is None:
+                    reason = "miss"
+                    break
+                served[tier] += 1
+                written += self.codec.unpack(self._staging, ref.block_ids)
+        except (RuntimeError, ValueError, OSError) as e:
+            log.exception("%s: load %s raised", self.tag, op.op_id)
+            reason = f"error:{type(e).__name__}"
+        finally:
+            self.stack.release(op.lookup_id)
+        seconds = time.perf_counter() - t0
+        nbytes = written * self.codec.bytes_per_block
+        got = op.tokens if not reason else 0
+        self.metrics.load_seconds.observe(seconds)
+        if reason:
+            self.metrics.load_failure(reason).inc()
+        else:
+            self.metrics.retrieved_tokens.inc(got)
+            self.metrics.retrieved_bytes.inc(nbytes)
+        log.info(
+            "%s: Retrieved %d of %d required tokens (%.3f GiB, %.2f GB/s)%s",
+            self.tag, got, op.tokens, nbytes / _GIB, nbytes / max(seconds, 1e-9) / 1e9,
+            f" failed: {reason}" if reason else "",
+        )
+        tier = served.most_common(1)[0][0] if served else ""
+        result = OpResult(op.op_id, not reason, reason, nbytes, seconds, tier)
+        # a failed load leaves every block it wrote suspect: the host recomputes them
+        return result, (self._claimed_blocks(op) if reason else [])
+
+    @staticmethod
+    def _claimed_blocks(op: LoadOp) -> list[int]:
+        return [b for ref in op.chunks for b in ref.block_ids if b >= 0]
+
+    def _save(self, op: SaveOp) -> OpResult:
+        assert self.stack is not None and self.codec is not None
+        t0 = time.perf_counter()
+        nbytes = 0
+        for ref in op.chunks:
+            if self.stack.contains(ref.key):
+                continue
+            slot = self.stack.reserve(ref.key)
+            if slot is None:
+                self.metrics.save_failure("no_slot").inc()
+                return OpResult(op.op_id, False, "no_slot", nbytes, time.perf_counter() - t0)
+            try:
+                self.codec.pack(ref.block_ids, slot)
+            except (RuntimeError, ValueError) as e:
+                self.stack.abort(ref.key)
+                log.exception("%s: save %s raised", self.tag, op.op_id)
+                return OpResult(op.op_id, False, f"error:{type(e).__name__}", nbytes)
+            self.stack.commit(ref.key)
+            nbytes += self.codec.chunk_bytes
+        seconds = time.perf_counter() - t0
+        self.metrics.save_seconds.observe(seconds)
+        self.metrics.stored_tokens.inc(op.tokens)
+        self.metrics.stored_bytes.inc(nbytes)
+        return OpResult(op.op_id, True, "", nbytes, seconds, "memory")

@@ -1,0 +1,56 @@
+"""Builds a rank's TierStack from the config: memory always, then disk and remote if configured."""
+
+from __future__ import annotations
+
+from kvtier.config import KVTierConfig
+from kvtier.errors import StartupError
+from kvtier.metrics import Metrics
+from kvtier.store.base import Tier
+from kvtier.store.memory import MemoryTier
+from kvtier.store.stack import TierStack
+
+
+def build_stack(
+    config: KVTierConfig, namespace: bytes, slot_bytes: int, metrics: Metrics
+) -> TierStack:
+    """The tiers of one rank; a tier that cannot be built stops startup with the cause."""
+    if config.memory_bytes < slot_bytes:
+        raise StartupError(
+            f"memory_bytes={config.memory_bytes} cannot hold one chunk of {slot_bytes} bytes "
+            f"(chunk_size={config.chunk_size} x layout bytes per token); raise memory_bytes to "
+            f"at least {slot_bytes} or lower chunk_size"
+        )
+    memory = MemoryTier(
+        slot_bytes,
+        config.memory_bytes,
+        namespace,
+        metrics,
+        lease_ttl_s=config.lease_ttl_s,
+        max_leases=config.max_leases,
+        verify_reads=config.verify_memory_reads,
+    )
+    lower: list[Tier] = []
+    if config.disk_bytes > 0:
+        from kvtier.store.disk import DiskTier
+
+        try:
+            lower.append(
+                DiskTier(
+                    config.disk_dir,
+                    config.disk_bytes,
+                    namespace,
+                    metrics,
+                    lease_ttl_s=config.lease_ttl_s,
+                    max_leases=config.max_leases,
+                )
+            )
+        except OSError as e:
+            raise StartupError(
+                f"disk tier at disk_dir={config.disk_dir!r} could not be opened: {e}; "
+                "point disk_dir at a writable directory or set disk_bytes=0"
+            ) from e
+    if config.remote_url:
+        from kvtier.store.remote import RemoteTier
+
+        lower.append(RemoteTier.from_config(config, namespace, metrics))
+    return TierStack(memory, lower, metrics, queue_depth=config.write_queue_depth)
