@@ -1,0 +1,609 @@
+"""One validated `KVTierConfig` from a dict (vLLM's `kv_connector_extra_config`), `KVTIER_*`
+environment variables or a YAML file. Every bad value raises `ConfigError` naming key, value, fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import ipaddress
+import math
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from kvtier.errors import ConfigError
+
+__all__ = ["ENV_CONFIG_FILE", "ENV_PREFIX", "KVTierConfig", "format_size", "parse_size"]
+
+ENV_PREFIX = "KVTIER_"
+ENV_CONFIG_FILE = "KVTIER_CONFIG"
+_MASK = "***"
+_GiB = 1 << 30
+
+_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*([+-]?)\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE]([+-]?\d+))?\s*([A-Za-z]*)\s*$")
+_SIZE_FIX = "use a byte count or a number with a unit, e.g. 4096, 512MiB, 64GiB, 1.5GB"
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+_REMOTE_SCHEMES = ("redis", "rediss", "unix")
+_TENANT_RE = re.compile(r"^[A-Za-z0-9._-]{0,64}$")
+_TRANSPORTS = ("ipc", "tcp")
+
+
+class KeyedConfigError(ConfigError):
+    """A `ConfigError` that remembers which keys it is about, so loaders can name their source."""
+
+    def __init__(self, keys: tuple[str, ...], message: str) -> None:
+        super().__init__(message)
+        self.keys = keys
+
+
+def _error(keys: str | tuple[str, ...], message: str) -> KeyedConfigError:
+    return KeyedConfigError((keys,) if isinstance(keys, str) else keys, message)
+
+
+_QUERY_PASSWORD_RE = re.compile(r"(?i)([?&]password=)[^&#]*")
+
+
+def _mask_url(url: str) -> str:
+    """Hide a URL's passwords: userinfo (`redis://u:pw@h`) and a `?password=` query parameter."""
+    url = _QUERY_PASSWORD_RE.sub(lambda m: m.group(1) + _MASK, url)
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    # userinfo ends at the last '@' before the first '/' of the path
+    authority, slash, path = rest.partition("/")
+    userinfo, at, host = authority.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    user = userinfo.split(":", 1)[0]
+    return f"{scheme}://{user}:{_MASK}@{host}{slash}{path}"
+
+
+def _show(key: str, value: Any) -> str:
+    """`key=value` for messages, with secrets masked."""
+    if key == "remote_password":
+        return f"{key}={_MASK}"
+    if key == "remote_url" and isinstance(value, str):
+        return f"{key}={_mask_url(value)!r}"
+    return f"{key}={value!r}"
+
+
+# --------------------------------------------------------------------------------------- sizes
+
+
+def parse_size(value: Any, key: str) -> int:
+    """Byte count from an int or a string with a unit (`512MiB`, `1.5GB`, `4096`).
+
+    KB/MB/GB/TB are decimal, KiB/MiB/GiB/TiB binary, units case-insensitive. Raises ConfigError.
+    """
+    if isinstance(value, bool):
+        raise _error(key, f"{_show(key, value)} is a boolean, not a size; {_SIZE_FIX}")
+    if isinstance(value, int):
+        amount = Fraction(value)
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise _error(key, f"{_show(key, value)} is not a finite size; {_SIZE_FIX}")
+        amount = Fraction(value)
+    elif isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if match is None:
+            raise _error(key, f"{_show(key, value)} is not a size; {_SIZE_FIX}")
+        sign, number, exponent, unit = match.groups()
+        if unit.lower() not in _UNITS:
+            raise _error(
+                key,
+                f"{_show(key, value)} has unknown unit {unit!r}; use one of B, KB, MB, GB, TB "
+                "(decimal) or KiB, MiB, GiB, TiB (binary)",
+            )
+        amount = Fraction(number) * Fraction(10) ** int(exponent or 0) * _UNITS[unit.lower()]
+        if sign == "-":
+            amount = -amount
+    else:
+        raise _error(
+            key, f"{_show(key, value)} has type {type(value).__name__}, not a size; {_SIZE_FIX}"
+        )
+    if amount < 0:
+        raise _error(key, f"{_show(key, value)} is negative; sizes are >= 0 bytes; {_SIZE_FIX}")
+    if amount.denominator != 1:
+        raise _error(
+            key,
+            f"{_show(key, value)} is not a whole number of bytes ({float(amount)}); "
+            "use a larger unit or a whole byte count",
+        )
+    return int(amount)
+
+
+def format_size(n: int) -> str:
+    """Short binary-unit rendering of a byte count for logs (`2GiB`, `1.5MiB`, `100B`)."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n}B"
+
+
+# ------------------------------------------------------------------------------ scalar coercion
+
+
+def _to_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in _TRUE:
+            return True
+        if word in _FALSE:
+            return False
+    raise _error(
+        key, f"{_show(key, value)} is not a boolean; use true/false (or 1/0, yes/no, on/off)"
+    )
+
+
+def _to_int(key: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise _error(key, f"{_show(key, value)} is a boolean; {key} takes an integer")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value.strip(), 10)
+        except ValueError:
+            pass
+    raise _error(key, f"{_show(key, value)} is not an integer; give a whole number")
+
+
+def _to_float(key: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise _error(key, f"{_show(key, value)} is a boolean; {key} takes a number")
+    number: float | None = None
+    if isinstance(value, int | float):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            number = None
+    if number is None or not math.isfinite(number):
+        raise _error(key, f"{_show(key, value)} is not a finite number; give e.g. 1.5")
+    return number
+
+
+def _to_str(key: str, value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)  # type: ignore[return-value]
+    if key == "remote_password":
+        # never echo a secret, not even one YAML turned into a number
+        raise _error(key, f"{key} must be a string (value not shown); quote it in YAML")
+    raise _error(
+        key, f"{_show(key, value)} has type {type(value).__name__}; {key} takes a string (quote it)"
+    )
+
+
+def _to_opt_str(key: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    text = _to_str(key, value)
+    # an empty env var or YAML '' means "not set"
+    return text if text != "" else None
+
+
+def _to_opt_int(key: str, value: Any) -> int | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+        return None
+    return _to_int(key, value)
+
+
+def _to_scope(key: str, value: Any) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    items: list[Any]
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() in ("", "all"):
+            return None
+        items = [part.strip() for part in text.split(",")]
+    elif isinstance(value, list | tuple):
+        items = list(value)
+    else:
+        raise _error(
+            key,
+            f"{_show(key, value)} is not a list of ranks; give e.g. [0, 1, 2, 3] or '0,1,2,3', "
+            "or leave it unset to look up on every rank",
+        )
+    ranks: list[int] = []
+    for item in items:
+        try:
+            rank = _to_int(key, item)
+        except ConfigError:
+            raise _error(
+                key, f"{_show(key, value)} has a non-integer rank {item!r}; give e.g. '0,1,2,3'"
+            ) from None
+        if rank < 0:
+            raise _error(key, f"{_show(key, value)} has a negative rank {rank}; ranks are >= 0")
+        ranks.append(rank)
+    if not ranks:
+        raise _error(
+            key, f"{_show(key, value)} is empty; leave {key} unset to look up on every rank"
+        )
+    dupes = sorted({r for r in ranks if ranks.count(r) > 1})
+    if dupes:
+        raise _error(
+            key, f"{_show(key, value)} names ranks {dupes} more than once; list each rank once"
+        )
+    return tuple(ranks)
+
+
+_COERCE: dict[str, Callable[[str, Any], Any]] = {
+    "bool": _to_bool,
+    "int": _to_int,
+    "opt_int": _to_opt_int,
+    "float": _to_float,
+    "size": lambda key, value: parse_size(value, key),
+    "str": _to_str,
+    "opt_str": _to_opt_str,
+    "scope": _to_scope,
+}
+
+
+def _f(default: Any, kind: str, doc: str) -> Any:
+    """A config field with its coercion kind and a one-line meaning."""
+    return field(default=default, metadata={"kind": kind, "doc": doc})
+
+
+# ------------------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True, repr=False)
+class KVTierConfig:
+    """Every kvtier setting, coerced and validated on construction; immutable afterwards."""
+
+    enabled: bool = _f(True, "bool", "offload on")
+    chunk_size: int = _f(256, "int", "tokens per chunk; a positive multiple of 16")
+    memory_bytes: int = _f(2 * _GiB, "size", "host-memory tier budget per rank")
+    disk_dir: str | None = _f(None, "opt_str", "directory of the disk tier")
+    disk_bytes: int = _f(0, "size", "disk tier budget per rank; 0 = no disk tier")
+    remote_url: str | None = _f(None, "opt_str", "redis://, rediss:// or unix:// URL")
+    remote_username: str | None = _f(None, "opt_str", "remote store user")
+    remote_password: str | None = _f(None, "opt_str", "remote store password (secret)")
+    remote_ttl_s: int = _f(0, "int", "expiry of remote entries in seconds; 0 = none")
+    remote_timeout_ms: int = _f(100, "int", "per-call timeout of the remote store")
+    tenant: str = _f("", "str", "key prefix separating tenants on a shared store")
+    lookup_scope: tuple[int, ...] | None = _f(None, "scope", "ranks asked on lookup; None = all")
+    lookup_timeout_ms: int = _f(200, "int", "deadline of one lookup across ranks")
+    lookup_transport: str = _f("ipc", "str", "'ipc' or 'tcp'")
+    lookup_dir: str | None = _f(None, "opt_str", "directory of the ipc sockets")
+    lookup_bind_host: str = _f("127.0.0.1", "str", "address lookup servers bind on tcp")
+    allow_remote_bind: bool = _f(False, "bool", "permit a non-loopback lookup_bind_host")
+    lease_ttl_s: float = _f(30.0, "float", "lease deadline in seconds")
+    max_leases: int = _f(65536, "int", "cap on live leases per rank")
+    min_load_tokens: int | None = _f(None, "opt_int", "smallest load worth doing; None = 1 chunk")
+    write_queue_depth: int = _f(256, "int", "bound of each write-behind queue")
+    load_gate: bool = _f(True, "bool", "skip loads predicted slower than recompute")
+    prefill_tokens_per_s: float = _f(2000.0, "float", "seed of the prefill-speed estimate")
+    memory_read_gbps: float = _f(5.0, "float", "seed of the memory-tier read-speed estimate")
+    disk_read_gbps: float = _f(1.0, "float", "seed of the disk-tier read-speed estimate")
+    remote_read_gbps: float = _f(0.5, "float", "seed of the remote-tier read-speed estimate")
+    verify_memory_reads: bool = _f(True, "bool", "checksum memory-tier reads too")
+    breaker_failures: int = _f(5, "int", "consecutive failures that open a tier's breaker")
+    breaker_probe_s: float = _f(5.0, "float", "seconds before an open breaker probes again")
+    self_test: bool = _f(True, "bool", "store/lookup/read one chunk on every rank at startup")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            raw = getattr(self, f.name)
+            object.__setattr__(self, f.name, _COERCE[f.metadata["kind"]](f.name, raw))
+        self._validate()
+
+    # ------------------------------------------------------------------------------ checks
+
+    def _validate(self) -> None:
+        if self.chunk_size <= 0 or self.chunk_size % 16:
+            raise _error(
+                "chunk_size",
+                f"chunk_size={self.chunk_size} is not a positive multiple of 16; "
+                "use 256 (the default) or another multiple of 16",
+            )
+        if self.enabled and self.memory_bytes == 0:
+            raise _error(
+                "memory_bytes",
+                "memory_bytes=0 leaves no host-memory tier while offload is enabled; "
+                "set memory_bytes (e.g. 2GiB, the default) or enabled=false",
+            )
+        self._validate_disk()
+        self._validate_remote()
+        self._validate_lookup()
+        self._validate_numbers()
+
+    def _validate_disk(self) -> None:
+        if self.disk_bytes > 0 and self.disk_dir is None:
+            raise _error(
+                ("disk_bytes", "disk_dir"),
+                f"disk_bytes={self.disk_bytes} ({format_size(self.disk_bytes)}) asks for a disk "
+                "tier but disk_dir is not set; "
+                "set disk_dir to a directory, or disk_bytes=0 for no disk tier",
+            )
+        if self.disk_dir is not None and self.disk_bytes == 0:
+            raise _error(
+                ("disk_dir", "disk_bytes"),
+                f"disk_dir={self.disk_dir!r} is set but disk_bytes=0 means no disk tier; "
+                "set disk_bytes (e.g. 64GiB) or unset disk_dir",
+            )
+
+    def _validate_remote(self) -> None:
+        url = self.remote_url
+        if url is None:
+            for key in ("remote_username", "remote_password"):
+                if getattr(self, key) is not None:
+                    raise _error(
+                        (key, "remote_url"),
+                        f"{key} is set but remote_url is not; set remote_url "
+                        "(redis://host:6379/0) or unset the credentials",
+                    )
+        else:
+            self._validate_remote_url(url)
+        if not _TENANT_RE.match(self.tenant):
+            raise _error(
+                "tenant",
+                f"{_show('tenant', self.tenant)} is not a valid tenant; use at most 64 letters, "
+                "digits, '.', '_' or '-'",
+            )
+        if self.remote_ttl_s < 0:
+            raise _error(
+                "remote_ttl_s",
+                f"remote_ttl_s={self.remote_ttl_s} is negative; use 0 for no expiry or seconds > 0",
+            )
+
+    def _validate_remote_url(self, url: str) -> None:
+        fix = "use redis://host:6379/0, rediss://host:6380/0 or unix:///path/to/redis.sock"
+        shown = _show("remote_url", url)
+        try:
+            parts = urlsplit(url)
+            port = parts.port
+        except ValueError:
+            raise _error("remote_url", f"{shown} is not a valid URL; {fix}") from None
+        if parts.scheme not in _REMOTE_SCHEMES:
+            raise _error(
+                "remote_url",
+                f"{shown} has scheme {parts.scheme or '(none)'!r}, not one of "
+                f"{', '.join(_REMOTE_SCHEMES)}; {fix}",
+            )
+        if parts.scheme == "unix" and not parts.path:
+            raise _error("remote_url", f"{shown} names no socket path; {fix}")
+        if parts.scheme != "unix" and not parts.hostname:
+            raise _error("remote_url", f"{shown} names no host; {fix}")
+        if port == 0:
+            raise _error("remote_url", f"{shown} has port 0; {fix}")
+
+    def _validate_lookup(self) -> None:
+        if self.lookup_transport not in _TRANSPORTS:
+            raise _error(
+                "lookup_transport",
+                f"{_show('lookup_transport', self.lookup_transport)} is not a transport; "
+                "use 'ipc' (the default, one host) or 'tcp'",
+            )
+        host = self.lookup_bind_host
+        if not host:
+            raise _error("lookup_bind_host", "lookup_bind_host='' is empty; use 127.0.0.1")
+        if not _is_loopback(host) and not self.allow_remote_bind:
+            raise _error(
+                ("lookup_bind_host", "allow_remote_bind"),
+                f"{_show('lookup_bind_host', host)} is not a loopback address, so lookup "
+                "servers would listen off this host; use 127.0.0.1, or set "
+                "allow_remote_bind=true if other hosts must reach them",
+            )
+
+    def _validate_numbers(self) -> None:
+        positive = (
+            "remote_timeout_ms",
+            "lookup_timeout_ms",
+            "lease_ttl_s",
+            "max_leases",
+            "write_queue_depth",
+            "prefill_tokens_per_s",
+            "memory_read_gbps",
+            "disk_read_gbps",
+            "remote_read_gbps",
+            "breaker_failures",
+            "breaker_probe_s",
+        )
+        for key in positive:
+            value = getattr(self, key)
+            if value <= 0:
+                default = _DEFAULTS[key]
+                raise _error(
+                    key, f"{_show(key, value)} must be > 0; use {default!r} (the default) or more"
+                )
+        if self.min_load_tokens is not None and self.min_load_tokens < 0:
+            raise _error(
+                "min_load_tokens",
+                f"{_show('min_load_tokens', self.min_load_tokens)} is negative; use 0 for no "
+                "minimum or leave it unset for one chunk",
+            )
+
+    # -------------------------------------------------------------------------- derived
+
+    @property
+    def effective_min_load_tokens(self) -> int:
+        """Smallest load worth issuing, in tokens: `min_load_tokens`, or one chunk when unset."""
+        return self.chunk_size if self.min_load_tokens is None else self.min_load_tokens
+
+    # -------------------------------------------------------------------------- display
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of every field for logs; the password and any URL password are masked."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "remote_password" and value is not None:
+                value = _MASK
+            elif f.name == "remote_url" and value is not None:
+                value = _mask_url(value)
+            elif f.name == "lookup_scope" and value is not None:
+                value = list(value)
+            out[f.name] = value
+        return out
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{k}={v!r}" for k, v in self.to_dict().items())
+        return f"KVTierConfig({shown})"
+
+    def describe(self) -> str:
+        """One line for startup logs: what is on, how big, and where lookups go."""
+        if not self.enabled:
+            return "kvtier: offload off"
+        disk = f"{format_size(self.disk_bytes)} at {self.disk_dir}" if self.disk_bytes else "off"
+        remote = _mask_url(self.remote_url) if self.remote_url else "off"
+        scope = "all ranks" if self.lookup_scope is None else f"ranks {list(self.lookup_scope)}"
+        return (
+            f"kvtier: offload on; chunk={self.chunk_size} tokens; "
+            f"memory={format_size(self.memory_bytes)}/rank; disk={disk}; remote={remote}; "
+            f"lookup={self.lookup_transport} over {scope} within {self.lookup_timeout_ms}ms; "
+            f"min_load={self.effective_min_load_tokens} tokens; "
+            f"load_gate={'on' if self.load_gate else 'off'}; "
+            f"self_test={'on' if self.self_test else 'off'}"
+        )
+
+    # ---------------------------------------------------------------------- constructors
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> KVTierConfig:
+        """Config from a mapping of field names (vLLM's `kv_connector_extra_config`)."""
+        return cls._build(_from_mapping(d, "extra config"))
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> KVTierConfig:
+        """Config from a YAML file holding a mapping of field names."""
+        return cls._build(_from_yaml(path, "yaml path"))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> KVTierConfig:
+        """Config from `KVTIER_<FIELD>` variables over the YAML file named by `KVTIER_CONFIG`."""
+        return cls.load(None, environ)
+
+    @classmethod
+    def load(
+        cls, extra: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+    ) -> KVTierConfig:
+        """Merge YAML file (`KVTIER_CONFIG`) < `KVTIER_*` variables < `extra`, then validate."""
+        env = os.environ if environ is None else environ
+        merged: dict[str, tuple[Any, str]] = {}
+        yaml_path = env.get(ENV_CONFIG_FILE)
+        if yaml_path:
+            merged.update(_from_yaml(yaml_path, ENV_CONFIG_FILE))
+        merged.update(_from_env(env))
+        if extra is not None:
+            merged.update(_from_mapping(extra, "extra config"))
+        return cls._build(merged)
+
+    @classmethod
+    def _build(cls, values: Mapping[str, tuple[Any, str]]) -> KVTierConfig:
+        try:
+            return cls(**{key: value for key, (value, _) in values.items()})
+        except KeyedConfigError as exc:
+            sources = [f"{key} from {values[key][1]}" for key in exc.keys if key in values]
+            if not sources:
+                raise
+            # the original message is already secret-free; add where each value came from
+            raise _error(exc.keys, f"{exc} [{'; '.join(sources)}]") from None
+
+
+_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(KVTierConfig))
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(KVTierConfig)}
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        # a hostname other than localhost may resolve anywhere
+        return False
+
+
+def _unknown(name: str, candidates: tuple[str, ...], where: str) -> ConfigError:
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(candidates)}"
+    return _error(name, f"unknown key {name!r} in {where}; {hint}")
+
+
+def _from_mapping(d: Mapping[str, Any], where: str) -> dict[str, tuple[Any, str]]:
+    if not isinstance(d, Mapping):
+        raise ConfigError(
+            f"{where} is a {type(d).__name__}, not a mapping of kvtier keys; "
+            "give e.g. {'chunk_size': 256, 'memory_bytes': '64GiB'}"
+        )
+    out: dict[str, tuple[Any, str]] = {}
+    for raw_key, value in d.items():
+        if not isinstance(raw_key, str):
+            raise ConfigError(f"key {raw_key!r} in {where} is not a string; use a field name")
+        # 'chunk-size' and 'Chunk_Size' name the same field; the canonical spelling is snake_case
+        key = raw_key.strip().lower().replace("-", "_")
+        if key not in _FIELDS:
+            raise _unknown(raw_key, _FIELDS, where)
+        if key in out:
+            raise _error(key, f"{key} is given twice in {where}; keep one spelling")
+        out[key] = (value, where)
+    return out
+
+
+def _from_env(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    env_names = tuple(ENV_PREFIX + name.upper() for name in _FIELDS)
+    out: dict[str, tuple[Any, str]] = {}
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX) or name == ENV_CONFIG_FILE:
+            continue
+        if name not in env_names:
+            close = difflib.get_close_matches(name, (*env_names, ENV_CONFIG_FILE), n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}?" if close else "unset it"
+            raise _error(
+                name,
+                f"unknown environment variable {name}; {hint} (kvtier reads "
+                f"{ENV_CONFIG_FILE} and {ENV_PREFIX}<FIELD> for its config fields)",
+            )
+        out[name[len(ENV_PREFIX) :].lower()] = (value, f"environment {name}")
+    return out
+
+
+def _from_yaml(path: str | os.PathLike[str], via: str) -> dict[str, tuple[Any, str]]:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise _error(
+            via, f"{via}={str(p)!r} cannot be read ({exc.strerror}); point it at a YAML file"
+        ) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        # keep only the position: the default message quotes the line, which may hold a secret
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "syntax error"
+        raise _error(via, f"{via}={str(p)!r} is not valid YAML{where}: {problem}") from None
+    if data is None:
+        return {}
+    return _from_mapping(data, f"YAML file {str(p)!r}")
