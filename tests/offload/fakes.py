@@ -1,0 +1,69 @@
+"""Test doubles for the offload core: a scriptable lookup port and plain request views."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class FakeResult:
+    hit_chunks: int
+    limiting_rank: int | None = None
+    timed_out: tuple[int, ...] = ()
+    per_rank: dict[int, int] = field(default_factory=dict)
+
+
+class FakeLookup:
+    """Answers `hits` chunks (capped by the keys asked) and records leases and releases."""
+
+    def __init__(self, hits: int = 0, timed_out: tuple[int, ...] = ()) -> None:
+        self.hits = hits
+        self.timed_out = timed_out
+        self.leased: list[str] = []
+        self.released: list[str] = []
+
+    def lookup(self, keys: Sequence[bytes], lookup_id: str, lease: bool = True) -> FakeResult:
+        n = min(self.hits, len(keys))
+        if lease and n:
+            self.leased.append(lookup_id)
+        return FakeResult(n, timed_out=self.timed_out)
+
+    def release(self, lookup_ids: Sequence[str]) -> None:
+        self.released.extend(lookup_ids)
+
+    def outstanding(self) -> set[str]:
+        return set(self.leased) - set(self.released)
+
+
+class SlotView:
+    """A `__slots__` request view: the core must only read it."""
+
+    __slots__ = ("_block_ids", "_computed", "_id", "_prompt")
+
+    def __init__(self, req_id: str, prompt: Sequence[int], computed: int = 0,
+                 block_ids: Sequence[int] = ()) -> None:
+        self._id = req_id
+        self._prompt = list(prompt)
+        self._computed = computed
+        self._block_ids = list(block_ids)
+
+    @property
+    def request_id(self) -> str:
+        return self._id
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]:
+        return self._prompt
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self._computed
+
+    @property
+    def block_ids(self) -> Sequence[int]:
+        return self._block_ids
+
+    def advance(self, computed: int, block_ids: Sequence[int]) -> None:
+        self._computed = computed
+        self._block_ids = list(block_ids)

@@ -1,0 +1,203 @@
+"""OffloadScheduler decisions, leases, frontiers and terminals, against a fake lookup port."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.config import KVTierConfig
+from kvtier.metrics import Metrics
+from kvtier.offload.messages import OpResult, WorkerReport
+from kvtier.offload.protocols import StepRequest
+from kvtier.offload.scheduler import OffloadScheduler
+from tests.offload.fakes import FakeLookup, SlotView
+
+CHUNK = 32
+BLOCK = 16
+
+
+def make(hits: int = 0, world: int = 2, **cfg) -> tuple[OffloadScheduler, FakeLookup, Metrics]:
+    lookup = FakeLookup(hits)
+    metrics = Metrics(rank=0)
+    config = KVTierConfig(chunk_size=CHUNK, load_gate=False, **cfg)
+    sched = OffloadScheduler(
+        config, lookup, model_id="m", block_size=BLOCK, world=world, metrics=metrics
+    )
+    return sched, lookup, metrics
+
+
+def prompt(n: int, salt: int = 0) -> list[int]:
+    return [(i * 7 + salt) % 1000 for i in range(n)]
+
+
+def blocks(n_tokens: int, base: int = 100) -> list[int]:
+    return list(range(base, base + -(-n_tokens // BLOCK)))
+
+
+def report_all(sched: OffloadScheduler, op_id: str, world: int = 2, ok: bool = True,
+               failing_rank: int | None = None) -> list:
+    reports = [
+        WorkerReport(rank=r, results=[OpResult(op_id, ok and r != failing_rank,
+                                               "" if ok and r != failing_rank else "miss")])
+        for r in range(world)
+    ]
+    return sched.process_reports(reports)
+
+
+def test_full_prompt_hit_claims_one_token_less():
+    sched, lookup, _ = make(hits=4)
+    view = SlotView("a", prompt(4 * CHUNK))
+    need = sched.get_num_new_matched_tokens(view, 0)
+    assert need == 4 * CHUNK - 1
+    assert sched.pending_load("a") == (0, 4 * CHUNK - 1)
+
+
+def test_load_covers_only_blocks_between_floor_and_claim():
+    sched, lookup, _ = make(hits=3)
+    p = prompt(3 * CHUNK + 5)
+    view = SlotView("a", p, computed=BLOCK)  # one HBM block: unaligned to the chunk
+    need = sched.get_num_new_matched_tokens(view, BLOCK)
+    assert need == 3 * CHUNK - BLOCK
+    ids = blocks(len(p))
+    assert sched.update_state_after_alloc(view, ids, need) == need
+    meta = sched.build_meta([])
+    (op,) = meta.loads
+    assert op.tokens == need
+    # first chunk: its first block is below the HBM floor and must not be written
+    assert op.chunks[0].block_ids == [-1, ids[1]]
+    assert [c.block_ids for c in op.chunks[1:]] == [ids[2:4], ids[4:6]]
+    assert op.lookup_id in lookup.leased
+
+
+@pytest.mark.parametrize(
+    ("hits", "hbm", "min_load", "reason"),
+    [
+        (2, 2 * CHUNK, None, "hbm_satisfies"),
+        (3, 5, None, "unaligned"),
+        (3, 2 * CHUNK + 0, 2 * CHUNK, "too_small"),
+    ],
+)
+def test_skips_are_counted_and_release_the_lease(hits, hbm, min_load, reason):
+    sched, lookup, metrics = make(hits=hits, min_load_tokens=min_load)
+    view = SlotView("a", prompt(4 * CHUNK), computed=hbm)
+    assert sched.get_num_new_matched_tokens(view, hbm) == 0
+    assert metrics.value("skipped_loads_total", reason=reason) == 1
+    assert lookup.outstanding() == set()
+
+
+def test_slower_than_recompute_is_skipped():
+    lookup = FakeLookup(4)
+    metrics = Metrics(rank=0)
+    config = KVTierConfig(chunk_size=CHUNK, prefill_tokens_per_s=1e9)
+    sched = OffloadScheduler(config, lookup, model_id="m", block_size=BLOCK, world=1,
+                             metrics=metrics, load_tokens_per_s=1000.0)
+    assert sched.get_num_new_matched_tokens(SlotView("a", prompt(4 * CHUNK)), 0) == 0
+    assert metrics.value("skipped_loads_total", reason="slower_than_recompute") == 1
+    assert lookup.outstanding() == set()
+
+
+def test_lookup_timeout_counts_as_a_skip():
+    sched, lookup, metrics = make(hits=0)
+    lookup.timed_out = (1,)
+    assert sched.get_num_new_matched_tokens(SlotView("a", prompt(4 * CHUNK)), 0) == 0
+    assert metrics.value("skipped_loads_total", reason="lookup_timeout") == 1
+
+
+def test_quorum_one_failure_fails_the_load_and_rolls_back_the_save_frontier():
+    sched, lookup, metrics = make(hits=3)
+    p = prompt(3 * CHUNK + 10)
+    view = SlotView("a", p)
+    need = sched.get_num_new_matched_tokens(view, 0)
+    sched.update_state_after_alloc(view, blocks(len(p)), need)
+    (op,) = sched.build_meta([]).loads
+    assert sched.saved_frontier("a") == (3 * CHUNK, 3 * CHUNK)
+    # rank 0 succeeds first: not terminal yet
+    assert sched.process_reports([WorkerReport(0, [OpResult(op.op_id, True)])]) == []
+    (outcome,) = sched.process_reports([WorkerReport(1, [OpResult(op.op_id, False, "miss")])])
+    assert not outcome.ok and outcome.req_id == "a"
+    assert metrics.value("load_failures_total", reason="miss") == 1
+    # the recomputed chunks will be saved again
+    assert sched.saved_frontier("a") == (0, 0)
+    # one external attempt per lifecycle
+    assert sched.get_num_new_matched_tokens(view, 0) == 0
+    assert metrics.value("skipped_loads_total", reason="failed_before") == 1
+    # the recompute's step saves the chunks again
+    view.advance(len(p), blocks(len(p)))
+    meta = sched.build_meta([StepRequest(view, len(p))])
+    assert [len(s.chunks) for s in meta.saves] == [3]
+
+
+def test_duplicate_and_stale_reports_are_ignored():
+    sched, _, _ = make(hits=2)
+    p = prompt(2 * CHUNK + 3)
+    view = SlotView("a", p)
+    need = sched.get_num_new_matched_tokens(view, 0)
+    sched.update_state_after_alloc(view, blocks(len(p)), need)
+    (op,) = sched.build_meta([]).loads
+    dup = WorkerReport(0, [OpResult(op.op_id, True)])
+    assert sched.process_reports([dup, dup]) == []
+    # rank 0's second vote is ignored; rank 1 completes the quorum: exactly one terminal
+    (outcome,) = report_all(sched, op.op_id)
+    assert outcome.ok and outcome.tokens == 2 * CHUNK
+    assert sched.process_reports([WorkerReport(1, [OpResult(op.op_id, True)])]) == []
+    assert sched.process_reports([WorkerReport(0, [OpResult("zz#ld99", True)])]) == []
+
+
+def test_save_frontier_commits_on_success_and_rolls_back_on_failure():
+    sched, _, metrics = make(hits=0, world=1)
+    p = prompt(4 * CHUNK)
+    view = SlotView("a", p)
+    assert sched.get_num_new_matched_tokens(view, 0) == 0
+    view.advance(0, blocks(len(p)))
+    meta = sched.build_meta([StepRequest(view, 2 * CHUNK + 3)])
+    (save,) = meta.saves
+    assert [c.block_ids for c in save.chunks] == [blocks(len(p))[0:2], blocks(len(p))[2:4]]
+    assert sched.saved_frontier("a") == (0, 2 * CHUNK)
+    sched.process_reports([WorkerReport(0, [OpResult(save.op_id, False, "no_slot")])])
+    assert sched.saved_frontier("a") == (0, 0)
+    assert metrics.value("save_failures_total", reason="no_slot") == 1
+    (again,) = sched.build_meta([StepRequest(view, 2 * CHUNK + 3)]).saves
+    sched.process_reports([WorkerReport(0, [OpResult(again.op_id, True)])])
+    assert sched.saved_frontier("a") == (2 * CHUNK, 2 * CHUNK)
+
+
+def test_finished_request_with_save_in_flight_delays_its_free():
+    sched, _, _ = make(hits=0, world=1)
+    p = prompt(2 * CHUNK)
+    view = SlotView("a", p, block_ids=blocks(len(p)))
+    sched.get_num_new_matched_tokens(view, 0)
+    (save,) = sched.build_meta([StepRequest(view, len(p))]).saves
+    assert sched.request_finished(view) is True
+    assert sched.build_meta([]).delayed_free == ["a"]
+    sched.process_reports([WorkerReport(0, [OpResult(save.op_id, True)])])
+    assert sched.saved_frontier("a") is None  # state dropped after the last terminal
+    assert not sched.has_pending_work()
+
+
+def test_withdrawn_promise_releases_lease_on_every_path():
+    sched, lookup, metrics = make(hits=2)
+    p = prompt(2 * CHUNK + 1)
+    a, b, c = SlotView("a", p), SlotView("b", p), SlotView("c", p)
+    for v in (a, b, c):
+        assert sched.get_num_new_matched_tokens(v, 0) > 0
+    sched.update_state_after_alloc(a, blocks(len(p)), 0)  # host declined the tokens
+    sched.request_finished(b)  # aborted before allocation
+    sched.request_preempted(c)  # preempted before dispatch
+    assert lookup.outstanding() == set()
+    assert metrics.value("skipped_loads_total", reason="withdrawn") == 3
+    assert not sched.has_pending_work()
+
+
+def test_scheduler_never_writes_slot_views():
+    sched, _, _ = make(hits=2)
+    view = SlotView("a", prompt(2 * CHUNK + 1))
+    need = sched.get_num_new_matched_tokens(view, 0)
+    sched.update_state_after_alloc(view, blocks(2 * CHUNK + 1), need)
+    (op,) = sched.build_meta([]).loads
+    report_all(sched, op.op_id)
+    sched.request_finished(view)  # no AttributeError from a __slots__ view anywhere
+
+
+def test_chunk_not_multiple_of_block_is_refused():
+    with pytest.raises(ValueError, match="multiple of 48"):
+        OffloadScheduler(KVTierConfig(chunk_size=64), FakeLookup(), model_id="m", block_size=48,
+                         world=1, metrics=Metrics())
