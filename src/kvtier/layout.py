@@ -1,0 +1,588 @@
+"""KV geometry: per-block byte layout from registered KV tensors, and bytes/token from HF configs.
+
+`from_tensors` is what a running engine uses: it sees the real tensors, folds side caches (DSA
+indexers) onto the layer that owns them by name only, and fingerprints the result. The HF-config
+path (`bytes_per_token_from_hf`) sizes tiers before any engine exists.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.errors import LayoutError
+from kvtier.keys import digest16
+
+_LAYOUT_DOMAIN = "kvtier.layout.v1"
+
+# Short names people write in configs; anything else must be a torch dtype attribute name.
+_DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "fp32": "float32",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
+
+
+def normalize_dtype(dtype: str | torch.dtype) -> str:
+    """Canonical torch dtype name ("bfloat16", "float8_e4m3fn", ...) for a name, alias or dtype."""
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).removeprefix("torch.")
+    if not isinstance(dtype, str) or not dtype:
+        raise LayoutError(f"dtype {dtype!r} is not a torch dtype or a dtype name like 'bfloat16'")
+    name = dtype.strip().lower().removeprefix("torch.")
+    name = _DTYPE_ALIASES.get(name, name)
+    resolved = getattr(torch, name, None)
+    if not isinstance(resolved, torch.dtype):
+        raise LayoutError(
+            f"dtype {dtype!r} is not a torch dtype; use a name like 'bfloat16', 'float16', "
+            f"'float8_e4m3fn' or an alias among {sorted(_DTYPE_ALIASES)}"
+        )
+    return str(resolved).removeprefix("torch.")
+
+
+def dtype_bytes(dtype: str | torch.dtype) -> int:
+    """Bytes per element of `dtype` (fp8 = 1, bfloat16 = 2, ...)."""
+    return getattr(torch, normalize_dtype(dtype)).itemsize
+
+
+# --------------------------------------------------------------------------------------------
+# Geometry from registered tensors
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """Shape, dtype and block axis of one registered KV tensor (no data)."""
+
+    shape: tuple[int, ...]
+    dtype: str | torch.dtype
+    block_dim: int = 0
+
+    def __post_init__(self) -> None:
+        shape = tuple(self.shape)
+        if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+            raise LayoutError(f"shape {self.shape!r} must be a non-empty tuple of ints >= 0")
+        if not -len(shape) <= self.block_dim < len(shape):
+            raise LayoutError(
+                f"block_dim {self.block_dim} is outside shape {shape}; "
+                f"pass an axis in [0, {len(shape)})"
+            )
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "block_dim", self.block_dim % len(shape))
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+
+    @property
+    def num_blocks(self) -> int:
+        """Extent of the block axis."""
+        return self.shape[self.block_dim]
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """The shape of one block slice (the block axis removed)."""
+        return self.shape[: self.block_dim] + self.shape[self.block_dim + 1 :]
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block slice."""
+        return math.prod(self.block_shape) * dtype_bytes(self.dtype)
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor, block_dim: int = 0) -> TensorSpec:
+        """The spec of a live tensor."""
+        return cls(tuple(tensor.shape), tensor.dtype, block_dim)
+
+
+@dataclass(frozen=True, slots=True)
+class FoldRule:
+    """Maps a tensor name onto the layer that owns it: `re.fullmatch(pattern)` -> `replacement`.
+
+    With `requires_owner` the target layer must also be registered as a tensor of its own, so an
+    orphan side cache fails instead of becoming a layer.
+    """
+
+    pattern: str
+    replacement: str
+    requires_owner: bool = True
+    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        try:
+            regex = re.compile(self.pattern)
+        except re.error as exc:
+            raise LayoutError(f"fold rule pattern {self.pattern!r} is not a regex: {exc}") from exc
+        object.__setattr__(self, "_regex", regex)
+
+    def owner(self, name: str) -> str | None:
+        """The owning layer's name, or None when this rule does not match `name`."""
+        m = self._regex.fullmatch(name)
+        if m is None:
+            return None
+        try:
+            return m.expand(self.replacement)
+        except (re.error, IndexError) as exc:
+            raise LayoutError(
+                f"fold rule replacement {self.replacement!r} does not fit pattern "
+                f"{self.pattern!r}: {exc}"
+            ) from exc
+
+
+DEFAULT_FOLD_RULES: tuple[FoldRule, ...] = (
+    # GLM / DeepSeek-V3.2 DSA under vLLM: the indexer key cache belongs to the sibling attn layer.
+    FoldRule(r"(?P<p>.+)\.indexer\.k_cache", r"\g<p>.attn"),
+    # MiniMax-M3 style: the index cache hangs off the layer's own name.
+    FoldRule(r"(?P<p>.+)\.index_cache", r"\g<p>"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One tensor of a layer, as the codec moves it: name, shape, dtype, block axis, block bytes."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    block_dim: int
+    bytes_per_block: int
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """The shape of one block slice (the block axis removed)."""
+        return self.shape[: self.block_dim] + self.shape[self.block_dim + 1 :]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSegments:
+    """A layer and its segments: its own tensors first, then folded side caches."""
+
+    name: str
+    segments: tuple[Segment, ...]
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block over all of this layer's segments."""
+        return sum(s.bytes_per_block for s in self.segments)
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """The byte geometry of one rank's KV cache, with a fingerprint that ignores pool size."""
+
+    block_size: int
+    num_blocks: int
+    layers: tuple[LayerSegments, ...]
+    bytes_per_block: int
+    bytes_per_token: int
+    dtype: str
+    fingerprint: bytes
+
+    @property
+    def fingerprint_hex(self) -> str:
+        """The fingerprint as 32 hex digits."""
+        return self.fingerprint.hex()
+
+    @property
+    def num_layers(self) -> int:
+        """Layers after folding."""
+        return len(self.layers)
+
+    def segments(self) -> Iterator[Segment]:
+        """Every segment, layer-major, in codec order."""
+        for layer in self.layers:
+            yield from layer.segments
+
+    def check_chunk(self, chunk_size: int) -> None:
+        """Raise LayoutError unless `chunk_size` is a positive multiple of `block_size`."""
+        check_chunk(chunk_size, self.block_size)
+
+    def chunk_bytes(self, chunk_size: int) -> int:
+        """Bytes of one chunk of `chunk_size` tokens (whole blocks only)."""
+        self.check_chunk(chunk_size)
+        return chunk_size // self.block_size * self.bytes_per_block
+
+    def census(self) -> list[str]:
+        """One line per (tail shape, dtype) with its count, for the startup log."""
+        counts: dict[tuple[tuple[int, ...], str], int] = {}
+        for seg in self.segments():
+            key = (seg.block_shape, seg.dtype)
+            counts[key] = counts.get(key, 0) + 1
+        lines = [
+            f"kvtier layout: {self.num_layers} layers, num_blocks={self.num_blocks}, "
+            f"block_size={self.block_size}, bytes_per_block={self.bytes_per_block}, "
+            f"bytes_per_token={self.bytes_per_token}, fingerprint={self.fingerprint_hex}"
+        ]
+        lines += [
+            f"kvtier layout:   {n} x tail_shape={s} dtype={d}" for (s, d), n in counts.items()
+        ]
+        return lines
+
+
+def check_chunk(chunk_size: int, block_size: int) -> None:
+    """Raise LayoutError unless `chunk_size` is a positive multiple of `block_size`."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise LayoutError(
+            f"chunk_size {chunk_size!r} must be a positive multiple of block_size {block_size}, "
+            f"such as {block_size * 2}"
+        )
+    if chunk_size % block_size:
+        suggestion = max(block_size, -(-chunk_size // block_size) * block_size)
+        raise LayoutError(
+            f"chunk_size {chunk_size} is not a multiple of block_size {block_size}: "
+            f"set chunk_size to a multiple of {block_size}, such as {suggestion}"
+        )
+
+
+def from_tensors(
+    tensors: Mapping[str, TensorSpec],
+    block_size: int,
+    fold_rules: Sequence[FoldRule] = DEFAULT_FOLD_RULES,
+) -> KVLayout:
+    """Derive the layout of registered KV tensors; side caches fold onto their owner by name.
+
+    A token-major cache (e.g. MLA `(nb*bs, 1, 576)`) must be described through a block-major view
+    such as `(nb, bs, 1, 576)` so every tensor counts blocks on its block axis.
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise LayoutError(f"block_size {block_size!r} must be a positive integer, such as 16")
+    if not tensors:
+        raise LayoutError("no KV tensors were registered; the layout needs at least one")
+
+    first_name, first = next(iter(tensors.items()))
+    for name, spec in tensors.items():
+        if not isinstance(spec, TensorSpec):
+            raise LayoutError(
+                f"tensor {name!r} is described by {type(spec).__name__}, not TensorSpec"
+            )
+        if spec.num_blocks != first.num_blocks:
+            raise LayoutError(
+                f"KV tensors do not share a block count: {first_name!r} has {first.num_blocks} "
+                f"blocks on dim {first.block_dim}, {name!r} has {spec.num_blocks} on dim "
+                f"{spec.block_dim}; register one KV-cache group, or fix block_dim"
+            )
+        if spec.bytes_per_block == 0:
+            raise LayoutError(
+                f"tensor {name!r} of shape {spec.shape} holds 0 bytes per block; "
+                "do not register empty tensors"
+            )
+    if first.num_blocks == 0:
+        raise LayoutError(f"tensor {first_name!r} has 0 blocks on dim {first.block_dim}")
+
+    owner_of: dict[str, str] = {}
+    for name in tensors:
+        for rule in fold_rules:
+            target = rule.owner(name)
+            if target is None:
+                continue
+            if target == name:
+                break  # a rule that maps a name onto itself leaves it a layer of its own
+            if rule.requires_owner and (target not in tensors or _folds(target, fold_rules)):
+                raise LayoutError(
+                    f"tensor {name!r} folds onto layer {target!r} (rule {rule.pattern!r}), but "
+                    f"{target!r} is not a registered layer tensor; register its owner or fix "
+                    "the rule"
+                )
+            owner_of[name] = target
+            break
+
+    own: dict[str, list[str]] = {}
+    folded: dict[str, list[str]] = {}
+    for name in tensors:
+        layer = owner_of.get(name, name)
+        own.setdefault(layer, [])
+        folded.setdefault(layer, [])
+        (folded if name in owner_of else own)[layer].append(name)
+
+    layers: list[LayerSegments] = []
+    for layer, names in own.items():
+        segs = tuple(_segment(n, tensors[n]) for n in names + folded[layer])
+        layers.append(LayerSegments(layer, segs))
+
+    bytes_per_block = sum(layer.bytes_per_block for layer in layers)
+    main_dtypes = sorted({layer.segments[0].dtype for layer in layers})
+    return KVLayout(
+        block_size=block_size,
+        num_blocks=first.num_blocks,
+        layers=tuple(layers),
+        bytes_per_block=bytes_per_block,
+        bytes_per_token=bytes_per_block // block_size,
+        dtype="+".join(main_dtypes),
+        fingerprint=_fingerprint(block_size, layers),
+    )
+
+
+def _folds(name: str, fold_rules: Sequence[FoldRule]) -> bool:
+    """Whether `name` is itself folded away (so it cannot own anything)."""
+    for rule in fold_rules:
+        target = rule.owner(name)
+        if target is not None:
+            return target != name
+    return False
+
+
+def _segment(name: str, spec: TensorSpec) -> Segment:
+    return Segment(name, spec.shape, str(spec.dtype), spec.block_dim, spec.bytes_per_block)
+
+
+def _fingerprint(block_size: int, layers: Sequence[LayerSegments]) -> bytes:
+    # num_blocks is left out on purpose: engines with different pool sizes share records.
+    fields: list[bytes | str | int] = [block_size, len(layers)]
+    for layer in layers:
+        fields += [layer.name, len(layer.segments)]
+        for seg in layer.segments:
+            fields += [seg.name, seg.dtype, seg.block_dim, len(seg.block_shape), *seg.block_shape]
+    return digest16(_LAYOUT_DOMAIN, fields)
+
+
+# --------------------------------------------------------------------------------------------
+# Geometry from an HF-style model config
+# --------------------------------------------------------------------------------------------
+
+# The fp8 indexer key cache carries one fp32 scale per this many elements (vLLM's layout).
+_INDEX_QUANT_BLOCK = 128
+_INDEX_SCALE_BYTES = 4
+
+
+@dataclass(frozen=True, slots=True)
+class LayerGeometry:
+    """Bytes per token per rank of one layer: its KV and, for DSA, its indexer key cache."""
+
+    index: int
+    kv_bytes: int
+    indexer_bytes: int = 0
+    mtp: bool = False
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV plus indexer bytes per token per rank."""
+        return self.kv_bytes + self.indexer_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class KVGeometry:
+    """Per-rank KV bytes per token of a model, from its HF config, with the per-layer breakdown.
+
+    `replicated_across_tp` is True when ranks hold copies of the same KV rather than disjoint
+    shards: always for MLA, and for GQA when there are fewer KV heads than TP ranks.
+    """
+
+    kind: str
+    num_layers: int
+    tp_size: int
+    kv_dtype: str
+    bytes_per_token: int
+    layers: tuple[LayerGeometry, ...]
+    replicated_across_tp: bool
+    kv_heads_per_rank: int | None = None
+    num_indexer_layers: int = 0
+
+    @property
+    def total_bytes_per_token(self) -> int:
+        """Bytes per token summed over every TP rank of one replica (copies included)."""
+        return self.bytes_per_token * self.tp_size
+
+    def bytes_for_tokens(self, n_tokens: int) -> int:
+        """Per-rank bytes for `n_tokens` tokens."""
+        return self.bytes_per_token * n_tokens
+
+
+def bytes_per_token_from_hf(
+    config: Mapping[str, object],
+    tp_size: int = 1,
+    kv_dtype: str = "bfloat16",
+    index_dtype: str = "fp8",
+    include_mtp: bool = False,
+) -> KVGeometry:
+    """Per-rank KV bytes per token for an HF config dict (MHA/GQA, MLA, MLA+DSA).
+
+    `kv_dtype="auto"` takes the config's `torch_dtype`. MTP/nextn layers are left out unless
+    `include_mtp`, matching what an engine registers without speculative decoding.
+    """
+    cfg = _text_config(config)
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise LayoutError(f"tp_size {tp_size!r} must be an integer >= 1")
+    kv_name = _resolve_kv_dtype(cfg, kv_dtype)
+    elem = dtype_bytes(kv_name)
+    num_layers = _int_field(cfg, "num_hidden_layers")
+    _reject_hybrid(cfg)
+    n_mtp = _int_field(cfg, "num_nextn_predict_layers", default=0) if include_mtp else 0
+
+    if cfg.get("kv_lora_rank") is not None:
+        kv_bytes = (_int_field(cfg, "kv_lora_rank") + _int_field(cfg, "qk_rope_head_dim")) * elem
+        has_dsa = cfg.get("index_head_dim") is not None or "index_topk" in cfg
+        owns_indexer = _indexer_layers(cfg, num_layers) if has_dsa else [False] * num_layers
+        idx_bytes = _indexer_bytes(cfg, index_dtype) if has_dsa else 0
+        # MTP layers always build their own indexer (they sit outside the sharing schedule).
+        owns_indexer += [has_dsa] * n_mtp
+        layers = tuple(
+            LayerGeometry(i, kv_bytes, idx_bytes if owns else 0, i >= num_layers)
+            for i, owns in enumerate(owns_indexer)
+        )
+        return KVGeometry(
+            kind="mla+dsa" if has_dsa else "mla",
+            num_layers=len(layers),
+            tp_size=tp_size,
+            kv_dtype=kv_name,
+            bytes_per_token=sum(layer.bytes_per_token for layer in layers),
+            layers=layers,
+            replicated_across_tp=True,
+            num_indexer_layers=sum(owns_indexer),
+        )
+
+    if cfg.get("index_head_dim") is not None:
+        raise LayoutError(
+            "config has index_head_dim but no kv_lora_rank: a sparse-indexer model without MLA is "
+            "not sized from its config; derive the layout from the registered tensors instead"
+        )
+    n_heads = _int_field(cfg, "num_attention_heads")
+    n_kv = _int_field(cfg, "num_key_value_heads", default=n_heads)
+    head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        head_dim = _int_field(cfg, "hidden_size") // n_heads
+    else:
+        head_dim = _int_field(cfg, "head_dim")
+    heads_per_rank = _kv_heads_per_rank(n_kv, tp_size)
+    kv_bytes = 2 * heads_per_rank * head_dim * elem
+    layers = tuple(
+        LayerGeometry(i, kv_bytes, 0, i >= num_layers) for i in range(num_layers + n_mtp)
+    )
+    return KVGeometry(
+        kind="mha" if n_kv == n_heads else "gqa",
+        num_layers=len(layers),
+        tp_size=tp_size,
+        kv_dtype=kv_name,
+        bytes_per_token=kv_bytes * len(layers),
+        layers=layers,
+        replicated_across_tp=tp_size > 1 and n_kv < tp_size,
+        kv_heads_per_rank=heads_per_rank,
+    )
+
+
+def _text_config(config: Mapping[str, object]) -> Mapping[str, object]:
+    """The language-model part of a config (multimodal configs nest it under text_config)."""
+    if not isinstance(config, Mapping):
+        raise LayoutError(f"config is a {type(config).__name__}, not a mapping of HF fields")
+    text = config.get("text_config")
+    if "num_hidden_layers" not in config and isinstance(text, Mapping):
+        return text
+    return config
+
+
+def _int_field(cfg: Mapping[str, object], key: str, default: int | None = None) -> int:
+    value = cfg.get(key, default)
+    if value is None:
+        raise LayoutError(f"config has no {key!r}; the KV geometry needs it")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise LayoutError(f"config field {key!r} = {value!r} is not a non-negative integer")
+    return value
+
+
+def _resolve_kv_dtype(cfg: Mapping[str, object], kv_dtype: str) -> str:
+    if kv_dtype == "auto":
+        model_dtype = cfg.get("torch_dtype", cfg.get("dtype"))
+        if not isinstance(model_dtype, str):
+            raise LayoutError(
+                "kv_dtype 'auto' needs the config's torch_dtype, which is missing; "
+                "pass kv_dtype explicitly, e.g. 'bfloat16' or 'fp8'"
+            )
+        return normalize_dtype(model_dtype)
+    return normalize_dtype(kv_dtype)
+
+
+def _reject_hybrid(cfg: Mapping[str, object]) -> None:
+    # Linear-attention / Mamba layers keep state, not paged KV; sizing them as KV would lie.
+    types = cfg.get("layer_types")
+    if isinstance(types, Sequence) and not isinstance(types, str):
+        odd = sorted({str(t) for t in types} - {"full_attention", "sliding_attention"})
+        if odd:
+            raise LayoutError(
+                f"config layer_types include {odd}: hybrid models are not sized from the config; "
+                "derive the layout from the registered tensors instead"
+            )
+
+
+def _kv_heads_per_rank(n_kv: int, tp_size: int) -> int:
+    if n_kv == 0:
+        raise LayoutError("config num_key_value_heads is 0; a KV cache needs at least one head")
+    if n_kv >= tp_size:
+        if n_kv % tp_size:
+            raise LayoutError(
+                f"num_key_value_heads {n_kv} does not split over tp_size {tp_size}; "
+                f"use a tp_size that divides {n_kv}"
+            )
+        return n_kv // tp_size
+    if tp_size % n_kv:
+        raise LayoutError(
+            f"tp_size {tp_size} is not a multiple of num_key_value_heads {n_kv}, so heads cannot "
+            f"be replicated evenly; use a tp_size that is a multiple of {n_kv}"
+        )
+    return 1
+
+
+def _indexer_bytes(cfg: Mapping[str, object], index_dtype: str) -> int:
+    """Bytes per token of one layer's indexer key cache (fp8 keys + fp32 block scales)."""
+    dim = _int_field(cfg, "index_head_dim")
+    name = normalize_dtype(index_dtype)
+    if name.startswith("float8"):
+        return dim + _INDEX_SCALE_BYTES * -(-dim // _INDEX_QUANT_BLOCK)
+    return dim * dtype_bytes(name)
+
+
+def _indexer_layers(cfg: Mapping[str, object], num_layers: int) -> list[bool]:
+    """Which of the `num_layers` main layers own an indexer (IndexShare reuses the rest).
+
+    Follows vLLM: `index_topk_pattern` ("F"/"S" per layer) when given, else a layer skips its
+    indexer iff max(i - index_skip_topk_offset + 1, 0) % index_topk_freq != 0 (defaults 1, 2).
+    An `indexer_types` list is used alone when no schedule field is set, else must agree with it.
+    """
+    types = cfg.get("indexer_types")
+    declared = _declared_indexers(types, num_layers) if types is not None else None
+    scheduled = any(
+        cfg.get(k) is not None
+        for k in ("index_topk_pattern", "index_topk_freq", "index_skip_topk_offset")
+    )
+    pattern = cfg.get("index_topk_pattern")
+    if declared is not None and not scheduled:
+        owns = declared
+    elif pattern is not None:
+        if not isinstance(pattern, str) or set(pattern.upper()) - {"F", "S"}:
+            raise LayoutError(f"index_topk_pattern {pattern!r} must be a string of 'F'/'S'")
+        # vLLM treats layers beyond the pattern as owning an indexer.
+        owns = [i >= len(pattern) or pattern[i].upper() != "S" for i in range(num_layers)]
+    else:
+        freq = _int_field(cfg, "index_topk_freq", default=1)
+        offset = _int_field(cfg, "index_skip_topk_offset", default=2)
+        if freq < 1:
+            raise LayoutError(f"index_topk_freq {freq} must be >= 1")
+        owns = [max(i - offset + 1, 0) % freq == 0 for i in range(num_layers)]
+
+    if declared is not None and declared != owns:
+        i = next(i for i in range(num_layers) if declared[i] != owns[i])
+        raise LayoutError(
+            f"indexer_types disagrees with the index_topk schedule at layer {i} "
+            f"({'full' if declared[i] else 'shared'} vs {'full' if owns[i] else 'shared'}); "
+            "fix the config so both describe the same layers"
+        )
+    if num_layers and not owns[0]:
+        raise LayoutError(
+            "the indexer schedule gives layer 0 no indexer, but it has no earlier layer to share "
+            "from; check index_topk_pattern / index_skip_topk_offset"
+        )
+    return owns
+
+
+def _declared_indexers(types: object, num_layers: int) -> list[bool]:
+    """An `indexer_types` list ("full"/"shared" per layer) as owns-an-indexer flags."""
+    if not isinstance(types, Sequence) or isinstance(types, str) or len(types) != num_layers:
+        raise LayoutError(
+            f"indexer_types must list one 'full'/'shared' entry per layer ({num_layers})"
+        )
+    for i, t in enumerate(types):
+        if t not in ("full", "shared"):
+            raise LayoutError(f"indexer_types[{i}] = {t!r} is not 'full' or 'shared'")
+    return [t == "full" for t in types]
