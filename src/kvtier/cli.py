@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="kvtier: KV-cache offload tier.")
@@ -15,6 +17,31 @@ def version() -> None:
     from kvtier import __version__
 
     typer.echo(__version__)
+
+
+@bench_app.command("tier")
+def bench_tier(
+    quick: bool = typer.Option(False, "--quick", help="Fewer repetitions (tests and CI)."),
+    json_path: Path | None = typer.Option(
+        None, "--json", help="Where to write the JSON results [default: runs/bench-tier.json]."
+    ),
+    disk_dir: Path | None = typer.Option(
+        None, "--disk-dir", help="Directory for the disk tier's temp files [default: runs]."
+    ),
+) -> None:
+    """Memory and disk tier GB/s against raw copies, and all-rank lookup latency."""
+    from rich.console import Console
+
+    from kvtier.bench import table, tier
+
+    progress = Console(stderr=True)
+    doc = tier.run(
+        quick=quick,
+        json_path=json_path,
+        disk_dir=disk_dir,
+        progress=lambda msg: progress.print(f"[dim]{msg}[/dim]"),
+    )
+    table.print_report(doc)
 
 
 if __name__ == "__main__":

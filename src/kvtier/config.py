@@ -306,7 +306,7 @@ class KVTierConfig:
     memory_read_gbps: float = _f(5.0, "float", "seed of the memory-tier read-speed estimate")
     disk_read_gbps: float = _f(1.0, "float", "seed of the disk-tier read-speed estimate")
     remote_read_gbps: float = _f(0.5, "float", "seed of the remote-tier read-speed estimate")
-    verify_memory_reads: bool = _f(True, "bool", "checksum memory-tier reads too")
+    verify_memory_reads: bool = _f(False, "bool", "checksum memory-tier reads too")
     breaker_failures: int = _f(5, "int", "consecutive failures that open a tier's breaker")
     breaker_probe_s: float = _f(5.0, "float", "seconds before an open breaker probes again")
     self_test: bool = _f(True, "bool", "store/lookup/read one chunk on every rank at startup")

@@ -28,8 +28,9 @@ class Tier(Protocol):
         """Store `payload` under `key`; False (counted) when the tier cannot take it."""
         ...
 
-    def lease(self, lease_id: str, keys: Sequence[bytes]) -> None:
-        """Keep `keys` from eviction under `lease_id` until released or expired."""
+    def lease(self, lease_id: str, keys: Sequence[bytes], counted: bool = True) -> int:
+        """Keep `keys` from eviction under `lease_id` until released or expired; returns how
+        many leading keys the tier holds. `counted=False` keeps it out of the lease metrics."""
         ...
 
     def release(self, lease_id: str) -> None:

@@ -2,6 +2,9 @@
 
 A lease is held under the lookup's id until released or until its deadline passes. A key stays
 pinned while any live lease holds it. Releasing an id that is not held is a counted no-op.
+Internal leases (a tier pinning a slot for its own write-behind, or a lower tier holding a
+lookup's chunk that the memory tier already counts) pass `counted=False` so the lease metrics
+count each lookup once. Callers hold their own lock: the table is not thread-safe.
 """
 
 from __future__ import annotations
@@ -30,39 +33,42 @@ class LeaseTable:
         self._max = max_leases
         self._clock = clock
         # lease id -> (deadline, keys); ordered by creation, so the oldest expire first
-        self._leases: OrderedDict[str, tuple[float, list[bytes]]] = OrderedDict()
+        self._leases: OrderedDict[str, tuple[float, list[bytes], bool]] = OrderedDict()
         self._pins: dict[bytes, int] = {}
 
     def __len__(self) -> int:
         return len(self._leases)
 
-    def acquire(self, lease_id: str, keys: Iterable[bytes]) -> None:
+    def acquire(self, lease_id: str, keys: Iterable[bytes], counted: bool = True) -> None:
         """Pin `keys` under `lease_id` (adding to it if held), refreshing its deadline."""
         self.expire()
         keys = list(keys)
         if lease_id in self._leases:
-            _, held = self._leases.pop(lease_id)
+            _, held, counted = self._leases.pop(lease_id)
             held.extend(keys)
         else:
             held = keys
             while len(self._leases) >= self._max:
                 oldest = next(iter(self._leases))
+                if self._leases[oldest][2]:
+                    self._m.lease_expiries.inc()
                 self._drop(oldest)
-                self._m.lease_expiries.inc()
-        self._leases[lease_id] = (self._clock() + self._ttl, held)
+        self._leases[lease_id] = (self._clock() + self._ttl, held, counted)
         for k in keys:
             self._pins[k] = self._pins.get(k, 0) + 1
 
     def is_pinned(self, key: bytes) -> bool:
-        """True while a live lease holds `key`."""
+        """True while a lease holds `key` (past-deadline leases hold until `expire()` runs)."""
         return key in self._pins
 
     def release(self, lease_id: str) -> list[bytes]:
         """Release a lease; returns keys no longer pinned. Unknown ids are counted no-ops."""
-        if lease_id not in self._leases:
+        entry = self._leases.get(lease_id)
+        if entry is None:
             self._m.lease_double_releases.inc()
             return []
-        self._m.lease_releases.inc()
+        if entry[2]:
+            self._m.lease_releases.inc()
         return self._drop(lease_id)
 
     def expire(self) -> list[bytes]:
@@ -70,15 +76,16 @@ class LeaseTable:
         now = self._clock()
         freed: list[bytes] = []
         while self._leases:
-            lease_id, (deadline, _) = next(iter(self._leases.items()))
+            lease_id, (deadline, _, counted) = next(iter(self._leases.items()))
             if deadline > now:
                 break
             freed.extend(self._drop(lease_id))
-            self._m.lease_expiries.inc()
+            if counted:
+                self._m.lease_expiries.inc()
         return freed
 
     def _drop(self, lease_id: str) -> list[bytes]:
-        _, keys = self._leases.pop(lease_id)
+        _, keys, _ = self._leases.pop(lease_id)
         freed = []
         for k in keys:
             n = self._pins[k] - 1

@@ -1,0 +1,787 @@
+"""`kvtier bench tier`: tier throughput against raw copies, and all-rank lookup latency.
+
+Three measurements in one process (rank servers in spawned subprocesses):
+
+1. Memory tier store/retrieve of one realistic chunk (256 tokens of Llama-3.1-8B KV at TP1),
+   along the offload worker's own paths, against `dst.copy_(src)` between the same buffers.
+2. Disk tier put/get against a raw file write/read of the same bytes, warm and cold.
+3. Lookup of a 32k-token prompt (128 chunk keys) across 4 rank LookupServers, with leases,
+   next to the time to hash the prompt into keys.
+
+Methods and their raw baselines are interleaved repetition by repetition (rotating the order), so
+a noisy neighbour on a shared machine slows both sides alike; each row is the median.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import itertools
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier import __version__
+from kvtier.bench.table import Report, Row, Target, write_json
+from kvtier.errors import StartupError
+from kvtier.keys import chain_keys, digest16, key_seed
+from kvtier.layout import KVGeometry, bytes_per_token_from_hf
+from kvtier.lookup import LookupClient, LookupServer, endpoint_for, make_run_dir
+from kvtier.metrics import Metrics
+from kvtier.store.disk import DiskTier
+from kvtier.store.memory import MemoryTier
+from kvtier.store.record import HEADER_BYTES
+from kvtier.store.stack import TierStack
+
+DEFAULT_JSON = Path("runs/bench-tier.json")
+DEFAULT_DISK_DIR = Path("runs")
+
+MODEL_ID = "meta-llama/Llama-3.1-8B"
+# The KV-relevant fields of the model's config.json, as the checkpoint ships them.
+LLAMA_31_8B_CONFIG: dict[str, object] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 128256,
+}
+TP_SIZE = 1
+CHUNK_TOKENS = 256
+PROMPT_TOKENS = 32768
+LOOKUP_RANKS = 4
+
+STORE_RATIO_TARGET = 0.85
+RETRIEVE_RATIO_TARGET = 0.85
+LOOKUP_P99_TARGET_MS = 2.0
+
+_GB = 1e9
+_MIB = 1 << 20
+# Tiny slots for the lookup servers' tiers: lookups never touch payloads, only presence.
+_LOOKUP_SLOT_BYTES = 64
+_SERVER_START_S = 120.0
+_SERVER_STOP_S = 15.0
+_NS_DOMAIN = "kvtier.bench.tier.v1"
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Repetition counts of one run (`FULL` or `QUICK`)."""
+
+    mem_slots: int
+    mem_sources: int
+    mem_warmup: int
+    mem_reps: int
+    disk_files: int
+    disk_warmup: int
+    disk_reps: int
+    disk_cold_reps: int
+    hash_reps: int
+    lookup_warmup: int
+    lookup_reps: int
+
+
+# About 20 s on 2 idle cores (under 60 s when shared); p99 of 5000 lookups rests on 50 samples.
+FULL = Plan(
+    mem_slots=16,
+    mem_sources=4,
+    mem_warmup=8,
+    mem_reps=300,
+    disk_files=8,
+    disk_warmup=2,
+    disk_reps=40,
+    disk_cold_reps=12,
+    hash_reps=300,
+    lookup_warmup=500,
+    lookup_reps=5000,
+)
+QUICK = Plan(
+    mem_slots=4,
+    mem_sources=2,
+    mem_warmup=1,
+    mem_reps=5,
+    disk_files=3,
+    disk_warmup=1,
+    disk_reps=3,
+    disk_cold_reps=2,
+    hash_reps=10,
+    lookup_warmup=20,
+    lookup_reps=100,
+)
+
+
+def chunk_geometry() -> KVGeometry:
+    """Per-rank KV geometry of Llama-3.1-8B at TP1 in bf16, from `kvtier.layout`."""
+    return bytes_per_token_from_hf(LLAMA_31_8B_CONFIG, tp_size=TP_SIZE, kv_dtype="bfloat16")
+
+
+def run(
+    quick: bool = False,
+    json_path: str | Path | None = None,
+    disk_dir: str | Path | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Run every measurement, write the JSON report to `json_path` and return it.
+
+    `progress` gets one line per phase as it starts. `disk_dir` holds a temporary directory for
+    the disk tier and raw files, removed afterwards. A missed target is reported in its row
+    (`pass: false`), never raised.
+    """
+    out = Path(DEFAULT_JSON if json_path is None else json_path)
+    if out.is_dir():
+        raise ValueError(
+            f"--json {str(out)!r} is a directory; pass a file path such as {out}/x.json"
+        )
+    disk_root = Path(DEFAULT_DISK_DIR if disk_dir is None else disk_dir)
+    say = progress or (lambda _msg: None)
+    plan = QUICK if quick else FULL
+    geometry = chunk_geometry()
+    chunk_bytes = geometry.bytes_for_tokens(CHUNK_TOKENS)
+
+    report = Report("tier", "kvtier bench tier" + (" (quick)" if quick else ""))
+    report.meta = {
+        "kvtier": __version__,
+        "quick": quick,
+        "plan": asdict(plan),
+        "chunk": {
+            "model": MODEL_ID,
+            "tp_size": TP_SIZE,
+            "dtype": geometry.kv_dtype,
+            "tokens": CHUNK_TOKENS,
+            "bytes_per_token": geometry.bytes_per_token,
+            "bytes": chunk_bytes,
+        },
+        "env": _environment(),
+    }
+    t0 = time.perf_counter()
+    _bench_memory(report, plan, chunk_bytes, say)
+    _bench_disk(report, plan, chunk_bytes, disk_root, say)
+    _bench_lookup(report, plan, say)
+    report.meta["elapsed_s"] = round(time.perf_counter() - t0, 2)
+    report.meta["loadavg_end"] = list(os.getloadavg())
+    doc = report.to_json()
+    write_json(out, doc)
+    say(f"wrote {out}")
+    return doc
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. memory tier
+# ----------------------------------------------------------------------------------------------
+
+
+def _bench_memory(report: Report, plan: Plan, chunk_bytes: int, say: Progress) -> None:
+    metrics = Metrics(0)
+    ns = digest16(_NS_DOMAIN, ("memory",))
+    keys = _Keys("memory")
+    gen = torch.Generator().manual_seed(0)
+    sources = [
+        torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8, generator=gen)
+        for _ in range(plan.mem_sources)
+    ]
+    # every call, raw or tier, reads the next source: one no call has touched for a while, so
+    # neither side finds its source in the CPU cache that the other side just warmed
+    next_source = itertools.cycle(sources).__next__
+    dst = torch.zeros(chunk_bytes, dtype=torch.uint8)
+    rounds = plan.mem_warmup + plan.mem_reps
+    cap = plan.mem_slots * chunk_bytes
+    mib = chunk_bytes // _MIB
+
+    say(f"memory tier: store, {plan.mem_slots} x {mib} MiB slots, {rounds} rounds")
+    tier = MemoryTier(chunk_bytes, cap, ns, metrics)
+    try:
+        _fill(tier, keys, sources, plan.mem_slots)  # touch every page; stores then evict
+
+        def raw_store() -> float:
+            key = keys.next()
+            # the slot of the least recently stored chunk, the one a tier store would get
+            slot = _reserved(tier, key)
+            src = next_source()
+            t = time.perf_counter()
+            slot.copy_(src)
+            dt = time.perf_counter() - t
+            # published (untimed) so that the next store, too, lands on the coldest slot
+            tier.commit(key)
+            return dt
+
+        def reserve_commit() -> float:
+            key, src = keys.next(), next_source()
+            t = time.perf_counter()
+            slot = tier.reserve(key)
+            if slot is None:
+                raise RuntimeError("memory tier refused a reservation of a fresh key")
+            slot.copy_(src)
+            tier.commit(key)
+            return time.perf_counter() - t
+
+        def put() -> float:
+            key, src = keys.next(), next_source()
+            t = time.perf_counter()
+            ok = tier.put(key, src)
+            dt = time.perf_counter() - t
+            if not ok:
+                raise RuntimeError("memory tier refused a put of a fresh key")
+            return dt
+
+        store = _interleave(
+            {"raw": raw_store, "reserve": reserve_commit, "put": put}, plan.mem_warmup, rounds
+        )
+
+        say(f"memory tier: retrieve (verify_reads=True), {rounds} rounds")
+        verified = _retrieve(tier, keys, sources, dst, plan, "bench.views.verify")
+    finally:
+        tier.close()
+
+    say(f"memory tier: retrieve (verify_reads=False), {rounds} rounds")
+    plain = MemoryTier(chunk_bytes, cap, ns, metrics, verify_reads=False)
+    try:
+        unverified = _retrieve(plain, keys, sources, dst, plan, "bench.views.plain")
+    finally:
+        plain.close()
+
+    m = report.note(
+        f"chunk = {CHUNK_TOKENS} tokens x {chunk_bytes // CHUNK_TOKENS:,} B/token = {mib} MiB "
+        f"({MODEL_ID}, bf16, TP{TP_SIZE}, from kvtier.layout); median of {plan.mem_reps} "
+        "repetitions, interleaved with the raw baseline dst.copy_(src): into the slot a store "
+        "would get (the LRU chunk's) from the same sources, or out of the same tier slots into "
+        f"the same destination; each call takes the next of {plan.mem_sources} sources / "
+        f"{plan.mem_slots} slots, so both sides start from cold caches"
+    )
+    c = report.note(
+        "store = reserve + copy + commit (commit checksums the slot, xxh3) as the offload worker "
+        "saves; put = copy + checksum; a full tier evicts one chunk per store, as in service"
+    )
+    ratio_store = Target("ratio", ">=", STORE_RATIO_TARGET)
+    ratio_load = Target("ratio", ">=", RETRIEVE_RATIO_TARGET)
+    rows = (
+        ("memory.store.reserve_commit", f"memory store: reserve+commit {m}{c}", store, "reserve"),
+        ("memory.store.put", "memory store: put", store, "put"),
+        (
+            "memory.retrieve.read_into_verify",
+            "memory retrieve: read_into, verified",
+            verified,
+            "tier",
+        ),
+        (
+            "memory.retrieve.read_into_noverify",
+            "memory retrieve: read_into, verify_reads=False",
+            unverified,
+            "tier",
+        ),
+    )
+    for row_id, label, samples, name in rows:
+        target = ratio_store if row_id.startswith("memory.store") else ratio_load
+        _gbps_row(report, row_id, label, chunk_bytes, samples[name], samples["raw"], target)
+
+
+def _retrieve(
+    tier: MemoryTier,
+    keys: _Keys,
+    sources: Sequence[torch.Tensor],
+    dst: torch.Tensor,
+    plan: Plan,
+    lease_id: str,
+) -> dict[str, list[float]]:
+    """Interleave `read_into` with a raw copy out of the same slots into the same `dst`."""
+    resident = _fill(tier, keys, sources, plan.mem_slots)
+    # the raw baseline copies out of the tier's own slot: a zero-copy view, valid under a lease
+    if tier.lease(lease_id, resident) != len(resident):
+        raise RuntimeError("memory tier lost a chunk it was just given")
+    try:
+        views = [_viewed(tier, k) for k in resident]
+        # one turn shared by both sides: each call reads the slot least recently read
+        next_slot = itertools.cycle(range(len(resident))).__next__
+
+        def raw() -> float:
+            view = views[next_slot()]
+            t = time.perf_counter()
+            dst.copy_(view)
+            return time.perf_counter() - t
+
+        def read_into() -> float:
+            key = resident[next_slot()]
+            t = time.perf_counter()
+            ok = tier.read_into(key, dst)
+            dt = time.perf_counter() - t
+            if not ok:
+                raise RuntimeError("memory tier read_into missed a leased chunk")
+            return dt
+
+        rounds = plan.mem_warmup + plan.mem_reps
+        got = _interleave({"raw": raw, "tier": read_into}, plan.mem_warmup, rounds)
+        # the bytes read back are the bytes stored: a bench of wrong data would prove nothing
+        if not (tier.read_into(resident[0], dst) and torch.equal(dst, sources[0])):
+            raise RuntimeError("memory tier read back other bytes than were stored")
+    finally:
+        tier.release(lease_id)
+    return got
+
+
+def _fill(tier: MemoryTier, keys: _Keys, sources: Sequence[torch.Tensor], n: int) -> list[bytes]:
+    """Put `n` fresh chunks (chunk i holds `sources[i % len]`); the keys, in order."""
+    out: list[bytes] = []
+    for i in range(n):
+        key = keys.next()
+        if not tier.put(key, sources[i % len(sources)]):
+            raise RuntimeError(f"memory tier refused chunk {i} of {n} while filling")
+        out.append(key)
+    return out
+
+
+def _reserved(tier: MemoryTier, key: bytes) -> torch.Tensor:
+    slot = tier.reserve(key)
+    if slot is None:
+        raise RuntimeError("memory tier refused a reservation of a fresh key")
+    return slot
+
+
+def _viewed(tier: MemoryTier, key: bytes) -> torch.Tensor:
+    view = tier.view(key)
+    if view is None:
+        raise RuntimeError("memory tier could not view a leased chunk")
+    return view
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. disk tier
+# ----------------------------------------------------------------------------------------------
+
+
+def _bench_disk(
+    report: Report, plan: Plan, chunk_bytes: int, disk_root: Path, say: Progress
+) -> None:
+    disk_root.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="bench-tier-", dir=disk_root))
+    metrics = Metrics(0)
+    ns = digest16(_NS_DOMAIN, ("disk",))
+    keys = _Keys("disk")
+    payload_np = np.random.default_rng(1).integers(0, 256, chunk_bytes, dtype=np.uint8)
+    payload = memoryview(payload_np)
+    rounds = plan.disk_warmup + plan.disk_reps
+    try:
+        tier = DiskTier(root / "tier", plan.disk_files * (chunk_bytes + HEADER_BYTES), ns, metrics)
+        raw_dir = root / "raw"
+        raw_dir.mkdir()
+        written: list[bytes] = []
+        raw_paths: list[Path] = []
+        try:
+            say(f"disk tier: write + read ({root}), {rounds} rounds")
+
+            def raw_write() -> float:
+                path = raw_dir / f"{len(raw_paths) % plan.disk_files}.bin"
+                path.unlink(missing_ok=True)
+                t = time.perf_counter()
+                _write_file(path, payload)
+                dt = time.perf_counter() - t
+                raw_paths.append(path)
+                return dt
+
+            def tier_put() -> float:
+                key = keys.next()
+                t = time.perf_counter()
+                ok = tier.put(key, payload)
+                dt = time.perf_counter() - t
+                if not ok:
+                    raise RuntimeError(f"disk tier refused a put under {root}; is the disk full?")
+                written.append(key)
+                return dt
+
+            def raw_read() -> float:
+                t = time.perf_counter()
+                _read_file(raw_paths[-1])
+                return time.perf_counter() - t
+
+            def tier_get() -> float:
+                t = time.perf_counter()
+                got = tier.get(written[-1])
+                dt = time.perf_counter() - t
+                if got is None:
+                    raise RuntimeError("disk tier missed the chunk it just stored")
+                return dt
+
+            writes = _interleave({"raw": raw_write, "tier": tier_put}, plan.disk_warmup, rounds)
+            warm = _interleave({"raw": raw_read, "tier": tier_get}, plan.disk_warmup, rounds)
+            back = tier.get(written[-1])
+            if back is None or not np.array_equal(np.frombuffer(back, np.uint8), payload_np):
+                raise RuntimeError("disk tier read back other bytes than were stored")
+
+            say(f"disk tier: cold reads (page cache dropped), {plan.disk_cold_reps} rounds")
+            resident = [k for k in written[-plan.disk_files :] if tier.contains(k)]
+            latest = raw_paths[-plan.disk_files :]
+            _sync_tree(root)
+            next_path = itertools.cycle(latest).__next__
+            next_key = itertools.cycle(resident).__next__
+
+            def raw_cold() -> float:
+                path = next_path()
+                _drop_cache(path)
+                t = time.perf_counter()
+                _read_file(path)
+                return time.perf_counter() - t
+
+            def tier_cold() -> float:
+                key = next_key()
+                # the tier's file layout is its own business: drop the cache of every record
+                for path in _files(tier.directory):
+                    _drop_cache(path)
+                t = time.perf_counter()
+                got = tier.get(key)
+                dt = time.perf_counter() - t
+                if got is None:
+                    raise RuntimeError("disk tier missed a resident chunk on a cold read")
+                return dt
+
+            cold = _interleave({"raw": raw_cold, "tier": tier_cold}, 0, plan.disk_cold_reps)
+        finally:
+            tier.close()
+    finally:
+        shutil.rmtree(root)
+
+    w = report.note(
+        "neither the disk tier nor the raw write fsyncs (records are verified on every read), "
+        "so writes return once the bytes are in the page cache; the tier also checksums, writes "
+        "a 64-byte header to a temp file, renames it, and evicts its LRU record once full"
+    )
+    p = report.note(
+        "warm reads come from the page cache (the file was written just before); raw read = "
+        "open + fstat + readinto a fresh bytearray, as the tier reads, which then verifies"
+    )
+    k = report.note(
+        "cold reads: every file fsynced, then its page cache dropped with posix_fadvise(DONTNEED) "
+        "before each read; a hypervisor may still cache below the guest"
+    )
+    _gbps_row(
+        report, "disk.write.put", f"disk write: put {w}", chunk_bytes, writes["tier"], writes["raw"]
+    )
+    _gbps_row(
+        report,
+        "disk.read.get_warm",
+        f"disk read: get, page cache {p}",
+        chunk_bytes,
+        warm["tier"],
+        warm["raw"],
+    )
+    _gbps_row(report, "disk.read.get_cold", f"disk read: get, cold {k}", chunk_bytes,
+              cold["tier"], cold["raw"])  # fmt: skip
+
+
+def _write_file(path: Path, data: memoryview) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = data.cast("B")
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+
+
+def _read_file(path: Path) -> bytearray:
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(os.fstat(f.fileno()).st_size)
+        view = memoryview(buf)
+        got = 0
+        while got < len(buf):
+            n = f.readinto(view[got:])
+            if not n:
+                raise OSError(f"{path} shrank while the bench read it")
+            got += n
+    return buf
+
+
+def _files(root: Path) -> Iterator[Path]:
+    for dirpath, _dirs, names in os.walk(root):
+        for name in names:
+            yield Path(dirpath) / name
+
+
+def _sync_tree(root: Path) -> None:
+    """fsync every file under `root`, so their pages are clean and can be dropped."""
+    for path in _files(root):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _drop_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. all-rank lookup
+# ----------------------------------------------------------------------------------------------
+
+
+def _serve_rank(rank: int, endpoint: str, keys: list[bytes], ready: Any, stop: Any) -> None:
+    """Subprocess target: rank `rank`'s LookupServer over a TierStack holding every key; sets
+    `ready` once bound and serves until `stop` is set."""
+    metrics = Metrics(rank)
+    ns = digest16(_NS_DOMAIN, ("lookup", rank))
+    slots = len(keys) + 16
+    memory = MemoryTier(_LOOKUP_SLOT_BYTES, slots * _LOOKUP_SLOT_BYTES, ns, metrics)
+    stack = TierStack(memory, (), metrics)
+    try:
+        for key in keys:
+            if not stack.put(key, key * (_LOOKUP_SLOT_BYTES // len(key))):
+                raise RuntimeError(f"rank {rank}: memory tier refused a lookup key")
+        with LookupServer(rank, stack, endpoint, metrics):
+            ready.set()
+            stop.wait()
+    finally:
+        stack.close()
+
+
+def _bench_lookup(report: Report, plan: Plan, say: Progress) -> None:
+    rng = np.random.default_rng(2)
+    vocab = LLAMA_31_8B_CONFIG["vocab_size"]
+    if not isinstance(vocab, int):
+        raise TypeError(f"vocab_size {vocab!r} of the bench model config is not an int")
+    # a list of Python ints, as a request's prompt_token_ids reach the scheduler
+    tokens = rng.integers(0, vocab, PROMPT_TOKENS).tolist()
+    seed = key_seed(MODEL_ID, CHUNK_TOKENS)
+    n_keys = PROMPT_TOKENS // CHUNK_TOKENS
+
+    say(f"lookup: hashing {PROMPT_TOKENS} tokens into {n_keys} keys, {plan.hash_reps} reps")
+    keys = chain_keys(tokens, CHUNK_TOKENS, seed)
+    hashing = []
+    for _ in range(plan.hash_reps):
+        t = time.perf_counter()
+        again = chain_keys(tokens, CHUNK_TOKENS, seed)
+        hashing.append(time.perf_counter() - t)
+        if again != keys:
+            raise RuntimeError("chain_keys is not deterministic")
+
+    say(f"lookup: starting {LOOKUP_RANKS} rank servers (spawned subprocesses)")
+    lookups: list[float] = []
+    timeouts = errors = 0
+    with _rank_servers(keys) as endpoints:
+        client = LookupClient(endpoints, Metrics(0), chunk_size=CHUNK_TOKENS, world=LOOKUP_RANKS)
+        try:
+            client.wait_ready(timeout_s=30.0)
+            total = plan.lookup_warmup + plan.lookup_reps
+            say(f"lookup: {total} leased lookups of {n_keys} keys over {LOOKUP_RANKS} ranks")
+            gc.collect()
+            for i in range(total):
+                lookup_id = f"bench-{i}"
+                t = time.perf_counter()
+                res = client.lookup(keys, lookup_id, lease=True)
+                dt = time.perf_counter() - t
+                # the engine releases every lease it took, on every path
+                client.release([lookup_id])
+                if res.timed_out:
+                    timeouts += 1
+                elif res.errors:
+                    errors += 1
+                elif res.hit_chunks != n_keys:
+                    raise RuntimeError(
+                        f"lookup found {res.hit_chunks} of {n_keys} keys (per rank "
+                        f"{res.per_rank}); the rank servers should hold every key"
+                    )
+                if i >= plan.lookup_warmup:
+                    lookups.append(dt)
+        finally:
+            client.close()
+
+    ms = np.asarray(lookups) * 1e3
+    p50, p99 = float(np.percentile(ms, 50)), float(np.percentile(ms, 99))
+    hash_ms = float(np.median(hashing) * 1e3)
+    cores = len(os.sched_getaffinity(0))
+    n = report.note(
+        f"{PROMPT_TOKENS} tokens -> {n_keys} chunk keys; {LOOKUP_RANKS} LookupServers, each in its "
+        "own spawned process over ipc, backed by a TierStack whose MemoryTier holds every key; "
+        f"each lookup leases (lease=True) and is then released, as the engine does; "
+        f"{plan.lookup_reps} lookups after {plan.lookup_warmup} warm-up, on {cores} cores "
+        "shared by the client and all 4 servers"
+    )
+    detail = {
+        "samples": len(ms),
+        "mean_ms": float(ms.mean()),
+        "max_ms": float(ms.max()),
+        "timeouts": timeouts,
+        "errors": errors,
+    }
+    report.add(Row("lookup.p50", f"lookup, 4 ranks, 128 keys: p50 {n}", p50, "ms", detail=detail))
+    report.add(
+        Row(
+            "lookup.p99",
+            "lookup, 4 ranks, 128 keys: p99",
+            p99,
+            "ms",
+            target=Target("value", "<=", LOOKUP_P99_TARGET_MS),
+            detail=detail,
+        )
+    )
+    report.add(
+        Row(
+            "lookup.hash",
+            f"hash {PROMPT_TOKENS // 1024}k tokens (chain_keys): p50",
+            hash_ms,
+            "ms",
+            detail={"samples": len(hashing), "p99_ms": float(np.percentile(hashing, 99) * 1e3)},
+        )
+    )
+
+
+@contextmanager
+def _rank_servers(keys: list[bytes]) -> Iterator[dict[int, str]]:
+    """One server subprocess per rank, all bound when this yields their endpoints; stopped and
+    reaped (and their run directory removed) on exit."""
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    run_dir = make_run_dir(prefix="kvtier-bench-")
+    endpoints = {r: endpoint_for(r, run_dir=run_dir) for r in range(LOOKUP_RANKS)}
+    ready = [ctx.Event() for _ in range(LOOKUP_RANKS)]
+    procs = [
+        ctx.Process(
+            target=_serve_rank,
+            args=(r, endpoints[r], keys, ready[r], stop),
+            name=f"kvtier-bench-rank{r}",
+            daemon=True,
+        )
+        for r in range(LOOKUP_RANKS)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        _wait_bound(procs, ready)
+        yield endpoints
+    finally:
+        stop.set()
+        stuck = []
+        for p in procs:
+            if p.pid is None:
+                continue
+            p.join(_SERVER_STOP_S)
+            if p.is_alive():
+                stuck.append(p.name)
+                p.terminate()
+                p.join(_SERVER_STOP_S)
+        shutil.rmtree(run_dir)
+        if stuck:
+            raise RuntimeError(f"rank servers {stuck} did not stop within {_SERVER_STOP_S}s")
+
+
+def _wait_bound(procs: Sequence[BaseProcess], ready: Sequence[Any]) -> None:
+    """Wait until every server set its ready event; a server that died fails at once, so a
+    crash is told apart from a slow start."""
+    deadline = time.monotonic() + _SERVER_START_S
+    for proc, event in zip(procs, ready, strict=True):
+        while not event.wait(0.05):
+            if not proc.is_alive():
+                raise StartupError(
+                    f"lookup bench server {proc.name} exited with code {proc.exitcode} "
+                    "before binding; its traceback is on stderr"
+                )
+            if time.monotonic() > deadline:
+                raise StartupError(
+                    f"lookup bench server {proc.name} did not bind within {_SERVER_START_S}s"
+                )
+
+
+# ----------------------------------------------------------------------------------------------
+# shared helpers
+# ----------------------------------------------------------------------------------------------
+
+
+class _Keys:
+    """Fresh, distinct 16-byte chunk keys (a counter under a tag)."""
+
+    def __init__(self, tag: str) -> None:
+        self._tag = tag.encode()
+        self._n = 0
+
+    def next(self) -> bytes:
+        self._n += 1
+        return hashlib.blake2b(self._tag + self._n.to_bytes(8, "little"), digest_size=16).digest()
+
+
+def _interleave(
+    methods: dict[str, Callable[[], float]], warmup: int, rounds: int
+) -> dict[str, list[float]]:
+    """Run every method once per round, rotating their order; seconds per method after warmup."""
+    names = list(methods)
+    out: dict[str, list[float]] = {name: [] for name in names}
+    gc.collect()
+    for i in range(rounds):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            dt = methods[name]()
+            if i >= warmup:
+                out[name].append(dt)
+    return out
+
+
+def _gbps_row(
+    report: Report,
+    row_id: str,
+    label: str,
+    nbytes: int,
+    seconds: Sequence[float],
+    raw_seconds: Sequence[float],
+    target: Target | None = None,
+) -> None:
+    """A GB/s row from per-repetition seconds (median), with its raw baseline's median."""
+    med, raw_med = float(np.median(seconds)), float(np.median(raw_seconds))
+    report.add(
+        Row(
+            row_id,
+            label,
+            nbytes / med / _GB,
+            "GB/s",
+            raw=nbytes / raw_med / _GB,
+            target=target,
+            detail={
+                "samples": len(seconds),
+                "median_ms": med * 1e3,
+                "p10_ms": float(np.percentile(seconds, 10) * 1e3),
+                "p90_ms": float(np.percentile(seconds, 90) * 1e3),
+                "raw_median_ms": raw_med * 1e3,
+                "bytes": nbytes,
+            },
+        )
+    )
+
+
+def _environment() -> dict[str, Any]:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cores": len(os.sched_getaffinity(0)),
+        "loadavg_start": list(os.getloadavg()),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        return platform.processor() or "unknown"
+    return platform.processor() or "unknown"

@@ -1,0 +1,264 @@
+"""The model runner of one rank: step messages in, sampled tokens and connector reports out.
+
+`build_step_input` (engine process) flattens a `SchedulerOutput` into a `StepInput`: token ids,
+positions, slot mapping and per-sequence block tables. `ModelRunner.execute` (each rank) runs
+the worker-side connector hooks around the forward and samples on rank 0. Every executor sends
+the step as msgspec bytes, in process (TP=1) or over a pipe (TP>1), so both take one path.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+from kvtier.native.config import EngineConfig
+from kvtier.native.connector import (
+    ConnectorContext,
+    ConnectorRole,
+    ConnectorSpec,
+    build_connector,
+)
+from kvtier.native.loader import load_model
+from kvtier.native.model import AllReduce, AttentionMetadata, ModelConfig, SeqAttention
+from kvtier.native.sampling import Sampler, SampleSpec
+from kvtier.native.scheduler import SchedulerOutput
+
+
+class SeqInput(msgspec.Struct, array_like=True):
+    """One sequence of the step."""
+
+    req_id: str
+    q_len: int
+    ctx_len: int
+    block_table: list[int]
+    sample: bool
+    temperature: float
+    top_p: float
+    seed: int
+
+
+class StepInput(msgspec.Struct, tag="step"):
+    """Everything a rank needs to run one step."""
+
+    step_id: int
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    seqs: list[SeqInput]
+    connector_meta: bytes
+    has_sync_loads: bool
+    finished_req_ids: list[str]
+    preempted_req_ids: list[str]
+
+
+class StepResult(msgspec.Struct, tag="result"):
+    """One rank's answer: sampled tokens (rank 0; -1 = no sample) and connector reports."""
+
+    rank: int
+    step_id: int
+    sampled: list[int]
+    finished_sending: list[str]
+    finished_recving: list[str]
+    invalid_block_ids: list[int]
+    worker_meta: bytes
+
+
+_encoder = msgspec.msgpack.Encoder()
+_step_decoder = msgspec.msgpack.Decoder(StepInput)
+_result_decoder = msgspec.msgpack.Decoder(StepResult)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    """msgpack bytes of any message."""
+    return _encoder.encode(msg)
+
+
+def build_step_input(
+    out: SchedulerOutput, connector_meta: bytes, step_id: int, block_size: int
+) -> StepInput:
+    """Flatten the scheduled requests into the step's token-level arrays."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    seqs: list[SeqInput] = []
+    for sr in out.scheduled:
+        seq = sr.seq
+        start = seq.num_computed_tokens
+        end = start + sr.num_new_tokens
+        input_ids.extend(seq.token_ids[start:end])
+        positions.extend(range(start, end))
+        table = seq.block_ids[: -(-end // block_size)]
+        bs = block_size
+        slots.extend(table[t // bs] * bs + t % bs for t in range(start, end))
+        sp = seq.params
+        sample = end == seq.num_tokens  # the step reaches the end of what the request knows
+        seqs.append(
+            SeqInput(
+                seq.request_id,
+                sr.num_new_tokens,
+                end,
+                table,
+                sample,
+                sp.temperature,
+                sp.top_p,
+                seq.seed,
+            )
+        )
+    return StepInput(
+        step_id=step_id,
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slots,
+        seqs=seqs,
+        connector_meta=connector_meta,
+        has_sync_loads=out.has_sync_loads,
+        finished_req_ids=sorted(out.finished_req_ids),
+        preempted_req_ids=sorted(out.preempted_req_ids),
+    )
+
+
+def connector_context(
+    model_dir: str, mcfg: ModelConfig, config: EngineConfig, rank: int
+) -> ConnectorContext:
+    """The KV geometry a connector half of `rank` (-1: scheduler) is told about."""
+    tp = config.tensor_parallel_size
+    return ConnectorContext(
+        model_dir=str(model_dir),
+        model_type=mcfg.model_type,
+        dtype=config.dtype,
+        block_size=config.block_size,
+        num_blocks=config.num_blocks,
+        num_layers=mcfg.num_layers,
+        num_kv_heads=mcfg.num_kv_heads,
+        num_kv_heads_per_rank=mcfg.num_kv_heads // tp,
+        head_dim=mcfg.head_dim,
+        tp_size=tp,
+        tp_rank=rank,
+        device=config.device,
+    )
+
+
+def device_for(config: EngineConfig, rank: int) -> torch.device:
+    """cpu, or cuda:<rank> for TP rank `rank`."""
+    return torch.device("cpu") if config.device == "cpu" else torch.device("cuda", rank)
+
+
+class ModelRunner:
+    """One rank's model shard, KV cache, sampler and worker-side connector."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        config: EngineConfig,
+        mcfg: ModelConfig,
+        connector: ConnectorSpec,
+        *,
+        rank: int = 0,
+        all_reduce: AllReduce | None = None,
+    ) -> None:
+        self.rank = rank
+        self.config = config
+        self.block_size = config.block_size
+        self.device = device_for(config, rank)
+        tp = config.tensor_parallel_size
+        self.model = load_model(
+            model_dir, config.torch_dtype, self.device, tp_rank=rank, tp_size=tp,
+            all_reduce=all_reduce, config=mcfg,
+        )  # fmt: skip
+        # one allocation, layer-major; a block of a layer is the contiguous slice kv[layer][b]
+        self.kv_cache = torch.zeros(
+            mcfg.num_layers, config.num_blocks, 2, config.block_size,
+            mcfg.num_kv_heads // tp, mcfg.head_dim,
+            dtype=config.torch_dtype, device=self.device,
+        )  # fmt: skip
+        self.kv_caches = list(self.kv_cache.unbind(0))
+        self.sampler = Sampler()
+        ctx = connector_context(model_dir, mcfg, config, rank)
+        self.connector = build_connector(connector, ConnectorRole.WORKER, ctx)
+        named = {f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(self.kv_caches)}
+        self.connector.register_kv_caches(named, config.block_size)
+
+    def execute(self, step: StepInput) -> StepResult:
+        """Run one step: connector hooks around the forward, then sampling on rank 0."""
+        conn = self.connector
+        conn.bind_connector_metadata(conn.decode_meta(step.connector_meta))
+        if step.preempted_req_ids:
+            conn.handle_preemptions(set(step.preempted_req_ids))
+        if step.has_sync_loads:
+            conn.start_load_kv()  # the forward reads what these loads write
+        sampled = self._forward(step) if step.seqs else []
+        if not step.has_sync_loads:
+            conn.start_load_kv()
+        conn.wait_for_save()
+        finished = set(step.finished_req_ids)
+        self.sampler.forget(finished)
+        sending, recving = conn.get_finished(finished)
+        invalid = conn.get_block_ids_with_load_errors()
+        worker_meta = conn.build_worker_meta()
+        conn.clear_connector_metadata()
+        return StepResult(
+            rank=self.rank,
+            step_id=step.step_id,
+            sampled=sampled,
+            finished_sending=sorted(sending or ()),
+            finished_recving=sorted(recving or ()),
+            invalid_block_ids=sorted(invalid or ()),
+            worker_meta=worker_meta or b"",
+        )
+
+    def _forward(self, step: StepInput) -> list[int]:
+        dev = self.device
+        seqs = []
+        start = 0
+        rows = []
+        for s in step.seqs:
+            table = torch.tensor(s.block_table, dtype=torch.long, device=dev)
+            seqs.append(SeqAttention(start, s.q_len, s.ctx_len, table))
+            start += s.q_len
+            if s.sample:
+                rows.append(start - 1)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.long, device=dev),
+            seqs=seqs,
+            block_size=self.block_size,
+        )
+        hidden = self.model(
+            torch.tensor(step.input_ids, dtype=torch.long, device=dev),
+            torch.tensor(step.positions, dtype=torch.long, device=dev),
+            self.kv_caches,
+            meta,
+        )
+        if self.rank != 0:
+            return []
+        specs = [
+            SampleSpec(s.req_id, s.temperature, s.top_p, s.seed) for s in step.seqs if s.sample
+        ]
+        tokens = iter(self.sampler.sample(self.model.compute_logits(hidden[rows]), specs))
+        return [next(tokens) if s.sample else -1 for s in step.seqs]
+
+    def shutdown(self) -> None:
+        """Stop the worker-side connector."""
+        self.connector.shutdown()
+
+
+class LocalExecutor:
+    """TP=1: the runner lives in the engine process; the step still crosses as bytes."""
+
+    world = 1
+
+    def __init__(
+        self, model_dir: str, config: EngineConfig, mcfg: ModelConfig, connector: ConnectorSpec
+    ) -> None:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.runner = ModelRunner(model_dir, config, mcfg, connector)
+        self.kv_cache_shapes = [list(self.runner.kv_cache.shape)]
+
+    def execute(self, step: StepInput) -> list[StepResult]:
+        """Run the step on the single rank."""
+        result = self.runner.execute(_step_decoder.decode(encode(step)))
+        return [_result_decoder.decode(encode(result))]
+
+    def close(self) -> None:
+        """Shut the worker-side connector down."""
+        self.runner.shutdown()

@@ -1,0 +1,435 @@
+"""Continuous batching with chunked prefill, recompute preemption and the connector's
+scheduler-side hooks (vLLM v1 semantics, see `kvtier.native.connector`)."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from kvtier.native.blocks import BlockManager
+from kvtier.native.connector import ConnectorOutput, KVOutputAggregator, SchedulerConnector
+from kvtier.native.sequence import ExternalLoad, RequestOutput, Sequence, SequenceStatus
+
+log = logging.getLogger("kvtier.native")
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """A request running in this step and how many of its tokens the step computes."""
+
+    seq: Sequence
+    num_new_tokens: int
+    is_new: bool  # admitted from the waiting queue in this step
+
+    @property
+    def request_id(self) -> str:
+        """The request's id."""
+        return self.seq.request_id
+
+    @property
+    def computed_after_step(self) -> int:
+        """Tokens in the cache once this step's forward is done (read before it runs)."""
+        return self.seq.num_computed_tokens + self.num_new_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan, handed to `build_connector_meta` and turned into the runner's input."""
+
+    scheduled: list[ScheduledRequest]
+    finished_req_ids: set[str]  # finished or aborted since the previous step
+    preempted_req_ids: set[str]
+    has_sync_loads: bool  # some admitted request loads external tokens within this step
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        """Request id -> tokens computed for it in this step."""
+        return {s.request_id: s.num_new_tokens for s in self.scheduled}
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        """Tokens in the step's forward."""
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass
+class RankReport:
+    """What one rank's connector returned at the end of a step."""
+
+    finished_sending: Seq[str] = ()
+    finished_recving: Seq[str] = ()
+    invalid_block_ids: Seq[int] = ()
+    worker_meta: bytes = b""
+
+
+@dataclass
+class SchedulerStats:
+    """Counters with vLLM's meanings (prefix-cache counters live in the BlockManager)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_preemptions: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    external_load_failures: int = 0
+
+
+@dataclass
+class _Held:
+    """A finished request whose blocks stay allocated until the ranks are done with them."""
+
+    seq: Sequence
+    wait_send: bool  # the connector asked to delay the free (request_finished -> True)
+    wait_recv: bool  # aborted while a load was writing into its blocks
+
+
+@dataclass
+class _Limits:
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+
+class Scheduler:
+    """Decides which requests run each step and applies each step's results."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        connector: SchedulerConnector,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        eos_token_ids: Seq[int] = (),
+        world: int = 1,
+        has_connector: bool = True,
+    ) -> None:
+        self.bm = block_manager
+        self.block_size = block_manager.block_size
+        self.connector = connector
+        self.has_connector = has_connector
+        self.limits = _Limits(
+            max_num_batched_tokens, max_num_seqs, max_model_len, frozenset(eos_token_ids)
+        )
+        self.waiting: deque[Sequence] = deque()
+        # loaded and ready to prefill the rest; served before `waiting` because they hold
+        # blocks (a preempted request at the head of `waiting` must not block them)
+        self.ready: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.parked: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KVS
+        self.held: dict[str, _Held] = {}
+        self.stats = SchedulerStats()
+        self.aggregator = KVOutputAggregator(world)
+        self._finished_ids: set[str] = set()
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request."""
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        """True while any request waits, runs, loads, or holds blocks for the connector."""
+        return bool(self.waiting or self.ready or self.running or self.parked or self.held)
+
+    def get(self, request_id: str) -> Sequence | None:
+        """The live (not yet finished) request with this id."""
+        if request_id in self.parked:
+            return self.parked[request_id]
+        for seq in self.running:
+            if seq.request_id == request_id:
+                return seq
+        for seq in (*self.ready, *self.waiting):
+            if seq.request_id == request_id:
+                return seq
+        return None
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a live request now (reason "abort"); False if it is not live."""
+        seq = self.get(request_id)
+        if seq is None:
+            return False
+        loading = seq.status is SequenceStatus.WAITING_FOR_REMOTE_KVS
+        if loading:
+            del self.parked[request_id]
+        elif seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.ready:
+            self.ready.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.stats.requests_aborted += 1
+        self._finish(seq, "abort", wait_recv=loading)
+        return True
+
+    # ---- scheduling ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: running requests first (decode before new prefill), then admissions."""
+        budget = self.limits.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: set[str] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.bm.can_append(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]  # the latest admitted gives way
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            self.bm.append_slots(seq, seq.num_computed_tokens + n)
+            scheduled.append(ScheduledRequest(seq, n, is_new=False))
+            budget -= n
+            i += 1
+        has_sync_loads = False
+        if not preempted:
+            budget, has_sync_loads = self._admit(budget, scheduled)
+        finished, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(scheduled, finished, preempted, has_sync_loads)
+
+    def _admit(self, budget: int, scheduled: list[ScheduledRequest]) -> tuple[int, bool]:
+        limit = self.limits.max_num_seqs
+        while self.ready and budget > 0 and len(self.running) < limit:
+            # loaded after an asynchronous load: its blocks and computed prefix are kept
+            seq = self.ready[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.bm.can_append(seq, seq.num_computed_tokens + n):
+                return budget, False
+            self.bm.append_slots(seq, seq.num_computed_tokens + n)
+            self._start(self.ready.popleft(), n, scheduled)
+            budget -= n
+        has_sync_loads = False
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < limit:
+            seq = self.waiting[0]
+            hits = self.bm.lookup(seq)
+            hbm = len(hits) * self.block_size
+            ext, is_async = self._ask_connector(seq, hbm)
+            if ext is None:
+                skipped.append(self.waiting.popleft())
+                continue
+            if is_async:
+                if not self.bm.can_allocate(hits, hbm + ext):
+                    break
+                self._allocate(seq, hits, hbm + ext, ext, is_async=True)
+                self.waiting.popleft()
+                seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
+                self.parked[seq.request_id] = seq
+                continue
+            n = min(seq.num_tokens - hbm - ext, budget)
+            if not self.bm.can_allocate(hits, hbm + ext + n):
+                break
+            self._allocate(seq, hits, hbm + ext + n, ext, is_async=False)
+            # a synchronous load is done before this step's forward reads it
+            seq.num_computed_tokens = hbm + ext
+            has_sync_loads = has_sync_loads or ext > 0
+            self._start(self.waiting.popleft(), n, scheduled)
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+        return budget, has_sync_loads
+
+    def _ask_connector(self, seq: Sequence, hbm: int) -> tuple[int | None, bool]:
+        if not self.has_connector:
+            return 0, False
+        ext, is_async = self.connector.get_num_new_matched_tokens(seq, hbm)
+        if ext is None:
+            return None, False
+        if ext < 0 or hbm + ext > seq.num_tokens - 1:
+            raise RuntimeError(
+                f"connector offered {ext} external tokens to {seq.request_id} beyond an HBM hit "
+                f"of {hbm} with {seq.num_tokens} tokens; it must leave the last token to compute "
+                "(a full hit answers num_tokens - 1 - hbm)"
+            )
+        return ext, bool(is_async) and ext > 0
+
+    def _allocate(
+        self, seq: Sequence, hits: list[int], num_tokens: int, ext: int, *, is_async: bool
+    ) -> None:
+        self.bm.allocate(seq, hits, num_tokens)  # num_computed_tokens = HBM hit
+        hbm = seq.num_computed_tokens
+        if seq.num_cached_tokens < 0:
+            seq.num_cached_tokens = hbm
+        if self.has_connector:
+            self.stats.external_prefix_cache_queries += seq.num_tokens - hbm
+        seq.load = ExternalLoad(hbm, hbm + ext, is_async) if ext > 0 else None
+        self.connector.update_state_after_alloc(seq, list(seq.block_ids), ext)
+
+    def _start(self, seq: Sequence, n: int, scheduled: list[ScheduledRequest]) -> None:
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        scheduled.append(ScheduledRequest(seq, n, is_new=True))
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.connector.request_preempted(seq)
+        self.bm.free(seq)
+        seq.num_computed_tokens = 0
+        seq.load = None
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.stats.num_preemptions += 1
+        log.debug("preempted %s (recompute)", seq.request_id)
+
+    # ---- results ------------------------------------------------------------------------------
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: Seq[int], reports: Seq[RankReport]
+    ) -> list[RequestOutput]:
+        """Apply one step: advance computed tokens, append samples, settle connector reports.
+
+        `sampled[i]` is the token of `out.scheduled[i]` (-1 where it did not sample).
+        """
+        expect_recv = self.parked.keys() | {k for k, h in self.held.items() if h.wait_recv}
+        expect_send = {k for k, h in self.held.items() if h.wait_send}
+        sending: set[str] = set()
+        recving: set[str] = set()
+        invalid: set[int] = set()
+        for rank, rep in enumerate(reports):
+            s, r = self.aggregator.add(
+                rank, rep.finished_sending, rep.finished_recving, expect_send, expect_recv
+            )
+            sending |= s
+            recving |= r
+            invalid.update(rep.invalid_block_ids)
+        if invalid:
+            self._mark_invalid(invalid, out)
+        outputs = [
+            o
+            for sr, tok in zip(out.scheduled, sampled, strict=True)
+            if (o := self._advance(sr, tok))
+        ]
+        resumed = [self.parked.pop(rid) for rid in recving if rid in self.parked]
+        resumed.sort(key=lambda s: s.arrival)
+        for seq in resumed:
+            self._finish_load(seq)
+        self.ready.extend(resumed)
+        for rid in recving:
+            if rid in self.held:
+                self.held[rid].wait_recv = False
+                self._maybe_free(rid)
+        for rid in sending:
+            if rid in self.held:
+                self.held[rid].wait_send = False
+                self._maybe_free(rid)
+        self.connector.update_connector_output(
+            ConnectorOutput(sending, recving, invalid, [r.worker_meta for r in reports])
+        )
+        return outputs
+
+    def _mark_invalid(self, invalid: set[int], out: SchedulerOutput) -> None:
+        loading = list(self.parked.values())
+        loading += [sr.seq for sr in out.scheduled if sr.seq.load is not None]
+        loading += [h.seq for h in self.held.values() if h.wait_recv and h.seq.load is not None]
+        owner: dict[int, tuple[Sequence, int]] = {}
+        for seq in loading:
+            assert seq.load is not None
+            for i in seq.load.block_range(self.block_size):
+                owner[seq.block_ids[i]] = (seq, i)
+        for b in invalid:
+            hit = owner.get(b)
+            if hit is None:
+                log.warning("ignoring load error on block %d: no load is writing it", b)
+                continue
+            seq, i = hit
+            load = seq.load
+            assert load is not None
+            load.first_bad_block = (
+                i if load.first_bad_block is None else min(i, load.first_bad_block)
+            )
+        self.bm.uncache([b for b in invalid if b in owner])
+
+    def _finish_load(self, seq: Sequence) -> None:
+        load = seq.load
+        assert load is not None
+        good = load.good_end(self.block_size)
+        self._count_load(seq, load, good)
+        seq.num_computed_tokens = good
+        seq.load = None
+        seq.status = SequenceStatus.WAITING
+        self.bm.cache_blocks(seq, good)
+
+    def _count_load(self, seq: Sequence, load: ExternalLoad, good: int) -> None:
+        seq.num_external_tokens = good - load.start
+        self.stats.external_prefix_cache_hits += good - load.start
+        if load.first_bad_block is not None:
+            self.stats.external_load_failures += 1
+            log.warning(
+                "external load of %s failed from block %d: recomputing tokens [%d, %d)",
+                seq.request_id, load.first_bad_block, good, load.end,
+            )  # fmt: skip
+
+    def _advance(self, sr: ScheduledRequest, token: int) -> RequestOutput | None:
+        seq = sr.seq
+        seq.num_computed_tokens += sr.num_new_tokens
+        load = seq.load
+        if load is not None:  # a synchronous load done in this step
+            seq.load = None
+            good = load.good_end(self.block_size)
+            self._count_load(seq, load, good)
+            if load.first_bad_block is not None:
+                # everything from the first bad block on was computed from bad KV: redo it
+                seq.num_computed_tokens = good
+                self.bm.cache_blocks(seq, good)
+                return None
+        self.bm.cache_blocks(seq, seq.num_computed_tokens)
+        if seq.num_computed_tokens < seq.num_tokens:
+            return None  # a prefill chunk that did not reach the end of the prompt
+        if token < 0:
+            raise RuntimeError(f"rank 0 sampled no token for {seq.request_id}, which needed one")
+        if not seq.output_token_ids:
+            self.stats.prompt_tokens += seq.num_prompt_tokens
+        seq.append_token(token)
+        self.stats.generation_tokens += 1
+        reason = self._stop_reason(seq, token)
+        if reason is not None:
+            self.running.remove(seq)
+            self.stats.requests_finished += 1
+            self._finish(seq, reason, wait_recv=False)
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token],
+            output_token_ids=list(seq.output_token_ids),
+            finished=reason is not None,
+            finish_reason=reason,
+            prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=max(seq.num_cached_tokens, 0),
+            num_external_tokens=seq.num_external_tokens,
+        )
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if not p.ignore_eos and token in self.limits.eos_token_ids:
+            return "stop"
+        if token in p.stop_token_ids:
+            return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.limits.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str, *, wait_recv: bool) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self._finished_ids.add(seq.request_id)
+        delay = bool(self.connector.request_finished(seq, list(seq.block_ids)))
+        if delay or wait_recv:
+            self.held[seq.request_id] = _Held(seq, wait_send=delay, wait_recv=wait_recv)
+        else:
+            self.bm.free(seq)
+            self.aggregator.forget(seq.request_id)
+
+    def _maybe_free(self, req_id: str) -> None:
+        h = self.held[req_id]
+        if not (h.wait_send or h.wait_recv):
+            del self.held[req_id]
+            self.bm.free(h.seq)
+            self.aggregator.forget(req_id)

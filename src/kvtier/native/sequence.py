@@ -1,0 +1,134 @@
+"""One request's state as the scheduler tracks it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvtier.native.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    """Lifecycle: WAITING -> [WAITING_FOR_REMOTE_KVS ->] RUNNING -> FINISHED (vLLM's names)."""
+
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """A request: its tokens, its blocks, how much of it is computed and where that came from.
+
+    `num_computed_tokens` counts tokens whose KV is in the cache now. After admission it is the
+    HBM hit; a synchronous external load adds its tokens at once, an asynchronous one when the
+    load finishes. `num_cached_tokens` is the HBM prefix hit of the first admission and
+    `num_external_tokens` what the connector loaded successfully.
+    """
+
+    __slots__ = (
+        "arrival",
+        "block_hashes",
+        "block_ids",
+        "finish_reason",
+        "load",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_external_tokens",
+        "num_hashed_blocks",
+        "output_token_ids",
+        "params",
+        "prompt_token_ids",
+        "request_id",
+        "seed",
+        "status",
+        "token_ids",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        arrival: int,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)  # prompt + output, appended as tokens arrive
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.seed = seed
+        self.arrival = arrival
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hashes of full blocks of token_ids
+        self.num_hashed_blocks = 0  # leading blocks already offered to the prefix cache
+        self.num_cached_tokens = -1  # -1 until first admitted
+        self.num_external_tokens = 0
+        self.load: ExternalLoad | None = None
+        self.finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt length."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by output (do not mutate)."""
+        return self.token_ids
+
+    def append_token(self, token: int) -> None:
+        """Record one sampled token."""
+        self.token_ids.append(token)
+        self.output_token_ids.append(token)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})"
+        )
+
+
+class ExternalLoad:
+    """A connector load into this sequence's blocks covering tokens [start, end)."""
+
+    __slots__ = ("end", "first_bad_block", "is_async", "start")
+
+    def __init__(self, start: int, end: int, is_async: bool) -> None:
+        self.start = start  # the HBM floor: nothing below it is loaded
+        self.end = end
+        self.is_async = is_async
+        self.first_bad_block: int | None = None  # index in block_ids of the first failed block
+
+    def block_range(self, block_size: int) -> range:
+        """Indices (in the sequence's block table) of the blocks this load writes."""
+        return range(self.start // block_size, -(-self.end // block_size))
+
+    def good_end(self, block_size: int) -> int:
+        """Tokens valid after the load: its end, or the start of its first failed block."""
+        if self.first_bad_block is None:
+            return self.end
+        return max(self.start, min(self.end, self.first_bad_block * block_size))
+
+
+@dataclass
+class RequestOutput:
+    """What one step (or `Engine.generate`) reports about one request."""
+
+    request_id: str
+    new_token_ids: list[int]  # sampled in this step
+    output_token_ids: list[int]  # every token so far
+    finished: bool
+    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    prompt_tokens: int
+    num_cached_tokens: int  # HBM prefix hit at admission
+    num_external_tokens: int  # tokens the connector loaded successfully
+    text: str | None = None  # filled by `Engine.generate` when a tokenizer is present

@@ -1,0 +1,493 @@
+"""The host-memory tier: one preallocated (pinned where CUDA is present) uint8 buffer cut into
+fixed slots, one chunk per slot, evicted by segmented LRU and verified by xxh3 on every read.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.metrics import Metrics
+from kvtier.store.lease import LeaseTable
+from kvtier.store.record import KEY_BYTES, NAMESPACE_BYTES, checksum
+
+TIER = "memory"
+
+Payload = bytes | bytearray | memoryview | torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryTierStats:
+    """Slot accounting at one instant; `free + used + reserved + quarantined == num_slots`."""
+
+    num_slots: int
+    slot_bytes: int
+    free: int
+    used: int
+    reserved: int
+    quarantined: int
+    probation: int
+    protected: int
+    leases: int = 0
+
+
+class MemoryTier:
+    """Chunks in fixed slots of one host buffer, with SLRU eviction, leases and verified reads.
+
+    Thread-safe: one lock guards the metadata; large copies run outside it on slots that no one
+    can evict or reuse meanwhile (private to a writer, or pinned by an in-flight read).
+    """
+
+    name = TIER
+
+    def __init__(
+        self,
+        slot_bytes: int,
+        capacity_bytes: int,
+        namespace: bytes,
+        metrics: Metrics,
+        *,
+        lease_ttl_s: float = 30.0,
+        max_leases: int = 65536,
+        protected_fraction: float = 0.8,
+        verify_reads: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+        pin_memory: bool | None = None,
+    ) -> None:
+        if slot_bytes <= 0:
+            raise ValueError(f"memory tier slot_bytes must be > 0, got {slot_bytes}")
+        num_slots = capacity_bytes // slot_bytes if capacity_bytes > 0 else 0
+        if num_slots == 0:
+            raise ValueError(
+                f"memory tier capacity_bytes={capacity_bytes} holds no slot of "
+                f"slot_bytes={slot_bytes}; raise the capacity to at least {slot_bytes} bytes "
+                "or use a smaller chunk size"
+            )
+        if len(namespace) != NAMESPACE_BYTES:
+            raise ValueError(
+                f"memory tier namespace must be {NAMESPACE_BYTES} bytes, got {len(namespace)}"
+            )
+        if not 0.0 <= protected_fraction <= 1.0:
+            raise ValueError(
+                f"protected_fraction={protected_fraction} must lie in [0, 1]; 0.8 is usual"
+            )
+        pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        if pin and not torch.cuda.is_available():
+            raise ValueError(
+                "pin_memory=True needs CUDA, which this torch build cannot see; "
+                "pass pin_memory=None (pin when CUDA is present) or False"
+            )
+
+        self.slot_bytes = slot_bytes
+        self.num_slots = num_slots
+        self.namespace = bytes(namespace)
+        self.verify_reads = verify_reads
+        self._m = metrics
+        self._buf = torch.empty(num_slots * slot_bytes, dtype=torch.uint8, pin_memory=pin)
+        # a numpy view of the same memory: zero-copy hashing and bytes-like copies
+        self._np = self._buf.numpy()
+        self._lock = threading.Lock()
+        self._leases = LeaseTable(metrics, lease_ttl_s, max_leases, clock)
+        self._protected_cap = int(protected_fraction * num_slots)
+
+        # stack of free slot numbers; slot 0 is handed out first
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._index: dict[bytes, int] = {}  # visible key -> slot
+        self._length = [0] * num_slots
+        self._sum = [0] * num_slots
+        # reads copying outside the lock; a slot with readers is neither evicted nor reused
+        self._readers = [0] * num_slots
+        # LRU first, MRU last
+        self._probation: OrderedDict[bytes, None] = OrderedDict()
+        self._protected: OrderedDict[bytes, None] = OrderedDict()
+        self._reserved: dict[bytes, int] = {}  # key -> slot being written through reserve()
+        # slots of entries dropped as corrupt while a lease or a reader could still see them
+        self._quarantine: dict[int, bytes] = {}
+        self._closed = False
+
+        self._residency = metrics.residency(TIER)
+        self._evictions = metrics.eviction(TIER)
+        self._all_pinned = metrics.store_failure(TIER, "all_pinned")
+        self._mismatch = metrics.verify_failure(TIER, "checksum_mismatch")
+        metrics.capacity(TIER).set(num_slots * slot_bytes)
+        self._residency.set(0)
+
+    # ---- reads ---------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def contains(self, key: bytes) -> bool:
+        """True if `key` is resident (no recency change, no verification)."""
+        self._check_open()
+        return key in self._index
+
+    def lookup_prefix(self, keys: Iterable[bytes]) -> int:
+        """How many leading `keys` are resident; each one counted is a hit for SLRU."""
+        n = 0
+        with self._lock:
+            self._check_open()
+            for key in keys:
+                if key not in self._index:
+                    break
+                self._hit(key)
+                n += 1
+        return n
+
+    def get(self, key: bytes) -> bytes | None:
+        """A verified copy of the payload of `key`, or None on a miss or a checksum mismatch."""
+        slot, n, want = self._begin_read(key)
+        if slot < 0:
+            return None
+        bad = False
+        try:
+            off = slot * self.slot_bytes
+            # hash the copy, not the slot: the bytes returned are exactly the bytes verified
+            data = self._np[off : off + n].tobytes()
+            bad = self.verify_reads and checksum(self.namespace, key, data) != want
+        finally:
+            self._end_read(key, slot, bad)
+        return None if bad else data
+
+    def read_into(self, key: bytes, dst: torch.Tensor) -> bool:
+        """Copy the payload of `key` into uint8 `dst` (any device) after verifying it.
+
+        False on a miss, or on a checksum mismatch (dropped and counted; `dst` untouched).
+        `dst` must hold exactly the payload length."""
+        if dst.dtype != torch.uint8:
+            raise ValueError(f"read_into needs a uint8 dst tensor, got {dst.dtype}")
+        slot, n, want = self._begin_read(key)
+        if slot < 0:
+            return False
+        bad = False
+        try:
+            if dst.numel() != n:
+                raise ValueError(
+                    f"read_into dst holds {dst.numel()} bytes but the payload of this key is "
+                    f"{n} bytes; pass a dst of exactly {n} bytes"
+                )
+            off = slot * self.slot_bytes
+            if self.verify_reads:
+                bad = checksum(self.namespace, key, memoryview(self._np[off : off + n])) != want
+            if not bad:
+                # blocking copy: the slot may be reused as soon as the read pin is dropped
+                dst.copy_(self._buf[off : off + n])
+        finally:
+            self._end_read(key, slot, bad)
+        return not bad
+
+    def view(self, key: bytes) -> torch.Tensor | None:
+        """A zero-copy, verified uint8 view of the payload of `key`, or None on a miss/mismatch.
+
+        The caller must hold a lease on `key`; the view is valid only until that lease ends."""
+        with self._lock:
+            self._check_open()
+            if key in self._index and not self._leases.is_pinned(key):
+                raise ValueError(
+                    "view(key) is only safe under a lease on key; call lease(lease_id, [key]) "
+                    "first and release it when done with the view"
+                )
+        slot, n, want = self._begin_read(key)
+        if slot < 0:
+            return None
+        bad = False
+        try:
+            off = slot * self.slot_bytes
+            if self.verify_reads:
+                bad = checksum(self.namespace, key, memoryview(self._np[off : off + n])) != want
+        finally:
+            self._end_read(key, slot, bad)
+        return None if bad else self._buf[off : off + n]
+
+    # ---- writes --------------------------------------------------------------------------------
+
+    def put(self, key: bytes, payload: Payload) -> bool:
+        """Copy `payload` (at most slot_bytes) into a slot under `key`.
+
+        True when stored or already resident (recency refreshed, not rewritten); False, counted
+        as store failure `all_pinned`, when every slot is leased or being read."""
+        _check_key(key)
+        src, n = _source(payload)
+        if n > self.slot_bytes:
+            raise ValueError(
+                f"payload of {n} bytes does not fit a memory-tier slot of {self.slot_bytes} "
+                "bytes; the slot size must be the chunk size in bytes"
+            )
+        with self._lock:
+            self._check_open()
+            self._leases.expire()
+            if key in self._index:
+                self._touch(key)
+                return True
+            slot = self._allocate()
+        if slot < 0:
+            return False
+        try:
+            off = slot * self.slot_bytes
+            if n:
+                self._buf[off : off + n].copy_(src)
+            want = self._checksum(key, slot, n)
+        except BaseException:
+            with self._lock:
+                self._free.append(slot)
+            raise
+        with self._lock:
+            self._check_open()
+            self._publish(key, slot, n, want)
+        return True
+
+    def reserve(self, key: bytes) -> torch.Tensor | None:
+        """A writable uint8 slot view for `key`; `commit(key)` publishes it, `abort(key)` frees it.
+
+        None when `key` is already resident (recency refreshed) or reserved, or when every slot
+        is pinned (counted as store failure `all_pinned`); `contains(key)` tells them apart."""
+        _check_key(key)
+        with self._lock:
+            self._check_open()
+            self._leases.expire()
+            if key in self._index:
+                self._touch(key)
+                return None
+            if key in self._reserved:
+                return None
+            slot = self._allocate()
+            if slot < 0:
+                return None
+            self._reserved[key] = slot
+        off = slot * self.slot_bytes
+        return self._buf[off : off + self.slot_bytes]
+
+    def commit(self, key: bytes, nbytes: int | None = None) -> None:
+        """Publish the slot reserved for `key`, holding its first `nbytes` (default: all)."""
+        n = self.slot_bytes if nbytes is None else nbytes
+        if not 0 <= n <= self.slot_bytes:
+            raise ValueError(f"commit nbytes={nbytes} must lie in [0, {self.slot_bytes}]")
+        with self._lock:
+            self._check_open()
+            slot = self._reserved.get(key)
+        if slot is None:
+            raise ValueError("commit(key) of a key that is not reserved; call reserve(key) first")
+        # the slot is private to this reservation, so hashing it needs no lock
+        want = self._checksum(key, slot, n)
+        with self._lock:
+            self._check_open()
+            if self._reserved.pop(key, None) != slot:
+                raise ValueError("commit(key) raced an abort(key) of the same reservation")
+            self._publish(key, slot, n, want)
+
+    def abort(self, key: bytes) -> None:
+        """Give back the slot reserved for `key` without publishing anything."""
+        with self._lock:
+            self._check_open()
+            slot = self._reserved.pop(key, None)
+            if slot is None:
+                raise ValueError("abort(key) of a key that is not reserved")
+            self._free.append(slot)
+
+    # ---- leases --------------------------------------------------------------------------------
+
+    def lease(self, lease_id: str, keys: Sequence[bytes], counted: bool = True) -> int:
+        """Pin every resident key of `keys` under `lease_id`; returns how many leading keys are
+        resident. An empty lease is still recorded so its release is not a double release.
+        `counted=False` keeps an internal pin out of the lease metrics."""
+        with self._lock:
+            self._check_open()
+            present = [k for k in keys if k in self._index]
+            leading = 0
+            for k in keys:
+                if k not in self._index:
+                    break
+                leading += 1
+            self._leases.acquire(lease_id, present, counted)
+        return leading
+
+    def release(self, lease_id: str) -> None:
+        """Release `lease_id`; an unknown or already released id is a counted no-op."""
+        with self._lock:
+            self._check_open()
+            self._leases.release(lease_id)
+            self._reclaim()
+
+    def expire_leases(self) -> int:
+        """Drop leases past their deadline (counted); returns how many keys became unpinned."""
+        with self._lock:
+            self._check_open()
+            freed = self._leases.expire()
+            self._reclaim()
+        return len(freed)
+
+    # ---- accounting ----------------------------------------------------------------------------
+
+    def residency_bytes(self) -> int:
+        """Bytes held by resident chunks (whole slots)."""
+        return len(self._index) * self.slot_bytes
+
+    def stats(self) -> MemoryTierStats:
+        """Slot accounting now (for tests, doctor and logs)."""
+        with self._lock:
+            return MemoryTierStats(
+                num_slots=self.num_slots,
+                slot_bytes=self.slot_bytes,
+                free=len(self._free),
+                used=len(self._index),
+                reserved=len(self._reserved),
+                quarantined=len(self._quarantine),
+                probation=len(self._probation),
+                protected=len(self._protected),
+                leases=len(self._leases),
+            )
+
+    def close(self) -> None:
+        """Free the buffer; every later read, write or lease call raises RuntimeError."""
+        with self._lock:
+            self._closed = True
+            self._index.clear()
+            self._probation.clear()
+            self._protected.clear()
+            self._reserved.clear()
+            self._quarantine.clear()
+            self._free.clear()
+            self._buf = torch.empty(0, dtype=torch.uint8)
+            self._np = self._buf.numpy()
+            self._residency.set(0)
+
+    # ---- internals (callers hold the lock unless noted) ----------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("memory tier is closed")
+
+    def _checksum(self, key: bytes, slot: int, n: int) -> int:
+        # no lock needed: the caller owns the slot. Skipped when reads never verify.
+        if not self.verify_reads:
+            return 0
+        off = slot * self.slot_bytes
+        return checksum(self.namespace, key, memoryview(self._np[off : off + n]))
+
+    def _begin_read(self, key: bytes) -> tuple[int, int, int]:
+        """Pin the slot of `key` against reuse and count a hit; (-1, 0, 0) on a miss. No lock."""
+        with self._lock:
+            self._check_open()
+            slot = self._index.get(key)
+            if slot is None:
+                return -1, 0, 0
+            self._readers[slot] += 1
+            self._hit(key)
+            return slot, self._length[slot], self._sum[slot]
+
+    def _end_read(self, key: bytes, slot: int, bad: bool) -> None:
+        """Drop the read pin; drop the entry if it failed verification. No lock."""
+        with self._lock:
+            self._readers[slot] -= 1
+            if bad and self._index.get(key) == slot:
+                self._mismatch.inc()
+                self._unlink(key)
+                self._quarantine[slot] = key
+            if slot in self._quarantine:
+                self._reclaim()
+
+    def _hit(self, key: bytes) -> None:
+        """SLRU hit: probation -> protected MRU; protected overflow -> probation MRU."""
+        if key in self._protected:
+            self._protected.move_to_end(key)
+            return
+        del self._probation[key]
+        self._protected[key] = None
+        while len(self._protected) > self._protected_cap:
+            demoted, _ = self._protected.popitem(last=False)
+            self._probation[demoted] = None
+
+    def _touch(self, key: bytes) -> None:
+        """Re-put of a resident key: MRU of its own segment (a write is not a read hit)."""
+        if key in self._protected:
+            self._protected.move_to_end(key)
+        else:
+            self._probation.move_to_end(key)
+
+    def _evictable(self, key: bytes) -> bool:
+        return not self._leases.is_pinned(key) and self._readers[self._index[key]] == 0
+
+    def _allocate(self) -> int:
+        """A private slot: free, reclaimed or evicted; -1 (counted) when every slot is pinned."""
+        if not self._free and self._quarantine:
+            self._reclaim()
+        if self._free:
+            return self._free.pop()
+        for segment in (self._probation, self._protected):
+            for key in segment:
+                if self._evictable(key):
+                    slot = self._index[key]
+                    self._unlink(key)
+                    self._evictions.inc()
+                    return slot
+        self._all_pinned.inc()
+        return -1
+
+    def _publish(self, key: bytes, slot: int, n: int, want: int) -> None:
+        if key in self._index:
+            # another writer published the same key while this copy ran; keep theirs
+            self._free.append(slot)
+            self._touch(key)
+            return
+        self._index[key] = slot
+        self._length[slot] = n
+        self._sum[slot] = want
+        self._probation[key] = None
+        self._residency.set(len(self._index) * self.slot_bytes)
+
+    def _unlink(self, key: bytes) -> None:
+        """Forget a resident key (its slot is the caller's to free or reuse)."""
+        del self._index[key]
+        if key in self._protected:
+            del self._protected[key]
+        else:
+            del self._probation[key]
+        self._residency.set(len(self._index) * self.slot_bytes)
+
+    def _reclaim(self) -> None:
+        """Free quarantined slots that no lease or reader can still see."""
+        if not self._quarantine:
+            return
+        for slot, key in list(self._quarantine.items()):
+            if self._readers[slot] == 0 and not self._leases.is_pinned(key):
+                del self._quarantine[slot]
+                self._free.append(slot)
+
+
+def _check_key(key: bytes) -> None:
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"chunk key must be {KEY_BYTES} bytes, got {len(key)}")
+
+
+def _source(payload: Payload) -> tuple[torch.Tensor, int]:
+    """The payload as a flat byte source for a copy (no copy made here), and its length."""
+    if isinstance(payload, torch.Tensor):
+        # byte reinterpretation needs unit stride; contiguous() copies only when it must
+        flat = payload.contiguous().reshape(-1)
+        if flat.dtype != torch.uint8:
+            flat = flat.view(torch.uint8)
+        return flat, flat.numel()
+    view = memoryview(payload)
+    if not view.c_contiguous:
+        raise ValueError("payload memoryview must be C-contiguous; pass bytes(payload)")
+    if view.nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8), 0
+    # torch's multi-threaded copy_ beats numpy's single memcpy for large slots
+    return torch.frombuffer(view, dtype=torch.uint8), view.nbytes
+
+
+def _spend_readonly_buffer_warning() -> None:
+    # torch warns once per process that a tensor over a read-only buffer (bytes) is writable.
+    # The tier only ever reads such tensors, so spend that one warning here, silenced.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.frombuffer(b"\0", dtype=torch.uint8)
+
+
+_spend_readonly_buffer_warning()

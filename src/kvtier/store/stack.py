@@ -1,0 +1,349 @@
+"""TierStack: the memory tier written synchronously, lower tiers written behind, reads top-down.
+
+A lookup counts the longest prefix held across tiers and leases each counted chunk where it
+lives; a read fills the caller's tensor from the highest tier holding a verified copy and
+promotes lower-tier hits into memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kvtier.metrics import Metrics
+from kvtier.store.base import Tier
+
+if TYPE_CHECKING:
+    from kvtier.store.memory import MemoryTier
+
+log = logging.getLogger(__name__)
+
+_WRITE_BEHIND = "write_behind"
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """One chunk to copy from memory into every lower tier, pinned under `lease_id` meanwhile."""
+
+    key: bytes
+    lease_id: str
+
+
+_STOP = object()
+
+
+class TierStack:
+    """Tiers top-down: a `MemoryTier`, then lower tiers (disk, remote) fed by one write-behind
+    thread through one bounded queue that sheds writes instead of blocking the caller."""
+
+    def __init__(
+        self,
+        memory: MemoryTier,
+        lower: Sequence[Tier] = (),
+        metrics: Metrics | None = None,
+        *,
+        queue_depth: int = 256,
+        max_leases: int = 65536,
+    ) -> None:
+        if metrics is None:
+            raise ValueError("TierStack needs the rank's Metrics; pass metrics=Metrics(rank)")
+        if queue_depth <= 0 or max_leases <= 0:
+            raise ValueError(
+                f"queue_depth ({queue_depth}) and max_leases ({max_leases}) must be > 0"
+            )
+        names = [memory.name, *(t.name for t in lower)]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be distinct, got {names}")
+        self._memory = memory
+        self._lower: tuple[Tier, ...] = tuple(lower)
+        self._m = metrics
+        self._queue: queue.Queue[_Job | object] = queue.Queue(maxsize=queue_depth)
+        self._depth = metrics.queue(_WRITE_BEHIND)
+        self._depth.set(0)
+        # jobs enqueued and not yet finished; flush() waits on it reaching zero
+        self._pending = 0
+        self._cond = threading.Condition()
+        self._seq = itertools.count()
+        # lookup lease id -> indices of the tiers that hold it, so a release touches only those
+        # (capped: past the cap the oldest entries go; their tier leases expire on their own)
+        self._lease_tiers: OrderedDict[str, set[int]] = OrderedDict()
+        self._max_leases = max_leases
+        self._lease_lock = threading.Lock()
+        self._closed = False
+        self._abandon = threading.Event()
+        self._thread: threading.Thread | None = None
+        if self._lower:
+            self._thread = threading.Thread(
+                target=self._drain, name="kvtier-write-behind", daemon=True
+            )
+            self._thread.start()
+
+    # ---- introspection -------------------------------------------------------------------
+
+    @property
+    def tiers(self) -> list[str]:
+        """Tier names, top-down."""
+        return [t.name for t in self._all()]
+
+    @property
+    def memory(self) -> MemoryTier:
+        """The top (memory) tier."""
+        return self._memory
+
+    @property
+    def lower(self) -> tuple[Tier, ...]:
+        """The tiers below memory, top-down."""
+        return self._lower
+
+    def holder(self, key: bytes) -> str | None:
+        """Name of the highest tier holding `key`, or None."""
+        for t in self._all():
+            if t.contains(key):
+                return t.name
+        return None
+
+    def pending_writes(self) -> int:
+        """Write-behind jobs queued or in progress."""
+        with self._cond:
+            return self._pending
+
+    # ---- lookup and leases ---------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes], lease_id: str | None = None) -> int:
+        """Longest prefix of `keys` that some tier holds; with `lease_id`, lease each counted
+        chunk in the tier that holds it so it cannot be evicted before the load."""
+        if lease_id is None:
+            n = 0
+            for key in keys:
+                if self.holder(key) is None:
+                    break
+                n += 1
+            return n
+        # memory always takes the lease (empty if it holds nothing), so each lookup lease is
+        # counted released exactly once there and a second release as a double release
+        touched: set[int] = {0}
+        n = 0
+        for key in keys:
+            if not self._lease_one(key, lease_id, touched):
+                break
+            n += 1
+        if not keys:
+            self._memory.lease(lease_id, [])
+        self._remember_lease(lease_id, touched)
+        return n
+
+    def _lease_one(self, key: bytes, lease_id: str, touched: set[int]) -> bool:
+        """Lease `key` in the highest tier holding it; False if no tier does."""
+        # memory's lease doubles as its presence check (it pins only what it holds)
+        if self._memory.lease(lease_id, [key]) > 0:
+            return True
+        for i, t in enumerate(self._lower, start=1):
+            if not t.contains(key):
+                continue
+            touched.add(i)
+            # the lease is the final presence check: a chunk evicted since contains() is not
+            # counted, so nothing counted can vanish before the load; memory already counts
+            # this lookup's lease, so lower tiers hold it uncounted where they can
+            if _leased(t.lease(lease_id, [key], counted=False)):
+                return True
+        return False
+
+    def release(self, lease_id: str) -> None:
+        """Release a lookup's lease in every tier that holds it; an unknown id is a counted
+        no-op."""
+        with self._lease_lock:
+            # an id this stack never saw (or forgot past its cap) is still memory's to judge
+            touched = self._lease_tiers.pop(lease_id, {0})
+        tiers = self._all()
+        for i in sorted(touched):
+            tiers[i].release(lease_id)
+
+    def _remember_lease(self, lease_id: str, touched: set[int]) -> None:
+        with self._lease_lock:
+            prev = self._lease_tiers.pop(lease_id, set())
+            self._lease_tiers[lease_id] = prev | touched
+            while len(self._lease_tiers) > self._max_leases:
+                self._lease_tiers.popitem(last=False)
+
+    # ---- reads ---------------------------------------------------------------------------
+
+    def read_into(self, key: bytes, dst: torch.Tensor) -> str | None:
+        """Fill `dst` from the highest tier holding a verified copy; the serving tier's name,
+        or None on a miss. A lower-tier hit is promoted into memory."""
+        flat = _flat_bytes(dst)
+        if self._memory.read_into(key, flat):
+            self._m.tier_hit(self._memory.name).inc()
+            return self._memory.name
+        for t in self._lower:
+            payload = t.get(key)
+            if payload is None:
+                continue
+            src = np.frombuffer(payload, dtype=np.uint8)
+            if src.size != flat.numel():
+                # the record verified but cannot be this layout's chunk; never copy it
+                self._m.verify_failure(t.name, "length_mismatch").inc()
+                continue
+            _copy_into(flat, src)
+            self._m.tier_hit(t.name).inc()
+            # promotion is best effort: a full memory tier still served this read
+            self._memory.put(key, payload)
+            return t.name
+        return None
+
+    # ---- writes --------------------------------------------------------------------------
+
+    def put(self, key: bytes, payload: bytes | memoryview | torch.Tensor) -> bool:
+        """Store in memory now and queue the lower-tier writes; False if memory refused it."""
+        self._check_open()
+        if not self._memory.put(key, payload):
+            self._drop_all(key, "memory_full")
+            return False
+        self._write_behind(key)
+        return True
+
+    def reserve(self, key: bytes) -> torch.Tensor | None:
+        """A memory slot to fill in place for `key`; `commit` or `abort` it afterwards."""
+        self._check_open()
+        return self._memory.reserve(key)
+
+    def commit(self, key: bytes, nbytes: int | None = None) -> None:
+        """Publish the slot reserved for `key` (its first `nbytes`, default all) and queue the
+        lower-tier writes."""
+        self._check_open()
+        self._memory.commit(key, nbytes)
+        self._write_behind(key)
+
+    def abort(self, key: bytes) -> None:
+        """Give back a reserved slot without publishing it."""
+        self._memory.abort(key)
+
+    def _write_behind(self, key: bytes) -> None:
+        if not self._lower:
+            return
+        lease_id = f"kvtier.write_behind.{next(self._seq)}"
+        if self._memory.lease(lease_id, [key], counted=False) == 0:
+            # evicted between put and here (a tiny memory tier under pressure)
+            self._memory.release(lease_id)
+            self._drop_all(key, "evicted")
+            return
+        with self._cond:
+            try:
+                self._queue.put_nowait(_Job(key, lease_id))
+            except queue.Full:
+                enqueued = False
+            else:
+                enqueued = True
+                self._pending += 1
+            self._depth.set(self._queue.qsize())
+        if not enqueued:
+            self._memory.release(lease_id)
+            self._drop_all(key, "queue_full")
+
+    def _drop_all(self, key: bytes, reason: str) -> None:
+        for t in self._lower:
+            self._m.dropped_write(t.name, reason).inc()
+
+    def _drain(self) -> None:
+        """The write-behind thread: copy each queued chunk from memory into every lower tier."""
+        while True:
+            job = self._queue.get()
+            self._depth.set(self._queue.qsize())
+            if job is _STOP:
+                return
+            if not isinstance(job, _Job):
+                raise TypeError(f"write-behind queue holds {job!r}, not a job")
+            try:
+                if self._abandon.is_set():
+                    self._drop_all(job.key, "closed")
+                else:
+                    self._write_lower(job)
+            finally:
+                self._memory.release(job.lease_id)
+                with self._cond:
+                    self._pending -= 1
+                    self._cond.notify_all()
+
+    def _write_lower(self, job: _Job) -> None:
+        for t in self._lower:
+            # re-lease before each tier: it refreshes the deadline, so a slow earlier tier
+            # cannot let the slot be reused before this tier has checksummed the bytes
+            if self._memory.lease(job.lease_id, [job.key], counted=False) == 0:
+                self._m.dropped_write(t.name, "not_in_memory").inc()
+                continue
+            try:
+                view = self._memory.view(job.key)
+                if view is None:
+                    # the slot failed verification (counted by the memory tier)
+                    self._m.dropped_write(t.name, "not_in_memory").inc()
+                    continue
+                # a False return was counted by the tier itself
+                t.put(job.key, memoryview(_flat_bytes(view).numpy()))
+            except Exception:
+                # a broken tier must not kill the thread that feeds every lower tier
+                log.exception("kvtier: write-behind to %s tier failed", t.name)
+                self._m.store_failure(t.name, "error").inc()
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every queued write-behind job finished; False if `timeout_s` passed."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending == 0, timeout=timeout_s)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Finish queued writes (dropping them if they cannot finish in time), stop the
+        write-behind thread and close every tier."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            if not self.flush(timeout_s):
+                log.warning("kvtier: write-behind did not drain in %.1fs; dropping", timeout_s)
+                self._abandon.set()
+            try:
+                self._queue.put(_STOP, timeout=timeout_s)
+            except queue.Full:
+                log.warning("kvtier: write-behind queue stuck; a lower tier is not returning")
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("kvtier: write-behind thread still busy after %.1fs", timeout_s)
+        for t in self._all():
+            t.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("TierStack is closed; build a new one")
+
+    def _all(self) -> tuple[Tier, ...]:
+        return (self._memory, *self._lower)
+
+
+def _leased(result: int | None) -> bool:
+    """Whether a tier's `lease()` pinned the one key asked; a tier returning None (the bare
+    protocol) is taken at its contains() word."""
+    return result is None or result > 0
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """`t` viewed as a flat uint8 tensor over the same memory."""
+    if not t.is_contiguous():
+        raise ValueError(f"tensor must be contiguous to hold a chunk (shape {tuple(t.shape)})")
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _copy_into(dst: torch.Tensor, src: np.ndarray) -> None:
+    if dst.device.type == "cpu":
+        dst.numpy()[:] = src
+    else:
+        # torch wants a writable host buffer; the copy is the staging hop a device needs anyway
+        dst.copy_(torch.from_numpy(src.copy()), non_blocking=False)
+
