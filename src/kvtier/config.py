@@ -452,16 +452,17 @@ class KVTierConfig:
 
     # -------------------------------------------------------------------------- display
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict of every field for logs; the password and any URL password are masked."""
+    def to_dict(self, secrets: bool = False) -> dict[str, Any]:
+        """Plain dict of every field. For logs the password and any URL password are masked;
+        `secrets=True` keeps them, to hand the config to another process of this engine."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name == "remote_password" and value is not None:
+            if not secrets and f.name == "remote_password" and value is not None:
                 value = _MASK
-            elif f.name == "remote_url" and value is not None:
+            elif not secrets and f.name == "remote_url" and value is not None:
                 value = _mask_url(value)
-            elif f.name == "lookup_scope" and value is not None:
+            if f.name == "lookup_scope" and value is not None:
                 value = list(value)
             out[f.name] = value
         return out

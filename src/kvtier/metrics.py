@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 _LATENCY_BUCKETS = (
     0.0001,
@@ -122,7 +127,7 @@ def families(registry: CollectorRegistry) -> _Families:
 class Metrics:
     """The kvtier metrics of one rank. Attributes are rank-bound children; methods add labels."""
 
-    def __init__(self, rank: int = 0, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, rank: int | str = 0, registry: CollectorRegistry | None = None) -> None:
         self.rank = rank
         self.registry = registry if registry is not None else CollectorRegistry()
         self.f = families(self.registry)
@@ -198,3 +203,68 @@ class Metrics:
                 if all(s.labels.get(k) == v for k, v in labels.items()):
                     total += s.value
         return total
+
+
+class SampleSnapshot(msgspec.Struct, frozen=True, array_like=True):
+    """One sample of a family."""
+
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+class FamilySnapshot(msgspec.Struct, frozen=True, array_like=True):
+    """One metric family as collected in another process."""
+
+    name: str
+    type: str
+    documentation: str
+    samples: list[SampleSnapshot]
+
+
+_snap_encoder = msgspec.msgpack.Encoder()
+_snap_decoder = msgspec.msgpack.Decoder(list[FamilySnapshot])
+
+
+def snapshot(registry: CollectorRegistry) -> bytes:
+    """Every family of `registry` as msgpack bytes, to ship to the process that serves /metrics."""
+    fams = [
+        FamilySnapshot(
+            m.name,
+            m.type,
+            m.documentation,
+            [SampleSnapshot(s.name, dict(s.labels), float(s.value)) for s in m.samples],
+        )
+        for m in registry.collect()
+    ]
+    return _snap_encoder.encode(fams)
+
+
+class MergedCollector(Collector):
+    """Serves local registries plus the latest snapshot of each remote process, merged by family
+    name (ranks differ by their `rank` label, so samples never collide)."""
+
+    def __init__(self, *registries: CollectorRegistry) -> None:
+        self._registries = registries
+        self._remote: dict[str, list[FamilySnapshot]] = {}
+        self._lock = threading.Lock()
+
+    def update(self, source: str, data: bytes) -> None:
+        """Replace the snapshot from `source` (e.g. "rank1")."""
+        fams = _snap_decoder.decode(data)
+        with self._lock:
+            self._remote[source] = fams
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for reg in self._registries:
+            for m in reg.collect():
+                merged.setdefault(m.name, Metric(m.name, m.documentation, m.type)).samples.extend(
+                    m.samples
+                )
+        with self._lock:
+            remote = [f for fams in self._remote.values() for f in fams]
+        for f in remote:
+            metric = merged.setdefault(f.name, Metric(f.name, f.documentation, f.type))
+            metric.samples.extend(Sample(s.name, s.labels, s.value) for s in f.samples)
+        yield from merged.values()

@@ -66,6 +66,8 @@ class WorkerReport(msgspec.Struct):
     finished_sending: list[str] = msgspec.field(default_factory=list)
     finished_recving: list[str] = msgspec.field(default_factory=list)
     invalid_block_ids: list[int] = msgspec.field(default_factory=list)
+    # this rank's metrics (kvtier.metrics.snapshot), for the process that serves /metrics
+    metrics: bytes = b""
 
     def is_empty(self) -> bool:
         return not (

@@ -239,7 +239,7 @@ class OffloadWorker:
         t0 = time.perf_counter()
         nbytes = 0
         for ref in op.chunks:
-            if self.stack.contains(ref.key):
+            if self.stack.memory.contains(ref.key):
                 continue
             slot = self.stack.reserve(ref.key)
             if slot is None:

@@ -1,0 +1,410 @@
+"""`LookupClient`: asks every rank at once, under a deadline, and takes the minimum."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import zmq
+
+from kvtier.errors import ConfigError, StartupError, TopologyError
+from kvtier.lookup.endpoints import parse_endpoint
+from kvtier.lookup.messages import (
+    DEFAULT_MAX_FRAME_BYTES,
+    KEY_BYTES,
+    MAX_LOOKUP_ID_CHARS,
+    PROTOCOL_VERSION,
+    REJECT_RANGE,
+    REJECT_WRONG_RANK,
+    Codec,
+    FrameError,
+    LookupReply,
+    LookupRequest,
+    Message,
+    Ping,
+    Pong,
+    ReleaseRequest,
+)
+from kvtier.metrics import Metrics
+
+log = logging.getLogger("kvtier")
+
+# Lookup ids per release message; keeps each frame far below the frame cap.
+_RELEASE_BATCH = 1024
+_RECONNECT_IVL_MS = 20
+_RECONNECT_IVL_MAX_MS = 500
+# Detects a silently vanished tcp peer (no RST); ipc peers are noticed by the kernel.
+_HEARTBEAT_IVL_MS = 1000
+_HEARTBEAT_TIMEOUT_MS = 3000
+
+
+def format_client_line(ranks: Iterable[int], world: int) -> str:
+    """The startup line people grep for: `kvtier: lookup client on ranks [0, 1] (world=2)`."""
+    return f"kvtier: lookup client on ranks {sorted(ranks)} (world={world})"
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """Minimum over ranks of the leading chunks held, and who limited it.
+
+    `limiting_rank` is the lowest-numbered rank holding the fewest chunks, or None when every
+    rank holds every key. A rank that timed out or answered with an error counts as 0.
+    """
+
+    hit_chunks: int
+    hit_tokens: int
+    limiting_rank: int | None
+    per_rank: dict[int, int]
+    timed_out: tuple[int, ...]
+    errors: dict[int, str] = field(default_factory=dict)
+
+
+class _Peer:
+    """One rank's DEALER socket and when it was made (to tell a stuck socket from a new one)."""
+
+    __slots__ = ("created", "endpoint", "rank", "sock")
+
+    def __init__(self, rank: int, endpoint: str, sock: zmq.Socket, created: float) -> None:
+        self.rank = rank
+        self.endpoint = endpoint
+        self.sock = sock
+        self.created = created
+
+
+class LookupClient:
+    """Scheduler-side lookup over the ranks in `endpoints` (rank -> endpoint), one socket each.
+
+    Counts on `metrics`: `lookup_seconds`, `lookup_hit_tokens` (hit chunks x `chunk_size`),
+    `lookup_timeout(target)` and `rejected_frame(reason)` for bad replies. `lookups` is counted
+    by each server. Safe to call from several threads (calls are serialised).
+
+    Sockets connect in the background: call `wait_ready()` before the first lookup.
+    """
+
+    def __init__(
+        self,
+        endpoints: Mapping[int, str],
+        metrics: Metrics,
+        *,
+        chunk_size: int,
+        world: int,
+        timeout_ms: int = 200,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        reset_after_s: float = 1.0,
+        context: zmq.Context | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if not endpoints:
+            raise TopologyError("lookup client needs at least one rank endpoint, got none")
+        if world <= 0:
+            raise TopologyError(f"lookup client world={world} must be >= 1")
+        outside = sorted(r for r in endpoints if not 0 <= r < world)
+        if outside:
+            raise TopologyError(f"lookup ranks {outside} are outside [0, world={world})")
+        if chunk_size <= 0:
+            raise ConfigError(f"lookup chunk_size={chunk_size} must be > 0 tokens")
+        if timeout_ms <= 0:
+            raise ConfigError(f"lookup timeout_ms={timeout_ms} must be > 0")
+        for ep in endpoints.values():
+            parse_endpoint(ep)
+        self.ranks: tuple[int, ...] = tuple(sorted(endpoints))
+        self.world = world
+        self.chunk_size = chunk_size
+        self.timeout_ms = timeout_ms
+        self._m = metrics
+        self._codec = Codec(max_frame_bytes)
+        self._ctx = context if context is not None else zmq.Context.instance()
+        self._clock = clock
+        self._reset_after_s = reset_after_s
+        self._lock = threading.Lock()
+        self._reqs = itertools.count(1)
+        self._poller = zmq.Poller()
+        self._peers: dict[int, _Peer] = {}
+        self._rank_of: dict[zmq.Socket, int] = {}
+        self._closed = False
+        # Diagnostics for tests and `kvtier doctor`; no metric family exists for them.
+        self.stale_replies = 0
+        self.dropped_releases: dict[int, int] = dict.fromkeys(self.ranks, 0)
+        self.socket_resets: dict[int, int] = dict.fromkeys(self.ranks, 0)
+        for rank in self.ranks:
+            self._connect(rank, endpoints[rank])
+        log.info(format_client_line(self.ranks, world))
+
+    # -- public API ---------------------------------------------------------------------------
+
+    def lookup(
+        self,
+        keys: Sequence[bytes],
+        lookup_id: str,
+        lease: bool = True,
+        *,
+        timeout_ms: int | None = None,
+    ) -> LookupResult:
+        """Leading chunks of `keys` held by every rank (minimum), leased under `lookup_id`.
+
+        Never raises for a dead or slow rank: it counts as 0 and is listed in `timed_out`.
+        The caller must `release([lookup_id])` on every path when `lease` is true.
+        """
+        _check_lookup_id(lookup_id)
+        n = len(keys)
+        for i, k in enumerate(keys):
+            if type(k) is not bytes or len(k) != KEY_BYTES:
+                size = len(k) if isinstance(k, bytes | bytearray | memoryview) else "?"
+                raise ValueError(
+                    f"lookup key {i} is {type(k).__name__} of length {size}; "
+                    f"chunk keys are {KEY_BYTES}-byte bytes (kvtier.keys)"
+                )
+        t0 = self._clock()
+        with self._lock:
+            self._check_open()
+            req = next(self._reqs)
+            frame = self._codec.encode(
+                LookupRequest(PROTOCOL_VERSION, lookup_id, req, list(keys), lease)
+            )
+            if len(frame) > self._codec.max_frame_bytes:
+                raise ValueError(
+                    f"lookup of {n} keys is a {len(frame)}-byte frame, over max_frame_bytes="
+                    f"{self._codec.max_frame_bytes}; look up fewer keys or raise the cap"
+                )
+            per_rank: dict[int, int] = {}
+            errors: dict[int, str] = {}
+
+            def accept(rank: int, msg: Message) -> bool:
+                if not (
+                    isinstance(msg, LookupReply) and msg.req == req and msg.lookup_id == lookup_id
+                ):
+                    return False
+                if msg.rank != rank:
+                    self._m.rejected_frame(REJECT_WRONG_RANK).inc()
+                    errors[rank] = f"reply from rank {msg.rank} on rank {rank}'s endpoint"
+                    log.error(
+                        "kvtier: lookup endpoint of rank %d is served by rank %d; "
+                        "two ranks share an endpoint (one run_dir per replica?)",
+                        rank,
+                        msg.rank,
+                    )
+                    per_rank[rank] = 0
+                elif msg.error is not None:
+                    errors[rank] = msg.error
+                    per_rank[rank] = 0
+                elif msg.hit_chunks > n:
+                    self._m.rejected_frame(REJECT_RANGE).inc()
+                    errors[rank] = f"claimed {msg.hit_chunks} hits for {n} keys"
+                    per_rank[rank] = 0
+                else:
+                    per_rank[rank] = msg.hit_chunks
+                return True
+
+            pending, unsent = self._send_all(frame, t0)
+            wait_ms = self.timeout_ms if timeout_ms is None else timeout_ms
+            self._gather(pending, t0 + wait_ms / 1000.0, accept)
+            missed = sorted((*pending, *unsent))
+            for rank in missed:
+                per_rank[rank] = 0
+                self._m.lookup_timeout(rank).inc()
+        ordered = {r: per_rank[r] for r in self.ranks}
+        hit = min(ordered.values())
+        limiting = None if hit == n else next(r for r, h in ordered.items() if h == hit)
+        result = LookupResult(
+            hit_chunks=hit,
+            hit_tokens=hit * self.chunk_size,
+            limiting_rank=limiting,
+            per_rank=ordered,
+            timed_out=tuple(missed),
+            errors=errors,
+        )
+        self._m.lookup_hit_tokens.inc(result.hit_tokens)
+        self._m.lookup_seconds.observe(self._clock() - t0)
+        if missed:
+            log.warning("kvtier: lookup %r: ranks %s missed the deadline", lookup_id, missed)
+        return result
+
+    def release(self, lookup_ids: Iterable[str]) -> None:
+        """Release the leases of `lookup_ids` on every rank. Fire-and-forget: never blocks,
+        never raises for a dead rank; a message that cannot be queued is counted in
+        `dropped_releases[rank]` and the lease expires at its deadline instead."""
+        ids = list(lookup_ids)
+        for lookup_id in ids:
+            _check_lookup_id(lookup_id)
+        if not ids:
+            return
+        with self._lock:
+            self._check_open()
+            for start in range(0, len(ids), _RELEASE_BATCH):
+                batch = ids[start : start + _RELEASE_BATCH]
+                frame = self._codec.encode(ReleaseRequest(PROTOCOL_VERSION, batch))
+                for rank, peer in self._peers.items():
+                    try:
+                        peer.sock.send(frame, zmq.NOBLOCK)
+                    except zmq.Again:
+                        self.dropped_releases[rank] += 1
+                        log.warning(
+                            "kvtier: release of %d lookup ids not sent to rank %d (unreachable); "
+                            "its leases will expire",
+                            len(batch),
+                            rank,
+                        )
+
+    def ping(self, timeout_ms: int | None = None) -> dict[int, bool]:
+        """Which ranks answered a ping with their own rank before the deadline."""
+        return {r: p is not None for r, p in self.server_stats(timeout_ms).items()}
+
+    def server_stats(self, timeout_ms: int | None = None) -> dict[int, Pong | None]:
+        """Each rank's `Pong` (rank, served, released, rejected), or None if it did not answer."""
+        t0 = self._clock()
+        with self._lock:
+            self._check_open()
+            nonce = next(self._reqs)
+            pongs: dict[int, Pong | None] = dict.fromkeys(self.ranks)
+
+            def accept(rank: int, msg: Message) -> bool:
+                if not (isinstance(msg, Pong) and msg.nonce == nonce):
+                    return False
+                if msg.rank != rank:
+                    self._m.rejected_frame(REJECT_WRONG_RANK).inc()
+                    log.error(
+                        "kvtier: lookup endpoint of rank %d answered as rank %d", rank, msg.rank
+                    )
+                else:
+                    pongs[rank] = msg
+                return True
+
+            frame = self._codec.encode(Ping(PROTOCOL_VERSION, nonce))
+            pending, _ = self._send_all(frame, t0)
+            wait_ms = self.timeout_ms if timeout_ms is None else timeout_ms
+            self._gather(pending, t0 + wait_ms / 1000.0, accept)
+        return pongs
+
+    def wait_ready(self, timeout_s: float = 10.0, probe_ms: int = 50) -> None:
+        """Ping until every rank answers, or raise StartupError naming the silent ranks."""
+        deadline = self._clock() + timeout_s
+        while True:
+            up = self.ping(probe_ms)
+            down = [r for r, ok in up.items() if not ok]
+            if not down:
+                return
+            left_ms = (deadline - self._clock()) * 1000.0
+            if left_ms <= 0:
+                eps = {r: self._peers[r].endpoint for r in down}
+                raise StartupError(
+                    f"lookup ranks {down} did not answer within {timeout_s}s at {eps}; "
+                    "are their LookupServers started on these endpoints?"
+                )
+            # A rank with no live connection fails its ping at once; wait until its socket
+            # becomes writable (connected) instead of spinning, bounded by the probe interval.
+            with self._lock:
+                self._check_open()
+                connecting = zmq.Poller()
+                for r in down:
+                    connecting.register(self._peers[r].sock, zmq.POLLOUT)
+                connecting.poll(min(probe_ms, math.ceil(left_ms)))
+
+    def close(self) -> None:
+        """Close every socket (no linger). The client is unusable afterwards."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for peer in self._peers.values():
+                self._poller.unregister(peer.sock)
+                peer.sock.close()
+            self._peers.clear()
+            self._rank_of.clear()
+
+    def __enter__(self) -> LookupClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _connect(self, rank: int, endpoint: str) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Queue only to live connections: a send to a dead rank fails at once instead of
+        # piling requests up for a server that may come back and lease them all.
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_IVL_MS)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_IVL_MAX_MS)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._codec.max_frame_bytes)
+        sock.connect(endpoint)
+        self._peers[rank] = _Peer(rank, endpoint, sock, self._clock())
+        self._rank_of[sock] = rank
+        self._poller.register(sock, zmq.POLLIN)
+
+    def _reset(self, rank: int) -> None:
+        """Replace a rank's socket, dropping whatever is queued on it (late replies included)."""
+        peer = self._peers.pop(rank)
+        self._poller.unregister(peer.sock)
+        del self._rank_of[peer.sock]
+        peer.sock.close()
+        self.socket_resets[rank] += 1
+        log.warning("kvtier: lookup socket of rank %d reset (unsendable)", rank)
+        self._connect(rank, peer.endpoint)
+
+    def _send_all(self, frame: bytes, now: float) -> tuple[set[int], list[int]]:
+        """Send `frame` to every rank without blocking; returns (sent, unsendable) ranks."""
+        pending: set[int] = set()
+        unsent: list[int] = []
+        for rank, peer in list(self._peers.items()):
+            try:
+                peer.sock.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                unsent.append(rank)
+                # Unsendable for a while: no live connection or a full queue behind a stuck
+                # server. A fresh socket drops the queue; a young one is still connecting.
+                if now - peer.created >= self._reset_after_s:
+                    self._reset(rank)
+            else:
+                pending.add(rank)
+        return pending, unsent
+
+    def _gather(
+        self, pending: set[int], deadline: float, accept: Callable[[int, Message], bool]
+    ) -> None:
+        """Read replies until every pending rank answered or the deadline passed.
+
+        Every readable socket is drained, so late replies of earlier requests are consumed and
+        discarded (counted in `stale_replies`) instead of waiting to be mistaken for answers.
+        """
+        while pending:
+            left_ms = (deadline - self._clock()) * 1000.0
+            if left_ms <= 0:
+                return
+            for sock, _ in self._poller.poll(math.ceil(left_ms)):
+                rank = self._rank_of[sock]
+                while True:
+                    try:
+                        frame = sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        msg = self._codec.decode(frame)
+                    except FrameError as e:
+                        self._m.rejected_frame(e.reason).inc()
+                        log.warning("kvtier: lookup reply from rank %d rejected: %s", rank, e)
+                        continue
+                    if rank in pending and accept(rank, msg):
+                        pending.discard(rank)
+                    else:
+                        self.stale_replies += 1
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("lookup client is closed")
+
+
+def _check_lookup_id(lookup_id: str) -> None:
+    if not isinstance(lookup_id, str) or not lookup_id or len(lookup_id) > MAX_LOOKUP_ID_CHARS:
+        raise ValueError(
+            f"lookup id {lookup_id!r} must be a non-empty str of at most "
+            f"{MAX_LOOKUP_ID_CHARS} characters (e.g. the request id)"
+        )

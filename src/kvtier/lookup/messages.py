@@ -1,0 +1,140 @@
+"""Lookup wire messages: msgspec Structs, msgpack-encoded, one tagged union, no pickle.
+
+Every message is encoded as an array `[tag, version, fields...]`, so `version` is always at index
+1 and a frame from another protocol version is recognised even when its layout differs.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Final
+
+import msgspec
+
+PROTOCOL_VERSION: Final = 1
+KEY_BYTES: Final = 16
+MAX_LOOKUP_ID_CHARS: Final = 256
+DEFAULT_MAX_FRAME_BYTES: Final = 4 * 1024 * 1024
+
+# Reasons a frame is rejected (label of `kvtier_rejected_frames_total`).
+REJECT_OVERSIZED: Final = "oversized"  # longer than max_frame_bytes
+REJECT_FRAMES: Final = "frames"  # wrong number of zmq frames in the message
+REJECT_GARBAGE: Final = "garbage"  # not msgpack at all
+REJECT_SCHEMA: Final = "schema"  # msgpack, but not a known message of this version
+REJECT_VERSION: Final = "version"  # a message of another protocol version
+REJECT_UNEXPECTED: Final = "unexpected"  # a valid message this side does not accept
+REJECT_WRONG_RANK: Final = "wrong_rank"  # a reply from another rank than the socket's (client)
+REJECT_RANGE: Final = "range"  # a reply claiming more chunks than were asked (client)
+
+Key = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
+LookupId = Annotated[str, msgspec.Meta(max_length=MAX_LOOKUP_ID_CHARS)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class LookupRequest(msgspec.Struct, tag="lookup", array_like=True, frozen=True):
+    """How many leading `keys` does the rank hold? With `lease`, lease them under `lookup_id`.
+
+    `req` is the client's request number, echoed in the reply: lookup ids may be reused (a
+    re-lookup of the same sequence), so only (lookup_id, req) identifies one answer.
+    """
+
+    version: int
+    lookup_id: LookupId
+    req: int
+    keys: list[Key]
+    lease: bool
+
+
+class LookupReply(msgspec.Struct, tag="reply", array_like=True, frozen=True):
+    """A rank's answer: `hit_chunks` leading chunks held; `error` set when it could not answer."""
+
+    version: int
+    lookup_id: str
+    req: int
+    rank: int
+    hit_chunks: NonNegative
+    error: str | None = None
+
+
+class ReleaseRequest(msgspec.Struct, tag="release", array_like=True, frozen=True):
+    """Release the leases of `lookup_ids`. Fire-and-forget: the server sends no reply."""
+
+    version: int
+    lookup_ids: list[LookupId]
+
+
+class Ping(msgspec.Struct, tag="ping", array_like=True, frozen=True):
+    """Health probe; the server answers with a `Pong` echoing `nonce`."""
+
+    version: int
+    nonce: int
+
+
+class Pong(msgspec.Struct, tag="pong", array_like=True, frozen=True):
+    """Answer to `Ping`, with the server's rank and running totals (for health and self-tests)."""
+
+    version: int
+    nonce: int
+    rank: int
+    served: int
+    released: int
+    rejected: int
+
+
+Message = LookupRequest | LookupReply | ReleaseRequest | Ping | Pong
+
+
+class FrameError(ValueError):
+    """A frame that is not a valid message of this protocol version; `reason` labels the metric."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+class Codec:
+    """One encoder and one decoder for the whole union; one Codec per socket-owning thread."""
+
+    def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        if max_frame_bytes <= 0:
+            raise ValueError(f"max_frame_bytes={max_frame_bytes} must be > 0 (default 4 MiB)")
+        self.max_frame_bytes = max_frame_bytes
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(Message)
+
+    def encode(self, msg: Message) -> bytes:
+        """The msgpack bytes of `msg`."""
+        return self._enc.encode(msg)
+
+    def decode(self, frame: bytes | memoryview) -> Message:
+        """Decode one frame, or raise `FrameError` naming why it was rejected."""
+        if len(frame) > self.max_frame_bytes:
+            raise FrameError(
+                REJECT_OVERSIZED, f"{len(frame)} bytes > max_frame_bytes={self.max_frame_bytes}"
+            )
+        try:
+            msg = self._dec.decode(frame)
+        except msgspec.ValidationError as e:
+            if _foreign_version(frame):
+                raise FrameError(REJECT_VERSION, str(e)) from None
+            raise FrameError(REJECT_SCHEMA, str(e)) from None
+        except msgspec.DecodeError as e:
+            raise FrameError(REJECT_GARBAGE, str(e)) from None
+        if msg.version != PROTOCOL_VERSION:
+            raise FrameError(
+                REJECT_VERSION, f"version {msg.version}, this side speaks {PROTOCOL_VERSION}"
+            )
+        return msg
+
+
+def _foreign_version(frame: bytes | memoryview) -> bool:
+    """True if `frame` is `[tag, version, ...]` with another version (error path only)."""
+    try:
+        raw = msgspec.msgpack.decode(frame)
+    except msgspec.DecodeError:
+        return False
+    return (
+        isinstance(raw, list)
+        and len(raw) >= 2
+        and isinstance(raw[1], int)
+        and raw[1] != PROTOCOL_VERSION
+    )

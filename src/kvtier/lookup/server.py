@@ -1,0 +1,285 @@
+"""`LookupServer`: one per rank; answers lookups from the rank's TierStack on its own thread."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import operator
+import stat
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+import zmq
+
+from kvtier.errors import ConfigError, StartupError
+from kvtier.lookup.endpoints import (
+    check_ipc_path,
+    check_tcp_host,
+    ensure_ipc_free,
+    parse_endpoint,
+    tcp_host,
+)
+from kvtier.lookup.messages import (
+    DEFAULT_MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    REJECT_FRAMES,
+    REJECT_UNEXPECTED,
+    Codec,
+    FrameError,
+    LookupReply,
+    LookupRequest,
+    Ping,
+    Pong,
+    ReleaseRequest,
+)
+from kvtier.metrics import Metrics
+
+log = logging.getLogger("kvtier")
+
+# Messages handled per wake-up before the stop signal is checked again.
+_BATCH = 64
+# zmq drops (disconnects) peers sending more than this many times the frame cap, which bounds
+# the memory a hostile frame can take; frames between the cap and this are read and counted.
+_HARD_FRAME_FACTOR = 4
+_JOIN_TIMEOUT_S = 5.0
+_inproc_ids = itertools.count()
+
+
+class LookupBackend(Protocol):
+    """What a server needs from a rank's store (the TierStack has exactly these methods)."""
+
+    def lookup(self, keys: Sequence[bytes], lease_id: str | None) -> int:
+        """Number of leading `keys` held; with `lease_id`, lease those chunks under it."""
+        ...
+
+    def release(self, lease_id: str) -> None:
+        """Release the lease `lease_id` (an unknown id is a counted no-op)."""
+        ...
+
+
+class LookupServer:
+    """Rank `rank`'s lookup service: a zmq ROUTER on `endpoint`, served by one daemon thread.
+
+    Counts `metrics.lookups` (one per lookup answered) and `metrics.rejected_frame(reason)`.
+    Hit tokens and latency are counted by the client, which knows the chunk size.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        backend: LookupBackend,
+        endpoint: str,
+        metrics: Metrics,
+        *,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        allow_remote_bind: bool = False,
+        context: zmq.Context | None = None,
+    ) -> None:
+        if rank < 0:
+            raise ConfigError(f"lookup server rank={rank} must be >= 0")
+        transport, address = parse_endpoint(endpoint)
+        if transport == "tcp":
+            check_tcp_host(tcp_host(address), allow_remote_bind)
+        else:
+            check_ipc_path(address)
+        self.rank = rank
+        self.endpoint = endpoint
+        self._transport = transport
+        self._address = address
+        self._backend = backend
+        self._m = metrics
+        self._codec = Codec(max_frame_bytes)
+        self._ctx = context if context is not None else zmq.Context.instance()
+        self._thread: threading.Thread | None = None
+        self._router: zmq.Socket | None = None
+        self._wake_send: zmq.Socket | None = None
+        self._closed = False
+        # Running totals reported in Pong; written only by the serving thread.
+        self.served = 0
+        self.released = 0
+        self.rejected = 0
+
+    @property
+    def bound_endpoint(self) -> str:
+        """The endpoint actually bound (resolves a `tcp://host:*` wildcard port)."""
+        if self._router is None:
+            raise RuntimeError("lookup server not started; call start() first")
+        last = self._router.getsockopt(zmq.LAST_ENDPOINT)
+        return last.decode() if isinstance(last, bytes) else str(last)
+
+    def start(self) -> LookupServer:
+        """Bind (raising StartupError on failure) and start serving on a daemon thread."""
+        if self._thread is not None or self._closed:
+            raise RuntimeError(f"lookup server rank {self.rank} already started or closed")
+        if self._transport == "ipc":
+            _check_socket_dir(Path(self._address).parent)
+            ensure_ipc_free(self._address)
+        router = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.MAXMSGSIZE, _HARD_FRAME_FACTOR * self._codec.max_frame_bytes)
+        try:
+            router.bind(self.endpoint)
+        except zmq.ZMQError as e:
+            router.close()
+            raise StartupError(
+                f"lookup server rank {self.rank} cannot bind {self.endpoint}: {e}"
+            ) from e
+        wake_addr = f"inproc://kvtier-lookup-stop-{id(self)}-{next(_inproc_ids)}"
+        wake_recv = self._ctx.socket(zmq.PAIR)
+        wake_recv.setsockopt(zmq.LINGER, 0)
+        wake_recv.bind(wake_addr)
+        wake_send = self._ctx.socket(zmq.PAIR)
+        wake_send.setsockopt(zmq.LINGER, 0)
+        wake_send.connect(wake_addr)
+        self._router, self._wake_send = router, wake_send
+        # Sockets move to the serving thread; Thread.start() is the memory barrier zmq requires.
+        self._thread = threading.Thread(
+            target=self._serve,
+            args=(router, wake_recv),
+            name=f"kvtier-lookup-server-{self.rank}",
+            daemon=True,
+        )
+        self._thread.start()
+        log.debug("kvtier: lookup server rank %d on %s", self.rank, self.endpoint)
+        return self
+
+    def close(self) -> None:
+        """Stop serving and unbind; returns as soon as the thread is out of its current message."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is None:
+            return
+        assert self._wake_send is not None
+        self._wake_send.send(b"")
+        self._thread.join(_JOIN_TIMEOUT_S)
+        self._wake_send.close()
+        if self._thread.is_alive():
+            log.error(
+                "kvtier: lookup server rank %d still inside its backend %.0fs after close()",
+                self.rank,
+                _JOIN_TIMEOUT_S,
+            )
+
+    def __enter__(self) -> LookupServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _serve(self, router: zmq.Socket, wake: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(poller.poll())
+                if wake in ready:
+                    return
+                for _ in range(_BATCH):
+                    try:
+                        frames = router.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        self._handle(router, frames)
+                    except Exception:  # one bad message must not stop the rank's lookups
+                        log.exception("kvtier: lookup server rank %d failed a message", self.rank)
+        finally:
+            router.close()
+            wake.close()
+
+    def _handle(self, router: zmq.Socket, frames: list[bytes]) -> None:
+        peer = frames[0]
+        try:
+            if len(frames) != 2:
+                raise FrameError(REJECT_FRAMES, f"{len(frames) - 1} frames, expected 1")
+            msg = self._codec.decode(frames[1])
+        except FrameError as e:
+            self._reject(router, peer, e)
+            return
+        if isinstance(msg, LookupRequest):
+            self._lookup(router, peer, msg)
+        elif isinstance(msg, ReleaseRequest):
+            self._release(msg)
+        elif isinstance(msg, Ping):
+            pong = Pong(
+                PROTOCOL_VERSION, msg.nonce, self.rank, self.served, self.released, self.rejected
+            )
+            router.send_multipart((peer, self._codec.encode(pong)))
+        else:
+            self._reject(router, peer, FrameError(REJECT_UNEXPECTED, type(msg).__name__))
+
+    def _lookup(self, router: zmq.Socket, peer: bytes, req: LookupRequest) -> None:
+        error: str | None = None
+        try:
+            hit = operator.index(
+                self._backend.lookup(req.keys, req.lookup_id if req.lease else None)
+            )
+        except Exception as e:  # a failing store costs hits, never the server (invariant 9)
+            log.warning(
+                "kvtier: lookup %r failed on rank %d", req.lookup_id, self.rank, exc_info=True
+            )
+            hit, error = 0, f"backend: {type(e).__name__}: {e}"
+        else:
+            if not 0 <= hit <= len(req.keys):
+                error = f"backend returned {hit} hits for {len(req.keys)} keys"
+                log.error("kvtier: lookup %r on rank %d: %s", req.lookup_id, self.rank, error)
+                hit = 0
+        reply = LookupReply(PROTOCOL_VERSION, req.lookup_id, req.req, self.rank, hit, error)
+        router.send_multipart((peer, self._codec.encode(reply)))
+        self.served += 1
+        self._m.lookups.inc()
+
+    def _release(self, msg: ReleaseRequest) -> None:
+        for lookup_id in msg.lookup_ids:
+            try:
+                self._backend.release(lookup_id)
+            except Exception:  # one bad release must not strand the rest of the batch
+                log.warning(
+                    "kvtier: release %r failed on rank %d", lookup_id, self.rank, exc_info=True
+                )
+            else:
+                self.released += 1
+
+    def _reject(self, router: zmq.Socket, peer: bytes, err: FrameError) -> None:
+        self.rejected += 1
+        self._m.rejected_frame(err.reason).inc()
+        log.warning("kvtier: lookup server rank %d rejected a frame: %s", self.rank, err)
+        reply = LookupReply(PROTOCOL_VERSION, "", -1, self.rank, 0, f"rejected: {err}")
+        router.send_multipart((peer, self._codec.encode(reply)))
+
+
+def _check_socket_dir(directory: Path) -> None:
+    """Refuse to put a socket in a directory that other users can read or write."""
+    try:
+        mode = stat.S_IMODE(directory.stat().st_mode)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"ipc socket directory {str(directory)!r} does not exist; create it with make_run_dir()"
+        ) from None
+    if mode & 0o077:
+        raise ConfigError(
+            f"ipc socket directory {str(directory)!r} has mode {oct(mode)}; lookup sockets must "
+            "live in a private directory (mode 0o700): use make_run_dir() and endpoint_for()"
+        )
+
+
+def serve_until(
+    stop: threading.Event,
+    rank: int,
+    backend: LookupBackend,
+    endpoint: str,
+    metrics: Metrics | None = None,
+    *,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+) -> None:
+    """Serve `rank` on `endpoint` until `stop` is set (a subprocess target for tests/benches).
+
+    `stop` may be a `multiprocessing.Event`; it only needs `wait()`.
+    """
+    metrics = metrics if metrics is not None else Metrics(rank)
+    with LookupServer(rank, backend, endpoint, metrics, max_frame_bytes=max_frame_bytes):
+        stop.wait()

@@ -1,0 +1,71 @@
+"""Fake lookup backends and a subprocess server entry point for tests/test_lookup.py."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier.lookup import serve_until
+
+
+def make_keys(n: int, salt: str = "k") -> list[bytes]:
+    """`n` deterministic 16-byte chunk keys."""
+    return [hashlib.blake2b(f"{salt}{i}".encode(), digest_size=16).digest() for i in range(n)]
+
+
+class FakeBackend:
+    """Dict-backed lookup backend: holds a key set, records leases and releases.
+
+    `events` (a queue) receives `("lease", rank, lookup_id, hit)` and `("release", rank, id)`
+    so a test in another process can see what this backend did. With `gate`, each lookup
+    computes its answer first, then waits for the gate to open (a slow rank).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        held: Sequence[bytes],
+        events: Any = None,
+        gate: threading.Event | None = None,
+        fail: bool = False,
+    ) -> None:
+        self.rank = rank
+        self.held = set(held)
+        self.events = events
+        self.gate = gate
+        self.fail = fail
+        self.leases: dict[str, int] = {}
+        self.lookups = 0
+        self.releases: list[str] = []
+
+    def lookup(self, keys: Sequence[bytes], lease_id: str | None) -> int:
+        if self.fail:
+            raise OSError("disk on fire")
+        self.lookups += 1
+        hit = 0
+        for k in keys:
+            if k not in self.held:
+                break
+            hit += 1
+        if lease_id is not None:
+            self.leases[lease_id] = hit
+            if self.events is not None:
+                self.events.put(("lease", self.rank, lease_id, hit))
+        if self.gate is not None:
+            self.gate.wait(30.0)
+        return hit
+
+    def release(self, lease_id: str) -> None:
+        self.leases.pop(lease_id, None)
+        self.releases.append(lease_id)
+        if self.events is not None:
+            self.events.put(("release", self.rank, lease_id))
+
+
+def run_fake_server(rank: int, endpoint: str, held: int, events: Any, stop: Any) -> None:
+    """Subprocess target: serve a FakeBackend holding the first `held` of `make_keys` until
+    `stop` is set."""
+    backend = FakeBackend(rank, make_keys(held), events)
+    serve_until(stop, rank, backend, endpoint)

@@ -1,0 +1,479 @@
+"""kvtier.lookup: all-rank minimum, leases, deadlines, stale replies, hostile frames, endpoints."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import queue
+import shutil
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from kvtier.errors import ConfigError, StartupError, TopologyError
+from kvtier.lookup import (
+    PROTOCOL_VERSION,
+    Codec,
+    LookupClient,
+    LookupReply,
+    LookupRequest,
+    LookupServer,
+    Ping,
+    Pong,
+    ReleaseRequest,
+    endpoint_for,
+    format_client_line,
+    make_run_dir,
+)
+from kvtier.metrics import Metrics
+from tests.lookup_helpers import FakeBackend, make_keys, run_fake_server
+
+CHUNK = 16
+HELD = {0: 8, 1: 3, 2: 6, 3: 5}  # leading chunks each rank's backend holds
+
+
+@pytest.fixture
+def run_dir() -> Iterator[Path]:
+    d = make_run_dir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class EventLog:
+    """Everything the subprocess backends reported, pulled from their queue on demand."""
+
+    def __init__(self, q: Any) -> None:
+        self.q = q
+        self.seen: list[tuple[Any, ...]] = []
+
+    def wait(self, pred: Callable[[list[tuple[Any, ...]]], bool], timeout_s: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not pred(self.seen):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"condition not met within {timeout_s}s; seen {self.seen}")
+            try:
+                self.seen.append(self.q.get(timeout=left))
+            except queue.Empty:
+                continue
+
+    def of(self, kind: str, lookup_id: str) -> dict[int, tuple[Any, ...]]:
+        return {e[1]: e for e in self.seen if e[0] == kind and e[2] == lookup_id}
+
+
+class Cluster:
+    """Four rank servers in four spawned processes, each with a FakeBackend."""
+
+    def __init__(self) -> None:
+        self.ctx = multiprocessing.get_context("spawn")
+        self.dir = make_run_dir()
+        self.endpoints = {r: endpoint_for(r, run_dir=self.dir) for r in HELD}
+        self.events = EventLog(self.ctx.Queue())
+        self.stops = {r: self.ctx.Event() for r in HELD}
+        self.procs: dict[int, Any] = {}
+        for r in HELD:
+            self.start(r)
+
+    def start(self, rank: int) -> None:
+        p = self.ctx.Process(
+            target=run_fake_server,
+            args=(rank, self.endpoints[rank], HELD[rank], self.events.q, self.stops[rank]),
+            daemon=True,
+        )
+        p.start()
+        self.procs[rank] = p
+
+    def close(self) -> None:
+        for r, p in self.procs.items():
+            self.stops[r].set()
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    c = Cluster()
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def client(cluster: Cluster) -> Iterator[tuple[LookupClient, Metrics]]:
+    m = Metrics(0)
+    c = LookupClient(cluster.endpoints, m, chunk_size=CHUNK, world=4, timeout_ms=300)
+    c.wait_ready(30.0)
+    yield c, m
+    c.close()
+
+
+# -- all ranks, four processes --------------------------------------------------------------
+
+
+def test_minimum_over_four_processes_leases_and_releases_on_every_rank(
+    cluster: Cluster, client: tuple[LookupClient, Metrics]
+) -> None:
+    c, m = client
+    keys = make_keys(10)
+    res = c.lookup(keys, "req-1")
+    assert res.per_rank == HELD
+    assert (res.hit_chunks, res.hit_tokens, res.limiting_rank) == (3, 3 * CHUNK, 1)
+    assert res.timed_out == () and res.errors == {}
+    assert m.value("lookup_hit_tokens_total") == 3 * CHUNK
+    assert m.value("lookup_seconds_count") == 1
+
+    # Every rank leased what it counted, under the lookup id.
+    cluster.events.wait(lambda s: len(cluster.events.of("lease", "req-1")) == 4)
+    leases = cluster.events.of("lease", "req-1")
+    assert {r: e[3] for r, e in leases.items()} == HELD
+
+    c.release(["req-1"])
+    cluster.events.wait(lambda s: len(cluster.events.of("release", "req-1")) == 4)
+    assert sorted(cluster.events.of("release", "req-1")) == [0, 1, 2, 3]
+
+    # A prompt every rank holds whole has no limiting rank.
+    full = c.lookup(keys[:3], "req-2", lease=False)
+    assert (full.hit_chunks, full.limiting_rank) == (3, None)
+    # lease=False leases nothing: the next leasing lookup's events arrive after its would-be
+    # events on each rank (one ordered queue per process), and there are none.
+    c.lookup(keys, "req-3")
+    cluster.events.wait(lambda s: len(cluster.events.of("lease", "req-3")) == 4)
+    assert cluster.events.of("lease", "req-2") == {}
+    c.release(["req-3"])
+
+    stats = c.server_stats(2000)
+    assert all(p is not None and p.rank == r for r, p in stats.items())
+    cluster.events.wait(lambda s: len(cluster.events.of("release", "req-3")) == 4)
+
+
+def test_killed_rank_counts_zero_within_deadline_then_recovers_after_restart(
+    cluster: Cluster, client: tuple[LookupClient, Metrics]
+) -> None:
+    c, m = client
+    keys = make_keys(10)
+    before = m.value("lookup_timeouts_total", target="2")
+    cluster.procs[2].terminate()
+    cluster.procs[2].join(10)
+    assert not cluster.procs[2].is_alive()
+
+    timeout_ms = 200
+    t0 = time.perf_counter()
+    res = c.lookup(keys, "dead-1", timeout_ms=timeout_ms)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < timeout_ms / 1000 + 0.15, elapsed
+    assert res.timed_out == (2,)
+    assert res.per_rank == {**HELD, 2: 0}
+    assert (res.hit_chunks, res.limiting_rank) == (0, 2)
+    assert m.value("lookup_timeouts_total", target="2") == before + 1
+    assert m.value("lookup_timeouts_total", target="1") == 0
+    c.release(["dead-1"])  # never raises for the dead rank
+
+    cluster.start(2)  # same endpoint, new process
+    c.wait_ready(30.0)
+    res = c.lookup(keys, "alive-again")
+    assert res.per_rank == HELD
+    assert (res.hit_chunks, res.limiting_rank, res.timed_out) == (3, 1, ())
+    cluster.events.wait(lambda s: 2 in cluster.events.of("lease", "alive-again"))
+    c.release(["alive-again"])
+
+
+# -- in-process servers ---------------------------------------------------------------------
+
+
+def _servers(
+    run_dir: Path, backends: dict[int, FakeBackend], **kw: Any
+) -> tuple[dict[int, LookupServer], dict[int, str]]:
+    eps = {r: endpoint_for(r, run_dir=run_dir) for r in backends}
+    servers = {r: LookupServer(r, b, eps[r], Metrics(r), **kw).start() for r, b in backends.items()}
+    return servers, eps
+
+
+def test_slow_rank_late_reply_is_never_used_for_a_later_lookup(run_dir: Path) -> None:
+    keys = make_keys(8)
+    gate = threading.Event()
+    slow = FakeBackend(1, keys[:6], gate=gate)
+    servers, eps = _servers(run_dir, {0: FakeBackend(0, keys), 1: slow})
+    m = Metrics(0)
+    c = LookupClient(eps, m, chunk_size=CHUNK, world=2, timeout_ms=300)
+    try:
+        c.wait_ready(10.0)
+        gate.clear()
+        first = c.lookup(keys, "seq-7")
+        assert first.timed_out == (1,)
+        assert first.per_rank == {0: 8, 1: 0}
+        assert m.value("lookup_timeouts_total", target="1") == 1
+
+        # Rank 1 evicts; its late answer to the first lookup (6) is now wrong. The next lookup
+        # reuses the lookup id, so only the request number tells the two answers apart.
+        slow.held = set(keys[:2])
+        gate.set()
+        second = c.lookup(keys, "seq-7")
+        assert second.per_rank == {0: 8, 1: 2}
+        assert (second.hit_chunks, second.limiting_rank, second.timed_out) == (2, 1, ())
+        assert c.stale_replies == 1
+        assert m.value("lookup_timeouts_total", target="1") == 1
+    finally:
+        gate.set()
+        c.close()
+        for s in servers.values():
+            s.close()
+
+
+def _raw_reply(sock: zmq.Socket) -> LookupReply:
+    assert sock.poll(5000), "server sent no error reply"
+    msg = Codec().decode(sock.recv())
+    assert isinstance(msg, LookupReply)
+    return msg
+
+
+def test_malformed_frames_are_rejected_counted_and_the_server_keeps_serving(
+    run_dir: Path,
+) -> None:
+    keys = make_keys(4)
+    servers, eps = _servers(run_dir, {0: FakeBackend(0, keys[:3])}, max_frame_bytes=4096)
+    server = servers[0]
+    sm = server._m
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(eps[0])
+    enc = msgspec.msgpack.encode
+    k = keys[0]
+    hostile: list[tuple[str, list[bytes]]] = [
+        ("garbage", [b"\xc1" + os.urandom(64)]),
+        ("version", [enc(["lookup", 2, "id", 1, [k], True])]),
+        ("version", [enc(["lookup", 2, "id", 1, [k], True, "new-field"])]),
+        ("schema", [enc(["lookup", 1, "id", 1, "not-a-list", True])]),
+        ("schema", [enc(["lookup", 1, "id", 1, [b"short-key"], True])]),
+        ("schema", [enc({"lookup_id": "id"})]),
+        ("oversized", [b"\x00" * 4097]),
+        ("frames", [enc(Ping(PROTOCOL_VERSION, 1)), b"extra"]),
+        ("unexpected", [enc(Pong(PROTOCOL_VERSION, 1, 0, 0, 0, 0))]),
+    ]
+    m = Metrics(0)
+    c = LookupClient(eps, m, chunk_size=CHUNK, world=1, timeout_ms=2000)
+    try:
+        c.wait_ready(10.0)
+        for reason, frames in hostile:
+            raw.send_multipart(frames)
+            reply = _raw_reply(raw)
+            assert reply.error is not None and reply.error.startswith(f"rejected: {reason}")
+            assert (reply.rank, reply.hit_chunks) == (0, 0)
+            # ... and a well-formed lookup right after is answered correctly.
+            res = c.lookup(keys, f"after-{reason}")
+            assert (res.hit_chunks, res.timed_out) == (3, ())
+        for reason in {r for r, _ in hostile}:
+            n = sum(1 for r, _ in hostile if r == reason)
+            assert sm.value("rejected_frames_total", reason=reason) == n, reason
+        pong = c.server_stats(2000)[0]
+        assert pong is not None
+        assert (pong.rejected, pong.served) == (len(hostile), len(hostile))
+    finally:
+        raw.close()
+        c.close()
+        server.close()
+
+
+def test_backend_error_is_an_error_reply_not_a_timeout(run_dir: Path) -> None:
+    keys = make_keys(4)
+    servers, eps = _servers(run_dir, {0: FakeBackend(0, keys), 1: FakeBackend(1, keys, fail=True)})
+    m = Metrics(0)
+    c = LookupClient(eps, m, chunk_size=CHUNK, world=2, timeout_ms=2000)
+    try:
+        c.wait_ready(10.0)
+        res = c.lookup(keys, "boom")
+        assert res.per_rank == {0: 4, 1: 0}
+        assert res.timed_out == () and res.limiting_rank == 1
+        assert "OSError: disk on fire" in res.errors[1]
+        servers[1]._backend.fail = False  # type: ignore[attr-defined]
+        assert c.lookup(keys, "fine").hit_chunks == 4
+    finally:
+        c.close()
+        for s in servers.values():
+            s.close()
+
+
+def test_endpoint_served_by_another_rank_is_detected(run_dir: Path) -> None:
+    keys = make_keys(4)
+    servers, eps = _servers(run_dir, {0: FakeBackend(0, keys)})
+    m = Metrics(0)
+    # Both ranks point at rank 0's socket: the shared-socket failure across replicas.
+    c = LookupClient({0: eps[0], 1: eps[0]}, m, chunk_size=CHUNK, world=2, timeout_ms=1000)
+    try:
+        assert c.ping(2000) == {0: True, 1: False}
+        res = c.lookup(keys, "shared")
+        assert res.per_rank == {0: 4, 1: 0}
+        assert "reply from rank 0" in res.errors[1]
+        assert m.value("rejected_frames_total", reason="wrong_rank") == 2
+    finally:
+        c.close()
+        servers[0].close()
+
+
+def test_dead_endpoint_never_hangs_release_never_raises_and_socket_resets(run_dir: Path) -> None:
+    eps = {0: endpoint_for(0, run_dir=run_dir)}
+    m = Metrics(0)
+    c = LookupClient(eps, m, chunk_size=CHUNK, world=1, timeout_ms=100, reset_after_s=0.0)
+    try:
+        t0 = time.perf_counter()
+        res = c.lookup(make_keys(2), "nobody")
+        assert time.perf_counter() - t0 < 0.1 + 0.15
+        assert (res.hit_chunks, res.timed_out, res.limiting_rank) == (0, (0,), 0)
+        assert m.value("lookup_timeouts_total", target="0") == 1
+        assert c.socket_resets[0] == 1
+        c.release(["nobody", "other"])
+        assert c.dropped_releases[0] == 1
+        with pytest.raises(StartupError, match=r"ranks \[0\] did not answer"):
+            c.wait_ready(0.2)
+        # The server comes up later on the same endpoint: the client finds it.
+        with LookupServer(0, FakeBackend(0, make_keys(2)), eps[0], Metrics(0)):
+            c.wait_ready(10.0)
+            assert c.lookup(make_keys(2), "late-server").hit_chunks == 2
+    finally:
+        c.close()
+
+
+def test_server_close_is_prompt_and_a_second_server_cannot_steal_a_live_endpoint(
+    run_dir: Path,
+) -> None:
+    ep = endpoint_for(0, run_dir=run_dir)
+    first = LookupServer(0, FakeBackend(0, []), ep, Metrics(0)).start()
+    with pytest.raises(StartupError, match="already served by a live process"):
+        LookupServer(0, FakeBackend(0, []), ep, Metrics(0)).start()
+    t0 = time.perf_counter()
+    first.close()
+    assert time.perf_counter() - t0 < 0.5
+    assert first._thread is not None and not first._thread.is_alive()
+    # After close, the endpoint is free again.
+    with LookupServer(0, FakeBackend(0, []), ep, Metrics(0)) as again:
+        assert again.bound_endpoint == ep
+
+
+# -- endpoints ------------------------------------------------------------------------------
+
+
+def test_ipc_run_dir_is_private_0o700(run_dir: Path, tmp_path: Path) -> None:
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+    assert run_dir.stat().st_uid == os.getuid()
+    ep = endpoint_for(3, run_dir=run_dir)
+    assert ep == f"ipc://{run_dir}/lookup-rank3.sock"
+    with LookupServer(3, FakeBackend(3, []), ep, Metrics(3)):
+        assert stat.S_ISSOCK(os.stat(run_dir / "lookup-rank3.sock").st_mode)
+
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    with pytest.raises(ConfigError, match="mode 0o755"):
+        endpoint_for(0, run_dir=shared)
+    with pytest.raises(ConfigError, match="private directory"):
+        LookupServer(0, FakeBackend(0, []), f"ipc://{shared}/x.sock", Metrics(0)).start()
+    with pytest.raises(ConfigError, match="need run_dir"):
+        endpoint_for(0)
+    with pytest.raises(ConfigError, match="does not exist"):
+        endpoint_for(0, run_dir=tmp_path / "missing")
+
+
+def test_ipc_path_over_the_unix_socket_limit_is_a_clear_error(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir(mode=0o700)
+    with pytest.raises(ConfigError, match="107-byte limit"):
+        endpoint_for(0, run_dir=deep)
+
+
+def test_tcp_binds_loopback_only_unless_allowed(caplog: pytest.LogCaptureFixture) -> None:
+    assert endpoint_for(2, transport="tcp", base_port=7000) == "tcp://127.0.0.1:7002"
+    assert endpoint_for(0, transport="tcp", host="::1", base_port=7000) == "tcp://[::1]:7000"
+    for host in ("0.0.0.0", "10.1.2.3", "example.org"):
+        with pytest.raises(ConfigError, match="not a loopback address"):
+            endpoint_for(0, transport="tcp", host=host, base_port=7000)
+    with pytest.raises(ConfigError, match="not a loopback address"):
+        LookupServer(0, FakeBackend(0, []), "tcp://0.0.0.0:7000", Metrics(0))
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        ep = endpoint_for(
+            1, transport="tcp", host="0.0.0.0", base_port=7000, allow_remote_bind=True
+        )
+    assert ep == "tcp://0.0.0.0:7001"
+    assert any(r.levelno == logging.WARNING and "0.0.0.0" in r.message for r in caplog.records)
+    with pytest.raises(ConfigError, match="base_port"):
+        endpoint_for(0, transport="tcp")
+    with pytest.raises(ConfigError, match="transport='udp'"):
+        endpoint_for(0, transport="udp")
+
+
+def test_tcp_loopback_round_trip() -> None:
+    keys = make_keys(3)
+    server = LookupServer(0, FakeBackend(0, keys), "tcp://127.0.0.1:*", Metrics(0)).start()
+    c = LookupClient({0: server.bound_endpoint}, Metrics(0), chunk_size=CHUNK, world=1)
+    try:
+        c.wait_ready(10.0)
+        assert c.lookup(keys, "tcp").hit_tokens == 3 * CHUNK
+    finally:
+        c.close()
+        server.close()
+
+
+# -- client contract, wire ------------------------------------------------------------------
+
+
+def test_startup_line_logged_once(caplog: pytest.LogCaptureFixture, run_dir: Path) -> None:
+    assert format_client_line([3, 0, 2, 1], 4) == (
+        "kvtier: lookup client on ranks [0, 1, 2, 3] (world=4)"
+    )
+    eps = {r: endpoint_for(r, run_dir=run_dir) for r in (1, 0)}
+    with caplog.at_level(logging.INFO, logger="kvtier"):
+        LookupClient(eps, Metrics(0), chunk_size=CHUNK, world=4).close()
+    lines = [r.message for r in caplog.records if "lookup client on ranks" in r.message]
+    assert lines == ["kvtier: lookup client on ranks [0, 1] (world=4)"]
+
+
+def test_bad_client_input_raises_clear_errors(run_dir: Path) -> None:
+    eps = {0: endpoint_for(0, run_dir=run_dir)}
+    with pytest.raises(TopologyError, match=r"ranks \[4\] are outside \[0, world=4\)"):
+        LookupClient({4: eps[0]}, Metrics(0), chunk_size=CHUNK, world=4)
+    with pytest.raises(TopologyError, match="at least one rank"):
+        LookupClient({}, Metrics(0), chunk_size=CHUNK, world=4)
+    with pytest.raises(ConfigError, match="chunk_size=0"):
+        LookupClient(eps, Metrics(0), chunk_size=0, world=1)
+    with pytest.raises(ConfigError, match="not ipc://"):
+        LookupClient({0: "/tmp/x.sock"}, Metrics(0), chunk_size=CHUNK, world=1)
+    c = LookupClient(eps, Metrics(0), chunk_size=CHUNK, world=1, max_frame_bytes=1024)
+    try:
+        with pytest.raises(ValueError, match="key 1 is bytes of length 15"):
+            c.lookup([b"k" * 16, b"k" * 15], "x")
+        with pytest.raises(ValueError, match="key 0 is str"):
+            c.lookup(["k" * 16], "x")  # type: ignore[list-item]
+        with pytest.raises(ValueError, match="non-empty str"):
+            c.lookup(make_keys(1), "")
+        with pytest.raises(ValueError, match="over max_frame_bytes=1024"):
+            c.lookup(make_keys(100), "big")
+    finally:
+        c.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        c.lookup(make_keys(1), "after-close")
+
+
+def test_every_message_round_trips_through_one_decoder() -> None:
+    codec = Codec()
+    k = make_keys(2)
+    msgs = [
+        LookupRequest(PROTOCOL_VERSION, "id", 7, k, True),
+        LookupReply(PROTOCOL_VERSION, "id", 7, 3, 2, None),
+        LookupReply(PROTOCOL_VERSION, "id", 7, 3, 0, "backend: boom"),
+        ReleaseRequest(PROTOCOL_VERSION, ["a", "b"]),
+        Ping(PROTOCOL_VERSION, 9),
+        Pong(PROTOCOL_VERSION, 9, 3, 1, 2, 0),
+    ]
+    for msg in msgs:
+        frame = codec.encode(msg)
+        assert b"pickle" not in frame
+        assert codec.decode(frame) == msg
+    assert len(codec.encode(LookupRequest(PROTOCOL_VERSION, "x", 1, make_keys(128), True))) < 2400
