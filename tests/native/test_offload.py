@@ -18,9 +18,7 @@ def kvtier_engine(model: Path, tmp_path: Path, tp: int = 1, **cfg) -> Engine:
     cfg.setdefault("memory_bytes", "64MiB")
     cfg.setdefault("load_gate", False)
     spec = connector_spec(KVTierConfig(**cfg), model, run_dir=tmp_path / f"run-tp{tp}")
-    return Engine(
-        model, EngineConfig(num_threads=1, tensor_parallel_size=tp, num_blocks=256), spec
-    )
+    return Engine(model, EngineConfig(num_threads=1, tensor_parallel_size=tp, num_blocks=256), spec)
 
 
 def scheduler_metric(eng: Engine, name: str, **labels: str) -> float:

@@ -41,8 +41,9 @@ class SlotView:
 
     __slots__ = ("_block_ids", "_computed", "_id", "_prompt")
 
-    def __init__(self, req_id: str, prompt: Sequence[int], computed: int = 0,
-                 block_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self, req_id: str, prompt: Sequence[int], computed: int = 0, block_ids: Sequence[int] = ()
+    ) -> None:
         self._id = req_id
         self._prompt = list(prompt)
         self._computed = computed

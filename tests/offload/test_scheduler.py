@@ -33,11 +33,22 @@ def blocks(n_tokens: int, base: int = 100) -> list[int]:
     return list(range(base, base + -(-n_tokens // BLOCK)))
 
 
-def report_all(sched: OffloadScheduler, op_id: str, world: int = 2, ok: bool = True,
-               failing_rank: int | None = None) -> list:
+def report_all(
+    sched: OffloadScheduler,
+    op_id: str,
+    world: int = 2,
+    ok: bool = True,
+    failing_rank: int | None = None,
+) -> list:
     reports = [
-        WorkerReport(rank=r, results=[OpResult(op_id, ok and r != failing_rank,
-                                               "" if ok and r != failing_rank else "miss")])
+        WorkerReport(
+            rank=r,
+            results=[
+                OpResult(
+                    op_id, ok and r != failing_rank, "" if ok and r != failing_rank else "miss"
+                )
+            ],
+        )
         for r in range(world)
     ]
     return sched.process_reports(reports)
@@ -88,8 +99,15 @@ def test_slower_than_recompute_is_skipped():
     lookup = FakeLookup(4)
     metrics = Metrics(rank=0)
     config = KVTierConfig(chunk_size=CHUNK, prefill_tokens_per_s=1e9)
-    sched = OffloadScheduler(config, lookup, model_id="m", block_size=BLOCK, world=1,
-                             metrics=metrics, load_tokens_per_s=1000.0)
+    sched = OffloadScheduler(
+        config,
+        lookup,
+        model_id="m",
+        block_size=BLOCK,
+        world=1,
+        metrics=metrics,
+        load_tokens_per_s=1000.0,
+    )
     assert sched.get_num_new_matched_tokens(SlotView("a", prompt(4 * CHUNK)), 0) == 0
     assert metrics.value("skipped_loads_total", reason="slower_than_recompute") == 1
     assert lookup.outstanding() == set()
@@ -199,5 +217,11 @@ def test_scheduler_never_writes_slot_views():
 
 def test_chunk_not_multiple_of_block_is_refused():
     with pytest.raises(ValueError, match="multiple of 48"):
-        OffloadScheduler(KVTierConfig(chunk_size=64), FakeLookup(), model_id="m", block_size=48,
-                         world=1, metrics=Metrics())
+        OffloadScheduler(
+            KVTierConfig(chunk_size=64),
+            FakeLookup(),
+            model_id="m",
+            block_size=48,
+            world=1,
+            metrics=Metrics(),
+        )

@@ -144,9 +144,7 @@ class SchedulerHalf:
         self.core.update_state_after_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMeta:
-        scheduled = [
-            StepRequest(s.seq, s.computed_after_step) for s in scheduler_output.scheduled
-        ]
+        scheduled = [StepRequest(s.seq, s.computed_after_step) for s in scheduler_output.scheduled]
         self._step_prefill = sum(
             min(s.computed_after_step, len(s.seq.prompt_token_ids)) - s.seq.num_computed_tokens
             for s in scheduler_output.scheduled

@@ -37,9 +37,7 @@ class LoadGate:
     per_tier: dict[str, Rate] = field(default_factory=dict)
 
     @classmethod
-    def seeded(
-        cls, prefill_tokens_per_s: float, load_tokens_per_s: float | None
-    ) -> LoadGate:
+    def seeded(cls, prefill_tokens_per_s: float, load_tokens_per_s: float | None) -> LoadGate:
         """A gate seeded from config; an unknown load rate never blocks until measured."""
         return cls(Rate(prefill_tokens_per_s), Rate(load_tokens_per_s or float("inf")))
 

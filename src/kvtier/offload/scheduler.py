@@ -286,7 +286,10 @@ class OffloadScheduler:
             st.emitted = min(st.emitted, start)  # saved again on a later step
             log.warning(
                 "kvtier: save %s of tokens [%d, %d) failed (%s); it will be retried",
-                term.op_id, start, end, term.reason,
+                term.op_id,
+                start,
+                end,
+                term.reason,
             )
 
     def _load_terminal(self, req_id: str, st: _Req | None, term: Terminal) -> LoadOutcome:
@@ -306,7 +309,9 @@ class OffloadScheduler:
             st.emitted = min(st.emitted, floor)
         log.warning(
             "kvtier: load %s failed on some rank (%s); request %s recomputes it",
-            term.op_id, term.reason, req_id,
+            term.op_id,
+            term.reason,
+            req_id,
         )
         return LoadOutcome(req_id, False, tokens, term.reason)
 

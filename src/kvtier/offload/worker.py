@@ -101,8 +101,13 @@ class OffloadWorker:
         log.info(
             "%s: registered %d KV tensors, %d B/block, %d B/chunk, namespace %s, tiers %s, "
             "lookup server %s",
-            self.tag, len(kv_caches), self.codec.bytes_per_block, self.codec.chunk_bytes,
-            ns.hex, "+".join(self.stack.tiers), self.lookup_endpoint,
+            self.tag,
+            len(kv_caches),
+            self.codec.bytes_per_block,
+            self.codec.chunk_bytes,
+            ns.hex,
+            "+".join(self.stack.tiers),
+            self.lookup_endpoint,
         )
 
     def _self_test(self) -> None:
@@ -222,7 +227,11 @@ class OffloadWorker:
             self.metrics.retrieved_bytes.inc(nbytes)
         log.info(
             "%s: Retrieved %d of %d required tokens (%.3f GiB, %.2f GB/s)%s",
-            self.tag, got, op.tokens, nbytes / _GIB, nbytes / max(seconds, 1e-9) / 1e9,
+            self.tag,
+            got,
+            op.tokens,
+            nbytes / _GIB,
+            nbytes / max(seconds, 1e-9) / 1e9,
             f" failed: {reason}" if reason else "",
         )
         tier = served.most_common(1)[0][0] if served else ""

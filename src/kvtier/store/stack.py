@@ -346,4 +346,3 @@ def _copy_into(dst: torch.Tensor, src: np.ndarray) -> None:
     else:
         # torch wants a writable host buffer; the copy is the staging hop a device needs anyway
         dst.copy_(torch.from_numpy(src.copy()), non_blocking=False)
-
