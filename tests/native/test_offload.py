@@ -21,6 +21,16 @@ def kvtier_engine(model: Path, tmp_path: Path, tp: int = 1, **cfg) -> Engine:
     return Engine(model, EngineConfig(num_threads=1, tensor_parallel_size=tp, num_blocks=256), spec)
 
 
+def rank_samples(eng: Engine, sample: str) -> dict[str, float]:
+    """Per-rank values of one sample from the merged /metrics collector."""
+    out = {}
+    for fam in eng.connector.collector.collect():
+        for s in fam.samples:
+            if s.name == sample and s.labels.get("rank") != "scheduler":
+                out[s.labels["rank"]] = s.value
+    return out
+
+
 def scheduler_metric(eng: Engine, name: str, **labels: str) -> float:
     return eng.connector.metrics.value(name, **labels)
 
@@ -62,3 +72,86 @@ def test_two_pass_restore(tiny_model, tmp_path, prompts, baseline, tp, caplog):
     if tp == 1:
         assert len(retrieved) == 8
     assert f"kvtier: lookup client on ranks {list(range(tp))} (world={tp})" in caplog.text
+
+
+def _worker(eng: Engine):
+    """The in-process OffloadWorker of a TP=1 engine."""
+    return eng.executor.runner.connector.worker
+
+
+def test_tp2_both_ranks_retrieve_evenly(tiny_model, tmp_path, prompts, baseline):
+    with kvtier_engine(tiny_model, tmp_path, tp=2) as eng:
+        eng.generate(prompts, GREEDY)
+        eng.reset_prefix_cache()
+        assert [o.output_token_ids for o in eng.generate(prompts, GREEDY)] == baseline
+        per_rank = {}
+        loads = {}
+        for fam in eng.connector.collector.collect():
+            for s in fam.samples:
+                if s.labels.get("rank") == "scheduler":
+                    continue
+                if s.name == "kvtier_retrieved_tokens_total":
+                    per_rank[s.labels["rank"]] = s.value
+                if s.name == "kvtier_load_seconds_count":
+                    loads[s.labels["rank"]] = s.value
+        assert per_rank == {"0": 8 * 256, "1": 8 * 256}
+        assert loads == {"0": 8, "1": 8}
+
+
+def test_corrupted_tier_bytes_are_detected_counted_and_recomputed(
+    tiny_model, tmp_path, prompts, baseline
+):
+    with kvtier_engine(tiny_model, tmp_path, verify_memory_reads=True) as eng:
+        eng.generate(prompts, GREEDY)
+        memory = _worker(eng).stack.memory
+        keys = list(memory._index)  # every chunk stored by pass 1 (and the self-test chunk)
+        memory.lease("test", keys)
+        for key in keys:
+            memory.view(key)[100:164] ^= 0x5A
+        memory.release("test")
+        eng.reset_prefix_cache()
+        outs = eng.generate(prompts, GREEDY)
+        assert [o.output_token_ids for o in outs] == baseline
+        m = _worker(eng).metrics
+        assert m.value("verify_failures_total", tier="memory", reason="checksum_mismatch") == 8
+        assert scheduler_metric(eng, "load_failures_total", reason="miss") == 8
+        assert eng.stats()["external_prefix_cache_hits"] == 0
+
+
+def test_lookup_server_killed_mid_run_costs_hits_not_requests(
+    tiny_model, tmp_path, prompts, baseline
+):
+    with kvtier_engine(tiny_model, tmp_path, lookup_timeout_ms=50) as eng:
+        eng.generate(prompts[:4], GREEDY)
+        _worker(eng).server.close()  # rank 0's lookup server dies
+        eng.reset_prefix_cache()
+        outs = eng.generate(prompts, GREEDY)
+        assert [o.output_token_ids for o in outs] == baseline
+        assert scheduler_metric(eng, "lookup_timeouts_total", target="0") == 8
+        assert scheduler_metric(eng, "skipped_loads_total", reason="lookup_timeout") == 8
+        assert eng.stats()["requests_finished"] == 12
+
+
+def test_load_failing_on_one_rank_fails_the_op_recomputes_and_saves_again(
+    tiny_model, tmp_path, prompts, baseline
+):
+    config = KVTierConfig(
+        chunk_size=64, memory_bytes="64MiB", load_gate=False, verify_memory_reads=True
+    )
+    base = connector_spec(config, tiny_model, run_dir=tmp_path / "run")
+    spec = ("tests.native.faulty:build", {**base.args, "fail_rank": 1})
+    cfg = EngineConfig(num_threads=1, tensor_parallel_size=2, num_blocks=256)
+    with Engine(tiny_model, cfg, spec) as eng:
+        eng.generate(prompts[:1], GREEDY)
+        eng.reset_prefix_cache()
+        (out,) = eng.generate(prompts[:1], GREEDY)
+        assert out.output_token_ids == baseline[0]
+        assert scheduler_metric(eng, "load_failures_total", reason="miss") == 1
+        assert eng.stats()["external_prefix_cache_hits"] == 0
+        stored = rank_samples(eng, "kvtier_stored_tokens_total")
+        assert stored["1"] == 256 + 64  # the corrupted chunk, dropped on read, saved again
+        # the recompute saved the chunk again: a third pass loads everything on every rank
+        eng.reset_prefix_cache()
+        (out,) = eng.generate(prompts[:1], GREEDY)
+        assert out.output_token_ids == baseline[0]
+        assert eng.stats()["external_prefix_cache_hits"] == 256

@@ -264,6 +264,7 @@ class OffloadWorker:
             nbytes += self.codec.chunk_bytes
         seconds = time.perf_counter() - t0
         self.metrics.save_seconds.observe(seconds)
-        self.metrics.stored_tokens.inc(op.tokens)
+        # only chunks written now count: one the tier already held was not stored again
+        self.metrics.stored_tokens.inc(nbytes // self.codec.chunk_bytes * self.config.chunk_size)
         self.metrics.stored_bytes.inc(nbytes)
         return OpResult(op.op_id, True, "", nbytes, seconds, "memory")
