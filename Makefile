@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvtier-installed
 
-.PHONY: demo test lint setup clean
+.PHONY: demo test lint setup services clean
 
 setup: $(STAMP)
 
@@ -16,10 +16,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
+# Services the tests start themselves (a throwaway redis-server per test session).
+services:
+	@command -v redis-server >/dev/null 2>&1 || { \
+		echo "installing redis-server (Debian package) for the shared-tier tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
 
-test: $(STAMP)
+test: $(STAMP) services
 	$(BIN)/ruff check src tests
 	$(BIN)/python -m pytest -q
 

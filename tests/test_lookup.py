@@ -309,6 +309,7 @@ def test_endpoint_served_by_another_rank_is_detected(run_dir: Path) -> None:
     # Both ranks point at rank 0's socket: the shared-socket failure across replicas.
     c = LookupClient({0: eps[0], 1: eps[0]}, m, chunk_size=CHUNK, world=2, timeout_ms=1000)
     try:
+        assert c.wait_connected(10.0) == []
         assert c.ping(2000) == {0: True, 1: False}
         res = c.lookup(keys, "shared")
         assert res.per_rank == {0: 4, 1: 0}

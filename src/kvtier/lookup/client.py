@@ -297,12 +297,17 @@ class LookupClient:
                 )
             # A rank with no live connection fails its ping at once; wait until its socket
             # becomes writable (connected) instead of spinning, bounded by the probe interval.
-            with self._lock:
-                self._check_open()
-                connecting = zmq.Poller()
-                for r in down:
-                    connecting.register(self._peers[r].sock, zmq.POLLOUT)
-                connecting.poll(min(probe_ms, math.ceil(left_ms)))
+            self._wait_writable(down, min(probe_ms, math.ceil(left_ms)))
+
+    def wait_connected(self, timeout_s: float = 10.0) -> list[int]:
+        """Wait until every rank's socket has a live connection; returns the ranks without one."""
+        deadline = self._clock() + timeout_s
+        while True:
+            down = self._wait_writable(
+                self.ranks, max(0, math.ceil((deadline - self._clock()) * 1e3))
+            )
+            if not down or self._clock() >= deadline:
+                return down
 
     def close(self) -> None:
         """Close every socket (no linger). The client is unusable afterwards."""
@@ -349,6 +354,20 @@ class LookupClient:
         self.socket_resets[rank] += 1
         log.warning("kvtier: lookup socket of rank %d reset (unsendable)", rank)
         self._connect(rank, peer.endpoint)
+
+    def _wait_writable(self, ranks: Iterable[int], timeout_ms: int) -> list[int]:
+        """Wait up to `timeout_ms` for any of `ranks` to be writable; returns the unwritable."""
+        with self._lock:
+            self._check_open()
+            socks = {self._peers[r].sock: r for r in ranks}
+            down = [r for s, r in socks.items() if not s.getsockopt(zmq.EVENTS) & zmq.POLLOUT]
+            if not down or timeout_ms <= 0:
+                return down
+            poller = zmq.Poller()
+            for r in down:
+                poller.register(self._peers[r].sock, zmq.POLLOUT)
+            ready = {socks[s] for s, _ in poller.poll(timeout_ms)}
+            return [r for r in down if r not in ready]
 
     def _send_all(self, frame: bytes, now: float) -> tuple[set[int], list[int]]:
         """Send `frame` to every rank without blocking; returns (sent, unsendable) ranks."""
