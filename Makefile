@@ -10,7 +10,6 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, pinned to the CPU build, so no dependency drags in a CUDA wheel
 	$(BIN)/python -m pip install --quiet "torch==2.13.0+cpu" || $(BIN)/python -m pip install --quiet "torch==2.13.0"
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
