@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from prometheus_client import CollectorRegistry
 
 from kvtier.config import KVTierConfig
@@ -75,6 +76,12 @@ def build(role: ConnectorRole, context: ConnectorContext, **args: Any) -> Any:
     return WorkerHalf(context, config, topo, args["run_dir"], args["model_id"])
 
 
+def _bytes_per_token(context: ConnectorContext) -> int:
+    """K and V of every layer for one token on one rank."""
+    itemsize = torch.empty(0, dtype=getattr(torch, context.dtype)).element_size()
+    return 2 * context.num_layers * context.num_kv_heads_per_rank * context.head_dim * itemsize
+
+
 def _endpoint(config: KVTierConfig, rank: int, run_dir: str) -> str:
     return endpoint_for(
         rank,
@@ -120,6 +127,7 @@ class SchedulerHalf:
                 block_size=context.block_size,
                 world=topo.world,
                 metrics=self.metrics,
+                bytes_per_token=_bytes_per_token(context),
             )
         except BaseException:
             self.client.close()

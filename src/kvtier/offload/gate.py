@@ -37,9 +37,17 @@ class LoadGate:
     per_tier: dict[str, Rate] = field(default_factory=dict)
 
     @classmethod
-    def seeded(cls, prefill_tokens_per_s: float, load_tokens_per_s: float | None) -> LoadGate:
+    def seeded(
+        cls,
+        prefill_tokens_per_s: float,
+        load_tokens_per_s: float | None,
+        tier_seeds: dict[str, float] | None = None,
+    ) -> LoadGate:
         """A gate seeded from config; an unknown load rate never blocks until measured."""
-        return cls(Rate(prefill_tokens_per_s), Rate(load_tokens_per_s or float("inf")))
+        per_tier = {name: Rate(v) for name, v in (tier_seeds or {}).items()}
+        return cls(
+            Rate(prefill_tokens_per_s), Rate(load_tokens_per_s or float("inf")), per_tier=per_tier
+        )
 
     def load_seconds(self, tokens: int) -> float:
         return self.overhead_s + tokens / self.load.value

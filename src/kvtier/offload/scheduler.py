@@ -80,7 +80,10 @@ class OffloadScheduler:
         world: int,
         metrics: Metrics,
         load_tokens_per_s: float | None = None,
+        bytes_per_token: int | None = None,
     ) -> None:
+        """`bytes_per_token` (per rank) turns the config's read-bandwidth seeds into token rates
+        for the load gate; `load_tokens_per_s` overrides the seed outright."""
         self.config = config
         self.chunk = config.chunk_size
         if self.chunk % block_size:
@@ -99,7 +102,16 @@ class OffloadScheduler:
         self._ops: dict[str, tuple[str, str]] = {}  # op id -> (req id, "load" | "save")
         self._nonce = itertools.count()
         self._delayed: list[str] = []
-        self.gate = LoadGate.seeded(config.prefill_tokens_per_s, load_tokens_per_s)
+        seeds = {}
+        if bytes_per_token:
+            seeds = {
+                "memory": config.memory_read_gbps * 1e9 / bytes_per_token,
+                "disk": config.disk_read_gbps * 1e9 / bytes_per_token,
+                "remote": config.remote_read_gbps * 1e9 / bytes_per_token,
+            }
+        self.gate = LoadGate.seeded(
+            config.prefill_tokens_per_s, load_tokens_per_s or seeds.get("memory"), seeds
+        )
         self.min_load = config.effective_min_load_tokens
 
     # ---- lookup -------------------------------------------------------------------------------
