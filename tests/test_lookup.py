@@ -77,12 +77,15 @@ class Cluster:
         self.dir = make_run_dir()
         self.endpoints = {r: endpoint_for(r, run_dir=self.dir) for r in HELD}
         self.events = EventLog(self.ctx.Queue())
-        self.stops = {r: self.ctx.Event() for r in HELD}
+        self.stops: dict[int, Any] = {}
         self.procs: dict[int, Any] = {}
         for r in HELD:
             self.start(r)
 
     def start(self, rank: int) -> None:
+        # A fresh stop event per process: a process killed while waiting on an event leaves
+        # it with a sleeper that never wakes, and setting that event would block forever.
+        self.stops[rank] = self.ctx.Event()
         p = self.ctx.Process(
             target=run_fake_server,
             args=(rank, self.endpoints[rank], HELD[rank], self.events.q, self.stops[rank]),
@@ -320,25 +323,46 @@ def test_endpoint_served_by_another_rank_is_detected(run_dir: Path) -> None:
         servers[0].close()
 
 
-def test_dead_endpoint_never_hangs_release_never_raises_and_socket_resets(run_dir: Path) -> None:
+def test_dead_rank_never_hangs_then_is_skipped_until_probed_and_recovers(run_dir: Path) -> None:
     eps = {0: endpoint_for(0, run_dir=run_dir)}
+    keys = make_keys(2)
     m = Metrics(0)
-    c = LookupClient(eps, m, chunk_size=CHUNK, world=1, timeout_ms=100, reset_after_s=0.0)
+    now = [0.0]
+    c = LookupClient(
+        eps,
+        m,
+        chunk_size=CHUNK,
+        world=1,
+        timeout_ms=100,
+        miss_limit=2,
+        probe_interval_s=10.0,
+        clock=lambda: now[0],
+    )
     try:
-        t0 = time.perf_counter()
-        res = c.lookup(make_keys(2), "nobody")
-        assert time.perf_counter() - t0 < 0.1 + 0.15
-        assert (res.hit_chunks, res.timed_out, res.limiting_rank) == (0, (0,), 0)
-        assert m.value("lookup_timeouts_total", target="0") == 1
+        for i in range(2):
+            t0 = time.perf_counter()
+            res = c.lookup(keys, f"nobody-{i}")
+            assert time.perf_counter() - t0 < 0.1 + 0.15
+            assert (res.hit_chunks, res.timed_out, res.limiting_rank) == (0, (0,), 0)
+        # Two misses in a row: the rank is down and its socket was replaced.
         assert c.socket_resets[0] == 1
-        c.release(["nobody", "other"])
+        c.release(["nobody-0", "nobody-1"])  # never raises
         assert c.dropped_releases[0] == 1
         with pytest.raises(StartupError, match=r"ranks \[0\] did not answer"):
             c.wait_ready(0.2)
-        # The server comes up later on the same endpoint: the client finds it.
-        with LookupServer(0, FakeBackend(0, make_keys(2)), eps[0], Metrics(0)):
-            c.wait_ready(10.0)
-            assert c.lookup(make_keys(2), "late-server").hit_chunks == 2
+
+        backend = FakeBackend(0, keys)
+        with LookupServer(0, backend, eps[0], Metrics(0)):
+            assert c.wait_connected(10.0) == []
+            # Down and not yet due for a probe: skipped without being asked.
+            res = c.lookup(keys, "skipped")
+            assert (res.hit_chunks, res.timed_out) == (0, (0,))
+            now[0] = 10.0  # probe due
+            res = c.lookup(keys, "probe")
+            assert (res.hit_chunks, res.timed_out) == (2, ())
+            assert backend.lookups == 1  # only the probe reached the backend
+            assert c.lookup(keys, "back").hit_chunks == 2
+        assert m.value("lookup_timeouts_total", target="0") == 3
     finally:
         c.close()
 

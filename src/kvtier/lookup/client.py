@@ -53,7 +53,8 @@ class LookupResult:
     """Minimum over ranks of the leading chunks held, and who limited it.
 
     `limiting_rank` is the lowest-numbered rank holding the fewest chunks, or None when every
-    rank holds every key. A rank that timed out or answered with an error counts as 0.
+    rank holds every key. A rank that timed out (or was skipped as down) or answered with an
+    error counts as 0; `timed_out` and `errors` say which and why.
     """
 
     hit_chunks: int
@@ -65,25 +66,30 @@ class LookupResult:
 
 
 class _Peer:
-    """One rank's DEALER socket and when it was made (to tell a stuck socket from a new one)."""
+    """One rank's DEALER socket and its miss record (consecutive misses, next probe time)."""
 
-    __slots__ = ("created", "endpoint", "rank", "sock")
+    __slots__ = ("endpoint", "misses", "rank", "retry_at", "sock")
 
-    def __init__(self, rank: int, endpoint: str, sock: zmq.Socket, created: float) -> None:
+    def __init__(self, rank: int, endpoint: str, sock: zmq.Socket) -> None:
         self.rank = rank
         self.endpoint = endpoint
         self.sock = sock
-        self.created = created
+        self.misses = 0
+        self.retry_at = 0.0
 
 
 class LookupClient:
     """Scheduler-side lookup over the ranks in `endpoints` (rank -> endpoint), one socket each.
 
     Counts on `metrics`: `lookup_seconds`, `lookup_hit_tokens` (hit chunks x `chunk_size`),
-    `lookup_timeout(target)` and `rejected_frame(reason)` for bad replies. `lookups` is counted
-    by each server. Safe to call from several threads (calls are serialised).
+    `lookup_timeout(target)` and `rejected_frame(reason)` for bad replies; `lookups` is counted
+    by each server. Calls are serialised, so several threads may share a client.
 
-    Sockets connect in the background: call `wait_ready()` before the first lookup.
+    A rank that misses `miss_limit` deadlines in a row is down: lookups stop waiting for it
+    (it counts as a timeout at once) and probe it again every `probe_interval_s` of `clock`;
+    its socket is replaced so requests queued behind a stuck server are dropped. Any answer,
+    a pong included, brings it back. Sockets connect in the background: call `wait_ready()`
+    before the first lookup.
     """
 
     def __init__(
@@ -95,9 +101,10 @@ class LookupClient:
         world: int,
         timeout_ms: int = 200,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-        reset_after_s: float = 1.0,
+        miss_limit: int = 3,
+        probe_interval_s: float = 1.0,
         context: zmq.Context | None = None,
-        clock: Callable[[], float] = time.perf_counter,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not endpoints:
             raise TopologyError("lookup client needs at least one rank endpoint, got none")
@@ -110,6 +117,11 @@ class LookupClient:
             raise ConfigError(f"lookup chunk_size={chunk_size} must be > 0 tokens")
         if timeout_ms <= 0:
             raise ConfigError(f"lookup timeout_ms={timeout_ms} must be > 0")
+        if miss_limit <= 0 or probe_interval_s < 0:
+            raise ConfigError(
+                f"lookup miss_limit={miss_limit} must be >= 1 and "
+                f"probe_interval_s={probe_interval_s} >= 0"
+            )
         for ep in endpoints.values():
             parse_endpoint(ep)
         self.ranks: tuple[int, ...] = tuple(sorted(endpoints))
@@ -120,7 +132,8 @@ class LookupClient:
         self._codec = Codec(max_frame_bytes)
         self._ctx = context if context is not None else zmq.Context.instance()
         self._clock = clock
-        self._reset_after_s = reset_after_s
+        self._miss_limit = miss_limit
+        self._probe_s = probe_interval_s
         self._lock = threading.Lock()
         self._reqs = itertools.count(1)
         self._poller = zmq.Poller()
@@ -159,7 +172,8 @@ class LookupClient:
                     f"lookup key {i} is {type(k).__name__} of length {size}; "
                     f"chunk keys are {KEY_BYTES}-byte bytes (kvtier.keys)"
                 )
-        t0 = self._clock()
+        t0 = time.perf_counter()
+        deadline = t0 + (self.timeout_ms if timeout_ms is None else timeout_ms) / 1000.0
         with self._lock:
             self._check_open()
             req = next(self._reqs)
@@ -180,14 +194,8 @@ class LookupClient:
                 ):
                     return False
                 if msg.rank != rank:
-                    self._m.rejected_frame(REJECT_WRONG_RANK).inc()
+                    self._wrong_rank(rank, msg.rank)
                     errors[rank] = f"reply from rank {msg.rank} on rank {rank}'s endpoint"
-                    log.error(
-                        "kvtier: lookup endpoint of rank %d is served by rank %d; "
-                        "two ranks share an endpoint (one run_dir per replica?)",
-                        rank,
-                        msg.rank,
-                    )
                     per_rank[rank] = 0
                 elif msg.error is not None:
                     errors[rank] = msg.error
@@ -200,13 +208,19 @@ class LookupClient:
                     per_rank[rank] = msg.hit_chunks
                 return True
 
-            pending, unsent = self._send_all(frame, t0)
-            wait_ms = self.timeout_ms if timeout_ms is None else timeout_ms
-            self._gather(pending, t0 + wait_ms / 1000.0, accept)
-            missed = sorted((*pending, *unsent))
+            now = self._clock()
+            targets = [p for p in self._peers.values() if not self._is_down(p, now)]
+            pending, unsent = self._send_all(frame, targets)
+            self._gather(pending, deadline, accept)
+            missed = sorted(r for r in self.ranks if r not in per_rank)
             for rank in missed:
                 per_rank[rank] = 0
                 self._m.lookup_timeout(rank).inc()
+            for peer in targets:
+                if peer.rank in pending or peer.rank in unsent:
+                    self._missed(peer, now)
+                else:
+                    self._answered(peer)
         ordered = {r: per_rank[r] for r in self.ranks}
         hit = min(ordered.values())
         limiting = None if hit == n else next(r for r, h in ordered.items() if h == hit)
@@ -219,9 +233,7 @@ class LookupClient:
             errors=errors,
         )
         self._m.lookup_hit_tokens.inc(result.hit_tokens)
-        self._m.lookup_seconds.observe(self._clock() - t0)
-        if missed:
-            log.warning("kvtier: lookup %r: ranks %s missed the deadline", lookup_id, missed)
+        self._m.lookup_seconds.observe(time.perf_counter() - t0)
         return result
 
     def release(self, lookup_ids: Iterable[str]) -> None:
@@ -243,7 +255,9 @@ class LookupClient:
                         peer.sock.send(frame, zmq.NOBLOCK)
                     except zmq.Again:
                         self.dropped_releases[rank] += 1
-                        log.warning(
+                        # A rank already known to be missing was logged when it went missing.
+                        log.log(
+                            logging.DEBUG if peer.misses else logging.WARNING,
                             "kvtier: release of %d lookup ids not sent to rank %d (unreachable); "
                             "its leases will expire",
                             len(batch),
@@ -255,8 +269,11 @@ class LookupClient:
         return {r: p is not None for r, p in self.server_stats(timeout_ms).items()}
 
     def server_stats(self, timeout_ms: int | None = None) -> dict[int, Pong | None]:
-        """Each rank's `Pong` (rank, served, released, rejected), or None if it did not answer."""
-        t0 = self._clock()
+        """Each rank's `Pong` (rank, served, released, rejected), or None if it did not answer.
+        Pings go to every rank, down or not; an answer brings a down rank back."""
+        deadline = (
+            time.perf_counter() + (self.timeout_ms if timeout_ms is None else timeout_ms) / 1e3
+        )
         with self._lock:
             self._check_open()
             nonce = next(self._reqs)
@@ -266,29 +283,27 @@ class LookupClient:
                 if not (isinstance(msg, Pong) and msg.nonce == nonce):
                     return False
                 if msg.rank != rank:
-                    self._m.rejected_frame(REJECT_WRONG_RANK).inc()
-                    log.error(
-                        "kvtier: lookup endpoint of rank %d answered as rank %d", rank, msg.rank
-                    )
+                    self._wrong_rank(rank, msg.rank)
                 else:
                     pongs[rank] = msg
                 return True
 
             frame = self._codec.encode(Ping(PROTOCOL_VERSION, nonce))
-            pending, _ = self._send_all(frame, t0)
-            wait_ms = self.timeout_ms if timeout_ms is None else timeout_ms
-            self._gather(pending, t0 + wait_ms / 1000.0, accept)
+            pending, _ = self._send_all(frame, list(self._peers.values()))
+            self._gather(pending, deadline, accept)
+            for rank, pong in pongs.items():
+                if pong is not None:
+                    self._answered(self._peers[rank])
         return pongs
 
     def wait_ready(self, timeout_s: float = 10.0, probe_ms: int = 50) -> None:
         """Ping until every rank answers, or raise StartupError naming the silent ranks."""
-        deadline = self._clock() + timeout_s
+        deadline = time.perf_counter() + timeout_s
         while True:
-            up = self.ping(probe_ms)
-            down = [r for r, ok in up.items() if not ok]
+            down = [r for r, ok in self.ping(probe_ms).items() if not ok]
             if not down:
                 return
-            left_ms = (deadline - self._clock()) * 1000.0
+            left_ms = (deadline - time.perf_counter()) * 1000.0
             if left_ms <= 0:
                 eps = {r: self._peers[r].endpoint for r in down}
                 raise StartupError(
@@ -301,12 +316,11 @@ class LookupClient:
 
     def wait_connected(self, timeout_s: float = 10.0) -> list[int]:
         """Wait until every rank's socket has a live connection; returns the ranks without one."""
-        deadline = self._clock() + timeout_s
+        deadline = time.perf_counter() + timeout_s
         while True:
-            down = self._wait_writable(
-                self.ranks, max(0, math.ceil((deadline - self._clock()) * 1e3))
-            )
-            if not down or self._clock() >= deadline:
+            left_ms = max(0, math.ceil((deadline - time.perf_counter()) * 1000.0))
+            down = self._wait_writable(self.ranks, left_ms)
+            if not down or left_ms == 0:
                 return down
 
     def close(self) -> None:
@@ -329,7 +343,7 @@ class LookupClient:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _connect(self, rank: int, endpoint: str) -> None:
+    def _connect(self, rank: int, endpoint: str) -> _Peer:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         # Queue only to live connections: a send to a dead rank fails at once instead of
@@ -341,19 +355,56 @@ class LookupClient:
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
         sock.setsockopt(zmq.MAXMSGSIZE, self._codec.max_frame_bytes)
         sock.connect(endpoint)
-        self._peers[rank] = _Peer(rank, endpoint, sock, self._clock())
+        peer = self._peers[rank] = _Peer(rank, endpoint, sock)
         self._rank_of[sock] = rank
         self._poller.register(sock, zmq.POLLIN)
+        return peer
 
-    def _reset(self, rank: int) -> None:
+    def _is_down(self, peer: _Peer, now: float) -> bool:
+        """Down ranks are skipped, except for one probe lookup per probe interval."""
+        return peer.misses >= self._miss_limit and now < peer.retry_at
+
+    def _missed(self, peer: _Peer, now: float) -> None:
+        peer.misses += 1
+        if peer.misses == 1:
+            log.warning("kvtier: lookup rank %d missed its deadline", peer.rank)
+        if peer.misses < self._miss_limit:
+            return
+        peer.retry_at = now + self._probe_s
+        if peer.misses == self._miss_limit:
+            log.warning(
+                "kvtier: lookup rank %d missed %d deadlines in a row: counting it as 0 without "
+                "waiting, probing every %.1fs",
+                peer.rank,
+                peer.misses,
+                self._probe_s,
+            )
+            # Whatever is queued for it (lookups a stuck server would still answer and lease)
+            # goes with the old socket; the new one connects afresh.
+            self._reset(peer)
+
+    def _answered(self, peer: _Peer) -> None:
+        if peer.misses:
+            log.info("kvtier: lookup rank %d answers again", peer.rank)
+            peer.misses = 0
+
+    def _wrong_rank(self, rank: int, got: int) -> None:
+        self._m.rejected_frame(REJECT_WRONG_RANK).inc()
+        log.error(
+            "kvtier: lookup endpoint of rank %d is served by rank %d; two ranks share an "
+            "endpoint (one run_dir per replica?)",
+            rank,
+            got,
+        )
+
+    def _reset(self, peer: _Peer) -> None:
         """Replace a rank's socket, dropping whatever is queued on it (late replies included)."""
-        peer = self._peers.pop(rank)
         self._poller.unregister(peer.sock)
         del self._rank_of[peer.sock]
         peer.sock.close()
-        self.socket_resets[rank] += 1
-        log.warning("kvtier: lookup socket of rank %d reset (unsendable)", rank)
-        self._connect(rank, peer.endpoint)
+        self.socket_resets[peer.rank] += 1
+        fresh = self._connect(peer.rank, peer.endpoint)
+        fresh.misses, fresh.retry_at = peer.misses, peer.retry_at
 
     def _wait_writable(self, ranks: Iterable[int], timeout_ms: int) -> list[int]:
         """Wait up to `timeout_ms` for any of `ranks` to be writable; returns the unwritable."""
@@ -369,33 +420,30 @@ class LookupClient:
             ready = {socks[s] for s, _ in poller.poll(timeout_ms)}
             return [r for r in down if r not in ready]
 
-    def _send_all(self, frame: bytes, now: float) -> tuple[set[int], list[int]]:
-        """Send `frame` to every rank without blocking; returns (sent, unsendable) ranks."""
+    def _send_all(self, frame: bytes, peers: list[_Peer]) -> tuple[set[int], set[int]]:
+        """Send `frame` to `peers` without blocking; returns (sent, unsendable) ranks."""
         pending: set[int] = set()
-        unsent: list[int] = []
-        for rank, peer in list(self._peers.items()):
+        unsent: set[int] = set()
+        for peer in peers:
             try:
                 peer.sock.send(frame, zmq.NOBLOCK)
             except zmq.Again:
-                unsent.append(rank)
-                # Unsendable for a while: no live connection or a full queue behind a stuck
-                # server. A fresh socket drops the queue; a young one is still connecting.
-                if now - peer.created >= self._reset_after_s:
-                    self._reset(rank)
+                # No live connection, or a full queue behind a stuck server.
+                unsent.add(peer.rank)
             else:
-                pending.add(rank)
+                pending.add(peer.rank)
         return pending, unsent
 
     def _gather(
         self, pending: set[int], deadline: float, accept: Callable[[int, Message], bool]
     ) -> None:
-        """Read replies until every pending rank answered or the deadline passed.
+        """Read replies until every pending rank answered or the `perf_counter` deadline passed.
 
         Every readable socket is drained, so late replies of earlier requests are consumed and
         discarded (counted in `stale_replies`) instead of waiting to be mistaken for answers.
         """
         while pending:
-            left_ms = (deadline - self._clock()) * 1000.0
+            left_ms = (deadline - time.perf_counter()) * 1000.0
             if left_ms <= 0:
                 return
             for sock, _ in self._poller.poll(math.ceil(left_ms)):

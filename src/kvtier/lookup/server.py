@@ -93,7 +93,7 @@ class LookupServer:
         self._codec = Codec(max_frame_bytes)
         self._ctx = context if context is not None else zmq.Context.instance()
         self._thread: threading.Thread | None = None
-        self._router: zmq.Socket | None = None
+        self._bound: str | None = None
         self._wake_send: zmq.Socket | None = None
         self._closed = False
         # Running totals reported in Pong; written only by the serving thread.
@@ -104,10 +104,9 @@ class LookupServer:
     @property
     def bound_endpoint(self) -> str:
         """The endpoint actually bound (resolves a `tcp://host:*` wildcard port)."""
-        if self._router is None:
+        if self._bound is None:
             raise RuntimeError("lookup server not started; call start() first")
-        last = self._router.getsockopt(zmq.LAST_ENDPOINT)
-        return last.decode() if isinstance(last, bytes) else str(last)
+        return self._bound
 
     def start(self) -> LookupServer:
         """Bind (raising StartupError on failure) and start serving on a daemon thread."""
@@ -133,7 +132,9 @@ class LookupServer:
         wake_send = self._ctx.socket(zmq.PAIR)
         wake_send.setsockopt(zmq.LINGER, 0)
         wake_send.connect(wake_addr)
-        self._router, self._wake_send = router, wake_send
+        last = router.getsockopt(zmq.LAST_ENDPOINT)
+        self._bound = last.decode() if isinstance(last, bytes) else str(last)
+        self._wake_send = wake_send
         # Sockets move to the serving thread; Thread.start() is the memory barrier zmq requires.
         self._thread = threading.Thread(
             target=self._serve,
