@@ -44,5 +44,161 @@ def bench_tier(
     table.print_report(doc)
 
 
+@bench_app.command("e2e")
+def bench_e2e(
+    model_dir: Path | None = typer.Option(
+        None, "--model-dir", help="Model to serve (default: a tiny model built under runs/)."
+    ),
+    tp: int = typer.Option(2, "--tp", help="Tensor-parallel size of both arms."),
+    hbm_blocks: int | None = typer.Option(
+        None, "--hbm-blocks", help="HBM pool in blocks, same in both arms (default: the plan's)."
+    ),
+    chunk_size: int = typer.Option(64, "--chunk-size", help="kvtier chunk size in tokens."),
+    requests: int | None = typer.Option(
+        None, "--requests", help="Prefix-pool requests per arm (default: the plan's)."
+    ),
+    concurrency: int | None = typer.Option(
+        None, "--concurrency", help="Requests in flight (default: the plan's)."
+    ),
+    repeat: int = typer.Option(1, "--repeat", help="Repetitions; arm order alternates."),
+    quick: bool = typer.Option(False, "--quick", help="A smaller run (under a minute)."),
+    seed: int = typer.Option(0, "--seed", help="Workload seed, the same in both arms."),
+    json_path: Path | None = typer.Option(
+        None, "--json", help="Where to write the JSON results (default: runs/bench-e2e.json)."
+    ),
+) -> None:
+    """kvtier serve with the tier ON vs OFF: throughput, TTFT, hits vs ceilings, identities."""
+    from rich.console import Console
+
+    from kvtier.bench import e2e, table
+
+    progress = Console(stderr=True)
+    doc = e2e.run(
+        model_dir=model_dir,
+        tp=tp,
+        hbm_blocks=hbm_blocks,
+        chunk_size=chunk_size,
+        requests=requests,
+        concurrency=concurrency,
+        repeat=repeat,
+        quick=quick,
+        seed=seed,
+        json_path=json_path,
+        progress=lambda msg: progress.print(f"[dim]{msg}[/dim]"),
+        console=progress,
+    )
+    table.print_report(doc)
+
+
+# ---- the native server and the model generator (serve, model init) ---------------------------
+
+model_app = typer.Typer(no_args_is_help=True, help="Tiny local models for tests and demos.")
+app.add_typer(model_app, name="model")
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code=2)
+
+
+@app.command()
+def serve(
+    model_dir: Path = typer.Argument(..., help="HF model directory (config, safetensors)."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind."),
+    port: int = typer.Option(8000, help="Port to bind (0 picks a free one)."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel size (worker processes)."),
+    hbm_blocks: int = typer.Option(1024, help="KV blocks in the engine's (HBM) pool."),
+    block_size: int = typer.Option(16, help="Tokens per KV block."),
+    max_num_seqs: int = typer.Option(16, help="Requests batched per step."),
+    max_batched_tokens: int = typer.Option(512, help="Tokens computed per step."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+    threads: int = typer.Option(1, help="torch threads per compute process."),
+    offload: bool = typer.Option(True, "--offload/--no-offload", help="Run kvtier's tiers."),
+    config: Path | None = typer.Option(
+        None,
+        "--config",
+        help="kvtier YAML config (else $KVTIER_CONFIG); KVTIER_* variables override it.",
+    ),
+    served_model_name: str | None = typer.Option(
+        None, help="Model name in the API (else MODEL_DIR as given)."
+    ),
+) -> None:
+    """Serve MODEL_DIR over an OpenAI-compatible HTTP API on the native engine."""
+    import logging
+    import os
+
+    from kvtier.config import ENV_CONFIG_FILE, KVTierConfig
+    from kvtier.errors import KVTierError
+    from kvtier.native.config import EngineConfig
+    from kvtier.native.server import serve as run_server
+    from kvtier.native.tp import WorkerError
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        kv_config = None
+        if offload:
+            env = dict(os.environ)
+            if config is not None:
+                env[ENV_CONFIG_FILE] = str(config)
+            kv_config = KVTierConfig.load(environ=env)
+            if not kv_config.enabled:
+                kv_config = None  # `enabled: false` in the config means the same as --no-offload
+        engine_config = EngineConfig(
+            block_size=block_size,
+            num_blocks=hbm_blocks,
+            max_num_batched_tokens=max_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            dtype=dtype,
+            tensor_parallel_size=tp,
+            num_threads=threads,
+        )
+        run_server(
+            model_dir,
+            engine_config,
+            offload=kv_config,
+            host=host,
+            port=port,
+            served_model_name=served_model_name,
+        )
+    except (KVTierError, WorkerError, FileNotFoundError) as e:
+        raise _fail(str(e)) from None
+
+
+@model_app.command("init")
+def model_init(
+    directory: Path = typer.Argument(..., help="Where to write the model (created if missing)."),
+    seed: int = typer.Option(0, help="Seed of the weights and the tokenizer corpus."),
+    dtype: str = typer.Option("bfloat16", help="bfloat16, float32 or float16."),
+    layers: int = typer.Option(4, help="Decoder layers."),
+    hidden: int = typer.Option(256, help="Hidden size."),
+    heads: int = typer.Option(4, help="Attention heads."),
+    kv_heads: int = typer.Option(2, help="KV heads (divides heads)."),
+    head_dim: int = typer.Option(64, help="Size of one head."),
+    intermediate: int = typer.Option(512, help="MLP intermediate size."),
+    vocab_size: int = typer.Option(2048, help="Tokenizer vocabulary (>= 300)."),
+    max_position: int = typer.Option(4096, help="max_position_embeddings."),
+) -> None:
+    """Write a tiny deterministic Llama model (config, tokenizer, safetensors) into DIRECTORY."""
+    from kvtier.errors import KVTierError
+    from kvtier.native.modelgen import init_model
+
+    try:
+        out = init_model(
+            directory, seed=seed, dtype=dtype, layers=layers, hidden=hidden, heads=heads,
+            kv_heads=kv_heads, head_dim=head_dim, intermediate=intermediate,
+            vocab_size=vocab_size, max_position=max_position,
+        )  # fmt: skip
+    except KVTierError as e:
+        raise _fail(str(e)) from None
+    typer.echo(
+        f"wrote a {layers}-layer Llama (hidden {hidden}, {heads} heads / {kv_heads} kv heads, "
+        f"vocab {vocab_size}, {dtype}, seed {seed}) to {out}"
+    )
+    for path in sorted(out.iterdir()):
+        typer.echo(f"  {path.name}  {path.stat().st_size} bytes")
+
+
 if __name__ == "__main__":
     app()

@@ -1,0 +1,206 @@
+"""Cache-hit ceilings simulated on the exact requests sent, in send order.
+
+Three bounds, each as hit tokens over prompt tokens:
+
+* HBM alone: an LRU of `hbm_blocks` blocks of `block_size` tokens named by chained prefix hashes
+  (the OFF arm's prediction);
+* HBM + tier: the same HBM in front of an LRU of `tier_chunks` chunks of `chunk_size` tokens that
+  every request writes its full prompt chunks into (the ON arm's prediction);
+* infinite: every block ever computed stays (a hard upper bound on any arm).
+
+The rules follow the engine and kvtier: a hit never covers the last prompt token (it is computed
+to get logits), the tier counts whole leading chunks, a load starts at the HBM floor and counts
+`min(tier hit, n - 1) - HBM hit` tokens, and loads shorter than `min_load_tokens` are skipped.
+Requests run one at a time: concurrency can only lose hits that a sequential run would find.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvtier.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class Ceiling:
+    """Hit tokens of one simulated cache over a request stream."""
+
+    name: str
+    requests: int
+    prompt_tokens: int
+    hbm_hit_tokens: int
+    external_hit_tokens: int = 0
+
+    @property
+    def hit_tokens(self) -> int:
+        """HBM plus tier hits."""
+        return self.hbm_hit_tokens + self.external_hit_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        """All hits over prompt tokens (0.0 for an empty stream)."""
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def hbm_rate(self) -> float:
+        """HBM hits over prompt tokens."""
+        return self.hbm_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def external_rate(self) -> float:
+        """Tier hits over prompt tokens."""
+        return self.external_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def to_json(self) -> dict[str, object]:
+        """Counts and rates as plain JSON."""
+        return {
+            "name": self.name,
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "hbm_hit_tokens": self.hbm_hit_tokens,
+            "external_hit_tokens": self.external_hit_tokens,
+            "hit_rate": self.hit_rate,
+            "hbm_rate": self.hbm_rate,
+            "external_rate": self.external_rate,
+        }
+
+
+class _LRU:
+    """Keys in recency order (least recent first), at most `capacity` of them (None: unbounded)."""
+
+    def __init__(self, capacity: int | None) -> None:
+        self.capacity = capacity
+        self._keys: OrderedDict[int, None] = OrderedDict()
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._keys
+
+    def touch_chain(self, keys: Sequence[int]) -> None:
+        """Insert or refresh a prefix chain tail first, so its head is the most recent and is
+        evicted last (losing a head loses the whole chain; the engine frees tails first too)."""
+        if self.capacity == 0:
+            return
+        for key in reversed(keys):
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+            if self.capacity is not None and len(self._keys) > self.capacity:
+                self._keys.popitem(last=False)
+
+    def leading(self, keys: Sequence[int]) -> int:
+        """How many of `keys`, from the first, are present."""
+        n = 0
+        for key in keys:
+            if key not in self._keys:
+                break
+            n += 1
+        return n
+
+
+class _Chains:
+    """Exact chained prefix ids: a unit (block or chunk) is named by its parent's id and its own
+    tokens, interned to a small int, so equal ids mean equal prefixes with no hash collisions."""
+
+    def __init__(self, unit: int) -> None:
+        self.unit = unit
+        self._ids: dict[tuple[int, tuple[int, ...]], int] = {}
+
+    def of(self, prompt: Sequence[int]) -> list[int]:
+        out = []
+        parent = -1
+        u = self.unit
+        for i in range(len(prompt) // u):
+            key = (parent, tuple(prompt[i * u : (i + 1) * u]))
+            parent = self._ids.setdefault(key, len(self._ids))
+            out.append(parent)
+        return out
+
+
+def simulate(
+    prompts: Iterable[Sequence[int]],
+    *,
+    block_size: int,
+    hbm_blocks: int | None,
+    chunk_size: int | None = None,
+    tier_chunks: int = 0,
+    min_load_tokens: int = 0,
+    name: str = "",
+) -> Ceiling:
+    """Replay `prompts` in order through an HBM LRU (`hbm_blocks` None: unbounded) and, when
+    `chunk_size` and `tier_chunks` are given, a chunk tier behind it."""
+    _check(block_size=block_size)
+    if hbm_blocks is not None and hbm_blocks < 0:
+        raise ConfigError(f"hbm_blocks={hbm_blocks} is negative; use 0 or more blocks")
+    if tier_chunks < 0 or min_load_tokens < 0:
+        raise ConfigError(
+            f"tier_chunks={tier_chunks}, min_load_tokens={min_load_tokens}: use values >= 0"
+        )
+    use_tier = tier_chunks > 0
+    if use_tier:
+        if chunk_size is None:
+            raise ConfigError("a tier needs chunk_size; pass chunk_size= with tier_chunks=")
+        _check(chunk_size=chunk_size)
+        if chunk_size % block_size:
+            raise ConfigError(
+                f"chunk_size={chunk_size} is not a multiple of block_size={block_size}"
+            )
+    hbm, blocks = _LRU(hbm_blocks), _Chains(block_size)
+    tier, chunks = _LRU(tier_chunks), _Chains(chunk_size or block_size)
+    requests = prompt_tokens = hbm_hits = ext_hits = 0
+    for prompt in prompts:
+        n = len(prompt)
+        if n == 0:
+            raise ConfigError(f"request {requests} has an empty prompt; every prompt needs tokens")
+        requests += 1
+        prompt_tokens += n
+        block_ids = blocks.of(prompt)
+        # the last token is always computed: only blocks inside the first n - 1 tokens can hit
+        h = hbm.leading(block_ids[: (n - 1) // block_size]) * block_size
+        hbm_hits += h
+        if use_tier:
+            assert chunk_size is not None
+            chunk_ids = chunks.of(prompt)
+            end = min(tier.leading(chunk_ids) * chunk_size, n - 1)
+            if end > h and end - h >= min_load_tokens:
+                ext_hits += end - h
+            # every full prompt chunk is in the tier afterwards (read, or saved once computed)
+            tier.touch_chain(chunk_ids)
+        hbm.touch_chain(block_ids)
+    return Ceiling(name, requests, prompt_tokens, hbm_hits, ext_hits)
+
+
+def hbm_ceiling(prompts: Iterable[Sequence[int]], block_size: int, hbm_blocks: int) -> Ceiling:
+    """(a) The HBM pool alone: LRU of `hbm_blocks` blocks."""
+    return simulate(prompts, block_size=block_size, hbm_blocks=hbm_blocks, name="hbm")
+
+
+def tier_ceiling(
+    prompts: Iterable[Sequence[int]],
+    block_size: int,
+    hbm_blocks: int,
+    chunk_size: int,
+    tier_chunks: int,
+    min_load_tokens: int = 0,
+) -> Ceiling:
+    """(b) The HBM pool in front of a tier of `tier_chunks` chunks."""
+    return simulate(
+        prompts,
+        block_size=block_size,
+        hbm_blocks=hbm_blocks,
+        chunk_size=chunk_size,
+        tier_chunks=tier_chunks,
+        min_load_tokens=min_load_tokens,
+        name="hbm+tier",
+    )
+
+
+def infinite_ceiling(prompts: Iterable[Sequence[int]], block_size: int) -> Ceiling:
+    """Every block ever computed stays: no arm can hit more."""
+    return simulate(prompts, block_size=block_size, hbm_blocks=None, name="infinite")
+
+
+def _check(**values: int) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name}={value!r} must be an integer >= 1")

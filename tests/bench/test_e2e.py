@@ -1,0 +1,301 @@
+"""bench e2e: analysis on synthetic records and counters, the client against a mock server, arm
+plumbing, and one real ON/OFF run against `kvtier serve` subprocesses."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import signal
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvtier.bench import analysis, e2e
+from kvtier.bench.analysis import Counters, Identity, MetricSet
+from kvtier.bench.arms import ServerProcess, arm_order
+from kvtier.bench.client import Record, completion_body, read_jsonl, run_load, write_jsonl
+from kvtier.bench.workload import no_reuse
+from kvtier.errors import StartupError
+from kvtier.native.modelgen import init_model
+
+# ---- synthetic records -----------------------------------------------------------------------
+
+
+def rec(i: int, ttft_ms: float, *, ids: list[int] | None = None, ok: bool = True) -> Record:
+    r = Record(
+        index=i,
+        tag="t",
+        prefix_id=None,
+        start=float(i),
+        first_token=i + ttft_ms / 1e3,
+        end=i + 1.0,
+        prompt_tokens=100,
+        cached_tokens=40,
+        completion_tokens=4,
+        max_tokens=4,
+        sent_prompt_tokens=100,
+        output_ids=ids if ids is not None else [1, 2, 3, 4],
+    )
+    if not ok:
+        r.error = "HTTPError: boom"
+    return r
+
+
+def test_percentiles_interpolate_linearly() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert analysis.percentile(values, 50) == pytest.approx(50.5)
+    assert analysis.percentile(values, 99) == pytest.approx(99.01)
+    assert analysis.percentile([7.0], 99) == 7.0
+    with pytest.raises(ValueError, match="no values"):
+        analysis.percentile([], 50)
+
+
+def test_summary_counts_throughput_and_ttft() -> None:
+    records = [rec(i, ttft_ms=10.0 * (i + 1)) for i in range(10)] + [rec(10, 5.0, ok=False)]
+    s = analysis.summarize(records, duration_s=4.0)
+    assert (s.requests, s.completed, s.failed) == (11, 10, 1)
+    assert s.total_output_tokens == 40
+    assert s.output_throughput == pytest.approx(10.0)
+    assert s.request_throughput == pytest.approx(2.5)
+    assert s.ttft_p50_ms == pytest.approx(55.0)
+    assert s.ttft_p99_ms == pytest.approx(99.1)
+    assert s.total_cached_tokens == 400
+    assert s.osl_mismatch == 0
+    assert s.errors == ["HTTPError: boom"]
+
+
+def test_on_off_ratio() -> None:
+    assert analysis.on_off_ratio(97.0, 100.0) == pytest.approx(0.97)
+    assert analysis.on_off_ratio(1.0, 0.0) is None
+    assert analysis.on_off_ratio(float("nan"), 1.0) is None
+
+
+METRICS_BEFORE = """\
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{model_name="m"} 100.0
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{model_name="m"} 10.0
+# TYPE vllm:external_prefix_cache_queries counter
+vllm:external_prefix_cache_queries_total{model_name="m"} 90.0
+# TYPE vllm:external_prefix_cache_hits counter
+vllm:external_prefix_cache_hits_total{model_name="m"} 0.0
+# TYPE vllm:prompt_tokens counter
+vllm:prompt_tokens_total{model_name="m"} 100.0
+# TYPE kvtier_retrieved_tokens counter
+kvtier_retrieved_tokens_total{rank="scheduler"} 0.0
+kvtier_retrieved_tokens_total{rank="0"} 0.0
+kvtier_retrieved_tokens_total{rank="1"} 0.0
+"""
+
+
+def metrics_after(ext_queries: float, retrieved_rank1: float) -> str:
+    return f"""\
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{{model_name="m"}} 1100.0
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{{model_name="m"}} 310.0
+# TYPE vllm:external_prefix_cache_queries counter
+vllm:external_prefix_cache_queries_total{{model_name="m"}} {ext_queries}
+# TYPE vllm:external_prefix_cache_hits counter
+vllm:external_prefix_cache_hits_total{{model_name="m"}} 512.0
+# TYPE vllm:prompt_tokens counter
+vllm:prompt_tokens_total{{model_name="m"}} 1100.0
+# TYPE kvtier_retrieved_tokens counter
+kvtier_retrieved_tokens_total{{rank="scheduler"}} 0.0
+kvtier_retrieved_tokens_total{{rank="0"}} 512.0
+kvtier_retrieved_tokens_total{{rank="1"}} {retrieved_rank1}
+"""
+
+
+def test_metric_deltas_and_counters() -> None:
+    delta = MetricSet.parse(metrics_after(790.0, 512.0)).delta(MetricSet.parse(METRICS_BEFORE))
+    c = Counters.of(delta)
+    assert (c.prompt_tokens, c.hbm_queries, c.hbm_hits) == (1000.0, 1000.0, 300.0)
+    assert (c.ext_queries, c.ext_hits) == (700.0, 512.0)
+    assert c.retrieved_by_rank == {"0": 512.0, "1": 512.0}
+    assert c.hbm_hit_rate == pytest.approx(0.3)
+    assert c.external_hit_rate == pytest.approx(0.512)
+    assert c.hit_rate == pytest.approx(0.812)
+
+
+def test_identities_hold_on_consistent_counters() -> None:
+    delta = MetricSet.parse(metrics_after(790.0, 512.0)).delta(MetricSet.parse(METRICS_BEFORE))
+    got = {i.name: i for i in analysis.identities(Counters.of(delta), tp=2, offload=True)}
+    assert all(i.holds for i in got.values())
+    ident = got["hbm_misses_eq_external_queries"]
+    assert (ident.lhs, ident.rhs) == (700.0, 700.0)
+    assert got["retrieved_eq_external_hits"].describe().endswith("512 == 512 holds")
+
+
+def test_identities_fail_with_numbers() -> None:
+    # one external query too many, and rank 1 retrieved less than rank 0
+    delta = MetricSet.parse(metrics_after(791.0, 256.0)).delta(MetricSet.parse(METRICS_BEFORE))
+    got = {i.name: i for i in analysis.identities(Counters.of(delta), tp=2, offload=True)}
+    failed = got["hbm_misses_eq_external_queries"]
+    assert not failed.holds
+    assert (failed.lhs, failed.rhs) == (700.0, 701.0)
+    assert not got["retrieved_eq_external_hits"].holds
+    assert got["retrieved_eq_external_hits"].lhs == 384.0
+    assert "384 == 512 FAILS" in got["retrieved_eq_external_hits"].describe()
+    # without offload, any external hit is a failure
+    off = {i.name: i for i in analysis.identities(Counters.of(delta), tp=2, offload=False)}
+    assert not off["no_external_hits_off"].holds
+    assert Identity("b", "x <= y", 3.0, 2.0, "<=").holds is False
+
+
+def test_client_server_checks_compare_usage_sums() -> None:
+    c = Counters(1000.0, 1000.0, 300.0, 700.0, 100.0, {}, True)
+    records = [rec(i, 1.0) for i in range(10)]  # 10 x 100 prompt, 10 x 40 cached
+    got = {i.name: i for i in analysis.client_server_checks(records, c)}
+    assert got["client_prompt_tokens_eq_server"].holds
+    assert got["client_cached_eq_server_hits"].holds
+    c2 = Counters(1000.0, 1000.0, 300.0, 700.0, 99.0, {}, True)
+    assert not {i.name: i for i in analysis.client_server_checks(records, c2)}[
+        "client_cached_eq_server_hits"
+    ].holds
+
+
+def test_compare_outputs_counts_mismatches_and_missing() -> None:
+    a = [rec(0, 1.0), rec(1, 1.0), rec(2, 1.0), rec(3, 1.0)]
+    b = [rec(0, 1.0), rec(1, 1.0, ids=[1, 2, 3, 5]), rec(2, 1.0, ok=False), rec(3, 1.0)]
+    cmp = analysis.compare_outputs(a, b)
+    assert (cmp.compared, cmp.mismatches, cmp.missing, cmp.first_mismatches) == (3, 1, 1, [1])
+    assert analysis.compare_outputs(a, a).mismatches == 0
+
+
+# ---- the client against a mock server --------------------------------------------------------
+
+
+def _sse_handler(request: httpx.Request) -> httpx.Response:
+    body = json.loads(request.content)
+    assert body["stream"] is True and body["return_token_ids"] is True
+    assert body["temperature"] == 0 and body["ignore_eos"] is True
+    prompt = body["prompt"]
+    ids = [prompt[0] + k for k in range(body["max_tokens"])]
+    lines = [{"choices": [{"index": 0, "text": "x", "token_ids": [t]}], "usage": None} for t in ids]
+    usage = {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": len(ids),
+        "total_tokens": len(prompt) + len(ids),
+        "prompt_tokens_details": {"cached_tokens": 16},
+    }
+    lines.append({"choices": [], "usage": usage})
+    text = "".join(f"data: {json.dumps(x)}\n\n" for x in lines) + "data: [DONE]\n\n"
+    return httpx.Response(200, content=text.encode(), headers={"content-type": "text/event-stream"})
+
+
+def test_client_records_tokens_usage_and_times(tmp_path: Path) -> None:
+    specs = no_reuse(5, 20, seed=1, vocab=2048, max_tokens=3)
+    ticks = itertools.count()
+    result = asyncio.run(
+        run_load(
+            "http://mock",
+            specs,
+            concurrency=1,
+            progress=False,
+            clock=lambda: float(next(ticks)),
+            transport=httpx.MockTransport(_sse_handler),
+        )
+    )
+    assert [r.index for r in result.records] == list(range(5))
+    for spec, r in zip(specs, result.records, strict=True):
+        assert r.ok, r.error
+        assert r.output_ids == [spec.prompt[0] + k for k in range(3)]
+        assert (r.prompt_tokens, r.cached_tokens, r.completion_tokens) == (20, 16, 3)
+        # one clock tick at the send, one at the first token chunk (the first of three)
+        assert r.ttft == 1.0
+    path = write_jsonl(tmp_path / "r.jsonl", result.records)
+    assert read_jsonl(path) == result.records
+    assert completion_body(specs[0], "m")["model"] == "m"
+
+
+def test_client_keeps_http_errors_in_records() -> None:
+    def fail(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(503, json={"error": {"message": "engine down"}})
+
+    specs = no_reuse(3, 8, seed=0, vocab=2048)
+    result = asyncio.run(
+        run_load(
+            "http://mock",
+            specs,
+            concurrency=2,
+            progress=False,
+            transport=httpx.MockTransport(fail),
+        )
+    )
+    assert [r.ok for r in result.records] == [False] * 3
+    assert all(r.error is not None and "HTTP 503" in r.error for r in result.records)
+
+
+# ---- arms ------------------------------------------------------------------------------------
+
+
+def test_arm_order_alternates() -> None:
+    assert arm_order(1) == [(0, "on"), (0, "off")]
+    assert arm_order(3) == [(0, "on"), (0, "off"), (1, "off"), (1, "on"), (2, "on"), (2, "off")]
+    with pytest.raises(ValueError, match="repeat=0"):
+        arm_order(0)
+
+
+def test_server_that_dies_at_startup_raises_with_its_log(tmp_path: Path) -> None:
+    argv = [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"]
+    proc = ServerProcess(argv, {}, "http://127.0.0.1:9", tmp_path / "s.log", startup_timeout_s=30)
+    with pytest.raises(StartupError, match=r"(?s)exited with code 3.*no model here"):
+        proc.start()
+    assert proc.stop() == 3
+
+
+def test_server_that_never_gets_healthy_is_killed_after_the_deadlines(tmp_path: Path) -> None:
+    # ignores SIGTERM and never listens: the start deadline passes, then the stop deadline
+    code = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('up', flush=True); time.sleep(120)"
+    )
+    proc = ServerProcess(
+        [sys.executable, "-c", code], {}, "http://127.0.0.1:9", tmp_path / "s.log",
+        startup_timeout_s=2.0, stop_timeout_s=1.0,
+    )  # fmt: skip
+    with pytest.raises(StartupError, match=r"(?s)did not answer /health within 2s.*up"):
+        proc.start()
+    assert proc.proc is not None and proc.proc.returncode == -signal.SIGKILL
+
+
+# ---- one real run ----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_quick_run_against_real_servers(tmp_path: Path) -> None:
+    model = init_model(tmp_path / "model", dtype="float32")
+    out = tmp_path / "e2e.json"
+    doc = e2e.run(quick=True, tp=1, model_dir=model, requests=32, json_path=out, bars=False)
+    assert json.loads(out.read_text()) == doc
+    meta = doc["meta"]
+    windows = meta["windows"]
+    assert {(w["arm"], w["workload"]) for w in windows} == {
+        (a, w) for a in ("on", "off") for w in ("prefix_pool", "no_reuse")
+    }
+    sent = {"prefix_pool": 32, "no_reuse": meta["plan"]["no_reuse_requests"]}
+    for w in windows:
+        s = w["summary"]
+        assert s["completed"] == s["requests"] == sent[w["workload"]], s["errors"]
+        assert s["osl_mismatch"] == 0
+        bad = [i for i in w["identities"] + w["client_server"] if not i["holds"]]
+        assert bad == [], bad
+    on_pool = next(w for w in windows if w["arm"] == "on" and w["workload"] == "prefix_pool")
+    assert on_pool["counters"]["ext_hits"] > 0
+    assert on_pool["counters"]["retrieved"] == on_pool["counters"]["ext_hits"]
+    off_pool = next(w for w in windows if w["arm"] == "off" and w["workload"] == "prefix_pool")
+    assert off_pool["counters"]["ext_hits"] == 0
+    # the tier adds hits the HBM alone cannot give, within the infinite-cache bound
+    infinite = meta["ceilings"]["prefix_pool"]["infinite"]["hit_rate"]
+    assert off_pool["counters"]["hit_rate"] < on_pool["counters"]["hit_rate"] <= infinite
+    assert all(c["mismatches"] == 0 for cs in meta["outputs"].values() for c in cs)
+    assert sum(c["compared"] for cs in meta["outputs"].values() for c in cs) == sum(sent.values())
+    rows = {r["id"]: r for r in doc["rows"]}
+    assert rows["outputs.mismatches"]["value"] == 0
+    assert rows["identity.retrieved_eq_external_hits"]["pass"] is True
+    assert rows["requests.failed"]["value"] == 0
+    assert all(s["exit_code"] == 0 for s in meta["servers"])
