@@ -45,7 +45,12 @@ from kvtier.errors import ConfigError
 from kvtier.layout import bytes_per_token_from_hf
 
 DEFAULT_JSON = Path("runs/bench-e2e.json")
-DEFAULT_MODEL_DIR = Path("runs/tiny-model")
+# The tiny model (hidden 256, 4 layers) prefills so fast on a CPU that recompute costs about as
+# much as a lookup round trip; the small one (hidden 512, 8 layers) is where a tier can pay.
+MODEL_PRESETS: dict[str, dict[str, int]] = {
+    "tiny": {},
+    "small": {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 4, "intermediate": 1536},
+}
 DEFAULT_MEMORY_BYTES = "256MiB"
 # The native engine computes and caches KV in its default dtype unless told otherwise.
 KV_DTYPE = "float32"
@@ -103,18 +108,20 @@ QUICK = Plan(
 )
 
 
-def ensure_model(model_dir: str | Path | None) -> Path:
-    """`model_dir`, or the tiny float32 model under runs/ (generated once, then reused)."""
+def ensure_model(model_dir: str | Path | None, preset: str = "small") -> Path:
+    """`model_dir`, or a float32 preset model under runs/ (generated once, then reused)."""
     if model_dir is not None:
         path = Path(model_dir)
         if not (path / "config.json").is_file():
             raise ConfigError(f"--model-dir {str(path)!r} has no config.json; pass a model dir")
         return path
-    path = DEFAULT_MODEL_DIR
+    if preset not in MODEL_PRESETS:
+        raise ConfigError(f"model preset {preset!r} is unknown; use one of {sorted(MODEL_PRESETS)}")
+    path = Path("runs") / f"{preset}-model"
     if not (path / "model.safetensors").is_file():
         from kvtier.native.modelgen import init_model
 
-        init_model(path, dtype="float32")
+        init_model(path, dtype="float32", **MODEL_PRESETS[preset])
     return path
 
 
@@ -157,7 +164,7 @@ def run(
         raise ConfigError(f"--tp {tp} must be >= 1")
     t0 = time.perf_counter()
 
-    model = ensure_model(model_dir)
+    model = ensure_model(model_dir, "tiny" if quick else "small")
     model_config = json.loads((model / "config.json").read_text())
     vocab = int(model_config["vocab_size"])
     env = {"KVTIER_MEMORY_BYTES": DEFAULT_MEMORY_BYTES, **_kvtier_env()}
