@@ -19,8 +19,9 @@ from kvtier.cli import app
 ROW_IDS = {
     "memory.store.reserve_commit",
     "memory.store.put",
+    "memory.retrieve.read_into",
+    "memory.store.reserve_commit_verify",
     "memory.retrieve.read_into_verify",
-    "memory.retrieve.read_into_noverify",
     "disk.write.put",
     "disk.read.get_warm",
     "disk.read.get_cold",
@@ -31,10 +32,15 @@ ROW_IDS = {
 RATIO_TARGETED = {
     "memory.store.reserve_commit",
     "memory.store.put",
-    "memory.retrieve.read_into_verify",
-    "memory.retrieve.read_into_noverify",
+    "memory.retrieve.read_into",
 }
-WITH_RAW = RATIO_TARGETED | {"disk.write.put", "disk.read.get_warm", "disk.read.get_cold"}
+WITH_RAW = RATIO_TARGETED | {
+    "memory.store.reserve_commit_verify",
+    "memory.retrieve.read_into_verify",
+    "disk.write.put",
+    "disk.read.get_warm",
+    "disk.read.get_cold",
+}
 
 
 @pytest.fixture(scope="module")
