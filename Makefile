@@ -29,7 +29,7 @@ test: $(STAMP) services
 	$(BIN)/python -m pytest -q
 
 demo: $(STAMP)
-	$(BIN)/kvtier bench tier
+	$(BIN)/kvtier demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache build

@@ -12,6 +12,16 @@ app.add_typer(bench_app, name="bench")
 
 
 @app.command()
+def demo(
+    tp: int = typer.Option(2, "--tp", help="tensor-parallel ranks of the native engine"),
+) -> None:
+    """The main job: TP=2 native engine with the memory tier, restore check, ON/OFF run."""
+    from kvtier.demo import run
+
+    raise typer.Exit(run(tp=tp))
+
+
+@app.command()
 def version() -> None:
     """Print the kvtier version."""
     from kvtier import __version__
