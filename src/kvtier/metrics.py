@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -62,6 +62,8 @@ class _Families:
     rejected_frames: Counter
     breaker_open: Gauge
     queue_depth: Gauge
+    lookup_scope: Gauge
+    world_size: Gauge
     lookup_seconds: Histogram
     load_seconds: Histogram
     save_seconds: Histogram
@@ -105,6 +107,10 @@ def _build(reg: CollectorRegistry) -> _Families:
         rejected_frames=c("rejected_frames", "Malformed or oversized frames rejected.", "reason"),
         breaker_open=g("breaker_open", "1 while a tier's circuit breaker is open.", "tier"),
         queue_depth=g("queue_depth", "Items waiting per queue.", "queue"),
+        lookup_scope=g(
+            "lookup_scope", "1 for each rank the scheduler's lookup client asks.", "target"
+        ),
+        world_size=g("world_size", "Ranks of this engine replica (TP x PP)."),
         lookup_seconds=h("lookup_seconds", "Lookup latency."),
         load_seconds=h("load_seconds", "Load latency."),
         save_seconds=h("save_seconds", "Save latency."),
@@ -187,6 +193,12 @@ class Metrics:
 
     def queue(self, name: str) -> Gauge:
         return self.f.queue_depth.labels(str(self.rank), name)
+
+    def set_lookup_scope(self, ranks: Sequence[int], world: int) -> None:
+        """Export which ranks the lookup client covers, so a cut scope is visible in /metrics."""
+        self.f.world_size.labels(str(self.rank)).set(world)
+        for r in range(world):
+            self.f.lookup_scope.labels(str(self.rank), str(r)).set(1 if r in ranks else 0)
 
     def value(self, name: str, **labels: str) -> float:
         """Current value of `kvtier_<name>` for this rank (0.0 when never touched); for tests."""

@@ -109,6 +109,7 @@ class SchedulerHalf:
         self.collector = MergedCollector(self.registry)
         scope = validate_lookup_scope(config.lookup_scope, topo)
         endpoints = {r: _endpoint(config, r, run_dir) for r in scope}
+        self.metrics.set_lookup_scope(scope, topo.world)
         self.client = LookupClient(
             endpoints,
             self.metrics,
