@@ -31,9 +31,14 @@ class BlockingTier:
         self.gate = threading.Event()
         self.entered = threading.Event()
         self.stored: dict[bytes, bytes] = {}
+        self.batches: list[int] = []
 
     def contains(self, key: bytes) -> bool:
         return key in self.stored
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        self.batches.append(len(keys))
+        return [k in self.stored for k in keys]
 
     def get(self, key: bytes) -> bytes | None:
         return self.stored.get(key)
@@ -45,7 +50,7 @@ class BlockingTier:
         self.stored[key] = bytes(payload)
         return True
 
-    def lease(self, lease_id: str, keys: Sequence[bytes]) -> int:
+    def lease(self, lease_id: str, keys: Sequence[bytes], counted: bool = True) -> int:
         return sum(k in self.stored for k in keys)
 
     def release(self, lease_id: str) -> None:
@@ -380,3 +385,21 @@ def test_bad_arguments_raise_clear_errors(namespace: bytes, metrics: Metrics, di
     with pytest.raises(ValueError, match="contiguous"):
         s.read_into(bytes(16), torch.zeros(SIZE * 2, dtype=torch.uint8)[::2])
     s.close()
+
+
+def test_lower_tier_presence_is_asked_in_one_batch(
+    namespace: bytes, metrics: Metrics, make_key: Key, make_payload: Payload
+):
+    # a remote tier answers a whole key list in one round trip, not one per chunk
+    remote = BlockingTier()
+    keys = [make_key(i) for i in range(8)]
+    for i, k in enumerate(keys[:6]):
+        remote.stored[k] = make_payload(i, SIZE)
+    s = TierStack(_memory(namespace, metrics, 4), [remote], metrics)
+    try:
+        assert s.put(keys[0], make_payload(0, SIZE))  # chunk 0 in memory too (behind: ungated)
+        assert s.lookup(keys, "req") == 6
+        assert remote.batches == [7]  # keys 1..7 asked once
+    finally:
+        remote.gate.set()
+        s.close()

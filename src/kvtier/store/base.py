@@ -19,6 +19,10 @@ class Tier(Protocol):
         """True if the tier holds `key` (cheap; no payload read)."""
         ...
 
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """`contains` for a batch, in one round trip where the tier is remote."""
+        ...
+
     def get(self, key: bytes) -> bytes | memoryview | None:
         """The verified payload of `key`, or None on a miss. A record that fails verification
         is dropped, counted in `kvtier_verify_failures_total{tier=...}` and reads as a miss."""

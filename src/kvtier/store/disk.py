@@ -92,6 +92,11 @@ class DiskTier:
         with self._lock:
             return key in self._index
 
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """`contains` for a batch (a local index: no I/O)."""
+        with self._lock:
+            return [k in self._index for k in keys]
+
     def get(self, key: bytes) -> memoryview | None:
         """The verified payload of `key`, or None. A bad or unreadable file is deleted + counted."""
         with self._lock:

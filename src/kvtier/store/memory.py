@@ -128,6 +128,11 @@ class MemoryTier:
         self._check_open()
         return key in self._index
 
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """`contains` for a batch."""
+        with self._lock:
+            return [k in self._index for k in keys]
+
     def lookup_prefix(self, keys: Iterable[bytes]) -> int:
         """How many leading `keys` are resident; each one counted is a hit for SLRU."""
         n = 0

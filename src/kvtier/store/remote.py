@@ -257,11 +257,11 @@ class RemoteTier:
 
     # ---- batched extras ------------------------------------------------------------------
 
-    def lookup_prefix(self, keys: Sequence[bytes]) -> int:
-        """Number of leading `keys` the server holds, from one pipeline of EXISTS."""
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """`contains` for a batch, from one pipeline of EXISTS (all False when unreachable)."""
         self._check_open()
         if not keys:
-            return 0
+            return []
         rkeys = [self._rkey(k) for k in keys]
 
         def exists_all() -> list[object]:
@@ -272,9 +272,13 @@ class RemoteTier:
 
         status, found = self._run(exists_all, write=False)
         if status is not _Status.OK or found is None:
-            return 0
+            return [False] * len(keys)
+        return [bool(hit) for hit in found]
+
+    def lookup_prefix(self, keys: Sequence[bytes]) -> int:
+        """Number of leading `keys` the server holds, from one pipeline of EXISTS."""
         n = 0
-        for hit in found:
+        for hit in self.contains_many(keys):
             if not hit:
                 break
             n += 1

@@ -131,23 +131,36 @@ class TierStack:
         # memory always takes the lease (empty if it holds nothing), so each lookup lease is
         # counted released exactly once there and a second release as a double release
         touched: set[int] = {0}
+        # presence in each lower tier, fetched in one batch the first time a key needs it (a
+        # remote tier answers a whole batch in one round trip)
+        presence: dict[int, dict[bytes, bool]] = {}
         n = 0
-        for key in keys:
-            if not self._lease_one(key, lease_id, touched):
-                break
+        while n < len(keys) and self._lease_one(keys, n, lease_id, touched, presence):
             n += 1
         if not keys:
             self._memory.lease(lease_id, [])
         self._remember_lease(lease_id, touched)
         return n
 
-    def _lease_one(self, key: bytes, lease_id: str, touched: set[int]) -> bool:
-        """Lease `key` in the highest tier holding it; False if no tier does."""
+    def _lease_one(
+        self,
+        keys: Sequence[bytes],
+        idx: int,
+        lease_id: str,
+        touched: set[int],
+        presence: dict[int, dict[bytes, bool]],
+    ) -> bool:
+        """Lease `keys[idx]` in the highest tier holding it; False if no tier does."""
+        key = keys[idx]
         # memory's lease doubles as its presence check (it pins only what it holds)
         if self._memory.lease(lease_id, [key]) > 0:
             return True
         for i, t in enumerate(self._lower, start=1):
-            if not t.contains(key):
+            known = presence.get(i)
+            if known is None or key not in known:
+                rest = keys[idx:]
+                known = presence[i] = dict(zip(rest, t.contains_many(rest), strict=True))
+            if not known[key]:
                 continue
             touched.add(i)
             # the lease is the final presence check: a chunk evicted since contains() is not
