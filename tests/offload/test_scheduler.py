@@ -225,3 +225,12 @@ def test_chunk_not_multiple_of_block_is_refused():
             world=1,
             metrics=Metrics(),
         )
+
+
+def test_no_lookup_when_even_a_full_hit_could_not_pay():
+    sched, lookup, metrics = make(hits=4)
+    p = prompt(4 * CHUNK)
+    # HBM already holds all but the last token: nothing to ask the ranks
+    assert sched.get_num_new_matched_tokens(SlotView("a", p), 4 * CHUNK - 1) == 0
+    assert lookup.leased == [] and metrics.value("lookups_total") == 0
+    assert metrics.value("skipped_loads_total", reason="hbm_satisfies") == 1

@@ -132,6 +132,11 @@ class OffloadScheduler:
             return 0
         if not st.keys:
             return 0
+        best = min(len(st.keys) * self.chunk, st.prompt_len - 1)
+        if best - num_computed_tokens < self.min_load:
+            # even a full tier hit could not beat HBM by a worthwhile load: skip the round trip
+            self._m.skipped_load(HBM_SATISFIES if best <= num_computed_tokens else TOO_SMALL).inc()
+            return 0
         lookup_id = f"{st.req_id}#lk{next(self._nonce)}"
         result = self._lookup.lookup(st.keys, lookup_id, lease=True)
         hit = result.hit_chunks * self.chunk
