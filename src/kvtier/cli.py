@@ -21,6 +21,16 @@ def demo(
     raise typer.Exit(run(tp=tp))
 
 
+def _register_tools() -> None:
+    """Tool commands whose bodies live in their own modules (imported lazily per call)."""
+    from kvtier.plan import plan_command
+
+    app.command("plan")(plan_command)
+
+
+_register_tools()
+
+
 @app.command()
 def version() -> None:
     """Print the kvtier version."""
