@@ -247,7 +247,9 @@ class WorkerHalf:
     def build_worker_meta(self) -> bytes:
         report = self._report
         now = time.monotonic()
-        if not report.is_empty() or now - self._last_snapshot >= _SNAPSHOT_EVERY_S:
+        fresh = self.worker.metrics_dirty or not report.is_empty()
+        if fresh or now - self._last_snapshot >= _SNAPSHOT_EVERY_S:
+            self.worker.metrics_dirty = False
             report.metrics = snapshot(self.registry)
             self._last_snapshot = now
         return b"" if report.is_empty() and not report.metrics else messages.encode(report)

@@ -42,9 +42,12 @@ class OffloadMeta(msgspec.Struct):
     saves: list[SaveOp] = msgspec.field(default_factory=list)
     # requests whose block frees the host delayed; workers report them finished_sending once idle
     delayed_free: list[str] = msgspec.field(default_factory=list)
+    # agreed load terminals (op id -> every rank succeeded): a rank counts its retrieved tokens
+    # only for loads that succeeded on every rank, so sum(retrieved) / TP == external hits
+    load_terminals: dict[str, bool] = msgspec.field(default_factory=dict)
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.saves or self.delayed_free)
+        return not (self.loads or self.saves or self.delayed_free or self.load_terminals)
 
 
 class OpResult(msgspec.Struct, frozen=True, array_like=True):

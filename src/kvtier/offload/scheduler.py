@@ -102,6 +102,7 @@ class OffloadScheduler:
         self._ops: dict[str, tuple[str, str]] = {}  # op id -> (req id, "load" | "save")
         self._nonce = itertools.count()
         self._delayed: list[str] = []
+        self._terminals: dict[str, bool] = {}
         seeds = {}
         if bytes_per_token:
             seeds = {
@@ -141,7 +142,7 @@ class OffloadScheduler:
         result = self._lookup.lookup(st.keys, lookup_id, lease=True)
         hit = result.hit_chunks * self.chunk
         self._m.lookups.inc()
-        self._m.lookup_hit_tokens.inc(hit)
+        # lookup_hit_tokens is the lookup client's to count (it shares these metrics)
         # chunks the tier holds on every rank need no saving again
         st.saved = max(st.saved, hit)
         st.emitted = max(st.emitted, hit)
@@ -221,6 +222,7 @@ class OffloadScheduler:
             if op is not None:
                 meta.saves.append(op)
         meta.delayed_free, self._delayed = self._delayed, []
+        meta.load_terminals, self._terminals = self._terminals, {}
         return meta
 
     def _emit_load(self, st: _Req, load: _Load) -> LoadOp:
@@ -310,6 +312,7 @@ class OffloadScheduler:
             )
 
     def _load_terminal(self, req_id: str, st: _Req | None, term: Terminal) -> LoadOutcome:
+        self._terminals[term.op_id] = term.ok
         load = st.load if st is not None else None
         tokens = (load.end - load.hbm) if load is not None else 0
         if st is not None:

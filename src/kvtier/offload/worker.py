@@ -3,6 +3,10 @@
 It owns the rank's TierStack, codec and LookupServer. Loads run on their own lane (a thread),
 so a load never queues behind saves; saves pack finished blocks into the memory tier right
 after the forward that produced them, and lower tiers are written behind.
+
+Every load reports exactly once, even when the lane cannot: a load still unfinished
+`lease_ttl_s` after it was queued (its leases have expired by then) is reported failed with
+reason `deadline`, and the lane writes no further block for it when it comes back.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +35,20 @@ from kvtier.store.stack import TierStack
 
 log = logging.getLogger("kvtier")
 _GIB = 1 << 30
+DEADLINE = "deadline"  # load failure reason: the lane did not finish it within lease_ttl_s
+
+
+@dataclass(eq=False, slots=True)
+class _PendingLoad:
+    """A load handed to the lane. `lock` makes finishing and expiring it mutually exclusive,
+    and is held while the lane writes KV blocks, so nothing is written once it expired."""
+
+    op: LoadOp
+    queued_at: float
+    deadline: float
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done: bool = False
+    expired: bool = False
 
 
 class OffloadWorker:
@@ -44,7 +63,9 @@ class OffloadWorker:
         model_id: str,
         metrics: Metrics,
         lookup_endpoint: str | None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`clock` times the per-load deadline (`config.lease_ttl_s` after a load is queued)."""
         self.config = config
         self.rank = rank
         self.world = world
@@ -62,7 +83,12 @@ class OffloadWorker:
         self._sending: list[str] = []
         self._inflight: Counter[str] = Counter()  # req id -> ops not yet reported
         self._delayed: set[str] = set()
-        self._loads: queue.Queue[LoadOp | None] = queue.Queue()
+        # loads that succeeded here, awaiting the agreed terminal: op id -> (tokens, bytes)
+        self._uncounted: dict[str, tuple[int, int]] = {}
+        self.metrics_dirty = False
+        self._clock = clock
+        self._pending: dict[str, _PendingLoad] = {}  # op id -> load not yet reported
+        self._loads: queue.Queue[_PendingLoad | None] = queue.Queue()
         self._idle = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
 
@@ -122,13 +148,22 @@ class OffloadWorker:
     # ---- per step -----------------------------------------------------------------------------
 
     def start_load_kv(self, meta: OffloadMeta) -> None:
-        """Queue this step's loads on the load lane and note delayed frees."""
+        """Queue this step's loads on the load lane, note delayed frees, count agreed loads."""
+        now = self._clock()
+        pending = [_PendingLoad(op, now, now + self.config.lease_ttl_s) for op in meta.loads]
         with self._lock:
-            for op in meta.loads:
-                self._inflight[op.req_id] += 1
+            for op_id, ok in meta.load_terminals.items():
+                tokens, nbytes = self._uncounted.pop(op_id, (0, 0))
+                if ok and tokens:
+                    self.metrics.retrieved_tokens.inc(tokens)
+                    self.metrics.retrieved_bytes.inc(nbytes)
+                    self.metrics_dirty = True
+            for p in pending:
+                self._inflight[p.op.req_id] += 1
+                self._pending[p.op.op_id] = p
             self._delayed.update(meta.delayed_free)
-        for op in meta.loads:
-            self._loads.put(op)
+        for p in pending:
+            self._loads.put(p)
 
     def wait_for_save(self, meta: OffloadMeta) -> None:
         """Pack this step's finished chunks into the tier (after the forward wrote them)."""
@@ -136,7 +171,9 @@ class OffloadWorker:
             self._record(op.req_id, self._save(op), recv=False, invalid=())
 
     def take_report(self) -> WorkerReport:
-        """Drain what finished since the last call into one report."""
+        """Drain what finished since the last call into one report (loads past their deadline
+        are reported failed first)."""
+        self._expire_loads()
         with self._lock:
             for req_id in list(self._delayed):
                 if not self._inflight.get(req_id):
@@ -180,11 +217,55 @@ class OffloadWorker:
 
     def _load_lane(self) -> None:
         while True:
-            op = self._loads.get()
-            if op is None:
+            p = self._loads.get()
+            if p is None:
                 return
-            result, invalid = self._load(op)
-            self._record(op.req_id, result, recv=True, invalid=invalid)
+            with p.lock:
+                skip = p.expired
+            if skip:
+                # reported failed while it waited behind a stuck load; only the lease is left
+                assert self.stack is not None
+                self.stack.release(p.op.lookup_id)
+                continue
+            outcome = self._load(p)
+            if outcome is None:
+                log.warning(
+                    "%s: load %s came back after its deadline had reported it failed; "
+                    "its result is dropped",
+                    self.tag,
+                    p.op.op_id,
+                )
+                continue
+            self._finish_load(p, *outcome)
+
+    def _finish_load(self, p: _PendingLoad, result: OpResult, invalid: Iterable[int]) -> None:
+        with self._lock:
+            self._pending.pop(p.op.op_id, None)
+        self._record(p.op.req_id, result, recv=True, invalid=invalid)
+
+    def _expire_loads(self) -> None:
+        """Report failed every load still unfinished past its deadline (a stuck lane, a tier
+        that never returns): the host recomputes instead of waiting forever."""
+        now = self._clock()
+        with self._lock:
+            late = [p for p in self._pending.values() if now >= p.deadline]
+        for p in late:
+            with p.lock:
+                if p.done or p.expired:
+                    continue
+                # after this, the lane writes no block for it (unpacks hold p.lock)
+                p.expired = True
+            log.error(
+                "%s: load %s not finished %.1fs after it was queued (lease_ttl_s=%.1f); "
+                "reporting it failed so the request recomputes",
+                self.tag,
+                p.op.op_id,
+                now - p.queued_at,
+                self.config.lease_ttl_s,
+            )
+            self.metrics.load_failure(DEADLINE).inc()
+            result = OpResult(p.op.op_id, False, DEADLINE, 0, now - p.queued_at, "")
+            self._finish_load(p, result, self._claimed_blocks(p.op))
 
     def _record(self, req_id: str, result: OpResult, *, recv: bool, invalid: Iterable[int]) -> None:
         with self._lock:
@@ -197,8 +278,11 @@ class OffloadWorker:
                     del self._inflight[req_id]
                 self._idle.notify_all()
 
-    def _load(self, op: LoadOp) -> tuple[OpResult, list[int]]:
+    def _load(self, p: _PendingLoad) -> tuple[OpResult, list[int]] | None:
+        """Read and unpack the load's chunks; its result and suspect blocks, or None when its
+        deadline reported it failed meanwhile (then nothing of it is counted here)."""
         assert self.stack is not None and self.codec is not None
+        op = p.op
         t0 = time.perf_counter()
         written = 0
         served: Counter[str] = Counter()
@@ -210,12 +294,21 @@ class OffloadWorker:
                     reason = "miss"
                     break
                 served[tier] += 1
-                written += self.codec.unpack(self._staging, ref.block_ids)
-        except (RuntimeError, ValueError, OSError) as e:
+                with p.lock:
+                    if p.expired:
+                        break  # its deadline reported it failed: write no more blocks
+                    written += self.codec.unpack(self._staging, ref.block_ids)
+        except Exception as e:
+            # whatever a tier or the codec raised, the lane must live on to serve later loads
+            # and this one must report: an escaped exception would park its request forever
             log.exception("%s: load %s raised", self.tag, op.op_id)
             reason = f"error:{type(e).__name__}"
         finally:
             self.stack.release(op.lookup_id)
+        with p.lock:
+            if p.expired:
+                return None
+            p.done = True
         seconds = time.perf_counter() - t0
         nbytes = written * self.codec.bytes_per_block
         got = op.tokens if not reason else 0
@@ -223,8 +316,8 @@ class OffloadWorker:
         if reason:
             self.metrics.load_failure(reason).inc()
         else:
-            self.metrics.retrieved_tokens.inc(got)
-            self.metrics.retrieved_bytes.inc(nbytes)
+            with self._lock:
+                self._uncounted[op.op_id] = (got, nbytes)
         log.info(
             "%s: Retrieved %d of %d required tokens (%.3f GiB, %.2f GB/s)%s",
             self.tag,
