@@ -23,9 +23,11 @@ def demo(
 
 def _register_tools() -> None:
     """Tool commands whose bodies live in their own modules (imported lazily per call)."""
+    from kvtier.doctor import doctor_command
     from kvtier.plan import plan_command
 
     app.command("plan")(plan_command)
+    app.command("doctor")(doctor_command)
 
 
 _register_tools()
