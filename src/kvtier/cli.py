@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="kvtier: KV-cache offload tier.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print side-by-side ratios.")
@@ -28,6 +29,11 @@ def _register_tools() -> None:
 
     app.command("plan")(plan_command)
     app.command("doctor")(doctor_command)
+    from kvtier.bench.replay import bench_run_command
+    from kvtier.bench.report import bench_report_command
+
+    bench_app.command("run")(bench_run_command)
+    bench_app.command("report")(bench_report_command)
 
 
 _register_tools()
@@ -61,7 +67,7 @@ def bench_tier(
         quick=quick,
         json_path=json_path,
         disk_dir=disk_dir,
-        progress=lambda msg: progress.print(f"[dim]{msg}[/dim]"),
+        progress=lambda msg: progress.print(f"[dim]{escape(msg)}[/dim]"),
     )
     table.print_report(doc)
 
@@ -106,7 +112,7 @@ def bench_e2e(
         quick=quick,
         seed=seed,
         json_path=json_path,
-        progress=lambda msg: progress.print(f"[dim]{msg}[/dim]"),
+        progress=lambda msg: progress.print(f"[dim]{escape(msg)}[/dim]"),
         console=progress,
     )
     table.print_report(doc)

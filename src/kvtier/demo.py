@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvtier.bench import e2e
@@ -103,7 +104,7 @@ def run(tp: int = 2, console: Console | None = None) -> int:
     t0 = time.perf_counter()
 
     def say(msg: str) -> None:
-        con.print(f"[dim]{time.perf_counter() - t0:6.1f}s[/dim] {msg}")
+        con.print(f"[dim]{time.perf_counter() - t0:6.1f}s[/dim] {escape(msg)}")
 
     say("building (or reusing) the small demo model under runs/")
     model = e2e.ensure_model(None, "small")

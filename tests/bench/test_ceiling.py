@@ -114,3 +114,68 @@ def test_bad_input_is_named() -> None:
         hbm_ceiling([[]], BS, 1)
     with pytest.raises(ConfigError, match="block_size=0"):
         hbm_ceiling([[1]], 0, 1)
+
+
+# ---- multi-turn: turns extend the previous prompt and output ----------------------------------
+
+
+def _turns(
+    base: int, first: int, out: int, users: list[int]
+) -> tuple[list[list[int]], list[list[int]]]:
+    """One conversation: turn 0 is `first` tokens; turn t = turn t-1 + its `out` output tokens
+    + `users[t-1]` new tokens. Returns (prompts, outputs)."""
+    prompts = [_tokens(base, first)]
+    outputs = [_tokens(base + 1000, out)]
+    for t, u in enumerate(users, start=1):
+        prompts.append(prompts[-1] + outputs[-1] + _tokens(base + 2000 * t, u))
+        outputs.append(_tokens(base + 1000 + 100 * t, out))
+    return prompts, outputs
+
+
+def test_multi_turn_hbm_keeps_the_generated_blocks() -> None:
+    # turn 0: 30 prompt + 4 output tokens, 33 computed -> 2 full blocks; turn 1: 30 + 4 + 30 = 64
+    # turn 2: 64 + 4 + 12 = 80; after turn 1, 64 + 3 computed -> 4 blocks
+    prompts, outputs = _turns(1, 30, 4, [30, 12])
+    assert [len(p) for p in prompts] == [30, 64, 80]
+    with_out = infinite_ceiling(prompts, BS, outputs=outputs)
+    assert with_out.hbm_hit_tokens == 0 + 32 + 64
+    # closed form (n_{t-1} + o_{t-1}) / n_t, floored to blocks: 32/64 and 64/80
+    assert with_out.hit_rate == pytest.approx((32 + 64) / (30 + 64 + 80))
+    # counting only the prompts' blocks, turn 1 finds one block (16 of 30) and turn 2 four
+    prompts_only = infinite_ceiling(prompts, BS)
+    assert prompts_only.hbm_hit_tokens == 16 + 64
+
+
+def test_multi_turn_tier_stores_prompt_chunks_only() -> None:
+    prompts, outputs = _turns(1, 30, 4, [30, 12])
+    c = tier_ceiling(prompts, BS, 0, 16, 100, outputs=outputs)
+    # turn 1 finds turn 0's one full prompt chunk; turn 2 finds turn 1's four (64 of 79)
+    assert (c.hbm_hit_tokens, c.external_hit_tokens) == (0, 16 + 64)
+
+
+def test_multi_turn_interleaved_conversations_need_the_tier() -> None:
+    # A0, B0, A1, B1: turn 0 is 32 tokens (2 blocks), 2 output tokens, turn 1 = 32 + 2 + 30
+    a, a_out = _turns(10_000, 32, 2, [30])
+    b, b_out = _turns(50_000, 32, 2, [30])
+    stream, outs = [a[0], b[0], a[1], b[1]], [a_out[0], b_out[0], a_out[1], b_out[1]]
+    # HBM of 3 blocks: B0 evicts A0's second block (tails go first), so A1 hits one block
+    # and B1 none (A1's four blocks pushed B out)
+    hbm = hbm_ceiling(stream, BS, 3, outputs=outs)
+    assert hbm.hbm_hit_tokens == 16
+    # the tier holds both turn-0 prompts: A1 loads [16, 32) above its HBM floor, B1 [0, 32)
+    both = tier_ceiling(stream, BS, 3, 16, 100, outputs=outs)
+    assert (both.hbm_hit_tokens, both.external_hit_tokens) == (16, 16 + 32)
+    inf = infinite_ceiling(stream, BS, outputs=outs)
+    assert inf.hit_tokens == 32 + 32
+    assert hbm.hit_tokens <= both.hit_tokens <= inf.hit_tokens
+    assert both.prompt_tokens == 32 + 32 + 64 + 64
+
+
+def test_counted_window_keeps_warming_the_cache() -> None:
+    prompts, outputs = _turns(1, 30, 4, [30, 12])
+    late = infinite_ceiling(prompts, BS, outputs=outputs, counted=[False, True, True])
+    assert (late.requests, late.prompt_tokens, late.hbm_hit_tokens) == (2, 64 + 80, 32 + 64)
+    last = infinite_ceiling(prompts, BS, outputs=outputs, counted=[False, False, True])
+    assert (last.requests, last.hit_rate) == (1, 64 / 80)
+    with pytest.raises(ConfigError, match="2 counted flags for 3 prompts"):
+        infinite_ceiling(prompts, BS, counted=[True, True])

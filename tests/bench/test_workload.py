@@ -1,19 +1,37 @@
-"""Workload generators are reproducible byte for byte, and placement puts reuse in the window."""
+"""Workload generators are reproducible byte for byte (prefix pool, multi-turn, trace replay),
+and placement puts reuse in the window."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 
 from kvtier.bench.workload import (
+    BUST_TOKENS,
     FIRST_TOKEN,
+    MULTI_TURN,
     NO_REUSE,
     PREFIX_POOL,
+    TRACE,
     WARMUP,
+    TraceRow,
+    bust_marker,
     dumps,
+    extend_prompt,
+    load_trace,
+    multi_turn,
     no_reuse,
     place_in_window,
+    poisson_arrivals,
     prefix_pool,
+    read_specs,
     reuse_distance,
+    sent_prompts,
+    trace_requests,
+    with_arrivals,
+    write_specs,
 )
 from kvtier.errors import ConfigError
 
@@ -98,3 +116,154 @@ def test_place_in_window_raises_when_tier_is_too_small() -> None:
         place_in_window(4096, 10_000, 256, 0)
     with pytest.raises(ConfigError, match="margins must be >= 1.0"):
         place_in_window(1024, 100_000, 64, 0, low_margin=0.5)
+
+
+# ---- cache bust, multi-turn, trace replay, arrivals -------------------------------------------
+
+
+def test_bust_marker_appends_a_run_id_after_the_first_turn() -> None:
+    plain = prefix_pool(2, 16, 4, 6, seed=1, vocab=VOCAB)
+    busted = prefix_pool(2, 16, 4, 6, seed=1, vocab=VOCAB, bust=99)
+    other = prefix_pool(2, 16, 4, 6, seed=1, vocab=VOCAB, bust=100)
+    marker = bust_marker(99, VOCAB)
+    assert len(marker) == BUST_TOKENS and marker == bust_marker(99, VOCAB)
+    for p, b, o in zip(plain, busted, other, strict=True):
+        # the shared prefix and the unique tail stay; only the suffix differs between runs
+        assert b.prompt == p.prompt + tuple(marker)
+        assert o.prompt[:-BUST_TOKENS] == p.prompt and o.prompt != b.prompt
+    with pytest.raises(ConfigError, match="bust=-1"):
+        bust_marker(-1, VOCAB)
+
+
+def test_multi_turn_same_seed_gives_identical_token_ids() -> None:
+    a = multi_turn(3, 4, 8, seed=5, vocab=VOCAB, max_tokens=3, n_prefixes=2, prefix_len=16)
+    b = multi_turn(3, 4, 8, seed=5, vocab=VOCAB, max_tokens=3, n_prefixes=2, prefix_len=16)
+    c = multi_turn(3, 4, 8, seed=6, vocab=VOCAB, max_tokens=3, n_prefixes=2, prefix_len=16)
+    assert dumps(a) == dumps(b)
+    assert dumps(a) != dumps(c)
+
+
+def test_multi_turn_turns_extend_the_previous_prompt_round_robin() -> None:
+    n_conv, turns, user, out = 3, 4, 8, 3
+    specs = multi_turn(n_conv, turns, user, seed=2, vocab=VOCAB, max_tokens=out, bust=7)
+    assert [s.index for s in specs] == list(range(n_conv * turns))
+    # round robin: every conversation's turn t before any turn t + 1
+    assert [(s.turn, s.conversation) for s in specs[:4]] == [(0, 0), (0, 1), (0, 2), (1, 0)]
+    for s in specs:
+        assert s.tag == MULTI_TURN and s.max_tokens == out
+        if s.turn == 0:
+            assert s.parent is None and s.new_tokens == 0
+            assert len(s.prompt) == user + BUST_TOKENS
+            assert s.prompt[-BUST_TOKENS:] == tuple(bust_marker(7, VOCAB))
+            continue
+        parent = specs[s.parent]
+        assert (parent.conversation, parent.turn) == (s.conversation, s.turn - 1)
+        # previous prompt + a stand-in of its output + `user` new tokens
+        assert s.prompt[: len(parent.prompt)] == parent.prompt
+        assert len(s.prompt) == len(parent.prompt) + out + user
+        assert s.new_tokens == user
+    # the conversations differ from the first token on (their markers)
+    assert len({specs[c].prompt[:2] for c in range(n_conv)}) == n_conv
+
+
+def test_multi_turn_shared_prefix_and_real_outputs() -> None:
+    specs = multi_turn(4, 2, 6, seed=0, vocab=VOCAB, max_tokens=2, n_prefixes=1, prefix_len=16)
+    assert len({s.prompt[:16] for s in specs}) == 1  # one shared system prompt
+    first, second = specs[0], specs[4]
+    assert second.parent == 0
+    real = extend_prompt(second, first.prompt, [11, 12])
+    assert real == first.prompt + (11, 12) + second.prompt[-6:]
+    sent = sent_prompts(specs, {0: [11, 12]})
+    assert sent[4] == real
+    assert sent[0] == first.prompt
+    # without outputs, the stand-in stream is what went out
+    assert sent_prompts(specs, None)[4] == second.prompt
+    with pytest.raises(ConfigError, match="continues request 0"):
+        sent_prompts(specs[4:], {})
+
+
+def test_multi_turn_rejects_bad_shapes() -> None:
+    with pytest.raises(ConfigError, match="user_len=1"):
+        multi_turn(2, 2, 1, seed=0, vocab=VOCAB)
+    with pytest.raises(ConfigError, match="n_prefixes=2, prefix_len=0"):
+        multi_turn(2, 2, 4, seed=0, vocab=VOCAB, n_prefixes=2)
+
+
+ROWS = [
+    {"timestamp": 1000, "input_length": 40, "output_length": 5, "hash_ids": [1, 2, 3]},
+    {"timestamp": 1500, "input_length": 30, "output_length": 9, "hash_ids": [1, 2]},
+    {"timestamp": 4000, "input_length": 16, "output_length": 1, "hash_ids": [7]},
+]
+
+
+def _trace(tmp_path: Path, rows: list[dict[str, object]] = ROWS) -> Path:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_trace_replay_is_deterministic_and_shares_blocks(tmp_path: Path) -> None:
+    rows = load_trace(_trace(tmp_path))
+    assert rows[0] == TraceRow(1000.0, 40, 5, (1, 2, 3))
+    a = trace_requests(rows, seed=3, vocab=VOCAB, block=16)
+    assert dumps(a) == dumps(trace_requests(rows, seed=3, vocab=VOCAB, block=16))
+    assert dumps(a) != dumps(trace_requests(rows, seed=4, vocab=VOCAB, block=16))
+    assert [len(s.prompt) for s in a] == [40, 30, 16]  # the last block cut to input_length
+    assert [s.max_tokens for s in a] == [5, 9, 1]
+    # hash ids 1, 2 are the same 32 tokens in both requests; id 7 shares nothing
+    assert a[0].prompt[:30] == a[1].prompt
+    assert a[2].prompt[:16] != a[0].prompt[:16]
+    # the same hash id maps to the same block in any row
+    again = trace_requests([TraceRow(0, 16, 1, (2,))], seed=3, vocab=VOCAB, block=16)
+    assert again[0].prompt == a[0].prompt[16:32]
+    assert all(s.tag == TRACE and s.parent is None for s in a)
+
+
+def test_trace_time_scale_applies_to_timestamps(tmp_path: Path) -> None:
+    rows = load_trace(_trace(tmp_path))
+    assert [s.arrival for s in trace_requests(rows, 0, VOCAB, block=16)] == [0.0, 0.5, 3.0]
+    fast = trace_requests(rows, 0, VOCAB, block=16, time_scale=0.1)
+    assert [s.arrival for s in fast] == pytest.approx([0.0, 0.05, 0.3])
+    capped = trace_requests(rows, 0, VOCAB, block=16, max_tokens=4)
+    assert [s.max_tokens for s in capped] == [4, 4, 1]
+
+
+def test_trace_source_block_scales_lengths_and_a_short_trace_is_refused(tmp_path: Path) -> None:
+    rows = [TraceRow(0, 1000, 4, (1, 2)), TraceRow(10, 600, 4, (1, 5))]
+    scaled = trace_requests(rows, 0, VOCAB, block=16, source_block=512)
+    assert [len(s.prompt) for s in scaled] == [32, 19]  # ceil(1000 / 32), ceil(600 / 32)
+    assert scaled[0].prompt[:16] == scaled[1].prompt[:16]
+    with pytest.raises(ConfigError, match=r"trace row 0: input_length 1000 .*--trace-source-block"):
+        trace_requests(rows, 0, VOCAB, block=16)
+
+
+def test_load_trace_names_the_bad_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(ROWS[0]) + "\n" + '{"timestamp": 1, "hash_ids": [1]}\n')
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2: not a Mooncake row"):
+        load_trace(bad)
+    neg = tmp_path / "neg.jsonl"
+    neg.write_text('{"timestamp": 1, "input_length": 0, "hash_ids": [1]}\n')
+    with pytest.raises(ConfigError, match="input_length=0"):
+        load_trace(neg)
+    assert len(load_trace(_trace(tmp_path), limit=2)) == 2
+    with pytest.raises(ConfigError, match="is not a file"):
+        load_trace(tmp_path / "missing.jsonl")
+
+
+def test_poisson_arrivals_are_seeded_and_rate_shaped() -> None:
+    a = poisson_arrivals(2000, rate=50.0, seed=1)
+    assert a == poisson_arrivals(2000, rate=50.0, seed=1)
+    assert a != poisson_arrivals(2000, rate=50.0, seed=2)
+    assert a[0] == 0.0 and all(y >= x for x, y in zip(a, a[1:], strict=False))
+    assert a[-1] / 1999 == pytest.approx(1 / 50.0, rel=0.1)  # mean gap 1 / rate
+    specs = with_arrivals(no_reuse(3, 8, seed=0, vocab=VOCAB), [0.0, 0.1, 0.2])
+    assert [s.arrival for s in specs] == [0.0, 0.1, 0.2]
+    with pytest.raises(ConfigError, match="rate=0"):
+        poisson_arrivals(3, 0.0, 0)
+
+
+def test_specs_round_trip_through_jsonl(tmp_path: Path) -> None:
+    specs = multi_turn(2, 2, 4, seed=0, vocab=VOCAB, max_tokens=2)
+    specs = with_arrivals(specs, [0.0, 0.5, 1.0, 1.5])
+    assert read_specs(write_specs(tmp_path / "w.jsonl", specs)) == specs

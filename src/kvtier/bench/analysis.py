@@ -1,15 +1,19 @@
 """From client records and server counter deltas to the numbers a bench reports.
 
-Throughput and TTFT come from the client; hit rates and identities from the server's `/metrics`
-deltas over the same window (taken on a drained server); output identity from comparing the
-greedy token ids of two arms request by request.
+Throughput, TTFT and inter-token latency come from the client; hit rates and identities from
+the server's `/metrics` deltas over the same window (taken on a drained server); output identity
+from comparing the greedy token ids of two arms request by request. A start-cut window keeps the
+requests sent at or after `t0 + cut`; time series bucket requests by send time and periodic
+server samples (tier residency, counters) by scrape time.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
@@ -23,6 +27,19 @@ HBM_HITS = "vllm:prefix_cache_hits_total"
 EXT_QUERIES = "vllm:external_prefix_cache_queries_total"
 EXT_HITS = "vllm:external_prefix_cache_hits_total"
 RETRIEVED = "kvtier_retrieved_tokens_total"
+RESIDENCY = "kvtier_tier_residency_bytes"
+WORLD_SIZE = "kvtier_world_size"
+CACHE_CONFIG = "vllm:cache_config_info"
+
+# The counters a periodic sample keeps (short key -> sample name).
+SAMPLED = {
+    "prompt_tokens": PROMPT_TOKENS,
+    "hbm_queries": HBM_QUERIES,
+    "hbm_hits": HBM_HITS,
+    "ext_queries": EXT_QUERIES,
+    "ext_hits": EXT_HITS,
+    "retrieved": RETRIEVED,
+}
 
 LabelKey = tuple[tuple[str, str], ...]
 
@@ -75,6 +92,17 @@ class MetricSet:
         """`self - before`, sample by sample (a sample new in `self` counts from 0)."""
         return MetricSet({k: v - before.samples.get(k, 0.0) for k, v in self.samples.items()})
 
+    def to_json(self) -> list[list[object]]:
+        """Samples as `[name, {labels}, value]` triples (what `from_json` reads back)."""
+        return [[n, dict(key), v] for (n, key), v in sorted(self.samples.items())]
+
+    @classmethod
+    def from_json(cls, doc: Sequence[Sequence[Any]]) -> MetricSet:
+        """The set `to_json` wrote."""
+        return cls(
+            {(str(n), tuple(sorted(dict(labels).items()))): float(v) for n, labels, v in doc}
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Counters:
@@ -87,6 +115,24 @@ class Counters:
     ext_hits: float
     retrieved_by_rank: dict[str, float]
     has_external: bool
+
+    @classmethod
+    def of_samples(cls, first: Mapping[str, float], last: Mapping[str, float]) -> Counters:
+        """Counters between two periodic samples' totals (`SAMPLED` keys); retrievals are
+        summed over ranks under the key "all"."""
+
+        def d(key: str) -> float:
+            return float(last.get(key, 0.0)) - float(first.get(key, 0.0))
+
+        return cls(
+            prompt_tokens=d("prompt_tokens"),
+            hbm_queries=d("hbm_queries"),
+            hbm_hits=d("hbm_hits"),
+            ext_queries=d("ext_queries"),
+            ext_hits=d("ext_hits"),
+            retrieved_by_rank={"all": d("retrieved")},
+            has_external="ext_queries" in last or "ext_hits" in last,
+        )
 
     @classmethod
     def of(cls, delta: MetricSet) -> Counters:
@@ -173,10 +219,13 @@ class Identity:
         }
 
 
-def identities(c: Counters, tp: int, offload: bool) -> list[Identity]:
+def identities(
+    c: Counters, tp: int, offload: bool, *, has_retrieved: bool = True
+) -> list[Identity]:
     """The counter identities of a drained window: with offload, HBM misses are exactly what the
-    connector was asked and the ranks' retrieved tokens are the external hits TP times over;
-    without, no external hit at all. Hits never exceed queries in either."""
+    connector was asked and the ranks' retrieved tokens are the external hits TP times over
+    (only where the server exports kvtier's retrieved counter: `has_retrieved`); without, no
+    external hit at all. Hits never exceed queries in either."""
     if tp < 1:
         raise ValueError(f"tp={tp} must be >= 1")
     out = [
@@ -196,11 +245,18 @@ def identities(c: Counters, tp: int, offload: bool) -> list[Identity]:
                 c.hbm_queries - c.hbm_hits,
                 c.ext_queries,
             ),
-            Identity(
-                "retrieved_eq_external_hits",
-                f"sum_ranks kvtier_retrieved_tokens / TP({tp}) == external_prefix_cache_hits",
-                c.retrieved / tp,
-                c.ext_hits,
+            *(
+                [
+                    Identity(
+                        "retrieved_eq_external_hits",
+                        f"sum_ranks kvtier_retrieved_tokens / TP({tp}) "
+                        "== external_prefix_cache_hits",
+                        c.retrieved / tp,
+                        c.ext_hits,
+                    )
+                ]
+                if has_retrieved
+                else []
             ),
             Identity(
                 "external_hits_le_queries",
@@ -274,19 +330,34 @@ class Summary:
     ttft_mean_ms: float
     osl_mismatch: int  # completed requests whose completion_tokens != max_tokens
     errors: list[str]
+    ttft_p90_ms: float = math.nan
+    itl_p50_ms: float = math.nan  # gaps between consecutive tokens, pooled over requests
+    itl_p90_ms: float = math.nan
+    itl_p99_ms: float = math.nan
+    itl_mean_ms: float = math.nan
+    cache_read_pct: float = math.nan  # 100 x sum cached_tokens / sum prompt_tokens (client)
 
     def to_json(self) -> dict[str, object]:
-        """Plain fields."""
-        return asdict(self)
+        """Plain fields, NaN (a percentile of no values) as None: JSON has no NaN."""
+        return {k: _nan_none(v) for k, v in asdict(self).items()}
+
+
+def itl_ms(records: Iterable[Record]) -> list[float]:
+    """Inter-token gaps (ms) of completed requests, pooled."""
+    return [g * 1e3 for r in records if r.ok for g in r.itl()]
 
 
 def summarize(records: Sequence[Record], duration_s: float) -> Summary:
-    """Throughput over the window's wall clock and TTFT percentiles of completed requests."""
+    """Throughput over the window's wall clock, TTFT and inter-token latency percentiles of
+    completed requests, and the client-side cache-read share."""
     if not (math.isfinite(duration_s) and duration_s > 0):
         raise ValueError(f"duration_s={duration_s!r} must be a positive finite number")
     ok = [r for r in records if r.ok]
     ttfts = [r.ttft * 1e3 for r in ok if r.ttft is not None]
+    itls = itl_ms(ok)
     out_tokens = sum(r.completion_tokens or 0 for r in ok)
+    in_tokens = sum(r.prompt_tokens or 0 for r in ok)
+    cached = sum(r.cached_tokens or 0 for r in ok)
     has = bool(ttfts)
     return Summary(
         requests=len(records),
@@ -303,7 +374,190 @@ def summarize(records: Sequence[Record], duration_s: float) -> Summary:
         ttft_mean_ms=float(np.mean(ttfts)) if has else math.nan,
         osl_mismatch=sum(1 for r in ok if r.completion_tokens != r.max_tokens),
         errors=sorted({r.error for r in records if r.error is not None})[:10],
+        ttft_p90_ms=percentile(ttfts, 90) if has else math.nan,
+        itl_p50_ms=percentile(itls, 50) if itls else math.nan,
+        itl_p90_ms=percentile(itls, 90) if itls else math.nan,
+        itl_p99_ms=percentile(itls, 99) if itls else math.nan,
+        itl_mean_ms=float(np.mean(itls)) if itls else math.nan,
+        cache_read_pct=100.0 * cached / in_tokens if in_tokens else math.nan,
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# windows and time series
+# ----------------------------------------------------------------------------------------------
+
+
+def after_cut(records: Iterable[Record], t0: float, cut_s: float) -> list[Record]:
+    """Requests sent at or after `t0 + cut_s` (a start-cut window; skipped ones left out)."""
+    if not (math.isfinite(cut_s) and cut_s >= 0):
+        raise ValueError(f"cut_s={cut_s!r} must be a finite number of seconds >= 0")
+    return [r for r in records if r.sent and r.start >= t0 + cut_s]
+
+
+def summarize_window(
+    records: Sequence[Record], started: float, finished: float, cut_s: float = 0.0
+) -> Summary | None:
+    """`summarize` of the requests sent at or after `started + cut_s`, over the wall clock from
+    the cut to the load's end; None when the window holds no request."""
+    window = after_cut(records, started, cut_s) if cut_s > 0 else list(records)
+    begin = started + cut_s
+    if not window or finished <= begin:
+        return None
+    return summarize(window, finished - begin)
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """Requests sent within `[t_s, t_s + width)` seconds of the load's start."""
+
+    t_s: float
+    requests: int
+    completed: int
+    ttft_p50_ms: float
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+
+    @property
+    def hit_rate(self) -> float:
+        """Client cached tokens over prompt tokens (NaN without prompt tokens)."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else math.nan
+
+    def to_json(self) -> dict[str, object]:
+        """Fields plus `hit_rate`."""
+        out: dict[str, object] = asdict(self)
+        out["hit_rate"] = self.hit_rate
+        return out
+
+
+def time_series(records: Sequence[Record], t0: float, bucket_s: float) -> list[Bucket]:
+    """Per `bucket_s` of send time: requests, TTFT p50 (ms) and the client hit rate."""
+    if not (math.isfinite(bucket_s) and bucket_s > 0):
+        raise ValueError(f"bucket_s={bucket_s!r} must be a positive number of seconds")
+    sent = [r for r in records if r.sent]
+    if not sent:
+        return []
+    n = int((max(r.start for r in sent) - t0) // bucket_s) + 1
+    groups: list[list[Record]] = [[] for _ in range(max(n, 1))]
+    for r in sent:
+        groups[max(0, int((r.start - t0) // bucket_s))].append(r)
+    out = []
+    for k, group in enumerate(groups):
+        ok = [r for r in group if r.ok]
+        ttfts = [r.ttft * 1e3 for r in ok if r.ttft is not None]
+        out.append(
+            Bucket(
+                t_s=k * bucket_s,
+                requests=len(group),
+                completed=len(ok),
+                ttft_p50_ms=percentile(ttfts, 50) if ttfts else math.nan,
+                prompt_tokens=sum(r.prompt_tokens or 0 for r in ok),
+                cached_tokens=sum(r.cached_tokens or 0 for r in ok),
+                output_tokens=sum(r.completion_tokens or 0 for r in ok),
+            )
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# periodic server samples
+# ----------------------------------------------------------------------------------------------
+
+
+def sample(ms: MetricSet, t: float) -> dict[str, Any]:
+    """One periodic sample: time, tier residency bytes per tier (summed over ranks) and the
+    `SAMPLED` counter totals the server exports."""
+    return {
+        "t": t,
+        "residency": ms.by_label(RESIDENCY, "tier"),
+        "counters": {k: ms.total(name) for k, name in SAMPLED.items() if ms.has(name)},
+    }
+
+
+def residency_series(
+    samples: Sequence[Mapping[str, Any]], t0: float
+) -> dict[str, list[list[float]]]:
+    """Per tier: [seconds since `t0`, bytes] pairs, in sample order. A tier's gauge appears
+    with its first write, so a sample without it (taken before) counts 0 bytes."""
+    tiers = sorted({str(t) for smp in samples for t in smp.get("residency") or {}})
+    out: dict[str, list[list[float]]] = {t: [] for t in tiers}
+    for smp in samples:
+        have = smp.get("residency") or {}
+        for tier in tiers:
+            out[tier].append([float(smp["t"]) - t0, float(have.get(tier, 0.0))])
+    return out
+
+
+def server_hit_series(samples: Sequence[Mapping[str, Any]], t0: float) -> list[dict[str, float]]:
+    """Between consecutive samples: the server's (HBM + external) hits over prompt tokens, at
+    the later sample's time since `t0` (intervals with no prompt tokens left out)."""
+    out = []
+    for a, b in zip(samples, samples[1:], strict=False):
+        ca, cb = a.get("counters") or {}, b.get("counters") or {}
+        c = Counters.of_samples(ca, cb)
+        if c.prompt_tokens > 0:
+            out.append({"t_s": float(b["t"]) - t0, "hit_rate": c.hit_rate})
+    return out
+
+
+def counters_since(
+    samples: Sequence[Mapping[str, Any]], t_from: float, after: MetricSet
+) -> Counters | None:
+    """Server counters from the last sample at or before `t_from` to the final `after` scrape
+    (a start-cut window, aligned to the scrape interval: requests still being counted at that
+    sample fall in the window too); None without such a sample."""
+    first = None
+    for smp in samples:
+        if float(smp["t"]) <= t_from:
+            first = smp
+    if first is None:
+        return None
+    last = {k: after.total(name) for k, name in SAMPLED.items() if after.has(name)}
+    return Counters.of_samples(first.get("counters") or {}, last)
+
+
+def world_size(ms: MetricSet) -> int | None:
+    """Ranks of the server's engine (kvtier's `kvtier_world_size` gauge), if exported."""
+    sizes = [v for (n, _), v in ms.samples.items() if n == WORLD_SIZE]
+    return int(max(sizes)) if sizes else None
+
+
+def cache_config(ms: MetricSet) -> dict[str, str]:
+    """vLLM's `cache_config_info` labels (num_gpu_blocks, block_size, ...), if exported."""
+    for (n, key), _v in ms.samples.items():
+        if n == CACHE_CONFIG:
+            return dict(key)
+    return {}
+
+
+# ----------------------------------------------------------------------------------------------
+# spread over repetitions
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Spread:
+    """Mean, sample sd, min and max of one metric over repetitions (NaNs left out)."""
+
+    n: int
+    mean: float
+    sd: float
+    min: float
+    max: float
+
+    def to_json(self) -> dict[str, float | int | None]:
+        """Fields, with NaN as None (JSON has no NaN)."""
+        return {k: _nan_none(v) for k, v in asdict(self).items()}
+
+
+def spread(values: Iterable[float]) -> Spread:
+    """The spread of the finite values (n = 0 gives NaNs; one value gives sd NaN)."""
+    xs = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    if not xs:
+        return Spread(0, math.nan, math.nan, math.nan, math.nan)
+    sd = statistics.stdev(xs) if len(xs) >= 2 else math.nan
+    return Spread(len(xs), statistics.fmean(xs), sd, min(xs), max(xs))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -351,6 +605,10 @@ def compare_outputs(a: Sequence[Record], b: Sequence[Record]) -> OutputCompariso
             if len(first) < 10:
                 first.append(idx)
     return OutputComparison(compared, mismatches, missing, first)
+
+
+def _nan_none(v: Any) -> Any:
+    return None if isinstance(v, float) and math.isnan(v) else v
 
 
 def _share(part: float, whole: float) -> float:

@@ -1,16 +1,26 @@
-"""Matched ON/OFF arms: one fresh `kvtier serve` subprocess per arm, the same workloads in it.
+"""Matched arms: one fresh server subprocess per arm (or an endpoint already running), the same
+request stream in each.
 
-An arm starts its server (same flags, same HBM pool; only `--offload`/`--no-offload` differs),
-waits for `/health` under a deadline, runs a warmup, then per workload: resets the HBM prefix
-cache, scrapes `/metrics`, sends the stream, scrapes again once the counters stop moving, and
-finally stops the server (SIGTERM, a deadline, then SIGKILL). `arm_order` alternates ON,OFF /
-OFF,ON across repetitions so drift on a shared machine falls on both arms alike.
+`kvtier bench e2e`'s arms (`run_arm`) start `kvtier serve` (same flags, same HBM pool; only
+`--offload`/`--no-offload` differs), wait for `/health` under a deadline, run a warmup, then per
+workload: reset the HBM prefix cache, scrape `/metrics`, send the stream, scrape again once the
+counters stop moving, and finally stop the server (SIGTERM, a deadline, then SIGKILL).
+`arm_order` alternates ON,OFF / OFF,ON across repetitions so drift on a shared machine falls on
+both arms alike.
+
+Generic arms (`ArmSpec`, `run_endpoint_arm`) run any server command (`{port}` and `{host}` are
+filled in) or use a URL, and also sample `/metrics` every few seconds during the load (tier
+residency and the hit counters, with timestamps). `pool_mismatches` checks that the arms'
+commands pin the same HBM pool.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -20,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import IO, Any
 
 import httpx
 from rich.console import Console
@@ -33,10 +43,11 @@ from kvtier.bench.analysis import (
     PROMPT_TOKENS,
     RETRIEVED,
     MetricSet,
+    sample,
 )
-from kvtier.bench.client import LoadResult, run_load, write_jsonl
+from kvtier.bench.client import LoadOptions, LoadResult, run_load, write_jsonl
 from kvtier.bench.workload import RequestSpec
-from kvtier.errors import StartupError
+from kvtier.errors import ConfigError, StartupError
 
 ON = "on"
 OFF = "off"
@@ -65,7 +76,7 @@ class ServerConfig:
     startup_timeout_s: float = 180.0
     stop_timeout_s: float = 30.0
 
-    def argv(self, port: int, offload: bool) -> list[str]:
+    def argv(self, port: int | str, offload: bool) -> list[str]:
         """The server's command line (this interpreter, so the same venv serves)."""
         return [
             sys.executable, "-m", "kvtier.cli", "serve", str(self.model_dir),
@@ -104,7 +115,9 @@ class ServerProcess:
         startup_timeout_s: float = 180.0,
         stop_timeout_s: float = 30.0,
         clock: Clock = time.monotonic,
+        health_path: str = "/health",
     ) -> None:
+        self.health_path = health_path
         self.argv = list(argv)
         self.env = dict(env)
         self.base_url = base_url
@@ -139,13 +152,13 @@ class ServerProcess:
         self.startup_s = self.clock() - t0
 
     def wait_ready(self) -> None:
-        """Poll `/health` until 200; a process that exits or a deadline raises StartupError."""
+        """Poll the health path until 200; an exit or a deadline raises StartupError."""
         assert self.proc is not None
         deadline = self.clock() + self.startup_timeout_s
         with httpx.Client(base_url=self.base_url, timeout=2.0) as client:
             while True:
                 try:
-                    if client.get("/health").status_code == 200:
+                    if client.get(self.health_path).status_code == 200:
                         return
                 except httpx.TransportError:
                     pass  # not listening yet: the exit check below tells a crash apart
@@ -155,12 +168,14 @@ class ServerProcess:
                     code = None
                 if code is not None:
                     raise StartupError(
-                        f"server exited with code {code} before /health answered; command: "
+                        f"server exited with code {code} before {self.health_path} answered; "
+                        "command: "
                         f"{' '.join(self.argv)}\n--- {self.log_path} (tail) ---\n{self.log_tail()}"
                     )
                 if self.clock() > deadline:
                     raise StartupError(
-                        f"server did not answer /health within {self.startup_timeout_s:g}s; "
+                        f"server did not answer {self.health_path} within "
+                        f"{self.startup_timeout_s:g}s; "
                         f"command: {' '.join(self.argv)}\n--- {self.log_path} (tail) ---\n"
                         f"{self.log_tail()}"
                     )
@@ -365,9 +380,15 @@ async def _drive(
     return windows
 
 
+class MetricsUnavailable(RuntimeError):
+    """The server has no Prometheus `/metrics` (HTTP 404/405): the run is client-side only."""
+
+
 async def scrape(http: httpx.AsyncClient) -> MetricSet:
     """`GET /metrics`, parsed."""
     resp = await http.get("/metrics")
+    if resp.status_code in (404, 405):
+        raise MetricsUnavailable(f"GET /metrics: HTTP {resp.status_code}")
     if resp.status_code != 200:
         raise RuntimeError(f"GET /metrics: HTTP {resp.status_code}")
     return MetricSet.parse(resp.text)
@@ -399,3 +420,374 @@ async def settled_metrics(
 
 def _family(m: MetricSet, name: str) -> dict[tuple[tuple[str, str], ...], float]:
     return {k: v for (n, k), v in m.samples.items() if n == name}
+
+
+# ----------------------------------------------------------------------------------------------
+# generic arms: any server command, or an endpoint already running
+# ----------------------------------------------------------------------------------------------
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# Flags that size or shape the HBM pool (kvtier serve's and vLLM's): equal in every arm.
+POOL_FLAGS = (
+    "--hbm-blocks",
+    "--num-gpu-blocks-override",
+    "--kv-cache-memory-bytes",
+    "--gpu-memory-utilization",
+    "--block-size",
+)
+_TP_FLAGS = ("--tp", "--tensor-parallel-size", "-tp")
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    """One arm: a server command (`{port}`/`{host}` filled in at start) or, with no command,
+    the URL of an endpoint already running. `offload` is known for kvtier's own ON/OFF arms."""
+
+    name: str
+    argv: tuple[str, ...] = ()
+    url: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    offload: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise ConfigError(
+                f"arm name {self.name!r} must be letters, digits, '_', '.' or '-' (it names files)"
+            )
+        if not self.argv and not self.url:
+            raise ConfigError(f"arm {self.name!r} needs a server command or a URL")
+
+    def command(self, host: str, port: int) -> list[str]:
+        """The command with `{host}` and `{port}` filled in."""
+        return [a.replace("{port}", str(port)).replace("{host}", host) for a in self.argv]
+
+    def flag(self, *names: str) -> str | None:
+        """The value of the first of `names` in the command (`--f v` or `--f=v`), if any."""
+        return flag_value(self.argv, *names)
+
+    def to_json(self) -> dict[str, Any]:
+        """Name, command, URL and offload (the environment is left out: it may hold secrets)."""
+        return {
+            "name": self.name,
+            "argv": list(self.argv),
+            "command": shlex.join(self.argv) if self.argv else None,
+            "url": self.url,
+            "offload": self.offload,
+            "env_keys": sorted(self.env),
+        }
+
+
+def parse_arm(text: str) -> ArmSpec:
+    """`NAME=command ...` (as `--arm` takes it) as an ArmSpec; the command is split like a shell
+    would (quotes kept together)."""
+    name, sep, command = text.partition("=")
+    if not sep or not name.strip() or not command.strip():
+        raise ConfigError(
+            f"--arm {text!r} must look like NAME='command ...', e.g. "
+            "on='kvtier serve MODEL --port {port} --offload'"
+        )
+    try:
+        argv = tuple(shlex.split(command))
+    except ValueError as exc:
+        raise ConfigError(f"--arm {name}: cannot split its command ({exc})") from None
+    return ArmSpec(name.strip(), argv)
+
+
+def flag_value(argv: Sequence[str], *names: str) -> str | None:
+    """The value of the first flag of `names` present in `argv` (`--f v` or `--f=v`)."""
+    for i, arg in enumerate(argv):
+        for name in names:
+            if arg == name and i + 1 < len(argv):
+                return argv[i + 1]
+            if arg.startswith(name + "="):
+                return arg[len(name) + 1 :]
+    return None
+
+
+def pool_mismatches(arms: Sequence[ArmSpec]) -> list[str]:
+    """For each HBM-pool flag that some arm's command sets, a line naming each arm's value when
+    they differ (an arm that leaves it out runs the server's default); [] when all agree."""
+    commanded = [a for a in arms if a.argv]
+    out = []
+    for flag in POOL_FLAGS:
+        values = {a.name: a.flag(flag) for a in commanded}
+        if any(v is not None for v in values.values()) and len(set(values.values())) > 1:
+            shown = ", ".join(
+                f"{k}={v if v is not None else '(default)'}" for k, v in values.items()
+            )
+            out.append(f"{flag}: {shown}")
+    return out
+
+
+def alternate(names: Sequence[str], repeat: int) -> list[tuple[int, str]]:
+    """(repetition, arm) in run order: the arms in order, then reversed, alternating."""
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"repeat={repeat!r} must be an integer >= 1")
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"arm names {list(names)} must be unique and at least one")
+    out = []
+    for rep in range(repeat):
+        order = list(names) if rep % 2 == 0 else list(names)[::-1]
+        out += [(rep, name) for name in order]
+    return out
+
+
+@dataclass(slots=True)
+class EndpointRun:
+    """One arm of one repetition against an endpoint: its load, the counters scraped around it
+    (None without `/metrics`), the periodic samples and where it was all written."""
+
+    arm: str
+    rep: int
+    base_url: str
+    model: str | None
+    load: LoadResult
+    before: MetricSet | None
+    after: MetricSet | None
+    samples: list[dict[str, Any]]
+    startup_s: float | None
+    exit_code: int | None
+    log_path: Path | None
+    records_path: Path
+    scrapes_path: Path
+    sample_errors: int = 0
+
+    @property
+    def delta(self) -> MetricSet | None:
+        """Counter deltas over the load (None without `/metrics`)."""
+        return None if self.before is None or self.after is None else self.after.delta(self.before)
+
+
+def run_endpoint_arm(
+    arm: ArmSpec,
+    rep: int,
+    specs: Sequence[RequestSpec],
+    *,
+    options: LoadOptions,
+    out_dir: Path,
+    warmup: Sequence[RequestSpec] = (),
+    reset_path: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    health_path: str = "/health",
+    startup_timeout_s: float = 600.0,
+    stop_timeout_s: float = 30.0,
+    settle_timeout_s: float = 15.0,
+    scrape_interval_s: float = 2.0,
+    say: Say | None = None,
+    progress: bool = True,
+    console: Console | None = None,
+) -> EndpointRun:
+    """Start the arm's server (or use its URL), run the warmup, scrape, send `specs` while
+    sampling `/metrics`, scrape again on the drained server, stop the server, and write the
+    records (`records/ARM-repN.jsonl`) and scrapes (`scrapes/ARM-repN.json`) under `out_dir`."""
+    log = say or (lambda _m: None)
+    tag = f"[{arm.name} rep {rep}]"
+    if not arm.argv:
+        assert arm.url is not None
+        log(f"{tag} endpoint {arm.url}")
+        run = asyncio.run(
+            _drive_endpoint(
+                arm, rep, arm.url, specs, options, out_dir, warmup, reset_path,
+                settle_timeout_s, scrape_interval_s, log, progress, console,
+            )
+        )  # fmt: skip
+        return _written(run, out_dir, arm)
+    use_port = free_port(host) if any("{port}" in a for a in arm.argv) else port
+    base_url = arm.url or f"http://{host}:{use_port}"
+    argv = arm.command(host, use_port)
+    log_path = out_dir / "logs" / f"{arm.name}-rep{rep}.log"
+    proc = ServerProcess(
+        argv,
+        {**os.environ, **arm.env},
+        base_url,
+        log_path,
+        startup_timeout_s=startup_timeout_s,
+        stop_timeout_s=stop_timeout_s,
+        health_path=health_path,
+    )
+    log(f"{tag} starting: {shlex.join(argv)}")
+    with proc:
+        assert proc.startup_s is not None
+        log(f"{tag} server healthy after {proc.startup_s:.1f}s on {base_url}")
+        run = asyncio.run(
+            _drive_endpoint(
+                arm, rep, base_url, specs, options, out_dir, warmup, reset_path,
+                settle_timeout_s, scrape_interval_s, log, progress, console,
+            )
+        )  # fmt: skip
+        run.startup_s = proc.startup_s
+    run.exit_code = proc.proc.returncode if proc.proc is not None else None
+    run.log_path = log_path
+    return _written(run, out_dir, arm)
+
+
+async def discover_model(http: httpx.AsyncClient) -> str | None:
+    """The first model id `GET /v1/models` lists, or None when the server does not say."""
+    try:
+        resp = await http.get("/v1/models")
+        if resp.status_code != 200:
+            return None
+        data = resp.json().get("data") or []
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    first = data[0] if data and isinstance(data[0], dict) else {}
+    model = first.get("id")
+    return model if isinstance(model, str) else None
+
+
+async def _drive_endpoint(
+    arm: ArmSpec,
+    rep: int,
+    base_url: str,
+    specs: Sequence[RequestSpec],
+    options: LoadOptions,
+    out_dir: Path,
+    warmup: Sequence[RequestSpec],
+    reset_path: str | None,
+    settle_timeout_s: float,
+    scrape_interval_s: float,
+    say: Say,
+    progress: bool,
+    console: Console | None,
+) -> EndpointRun:
+    tag = f"[{arm.name} rep {rep}]"
+    clock = time.perf_counter
+    headers = dict(options.headers)
+    async with httpx.AsyncClient(base_url=base_url, timeout=30.0, headers=headers) as http:
+        model = options.model or await discover_model(http)
+        common: dict[str, Any] = {
+            "model": model,
+            "timeout_s": options.timeout_s,
+            "headers": headers,
+            "require_token_ids": options.require_token_ids,
+        }
+        if warmup:
+            say(f"{tag} warmup: {len(warmup)} requests")
+            res = await run_load(
+                base_url, warmup, concurrency=options.concurrency or 4, progress=False, **common
+            )
+            bad = [r.error for r in res.records if not r.ok]
+            if bad:
+                raise RuntimeError(f"{tag} warmup requests failed: {bad[:3]}")
+        if reset_path:
+            resp = await http.post(reset_path)
+            if resp.status_code != 200:
+                raise RuntimeError(
+                    f"{tag} POST {reset_path}: HTTP {resp.status_code}; vLLM serves it only in "
+                    "dev mode (VLLM_SERVER_DEV_MODE=1), or drop --reset"
+                )
+        try:
+            before: MetricSet | None = await settled_metrics(http, settle_timeout_s)
+        except MetricsUnavailable:
+            say(f"{tag} no /metrics on {base_url}: client-side numbers only")
+            before = None
+        samples: list[dict[str, Any]] = []
+        errors = [0]
+        stop = asyncio.Event()
+        sampler = (
+            asyncio.create_task(_sample_loop(http, stop, scrape_interval_s, clock, samples, errors))
+            if before is not None
+            else None
+        )
+        try:
+            load = await run_load(
+                base_url,
+                specs,
+                concurrency=options.concurrency,
+                open_loop=options.open_loop,
+                duration_s=options.duration_s,
+                history=options.history,
+                progress=progress,
+                label=f"{arm.name} rep {rep}",
+                console=console,
+                clock=clock,
+                **common,
+            )
+        finally:
+            stop.set()
+            if sampler is not None:
+                await sampler
+        after = await settled_metrics(http, settle_timeout_s) if before is not None else None
+        if before is not None and after is not None:
+            # the settled scrapes bound the series: counters at the load's start and end
+            samples.insert(0, sample(before, load.started))
+            samples.append(sample(after, clock()))
+    done = sum(1 for r in load.records if r.ok)
+    say(
+        f"{tag} {done}/{len(load.records)} requests completed in {load.duration_s:.1f}s"
+        + (f" ({load.unsent} not sent: the duration ran out)" if load.unsent else "")
+    )
+    if options.duration_s is not None and not load.unsent:
+        say(
+            f"{tag} the stream ran out before --duration {options.duration_s:g}s; "
+            "pass a larger --requests (or more conversations) to fill it"
+        )
+    name = f"{arm.name}-rep{rep}"
+    return EndpointRun(
+        arm=arm.name,
+        rep=rep,
+        base_url=base_url,
+        model=model,
+        load=load,
+        before=before,
+        after=after,
+        samples=samples,
+        startup_s=None,
+        exit_code=None,
+        log_path=None,
+        records_path=out_dir / "records" / f"{name}.jsonl",
+        scrapes_path=out_dir / "scrapes" / f"{name}.json",
+        sample_errors=errors[0],
+    )
+
+
+async def _sample_loop(
+    http: httpx.AsyncClient,
+    stop: asyncio.Event,
+    interval_s: float,
+    clock: Clock,
+    out: list[dict[str, Any]],
+    errors: list[int],
+) -> None:
+    """Scrape every `interval_s` until `stop` is set; a failed scrape is counted, not fatal."""
+    while not stop.is_set():
+        try:
+            ms = await scrape(http)
+        except MetricsUnavailable:
+            return
+        except (httpx.HTTPError, RuntimeError, ValueError):
+            errors[0] += 1  # a busy server may miss one scrape; the series just has a gap
+        else:
+            out.append(sample(ms, clock()))
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=interval_s)
+        except TimeoutError:
+            continue
+
+
+def _written(run: EndpointRun, out_dir: Path, arm: ArmSpec) -> EndpointRun:
+    """Write the run's records and scrapes; returns the run."""
+    write_jsonl(run.records_path, run.load.records)
+    doc = {
+        "arm": run.arm,
+        "rep": run.rep,
+        "base_url": run.base_url,
+        "model": run.model,
+        "argv": list(arm.argv),
+        "offload": arm.offload,
+        "started": run.load.started,
+        "finished": run.load.finished,
+        "unsent": run.load.unsent,
+        "stopped_by": run.load.stopped_by,
+        "startup_s": run.startup_s,
+        "exit_code": run.exit_code,
+        "log": None if run.log_path is None else str(run.log_path.relative_to(out_dir)),
+        "before": None if run.before is None else run.before.to_json(),
+        "after": None if run.after is None else run.after.to_json(),
+        "samples": run.samples,
+        "sample_errors": run.sample_errors,
+    }
+    run.scrapes_path.parent.mkdir(parents=True, exist_ok=True)
+    run.scrapes_path.write_text(json.dumps(doc, allow_nan=False) + "\n", encoding="utf-8")
+    return run

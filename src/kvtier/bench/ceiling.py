@@ -12,6 +12,12 @@ The rules follow the engine and kvtier: a hit never covers the last prompt token
 to get logits), the tier counts whole leading chunks, a load starts at the HBM floor and counts
 `min(tier hit, n - 1) - HBM hit` tokens, and loads shorter than `min_load_tokens` are skipped.
 Requests run one at a time: concurrency can only lose hits that a sequential run would find.
+
+Given each request's output ids, the HBM also keeps the full blocks of the generated tokens
+(prompt + output minus the last token, whose KV is never computed), as vLLM and the native
+engine do, so a next turn that starts with prompt + output finds them; the tier stores prompt
+chunks only. `counted` limits the totals to some requests (a start-cut window) while every
+request still warms the caches.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ class Ceiling:
             "prompt_tokens": self.prompt_tokens,
             "hbm_hit_tokens": self.hbm_hit_tokens,
             "external_hit_tokens": self.external_hit_tokens,
+            "hit_tokens": self.hit_tokens,
             "hit_rate": self.hit_rate,
             "hbm_rate": self.hbm_rate,
             "external_rate": self.external_rate,
@@ -126,9 +133,14 @@ def simulate(
     tier_chunks: int = 0,
     min_load_tokens: int = 0,
     name: str = "",
+    outputs: Iterable[Sequence[int]] | None = None,
+    counted: Iterable[bool] | None = None,
 ) -> Ceiling:
     """Replay `prompts` in order through an HBM LRU (`hbm_blocks` None: unbounded) and, when
-    `chunk_size` and `tier_chunks` are given, a chunk tier behind it."""
+    `chunk_size` and `tier_chunks` are given, a chunk tier behind it.
+
+    `outputs` (one id sequence per prompt) puts each request's generated blocks in HBM too;
+    `counted` (one flag per prompt) counts only the flagged requests in the totals."""
     _check(block_size=block_size)
     if hbm_blocks is not None and hbm_blocks < 0:
         raise ConfigError(f"hbm_blocks={hbm_blocks} is negative; use 0 or more blocks")
@@ -148,31 +160,61 @@ def simulate(
     hbm, blocks = _LRU(hbm_blocks), _Chains(block_size)
     tier, chunks = _LRU(tier_chunks), _Chains(chunk_size or block_size)
     requests = prompt_tokens = hbm_hits = ext_hits = 0
-    for prompt in prompts:
+    stream = list(prompts)
+    outs: list[Sequence[int] | None] = [None] * len(stream) if outputs is None else list(outputs)
+    flags = [True] * len(stream) if counted is None else list(counted)
+    if len(outs) != len(stream) or len(flags) != len(stream):
+        raise ConfigError(
+            f"{len(outs)} outputs and {len(flags)} counted flags for {len(stream)} prompts; "
+            "give exactly one of each per prompt"
+        )
+    seen = 0
+    for prompt, output, count in zip(stream, outs, flags, strict=True):
         n = len(prompt)
         if n == 0:
-            raise ConfigError(f"request {requests} has an empty prompt; every prompt needs tokens")
-        requests += 1
-        prompt_tokens += n
+            raise ConfigError(f"request {seen} has an empty prompt; every prompt needs tokens")
+        seen += 1
         block_ids = blocks.of(prompt)
         # the last token is always computed: only blocks inside the first n - 1 tokens can hit
         h = hbm.leading(block_ids[: (n - 1) // block_size]) * block_size
-        hbm_hits += h
+        ext = 0
         if use_tier:
             assert chunk_size is not None
             chunk_ids = chunks.of(prompt)
             end = min(tier.leading(chunk_ids) * chunk_size, n - 1)
             if end > h and end - h >= min_load_tokens:
-                ext_hits += end - h
+                ext = end - h
             # every full prompt chunk is in the tier afterwards (read, or saved once computed)
             tier.touch_chain(chunk_ids)
+        if output:
+            # the last generated token is sampled, never fed back: its KV is not computed
+            block_ids = blocks.of(list(prompt) + list(output[:-1]))
         hbm.touch_chain(block_ids)
+        if count:
+            requests += 1
+            prompt_tokens += n
+            hbm_hits += h
+            ext_hits += ext
     return Ceiling(name, requests, prompt_tokens, hbm_hits, ext_hits)
 
 
-def hbm_ceiling(prompts: Iterable[Sequence[int]], block_size: int, hbm_blocks: int) -> Ceiling:
+def hbm_ceiling(
+    prompts: Iterable[Sequence[int]],
+    block_size: int,
+    hbm_blocks: int,
+    *,
+    outputs: Iterable[Sequence[int]] | None = None,
+    counted: Iterable[bool] | None = None,
+) -> Ceiling:
     """(a) The HBM pool alone: LRU of `hbm_blocks` blocks."""
-    return simulate(prompts, block_size=block_size, hbm_blocks=hbm_blocks, name="hbm")
+    return simulate(
+        prompts,
+        block_size=block_size,
+        hbm_blocks=hbm_blocks,
+        name="hbm",
+        outputs=outputs,
+        counted=counted,
+    )
 
 
 def tier_ceiling(
@@ -182,6 +224,9 @@ def tier_ceiling(
     chunk_size: int,
     tier_chunks: int,
     min_load_tokens: int = 0,
+    *,
+    outputs: Iterable[Sequence[int]] | None = None,
+    counted: Iterable[bool] | None = None,
 ) -> Ceiling:
     """(b) The HBM pool in front of a tier of `tier_chunks` chunks."""
     return simulate(
@@ -192,12 +237,27 @@ def tier_ceiling(
         tier_chunks=tier_chunks,
         min_load_tokens=min_load_tokens,
         name="hbm+tier",
+        outputs=outputs,
+        counted=counted,
     )
 
 
-def infinite_ceiling(prompts: Iterable[Sequence[int]], block_size: int) -> Ceiling:
+def infinite_ceiling(
+    prompts: Iterable[Sequence[int]],
+    block_size: int,
+    *,
+    outputs: Iterable[Sequence[int]] | None = None,
+    counted: Iterable[bool] | None = None,
+) -> Ceiling:
     """Every block ever computed stays: no arm can hit more."""
-    return simulate(prompts, block_size=block_size, hbm_blocks=None, name="infinite")
+    return simulate(
+        prompts,
+        block_size=block_size,
+        hbm_blocks=None,
+        name="infinite",
+        outputs=outputs,
+        counted=counted,
+    )
 
 
 def _check(**values: int) -> None:

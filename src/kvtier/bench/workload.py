@@ -1,18 +1,25 @@
-"""Seeded request streams for end-to-end benches, and placing a prefix pool in the tier's window.
+"""Seeded request streams for benches, and placing a prefix pool in the tier's window.
 
 Every generator is a pure function of its arguments: the same seed gives the same token ids on
 any machine and in any process (numpy's PCG64 seeded with integers, never Python's `hash()`).
-Each request's unique part starts with a cache-bust marker (its index as two base-(vocab - 3)
-digits), so no two requests of one stream share a whole prompt, as aiperf's
-`--cache-bust first-turn-suffix` guarantees.
+Each request's (or conversation's) unique part starts with a marker (its index as two
+base-(vocab - 3) digits), so no two requests of one stream share a whole prompt. A run-level
+`bust` id appends `BUST_TOKENS` more tokens after the first turn (aiperf's
+`--cache-bust first-turn-suffix`): shared prefixes still hit within a run, while a second run
+against the same live server cannot hit the first run's whole prompts.
+
+Streams: a prefix pool, unique prompts (no reuse), multi-turn conversations whose turns extend
+the previous prompt, and a Mooncake-format trace replayed with one block of token ids per hash id.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -22,24 +29,41 @@ from kvtier.errors import ConfigError
 FIRST_TOKEN = 3
 MARKER_TOKENS = 2
 
+BUST_TOKENS = 4
+
 PREFIX_POOL = "prefix_pool"
 NO_REUSE = "no_reuse"
 WARMUP = "warmup"
+MULTI_TURN = "multi_turn"
+TRACE = "trace"
 
 # Salts keep the streams of different generators apart under one seed.
-_SALT = {PREFIX_POOL: 1, NO_REUSE: 2, WARMUP: 3}
+_SALT = {PREFIX_POOL: 1, NO_REUSE: 2, WARMUP: 3, MULTI_TURN: 4, TRACE: 5}
+_SALT_BUST = 101
+_SALT_ARRIVALS = 102
 
 
 @dataclass(frozen=True, slots=True)
 class RequestSpec:
     """One request to send: its prompt as token ids, how many tokens to generate, its stream's
-    tag, and the id of the shared prefix it starts with (None when it shares none)."""
+    tag, and the id of the shared prefix it starts with (None when it shares none).
+
+    A later turn of a conversation names its previous turn in `parent` (always a lower index)
+    and ends with `new_tokens` new user tokens; its `prompt` holds the parent's prompt, a seeded
+    stand-in for the parent's output and those user tokens. `arrival` (seconds from the start
+    of the load) schedules an open-loop send; None sends as soon as a worker is free.
+    """
 
     index: int
     tag: str
     prompt: tuple[int, ...]
     max_tokens: int
     prefix_id: int | None = None
+    conversation: int | None = None
+    turn: int = 0
+    parent: int | None = None
+    new_tokens: int = 0
+    arrival: float | None = None
 
     def to_json(self) -> dict[str, object]:
         """Plain JSON fields (the prompt as a list)."""
@@ -47,10 +71,45 @@ class RequestSpec:
         out["prompt"] = list(self.prompt)
         return out
 
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> RequestSpec:
+        """The spec `to_json` wrote."""
+        fields = dict(doc)
+        fields["prompt"] = tuple(int(t) for t in fields["prompt"])
+        return cls(**fields)
+
 
 def dumps(specs: Sequence[RequestSpec]) -> str:
     """The stream as canonical JSON (sorted keys, no spaces): equal streams give equal bytes."""
     return json.dumps([s.to_json() for s in specs], sort_keys=True, separators=(",", ":"))
+
+
+def write_specs(path: str | Path, specs: Iterable[RequestSpec]) -> Path:
+    """One spec per line as JSON (parent directories created); returns the path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", encoding="utf-8") as f:
+        for spec in specs:
+            f.write(json.dumps(spec.to_json(), separators=(",", ":")) + "\n")
+    return out
+
+
+def read_specs(path: str | Path) -> list[RequestSpec]:
+    """Specs written by `write_specs`."""
+    with Path(path).open(encoding="utf-8") as f:
+        return [RequestSpec.from_json(json.loads(line)) for line in f if line.strip()]
+
+
+def bust_marker(bust: int, vocab: int) -> list[int]:
+    """`BUST_TOKENS` non-special token ids derived from a run's bust id (same id, same tokens)."""
+    if isinstance(bust, bool) or not isinstance(bust, int) or bust < 0:
+        raise ConfigError(f"bust={bust!r} must be an integer >= 0 (a run id)")
+    rng = np.random.default_rng([bust, _SALT_BUST])
+    return [int(t) for t in rng.integers(FIRST_TOKEN, vocab, size=BUST_TOKENS)]
+
+
+def _bust(bust: int | None, vocab: int) -> list[int]:
+    return [] if bust is None else bust_marker(bust, vocab)
 
 
 def prefix_pool(
@@ -62,9 +121,11 @@ def prefix_pool(
     vocab: int,
     *,
     max_tokens: int = 16,
+    bust: int | None = None,
 ) -> list[RequestSpec]:
     """`n_requests` prompts, each one of `n_prefixes` shared random prefixes of `prefix_len`
-    tokens (drawn uniformly at random per request) followed by a unique tail of `tail_len`."""
+    tokens (drawn uniformly at random per request) followed by a unique tail of `tail_len`
+    (and the run's bust marker when `bust` is given)."""
     _check_positive(n_prefixes=n_prefixes, prefix_len=prefix_len, n_requests=n_requests)
     _check_common(seed, vocab, max_tokens, n_requests)
     if tail_len < MARKER_TOKENS:
@@ -76,11 +137,12 @@ def prefix_pool(
     prefixes = rng.integers(FIRST_TOKEN, vocab, size=(n_prefixes, prefix_len)).tolist()
     picks = rng.integers(0, n_prefixes, size=n_requests).tolist()
     rest = rng.integers(FIRST_TOKEN, vocab, size=(n_requests, tail_len - MARKER_TOKENS)).tolist()
+    suffix = _bust(bust, vocab)
     return [
         RequestSpec(
             index=i,
             tag=PREFIX_POOL,
-            prompt=tuple(prefixes[p] + _marker(i, vocab) + rest[i]),
+            prompt=tuple(prefixes[p] + _marker(i, vocab) + rest[i] + suffix),
             max_tokens=max_tokens,
             prefix_id=p,
         )
@@ -118,6 +180,272 @@ def no_reuse(
         )
         for i in range(n_requests)
     ]
+
+
+# ----------------------------------------------------------------------------------------------
+# multi-turn conversations
+# ----------------------------------------------------------------------------------------------
+
+
+def multi_turn(
+    n_conversations: int,
+    turns: int,
+    user_len: int,
+    seed: int,
+    vocab: int,
+    *,
+    max_tokens: int = 16,
+    n_prefixes: int = 0,
+    prefix_len: int = 0,
+    bust: int | None = None,
+) -> list[RequestSpec]:
+    """`n_conversations` conversations of `turns` turns each, in round-robin order (every
+    conversation's turn t before any turn t + 1), so a history waits for all the others.
+
+    Turn 0 is an optional shared prefix (one of `n_prefixes` of `prefix_len` tokens, picked at
+    random per conversation), the conversation's marker, `user_len - 2` random tokens and the
+    bust marker; turn t > 0 is turn t - 1's prompt, a seeded stand-in for its `max_tokens`
+    output tokens, and `user_len` new random tokens. The client may swap the stand-in for the
+    output the server really gave (`extend_prompt`).
+    """
+    _check_positive(n_conversations=n_conversations, turns=turns, user_len=user_len)
+    _check_common(seed, vocab, max_tokens, n_conversations)
+    if user_len < MARKER_TOKENS:
+        raise ConfigError(
+            f"user_len={user_len} cannot hold the {MARKER_TOKENS}-token conversation marker; "
+            f"use user_len >= {MARKER_TOKENS}"
+        )
+    if (n_prefixes > 0) != (prefix_len > 0) or n_prefixes < 0 or prefix_len < 0:
+        raise ConfigError(
+            f"n_prefixes={n_prefixes}, prefix_len={prefix_len}: give both > 0 for a shared "
+            "prefix pool, or both 0 for none"
+        )
+    rng = np.random.default_rng([seed, _SALT[MULTI_TURN]])
+    # every draw happens up front in a fixed shape, so a stream does not depend on its order
+    prefixes = rng.integers(FIRST_TOKEN, vocab, size=(max(n_prefixes, 1), prefix_len)).tolist()
+    picks = rng.integers(0, max(n_prefixes, 1), size=n_conversations).tolist()
+    first = rng.integers(FIRST_TOKEN, vocab, size=(n_conversations, user_len - MARKER_TOKENS))
+    later = rng.integers(FIRST_TOKEN, vocab, size=(n_conversations, turns, user_len))
+    standin = rng.integers(FIRST_TOKEN, vocab, size=(n_conversations, turns, max_tokens))
+    suffix = _bust(bust, vocab)
+    prompts: list[list[int]] = []
+    for c in range(n_conversations):
+        head = prefixes[picks[c]] if n_prefixes else []
+        prompts.append(head + _marker(c, vocab) + first[c].tolist() + suffix)
+    out: list[RequestSpec] = []
+    for t in range(turns):
+        for c in range(n_conversations):
+            if t > 0:
+                prompts[c] = prompts[c] + standin[c, t - 1].tolist() + later[c, t].tolist()
+            out.append(
+                RequestSpec(
+                    index=t * n_conversations + c,
+                    tag=MULTI_TURN,
+                    prompt=tuple(prompts[c]),
+                    max_tokens=max_tokens,
+                    prefix_id=picks[c] if n_prefixes else None,
+                    conversation=c,
+                    turn=t,
+                    parent=None if t == 0 else (t - 1) * n_conversations + c,
+                    new_tokens=0 if t == 0 else user_len,
+                )
+            )
+    return out
+
+
+def extend_prompt(
+    spec: RequestSpec, parent_prompt: Sequence[int], parent_output: Sequence[int]
+) -> tuple[int, ...]:
+    """A later turn's prompt with the parent's real prompt and output in place of the stand-in:
+    parent prompt + parent output + this turn's `new_tokens` user tokens."""
+    if spec.parent is None:
+        return spec.prompt
+    new = spec.prompt[len(spec.prompt) - spec.new_tokens :] if spec.new_tokens else ()
+    return tuple(parent_prompt) + tuple(parent_output) + tuple(new)
+
+
+def sent_prompts(
+    specs: Sequence[RequestSpec], outputs: Mapping[int, Sequence[int]] | None
+) -> dict[int, tuple[int, ...]]:
+    """The prompt each spec went out with, by index: its own prompt, or with `outputs` (the
+    real output ids by index) every later turn rebuilt as the client built it."""
+    by_index = {s.index: s for s in specs}
+    out: dict[int, tuple[int, ...]] = {}
+    for spec in sorted(specs, key=lambda s: s.index):
+        if outputs is None or spec.parent is None:
+            out[spec.index] = spec.prompt
+            continue
+        if spec.parent not in by_index or spec.parent not in out:
+            raise ConfigError(
+                f"request {spec.index} continues request {spec.parent}, which is not in the "
+                "stream; keep every turn of a conversation up to the last one sent"
+            )
+        out[spec.index] = extend_prompt(spec, out[spec.parent], outputs.get(spec.parent, ()))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Mooncake-format trace replay
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRow:
+    """One Mooncake trace row: arrival in ms, lengths in tokens and the prompt's block hash ids."""
+
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRow]:
+    """Rows of a Mooncake JSONL trace (`timestamp`, `input_length`, `output_length`,
+    `hash_ids`), the first `limit` of them; a malformed row raises naming its line."""
+    src = Path(path)
+    if not src.is_file():
+        raise ConfigError(f"trace {str(src)!r} is not a file; pass a Mooncake JSONL trace")
+    rows: list[TraceRow] = []
+    with src.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if limit is not None and len(rows) >= limit:
+                break
+            if not line.strip():
+                continue
+            rows.append(_trace_row(line, f"{src}:{lineno}"))
+    if not rows:
+        raise ConfigError(f"trace {str(src)!r} has no rows")
+    return rows
+
+
+def _trace_row(line: str, where: str) -> TraceRow:
+    try:
+        doc = json.loads(line)
+        ts = float(doc.get("timestamp", 0))
+        n_in = doc["input_length"]
+        n_out = doc.get("output_length", 1)
+        ids = doc["hash_ids"]
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ConfigError(
+            f"{where}: not a Mooncake row ({type(exc).__name__}: {exc}); each line needs "
+            "input_length and hash_ids (and timestamp in ms, output_length)"
+        ) from None
+    bad_int = [
+        (k, v)
+        for k, v in (("input_length", n_in), ("output_length", n_out))
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1
+    ]
+    if bad_int:
+        raise ConfigError(f"{where}: {bad_int[0][0]}={bad_int[0][1]!r} must be an integer >= 1")
+    if not isinstance(ids, list) or not all(
+        isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids
+    ):
+        raise ConfigError(f"{where}: hash_ids must be a list of integers >= 0")
+    if not math.isfinite(ts) or ts < 0:
+        raise ConfigError(f"{where}: timestamp={ts!r} must be a finite number of ms >= 0")
+    return TraceRow(ts, n_in, n_out, tuple(ids))
+
+
+def trace_requests(
+    rows: Sequence[TraceRow],
+    seed: int,
+    vocab: int,
+    *,
+    block: int,
+    source_block: int | None = None,
+    time_scale: float = 1.0,
+    max_tokens: int | None = None,
+    bust: int | None = None,
+) -> list[RequestSpec]:
+    """One request per row: hash id h becomes `block` seeded token ids (the same h, the same
+    block, so shared hash ids are shared prefixes), the blocks are joined and cut to the input
+    length, and the arrival is (timestamp - first timestamp) / 1000 x `time_scale` seconds.
+
+    `source_block` (512 for Mooncake's own traces) scales lengths by `block / source_block`, so
+    a trace replayed with smaller blocks keeps its shape instead of growing a long last block.
+    `max_tokens` caps output_length. The bust marker, when given, is appended to every prompt.
+    """
+    _check_positive(block=block)
+    if source_block is not None:
+        _check_positive(source_block=source_block)
+    if max_tokens is not None:
+        _check_positive(max_tokens=max_tokens)
+    _check_common(seed, vocab, 1, 1)
+    if not (math.isfinite(time_scale) and time_scale >= 0):
+        raise ConfigError(f"time_scale={time_scale!r} must be a finite number >= 0")
+    if not rows:
+        raise ConfigError("the trace has no rows; pass at least one")
+    t0 = min(r.timestamp_ms for r in rows)
+    blocks: dict[int, list[int]] = {}
+    suffix = _bust(bust, vocab)
+    out = []
+    for i, row in enumerate(rows):
+        n = row.input_length
+        if source_block is not None:
+            n = max(1, math.ceil(n * block / source_block))
+        room = len(row.hash_ids) * block
+        if n > room:
+            raise ConfigError(
+                f"trace row {i}: input_length {n} needs more than its {len(row.hash_ids)} "
+                f"hash ids x {block} tokens = {room}; set the trace's own block size "
+                "(--trace-source-block 512 for Mooncake traces) or a larger --trace-block"
+            )
+        prompt: list[int] = []
+        for h in row.hash_ids[: -(-n // block)]:
+            got = blocks.get(h)
+            if got is None:
+                rng = np.random.default_rng([seed, _SALT[TRACE], h])
+                got = blocks[h] = rng.integers(FIRST_TOKEN, vocab, size=block).tolist()
+            prompt += got
+        out_len = row.output_length if max_tokens is None else min(row.output_length, max_tokens)
+        out.append(
+            RequestSpec(
+                index=i,
+                tag=TRACE,
+                prompt=tuple(prompt[:n] + suffix),
+                max_tokens=out_len,
+                arrival=(row.timestamp_ms - t0) / 1000.0 * time_scale,
+            )
+        )
+    return out
+
+
+def trace_rows_json(rows: Sequence[TraceRow]) -> str:
+    """Rows back as Mooncake JSONL (for writing a generated trace)."""
+    return "".join(
+        json.dumps(
+            {
+                "timestamp": r.timestamp_ms,
+                "input_length": r.input_length,
+                "output_length": r.output_length,
+                "hash_ids": list(r.hash_ids),
+            }
+        )
+        + "\n"
+        for r in rows
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# open-loop arrivals
+# ----------------------------------------------------------------------------------------------
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
+    """`n` arrival times (s) of a Poisson process of `rate` requests/s, the first at 0."""
+    _check_positive(n=n)
+    if not (math.isfinite(rate) and rate > 0):
+        raise ConfigError(f"rate={rate!r} must be a positive number of requests per second")
+    rng = np.random.default_rng([seed, _SALT_ARRIVALS])
+    gaps = rng.exponential(1.0 / rate, size=n - 1)
+    return [0.0] + np.cumsum(gaps).tolist()
+
+
+def with_arrivals(specs: Sequence[RequestSpec], arrivals: Sequence[float]) -> list[RequestSpec]:
+    """The specs with `arrival` set, one time per spec in stream order."""
+    if len(arrivals) != len(specs):
+        raise ConfigError(f"{len(arrivals)} arrival times for {len(specs)} requests")
+    return [replace(s, arrival=float(t)) for s, t in zip(specs, arrivals, strict=True)]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,1251 @@
+"""`kvtier bench run`: a seeded workload against any OpenAI-compatible endpoint, arm by arm.
+
+A run generates one request stream (prefix pool, multi-turn conversations or a Mooncake trace),
+then for every (repetition, arm) in alternating order starts the arm's server (or uses `--url`),
+sends the stream closed-loop (`--concurrency`) or open-loop (`--rate`, or the trace's
+timestamps), samples `/metrics` during the load and scrapes it before and after on the drained
+server. Everything lands in one run directory:
+
+    meta.json          what was run: workload, load, arms (commands), ceiling sizes, versions
+    workload.jsonl     the request stream (one spec per line)
+    records/ARM-repN.jsonl   one client record per request (times, usage, output ids)
+    scrapes/ARM-repN.json    /metrics before and after, periodic samples, server start/exit
+    logs/ARM-repN.log        each server's output
+    aiperf/NAME.json         imported aiperf profile exports
+    summary.json, report.html, *.png   written by `analyse` + `report.write_report`
+
+`analyse(run_dir)` recomputes every number from those files (so `kvtier bench report` can
+re-render with another start-cut or bucket width): per arm and repetition the throughput, TTFT
+and inter-token percentiles over the full window and after the cut, the server's cache-read
+rate next to the ceilings simulated on the exact prompts sent, the counter identities, and time
+series; across repetitions the mean and spread of each.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import re
+import secrets
+import shutil
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from kvtier import __version__
+from kvtier.bench import analysis
+from kvtier.bench.aiperf import AiperfRun, export_path, load_profile_export
+from kvtier.bench.analysis import Counters, MetricSet
+from kvtier.bench.arms import (
+    ArmSpec,
+    ServerConfig,
+    alternate,
+    flag_value,
+    parse_arm,
+    pool_mismatches,
+    run_endpoint_arm,
+)
+from kvtier.bench.ceiling import Ceiling, hbm_ceiling, infinite_ceiling, tier_ceiling
+from kvtier.bench.client import HISTORY_MODES, OUTPUTS, LoadOptions, Record, read_jsonl
+from kvtier.bench.table import Report, Row, Target, write_json
+from kvtier.bench.workload import (
+    MULTI_TURN,
+    PREFIX_POOL,
+    TRACE,
+    WARMUP,
+    RequestSpec,
+    load_trace,
+    multi_turn,
+    no_reuse,
+    poisson_arrivals,
+    prefix_pool,
+    read_specs,
+    sent_prompts,
+    trace_requests,
+    with_arrivals,
+    write_specs,
+)
+from kvtier.errors import ConfigError, StartupError
+
+Say = Callable[[str], None]
+
+WORKLOADS = {"prefix-pool": PREFIX_POOL, "multi-turn": MULTI_TURN, "trace": TRACE}
+CACHE_BUST = ("first-turn-suffix", "none")
+DEFAULT_REQUESTS = 200  # prefix pool without --requests or --duration
+DURATION_POOL = 4096  # prefix pool with --duration and no --requests: the stream's length
+FULL = "full"
+CUT = "cut"
+
+# (summary field, label, unit): the client-side numbers of every window
+METRICS = (
+    ("request_throughput", "requests/s", "req/s"),
+    ("output_throughput", "output tok/s", "tok/s"),
+    ("ttft_p50_ms", "TTFT p50", "ms"),
+    ("ttft_p90_ms", "TTFT p90", "ms"),
+    ("ttft_p99_ms", "TTFT p99", "ms"),
+    ("itl_p50_ms", "ITL p50", "ms"),
+    ("itl_p90_ms", "ITL p90", "ms"),
+    ("itl_p99_ms", "ITL p99", "ms"),
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# configuration
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    """The request stream: its kind, shape and seed (the same stream in every arm)."""
+
+    kind: str = PREFIX_POOL
+    seed: int = 0
+    vocab: int = 2048
+    requests: int | None = None
+    osl: int = 16  # output tokens per request (trace: a cap on output_length)
+    isl: int = 32  # prefix pool: unique tail; multi-turn: new user tokens per turn
+    prefixes: int = 8
+    prefix_len: int = 256
+    conversations: int = 8
+    turns: int = 4
+    trace: str | None = None
+    trace_block: int = 512
+    trace_source_block: int | None = None
+    time_scale: float = 1.0
+    rate: float | None = None  # Poisson arrivals (requests/s); None: closed loop or timestamps
+    ignore_timestamps: bool = False  # trace: closed loop instead of the timestamps
+    bust: int | None = None  # run id of the first-turn-suffix cache bust; None: no bust
+    duration_pool: bool = False  # stream sized for --duration
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain fields."""
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class CeilingConfig:
+    """Cache sizes the ceilings are simulated with (None: that ceiling is not computed)."""
+
+    block_size: int = 16
+    hbm_blocks: int | None = None
+    chunk_size: int | None = None
+    tier_chunks: int | None = None
+    min_load_tokens: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain fields."""
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything one `kvtier bench run` does."""
+
+    out_dir: Path
+    workload: WorkloadConfig
+    load: LoadOptions
+    arms: tuple[ArmSpec, ...]
+    repeat: int = 1
+    warmup: int = 0
+    reset_path: str | None = None
+    ceiling: CeilingConfig = field(default_factory=CeilingConfig)
+    tp: int | None = None
+    baseline: str | None = None
+    cut_s: float = 0.0
+    bucket_s: float = 10.0
+    scrape_interval_s: float = 2.0
+    host: str = "127.0.0.1"
+    port: int = 8000
+    health_path: str = "/health"
+    startup_timeout_s: float = 600.0
+    aiperf: tuple[tuple[str, Path], ...] = ()
+
+
+def parse_seconds(text: str | float | int, what: str = "--from") -> float:
+    """`600`, `600s`, `10m`, `1.5h` or `250ms` as seconds (>= 0)."""
+    if isinstance(text, int | float) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h)?\s*", str(text))
+        if m is None:
+            raise ConfigError(f"{what} {text!r} is not a duration; use e.g. 600s, 10m or 1.5h")
+        scale = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}[m.group(2)]
+        value = float(m.group(1)) * scale
+    if not (math.isfinite(value) and value >= 0):
+        raise ConfigError(f"{what} {text!r} must be a finite duration >= 0")
+    return value
+
+
+def build_specs(wc: WorkloadConfig) -> list[RequestSpec]:
+    """The run's request stream (deterministic in `wc`)."""
+    if wc.requests is not None and wc.requests < 1:
+        raise ConfigError(f"--requests {wc.requests} must be >= 1")
+    if wc.kind == PREFIX_POOL:
+        n = wc.requests or (DURATION_POOL if wc.duration_pool else DEFAULT_REQUESTS)
+        specs = prefix_pool(
+            wc.prefixes, wc.prefix_len, wc.isl, n, wc.seed, wc.vocab,
+            max_tokens=wc.osl, bust=wc.bust,
+        )  # fmt: skip
+    elif wc.kind == MULTI_TURN:
+        specs = multi_turn(
+            wc.conversations, wc.turns, wc.isl, wc.seed, wc.vocab, max_tokens=wc.osl,
+            n_prefixes=wc.prefixes if wc.prefix_len else 0, prefix_len=wc.prefix_len,
+            bust=wc.bust,
+        )  # fmt: skip
+        if wc.requests is not None:
+            if wc.requests > len(specs):
+                raise ConfigError(
+                    f"--requests {wc.requests} exceeds {wc.conversations} conversations x "
+                    f"{wc.turns} turns = {len(specs)}; raise --conversations or --turns"
+                )
+            specs = specs[: wc.requests]  # round-robin order: whole turn rounds come first
+    elif wc.kind == TRACE:
+        if wc.trace is None:
+            raise ConfigError("--workload trace needs --trace FILE (Mooncake JSONL)")
+        rows = load_trace(wc.trace, limit=wc.requests)
+        specs = trace_requests(
+            rows, wc.seed, wc.vocab, block=wc.trace_block, source_block=wc.trace_source_block,
+            time_scale=wc.time_scale, max_tokens=wc.osl, bust=wc.bust,
+        )  # fmt: skip
+        if wc.ignore_timestamps:
+            specs = [replace(s, arrival=None) for s in specs]
+    else:
+        raise ConfigError(f"workload kind {wc.kind!r} is not one of {sorted(WORKLOADS)}")
+    if wc.rate is not None:
+        specs = with_arrivals(specs, poisson_arrivals(len(specs), wc.rate, wc.seed))
+    return specs
+
+
+def is_open_loop(wc: WorkloadConfig) -> bool:
+    """Open loop with a rate, or a trace replayed on its timestamps."""
+    return wc.rate is not None or (wc.kind == TRACE and not wc.ignore_timestamps)
+
+
+# ----------------------------------------------------------------------------------------------
+# running
+# ----------------------------------------------------------------------------------------------
+
+
+def run(
+    cfg: RunConfig,
+    *,
+    say: Say | None = None,
+    progress: bool = True,
+    console: Console | None = None,
+) -> Path:
+    """Run every (repetition, arm) and write the run directory; returns it."""
+    log = say or (lambda _m: None)
+    out = cfg.out_dir
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"--out {str(out)!r} is not empty; pass a new run directory")
+    names = [a.name for a in cfg.arms]
+    order = alternate(names, cfg.repeat)
+    if cfg.baseline is not None and cfg.baseline not in names:
+        raise ConfigError(f"--baseline {cfg.baseline!r} is not an arm; arms: {names}")
+    if any(not a.argv for a in cfg.arms) and cfg.repeat > 1 and cfg.reset_path is None:
+        raise ConfigError(
+            "--repeat > 1 against a running endpoint would hit the previous repetition's "
+            "prompts; pass --reset (POST /reset_prefix_cache before each) or --repeat 1"
+        )
+    mismatched = pool_mismatches(cfg.arms)
+    if mismatched:
+        raise ConfigError(
+            "the arms do not pin the same HBM pool: " + "; ".join(mismatched) + ". Pass the "
+            "same pool flags (--num-gpu-blocks-override / --hbm-blocks, --block-size) to every arm"
+        )
+    specs = build_specs(cfg.workload)
+    bad = [t for s in specs for t in s.prompt if not 0 <= t < cfg.workload.vocab][:1]
+    if bad:
+        raise ConfigError(f"token id {bad[0]} is outside --vocab {cfg.workload.vocab}")
+    warm = (
+        no_reuse(
+            cfg.warmup, max(cfg.workload.isl, 8), cfg.workload.seed, cfg.workload.vocab,
+            max_tokens=cfg.workload.osl, tag=WARMUP,
+        )
+        if cfg.warmup
+        else []
+    )  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    write_specs(out / "workload.jsonl", specs)
+    aiperf = _copy_aiperf(cfg.aiperf, out)
+    meta = run_meta(cfg, order, specs, aiperf)
+    write_json(out / "meta.json", meta)
+    t0 = time.perf_counter()
+    by_name = {a.name: a for a in cfg.arms}
+    log(
+        f"{len(specs)} requests ({cfg.workload.kind}, seed {cfg.workload.seed}), "
+        f"{'open loop' if cfg.load.open_loop else f'concurrency {cfg.load.concurrency}'}; "
+        f"arms {names} x {cfg.repeat}"
+    )
+    for rep, name in order:
+        run_endpoint_arm(
+            by_name[name],
+            rep,
+            specs,
+            options=cfg.load,
+            out_dir=out,
+            warmup=warm,
+            reset_path=cfg.reset_path,
+            host=cfg.host,
+            port=cfg.port,
+            health_path=cfg.health_path,
+            startup_timeout_s=cfg.startup_timeout_s,
+            scrape_interval_s=cfg.scrape_interval_s,
+            say=log,
+            progress=progress,
+            console=console,
+        )
+    meta["complete"] = True
+    meta["elapsed_s"] = round(time.perf_counter() - t0, 2)
+    meta["env"]["loadavg_end"] = list(os.getloadavg())
+    write_json(out / "meta.json", meta)
+    return out
+
+
+def run_meta(
+    cfg: RunConfig,
+    order: Sequence[tuple[int, str]],
+    specs: Sequence[RequestSpec],
+    aiperf: Mapping[str, str],
+) -> dict[str, Any]:
+    """meta.json of a run: its configuration, arm order, stream size and machine."""
+    return {
+        "bench": "run",
+        "kvtier": __version__,
+        "complete": False,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "workload": cfg.workload.to_json(),
+        "requests": len(specs),
+        "prompt_tokens": sum(len(s.prompt) for s in specs),
+        "load": cfg.load.describe(),
+        "arms": [a.to_json() for a in cfg.arms],
+        "order": [[rep, name] for rep, name in order],
+        "repeat": cfg.repeat,
+        "warmup": cfg.warmup,
+        "reset_path": cfg.reset_path,
+        "ceiling": cfg.ceiling.to_json(),
+        "tp": cfg.tp,
+        "baseline": cfg.baseline,
+        "cut_s": cfg.cut_s,
+        "bucket_s": cfg.bucket_s,
+        "scrape_interval_s": cfg.scrape_interval_s,
+        "aiperf": dict(aiperf),
+        "env": {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cores": len(os.sched_getaffinity(0)),
+            "loadavg_start": list(os.getloadavg()),
+        },
+    }
+
+
+def _copy_aiperf(items: Sequence[tuple[str, Path]], out: Path) -> dict[str, str]:
+    """Copy each aiperf export into the run (checked on the way), so a re-render needs only it."""
+    copied: dict[str, str] = {}
+    for name, path in items:
+        load_profile_export(path, name)  # a broken file fails now, not at report time
+        src = export_path(path)
+        dest = out / "aiperf" / f"{name}.json"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dest)
+        copied[name] = str(dest.relative_to(out))
+    return copied
+
+
+# ----------------------------------------------------------------------------------------------
+# a recorded run
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ArmRep:
+    """One (arm, repetition) of a recorded run: its records and scrapes."""
+
+    arm: str
+    rep: int
+    records: list[Record]
+    scrapes: dict[str, Any]
+
+    @property
+    def started(self) -> float:
+        """The load's start on the records' clock."""
+        return float(self.scrapes["started"])
+
+    @property
+    def finished(self) -> float:
+        """The load's end on the records' clock."""
+        return float(self.scrapes["finished"])
+
+    def metric_set(self, key: str) -> MetricSet | None:
+        """The `before` or `after` scrape (None without `/metrics`)."""
+        doc = self.scrapes.get(key)
+        return None if doc is None else MetricSet.from_json(doc)
+
+
+@dataclass
+class RunData:
+    """A run directory read back: meta, the stream and every (arm, repetition)."""
+
+    path: Path
+    meta: dict[str, Any]
+    specs: list[RequestSpec]
+    reps: list[ArmRep]
+    aiperf: list[AiperfRun]
+
+
+def load_run(run_dir: str | Path) -> RunData:
+    """Read a run directory that `run` wrote (the (arm, repetition) pairs that completed)."""
+    path = Path(run_dir)
+    meta_path = path / "meta.json"
+    if not meta_path.is_file():
+        raise ConfigError(f"{str(path)!r} has no meta.json; pass a directory `bench run` wrote")
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    specs = read_specs(path / "workload.jsonl")
+    reps = []
+    for rep, name in meta["order"]:
+        rec_path = path / "records" / f"{name}-rep{rep}.jsonl"
+        scr_path = path / "scrapes" / f"{name}-rep{rep}.json"
+        if not (rec_path.is_file() and scr_path.is_file()):
+            continue  # an interrupted run: report what completed
+        scrapes = json.loads(scr_path.read_text(encoding="utf-8"))
+        reps.append(ArmRep(name, int(rep), read_jsonl(rec_path), scrapes))
+    if not reps:
+        raise ConfigError(f"{str(path)!r} holds no completed arm (records/ and scrapes/ empty)")
+    aiperf = [load_profile_export(path / rel, name) for name, rel in meta.get("aiperf", {}).items()]
+    return RunData(path, meta, specs, reps, aiperf)
+
+
+def add_aiperf(run_dir: str | Path, items: Sequence[tuple[str, Path]]) -> None:
+    """Copy more aiperf exports into a recorded run and list them in its meta."""
+    path = Path(run_dir)
+    meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+    meta.setdefault("aiperf", {}).update(_copy_aiperf(items, path))
+    write_json(path / "meta.json", meta)
+
+
+# ----------------------------------------------------------------------------------------------
+# analysis
+# ----------------------------------------------------------------------------------------------
+
+
+def analyse(
+    data: RunData, *, cut_s: float | None = None, bucket_s: float | None = None
+) -> dict[str, Any]:
+    """Every number of a recorded run as one JSON document (NaN as None), with the summary
+    table's document under "table"."""
+    meta = data.meta
+    cut = float(meta.get("cut_s", 0.0) if cut_s is None else cut_s)
+    bucket = float(meta.get("bucket_s", 10.0) if bucket_s is None else bucket_s)
+    if not (math.isfinite(bucket) and bucket > 0):
+        raise ConfigError(f"--bucket {bucket!r} must be a positive number of seconds")
+    if not (math.isfinite(cut) and cut >= 0):
+        raise ConfigError(f"--from {cut!r} must be a finite number of seconds >= 0")
+    arms_meta = {a["name"]: a for a in meta["arms"]}
+    results = [_analyse_rep(data, r, arms_meta[r.arm], cut, bucket) for r in data.reps]
+    names = [a["name"] for a in meta["arms"] if any(x["arm"] == a["name"] for x in results)]
+    arms = {name: _aggregate(name, arms_meta[name], results) for name in names}
+    checks = _checks(data, results, arms_meta)
+    baseline = meta.get("baseline") or ("off" if "off" in arms else None)
+    if baseline not in arms:
+        baseline = None
+    doc: dict[str, Any] = {
+        "bench": "run",
+        "run_dir": str(data.path),
+        "cut_s": cut,
+        "bucket_s": bucket,
+        "baseline": baseline,
+        "meta": meta,
+        "arms": arms,
+        "runs": results,
+        "checks": checks,
+        "aiperf": [a.to_json() for a in data.aiperf],
+    }
+    doc["table"] = _table(doc).to_json()
+    return _clean(doc)
+
+
+def _analyse_rep(
+    data: RunData, r: ArmRep, arm_meta: Mapping[str, Any], cut: float, bucket: float
+) -> dict[str, Any]:
+    meta = data.meta
+    records = r.records
+    windows: dict[str, analysis.Summary | None] = {
+        FULL: analysis.summarize_window(records, r.started, r.finished, 0.0)
+    }
+    if cut > 0:
+        windows[CUT] = analysis.summarize_window(records, r.started, r.finished, cut)
+    before, after = r.metric_set("before"), r.metric_set("after")
+    counters: dict[str, Counters | None] = {FULL: None, CUT: None}
+    idents: list[analysis.Identity] = []
+    client_server: list[analysis.Identity] = []
+    tp = None
+    offload = arm_meta.get("offload")
+    if before is not None and after is not None:
+        counters[FULL] = c = Counters.of(after.delta(before))
+        tp = (
+            meta.get("tp")
+            or analysis.world_size(after)
+            or _int_or_none(
+                flag_value(arm_meta.get("argv") or [], "--tp", "--tensor-parallel-size")
+            )
+            or 1
+        )
+        if offload is None:
+            offload = c.ext_queries > 0
+        idents = analysis.identities(
+            c, int(tp), bool(offload), has_retrieved=after.has(analysis.RETRIEVED)
+        )
+        client_server = analysis.client_server_checks(records, c)
+        if cut > 0:
+            counters[CUT] = analysis.counters_since(
+                r.scrapes.get("samples") or [], r.started + cut, after
+            )
+    hit: dict[str, dict[str, float | None]] = {}
+    for w, summ in windows.items():
+        cw = counters.get(w)
+        hit[w] = {
+            "server": None if cw is None or cw.prompt_tokens <= 0 else 100.0 * cw.hit_rate,
+            "client": None if summ is None else summ.cache_read_pct,
+        }
+    ceilings = _ceilings(data, records, r.started, cut)
+    samples = r.scrapes.get("samples") or []
+    return {
+        "arm": r.arm,
+        "rep": r.rep,
+        "offload": offload,
+        "tp": tp,
+        "duration_s": r.finished - r.started,
+        "unsent": r.scrapes.get("unsent", 0),
+        "stopped_by": r.scrapes.get("stopped_by"),
+        "startup_s": r.scrapes.get("startup_s"),
+        "exit_code": r.scrapes.get("exit_code"),
+        "model": r.scrapes.get("model"),
+        "windows": {w: None if s is None else s.to_json() for w, s in windows.items()},
+        "counters": {w: None if c is None else c.to_json() for w, c in counters.items()},
+        "hit_rate_pct": hit,
+        "ceilings": {w: {k: c.to_json() for k, c in cs.items()} for w, cs in ceilings.items()},
+        "identities": [i.to_json() for i in idents],
+        "client_server": [i.to_json() for i in client_server],
+        "cache_config": {} if after is None else analysis.cache_config(after),
+        "series": {
+            "buckets": [b.to_json() for b in analysis.time_series(records, r.started, bucket)],
+            "residency": analysis.residency_series(samples, r.started),
+            "server_hit": analysis.server_hit_series(samples, r.started),
+        },
+    }
+
+
+def _ceilings(
+    data: RunData, records: Sequence[Record], started: float, cut: float
+) -> dict[str, dict[str, Ceiling]]:
+    """Ceilings on the prompts this arm really sent, in send order (full window and cut)."""
+    cc = data.meta["ceiling"]
+    history = data.meta["load"].get("history", OUTPUTS)
+    sent = sorted((r for r in records if r.sent), key=lambda r: (r.start, r.index))
+    if not sent:
+        return {}
+    have = {r.index for r in records}
+    specs = [s for s in data.specs if s.index in have]
+    outputs = {r.index: r.output_ids for r in records} if history == OUTPUTS else None
+    prompts = sent_prompts(specs, outputs)
+    stream = [prompts[r.index] for r in sent]
+    outs = [r.output_ids for r in sent]
+    windows = {FULL: [True] * len(sent)}
+    if cut > 0:
+        windows[CUT] = [r.start >= started + cut for r in sent]
+    bs = int(cc["block_size"])
+    out: dict[str, dict[str, Ceiling]] = {}
+    for w, counted in windows.items():
+        cs = {"infinite": infinite_ceiling(stream, bs, outputs=outs, counted=counted)}
+        if cc.get("hbm_blocks"):
+            cs["hbm"] = hbm_ceiling(
+                stream, bs, int(cc["hbm_blocks"]), outputs=outs, counted=counted
+            )
+            if cc.get("tier_chunks") and cc.get("chunk_size"):
+                cs["hbm+tier"] = tier_ceiling(
+                    stream, bs, int(cc["hbm_blocks"]), int(cc["chunk_size"]),
+                    int(cc["tier_chunks"]), int(cc.get("min_load_tokens") or 0),
+                    outputs=outs, counted=counted,
+                )  # fmt: skip
+        out[w] = cs
+    return out
+
+
+def _aggregate(
+    name: str, arm_meta: Mapping[str, Any], results: Sequence[Mapping[str, Any]]
+) -> dict[str, Any]:
+    mine = [x for x in results if x["arm"] == name]
+    spreads: dict[str, dict[str, Any]] = {}
+    for w in (FULL, CUT):
+        if not any(w in x["windows"] for x in mine):
+            continue
+        fields: dict[str, list[Any]] = {}
+        for x in mine:
+            s = x["windows"].get(w) or {}
+            for key, _label, _unit in METRICS:
+                fields.setdefault(key, []).append(s.get(key))
+            fields.setdefault("completed", []).append(s.get("completed"))
+            fields.setdefault("failed", []).append(s.get("failed"))
+            h = x["hit_rate_pct"].get(w) or {}
+            fields.setdefault("server_hit_pct", []).append(h.get("server"))
+            fields.setdefault("client_hit_pct", []).append(h.get("client"))
+            for cname, c in (x["ceilings"].get(w) or {}).items():
+                fields.setdefault(f"ceiling_{cname}_pct", []).append(100.0 * c["hit_rate"])
+        spreads[w] = {k: analysis.spread(v).to_json() for k, v in fields.items()}
+        spreads[w]["per_rep"] = {k: v for k, v in fields.items()}
+    offload = arm_meta.get("offload")
+    if offload is None:
+        offload = any(x["offload"] for x in mine)
+    return {
+        "name": name,
+        "command": arm_meta.get("command"),
+        "url": arm_meta.get("url"),
+        "offload": offload,
+        "reps": len(mine),
+        "spread": spreads,
+    }
+
+
+def _checks(
+    data: RunData, results: Sequence[Mapping[str, Any]], arms_meta: Mapping[str, Any]
+) -> dict[str, Any]:
+    failing = [
+        {"arm": x["arm"], "rep": x["rep"], **i}
+        for x in results
+        for i in x["identities"] + x["client_server"]
+        if not i["holds"]
+    ]
+    checked = sum(len(x["identities"]) + len(x["client_server"]) for x in results)
+    arms = [
+        ArmSpec(a["name"], tuple(a["argv"]), a.get("url"), offload=a.get("offload"))
+        for a in arms_meta.values()
+    ]
+    pool = pool_mismatches(arms)
+    configs = {(x["arm"], x["rep"]): x["cache_config"] for x in results if x["cache_config"]}
+    for key in ("num_gpu_blocks", "block_size"):
+        values = {f"{a}.rep{r}": c.get(key) for (a, r), c in configs.items() if key in c}
+        if len(set(values.values())) > 1:
+            pool.append(f"vllm:cache_config_info {key}: {values}")
+    above = []
+    for x in results:
+        h = (x["hit_rate_pct"].get(FULL) or {}).get("server")
+        inf = (x["ceilings"].get(FULL) or {}).get("infinite")
+        if h is not None and inf is not None and h > 100.0 * inf["hit_rate"] + 1e-6:
+            above.append(f"{x['arm']}.rep{x['rep']}: {h:.3f}% > {100 * inf['hit_rate']:.3f}%")
+    return {
+        "identities_checked": checked,
+        "identities_failing": failing,
+        "pool_mismatches": pool,
+        "pool_checked_by": "commands" + (" + vllm:cache_config_info" if configs else ""),
+        "above_infinite": above,
+        "requests_failed": sum((x["windows"][FULL] or {}).get("failed", 0) for x in results),
+        "requests_sent": sum((x["windows"][FULL] or {}).get("requests", 0) for x in results),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# the summary table
+# ----------------------------------------------------------------------------------------------
+
+
+def _table(doc: Mapping[str, Any]) -> Report:
+    meta = doc["meta"]
+    arms: dict[str, Any] = doc["arms"]
+    baseline = doc["baseline"]
+    cut = doc["cut_s"]
+    wl = meta["workload"]
+    # with a duration, the stream is only as long as an upper bound: show what went out
+    sent = max(((r["windows"][FULL] or {}).get("requests", 0) for r in doc["runs"]), default=0)
+    shown_n = (
+        f"x {meta['requests']} requests"
+        if sent >= meta["requests"]
+        else f"{sent} of {meta['requests']} requests sent (duration)"
+    )
+    title = f"kvtier bench run: {wl['kind']} {shown_n}, arms {', '.join(arms)} x {meta['repeat']}"
+    report = Report("run", title)
+    shown = [a for a in arms if a != baseline] or list(arms)
+    report.note(
+        "values are means over repetitions (spread in detail: sd, min, max); "
+        + (f"raw = the {baseline} arm" if baseline else "no baseline arm")
+        + f"; arm order alternates; load: {_load_text(meta)}"
+    )
+    windows = [FULL] + ([CUT] if cut > 0 else [])
+    for w in windows:
+        suffix = "" if w == FULL else f" (from {cut:g}s)"
+        if w == CUT:
+            report.note(
+                f"from {cut:g}s: only requests sent at least {cut:g}s after the start; the "
+                "server's counters for it start at the last /metrics sample at or before the cut "
+                f"(sampled every {meta.get('scrape_interval_s', 0):g}s), the client's exactly"
+            )
+        for name in shown:
+            for key, label, unit in METRICS:
+                _add(report, arms, name, baseline, w, key, f"{name}: {label}{suffix}", unit)
+    hit_note = report.note(
+        "cache-read rate = (HBM hits + external hits) / prompt tokens from the server's "
+        "counters (client: sum cached_tokens / sum prompt_tokens); raw = the ceiling simulated on "
+        "the exact prompts sent: HBM+tier for an arm with a tier, HBM alone otherwise"
+    )
+    for w in windows:
+        suffix = "" if w == FULL else f" (from {cut:g}s)"
+        for name, arm in arms.items():
+            sp = arm["spread"].get(w) or {}
+            server = sp.get("server_hit_pct", {})
+            client = sp.get("client_hit_pct", {})
+            predicted = "ceiling_hbm+tier_pct" if arm["offload"] else "ceiling_hbm_pct"
+            ceil = (sp.get(predicted) or {}).get("mean")
+            measured, source = (
+                (server.get("mean"), "server")
+                if server.get("mean") is not None
+                else (client.get("mean"), "client")
+            )
+            if measured is None:
+                continue
+            detail = {
+                k: v["mean"]
+                for k, v in sp.items()
+                if k.startswith("ceiling_") and isinstance(v, dict) and v.get("mean") is not None
+            }
+            if client.get("mean") is not None:
+                detail["client_hit_pct"] = client["mean"]
+            mark = f" {hit_note}" if w == FULL and name == next(iter(arms)) else ""
+            report.add(
+                Row(
+                    f"{w}.{name}.hit_rate",
+                    f"{name}: cache-read rate ({source}){suffix}{mark}",
+                    measured,
+                    "%",
+                    raw=ceil if ceil is not None and ceil > 0 else None,
+                    detail=detail,
+                )
+            )
+    checks = doc["checks"]
+    ident_note = report.note(
+        "identities on the drained server, every arm and repetition: prefix_cache_queries - "
+        "hits == external queries and retrieved / TP == external hits (with a tier), no "
+        "external hits without one, hits <= queries, client usage sums == server counters"
+    )
+    report.add(
+        Row(
+            "checks.identities_failing",
+            f"counter identities failing {ident_note}",
+            len(checks["identities_failing"]),
+            "checks",
+            target=Target("value", "<=", 0),
+            detail={
+                "checked": checks["identities_checked"],
+                **{
+                    f"{f['arm']}.rep{f['rep']}.{f['name']}": f"{f['lhs']} {f['op']} {f['rhs']}"
+                    for f in checks["identities_failing"][:12]
+                },
+            },
+        )
+    )
+    report.add(
+        Row(
+            "checks.above_infinite",
+            "cache-read rate above the infinite-cache ceiling (a counting bug)",
+            len(checks["above_infinite"]),
+            "arms",
+            target=Target("value", "<=", 0),
+            detail={str(i): t for i, t in enumerate(checks["above_infinite"][:8])},
+        )
+    )
+    report.add(
+        Row(
+            "checks.pool_mismatches",
+            f"HBM pool differs between arms (checked by {checks['pool_checked_by']})",
+            len(checks["pool_mismatches"]),
+            "flags",
+            target=Target("value", "<=", 0),
+            detail={str(i): t for i, t in enumerate(checks["pool_mismatches"][:8])},
+        )
+    )
+    report.add(
+        Row(
+            "checks.requests_failed",
+            "requests failed or skipped, all arms",
+            checks["requests_failed"],
+            "requests",
+            target=Target("value", "<=", 0),
+            detail={"sent": checks["requests_sent"]},
+        )
+    )
+    for a in doc["aiperf"]:
+        note = report.note(f"aiperf {a['name']}: {a['source']} (aiperf {a.get('version')})")
+        for i, (key, label, unit) in enumerate(AIPERF_ROWS):
+            value = a["summary"].get(key)
+            if value is None or not math.isfinite(value):
+                continue
+            report.add(
+                Row(
+                    f"aiperf.{a['name']}.{key}",
+                    f"aiperf {a['name']}: {label}{' ' + note if i == 0 else ''}",
+                    float(value),
+                    unit,
+                )
+            )
+    return report
+
+
+AIPERF_ROWS = (
+    ("request_throughput", "requests/s", "req/s"),
+    ("output_throughput", "output tok/s", "tok/s"),
+    ("ttft_p50_ms", "TTFT p50", "ms"),
+    ("ttft_p90_ms", "TTFT p90", "ms"),
+    ("ttft_p99_ms", "TTFT p99", "ms"),
+    ("itl_p50_ms", "ITL p50", "ms"),
+    ("itl_p90_ms", "ITL p90", "ms"),
+    ("itl_p99_ms", "ITL p99", "ms"),
+    ("cache_read_pct", "cache-read rate (client)", "%"),
+)
+
+
+def _add(
+    report: Report,
+    arms: Mapping[str, Any],
+    name: str,
+    baseline: str | None,
+    window: str,
+    key: str,
+    label: str,
+    unit: str,
+) -> None:
+    sp = (arms[name]["spread"].get(window) or {}).get(key) or {}
+    value = sp.get("mean")
+    if value is None:
+        return  # e.g. ITL of one-token outputs: nothing to show
+    raw = None
+    if baseline is not None and name != baseline:
+        raw = ((arms[baseline]["spread"].get(window) or {}).get(key) or {}).get("mean")
+        if raw is not None and not raw > 0:
+            raw = None
+    per_rep = (arms[name]["spread"].get(window) or {}).get("per_rep", {}).get(key, [])
+    detail: dict[str, float | int | str] = {
+        k: v for k, v in sp.items() if k != "mean" and v is not None
+    }
+    for i, v in enumerate(per_rep):
+        if v is not None:
+            detail[f"rep{i}"] = v
+    report.add(Row(f"{window}.{name}.{key}", label, float(value), unit, raw=raw, detail=detail))
+
+
+def _load_text(meta: Mapping[str, Any]) -> str:
+    load = meta["load"]
+    wl = meta["workload"]
+    if load.get("open_loop"):
+        how = (
+            f"Poisson {wl['rate']:g} req/s"
+            if wl.get("rate")
+            else f"trace timestamps x {wl['time_scale']:g}"
+        )
+        shape = f"open loop ({how})"
+    else:
+        shape = f"concurrency {load.get('concurrency')}"
+    if load.get("duration_s"):
+        shape += f", {load['duration_s']:g}s"
+    return shape
+
+
+def _int_or_none(text: str | None) -> int | None:
+    try:
+        return None if text is None else int(text)
+    except ValueError:
+        return None
+
+
+def _clean(x: Any) -> Any:
+    """NaN/inf as None, recursively (JSON has neither)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_clean(v) for v in x]
+    return x
+
+
+# ----------------------------------------------------------------------------------------------
+# the command
+# ----------------------------------------------------------------------------------------------
+
+
+def named_paths(items: Sequence[str], what: str) -> list[tuple[str, Path]]:
+    """`NAME=PATH` items (a bare PATH is named after its file stem)."""
+    out = []
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep:
+            name, path = Path(item).stem, item
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+            raise ConfigError(f"{what} {item!r}: the name must be letters, digits, '_', '.', '-'")
+        out.append((name, Path(path)))
+    return out
+
+
+def bench_run_command(
+    out: Path | None = typer.Option(
+        None, "--out", help="Run directory to create [default: runs/bench-run-<time>]."
+    ),
+    workload: str = typer.Option(
+        "prefix-pool", "--workload", help="prefix-pool, multi-turn or trace."
+    ),
+    seed: int = typer.Option(0, "--seed", help="Workload seed (the same stream in every arm)."),
+    requests: int | None = typer.Option(
+        None, "--requests", help="Requests to send (prefix pool default 200; others: all)."
+    ),
+    duration: str | None = typer.Option(
+        None, "--duration", help="Stop sending after this long (e.g. 600s, 10m)."
+    ),
+    concurrency: int = typer.Option(4, "--concurrency", help="Requests in flight (closed loop)."),
+    rate: float | None = typer.Option(
+        None, "--rate", help="Open loop: Poisson arrivals at this many requests/s (seeded)."
+    ),
+    osl: int = typer.Option(16, "--osl", help="Output tokens per request (trace: a cap)."),
+    isl: int = typer.Option(
+        32, "--isl", help="Unique tail per request (prefix pool) / new user tokens per turn."
+    ),
+    prefixes: int = typer.Option(8, "--prefixes", help="Shared prefixes in the pool."),
+    prefix_len: int = typer.Option(
+        256, "--prefix-len", help="Tokens per shared prefix (multi-turn: 0 for none)."
+    ),
+    conversations: int = typer.Option(8, "--conversations", help="Multi-turn conversations."),
+    turns: int = typer.Option(4, "--turns", help="Turns per conversation."),
+    history: str = typer.Option(
+        OUTPUTS, "--history", help="Later turns carry the real outputs or a seeded standin."
+    ),
+    trace: Path | None = typer.Option(None, "--trace", help="Mooncake JSONL trace to replay."),
+    trace_block: int = typer.Option(512, "--trace-block", help="Tokens per trace hash id."),
+    trace_source_block: int | None = typer.Option(
+        None,
+        "--trace-source-block",
+        help="The trace's own block size (512 for Mooncake): lengths scale by block/this.",
+    ),
+    time_scale: float = typer.Option(
+        1.0, "--time-scale", help="Trace arrival = timestamp x this (0.1 = 10x faster)."
+    ),
+    ignore_timestamps: bool = typer.Option(
+        False, "--ignore-timestamps", help="Replay a trace closed-loop at --concurrency."
+    ),
+    cache_bust: str = typer.Option(
+        "first-turn-suffix", "--cache-bust", help="first-turn-suffix (a run id) or none."
+    ),
+    bust_id: int | None = typer.Option(
+        None, "--bust-id", help="The cache-bust run id [default: random, kept in meta.json]."
+    ),
+    arm: list[str] = typer.Option(
+        [], "--arm", help="NAME='server command' (repeatable); {port} is filled in."
+    ),
+    url: str | None = typer.Option(None, "--url", help="An endpoint already running (one arm)."),
+    model: str | None = typer.Option(
+        None, "--model", help="Model name to send [default: the first of /v1/models]."
+    ),
+    vocab: int | None = typer.Option(
+        None, "--vocab", help="Token ids are drawn below this [default: the model's]."
+    ),
+    model_dir: Path | None = typer.Option(
+        None, "--model-dir", help="ON/OFF arms: the model for kvtier serve [default: tiny]."
+    ),
+    tp: int = typer.Option(1, "--tp", help="ON/OFF arms: tensor-parallel size."),
+    hbm_blocks: int | None = typer.Option(
+        None, "--hbm-blocks", help="HBM pool in blocks (ON/OFF arms: 128); also the ceiling's."
+    ),
+    block_size: int | None = typer.Option(
+        None, "--block-size", help="Tokens per KV block [default: from the arms, else 16]."
+    ),
+    chunk_size: int | None = typer.Option(
+        None, "--chunk-size", help="kvtier chunk size (ON/OFF arms: 64); the tier ceiling's."
+    ),
+    tier_tokens: int | None = typer.Option(
+        None, "--tier-tokens", help="Tier capacity in tokens per rank, for the ceiling."
+    ),
+    max_batched_tokens: int = typer.Option(
+        1024, "--max-batched-tokens", help="ON/OFF arms: tokens computed per step."
+    ),
+    repeat: int = typer.Option(1, "--repeat", help="Repetitions; arm order alternates."),
+    baseline: str | None = typer.Option(
+        None, "--baseline", help="The arm others are compared with [default: off]."
+    ),
+    warmup: int = typer.Option(0, "--warmup", help="Warmup requests per arm, before scraping."),
+    reset: bool = typer.Option(
+        False, "--reset", help="POST /reset_prefix_cache?reset_external=true before each arm."
+    ),
+    start_cut: str = typer.Option(
+        "0", "--from", help="Start-cut window: requests sent after this (e.g. 600s)."
+    ),
+    bucket: str = typer.Option("10s", "--bucket", help="Time-series bucket width."),
+    scrape_interval: str = typer.Option(
+        "2s", "--scrape-interval", help="How often /metrics is sampled during the load."
+    ),
+    aiperf: list[str] = typer.Option(
+        [], "--aiperf", help="NAME=profile_export_aiperf.json to add to the report (repeatable)."
+    ),
+    api_key: str | None = typer.Option(
+        None, "--api-key", envvar="KVTIER_BENCH_API_KEY", help="Bearer token for the endpoint."
+    ),
+    port: int = typer.Option(8000, "--port", help="Port of an --arm command without {port}."),
+    health_path: str = typer.Option("/health", "--health-path", help="Readiness probe path."),
+    startup_timeout: float = typer.Option(
+        600.0, "--startup-timeout", help="Seconds a server may take to become healthy."
+    ),
+    html: bool = typer.Option(True, "--html/--no-html", help="Write report.html and the PNGs."),
+) -> None:
+    """A seeded workload against OpenAI-compatible endpoints, arm by arm: latency, hit rates
+    next to simulated ceilings, counter identities, time series, HTML report."""
+    from kvtier.bench import report as report_mod
+    from kvtier.bench import table
+
+    err = Console(stderr=True)
+    try:
+        cfg = config_from_options(
+            out=out, workload=workload, seed=seed, requests=requests, duration=duration,
+            concurrency=concurrency, rate=rate, osl=osl, isl=isl, prefixes=prefixes,
+            prefix_len=prefix_len, conversations=conversations, turns=turns, history=history,
+            trace=trace, trace_block=trace_block, trace_source_block=trace_source_block,
+            time_scale=time_scale, ignore_timestamps=ignore_timestamps, cache_bust=cache_bust,
+            bust_id=bust_id, arm=arm, url=url, model=model, vocab=vocab, model_dir=model_dir,
+            tp=tp, hbm_blocks=hbm_blocks, block_size=block_size, chunk_size=chunk_size,
+            tier_tokens=tier_tokens, max_batched_tokens=max_batched_tokens, repeat=repeat,
+            baseline=baseline, warmup=warmup, reset=reset, start_cut=start_cut, bucket=bucket,
+            scrape_interval=scrape_interval, aiperf=aiperf, api_key=api_key, port=port,
+            health_path=health_path, startup_timeout=startup_timeout,
+        )  # fmt: skip
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from None
+    try:
+        run_dir = run(cfg, say=lambda m: err.print(f"[dim]{escape(m)}[/dim]"), console=err)
+        doc = analyse(load_run(run_dir))
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(code=2) from None
+    except (StartupError, RuntimeError) as exc:
+        typer.echo(
+            f"error: {exc}\n(what completed is in {cfg.out_dir}; `kvtier bench report "
+            f"{cfg.out_dir}` renders it)",
+            err=True,
+        )
+        raise typer.Exit(code=1) from None
+    write_json(run_dir / "summary.json", doc)
+    if html:
+        files = report_mod.write_report(doc, run_dir)
+        err.print(f"[dim]wrote {files['html']}[/dim]")
+    table.print_report(doc["table"])
+    typer.echo(f"run directory: {run_dir}")
+
+
+def config_from_options(
+    *,
+    out: Path | None,
+    workload: str,
+    seed: int,
+    requests: int | None,
+    duration: str | None,
+    concurrency: int,
+    rate: float | None,
+    osl: int,
+    isl: int,
+    prefixes: int,
+    prefix_len: int,
+    conversations: int,
+    turns: int,
+    history: str,
+    trace: Path | None,
+    trace_block: int,
+    trace_source_block: int | None,
+    time_scale: float,
+    ignore_timestamps: bool,
+    cache_bust: str,
+    bust_id: int | None,
+    arm: Sequence[str],
+    url: str | None,
+    model: str | None,
+    vocab: int | None,
+    model_dir: Path | None,
+    tp: int,
+    hbm_blocks: int | None,
+    block_size: int | None,
+    chunk_size: int | None,
+    tier_tokens: int | None,
+    max_batched_tokens: int,
+    repeat: int,
+    baseline: str | None,
+    warmup: int,
+    reset: bool,
+    start_cut: str,
+    bucket: str,
+    scrape_interval: str,
+    aiperf: Sequence[str],
+    api_key: str | None,
+    port: int,
+    health_path: str,
+    startup_timeout: float,
+) -> RunConfig:
+    """The command line as a RunConfig: arms (ON/OFF `kvtier serve` by default, `--arm`s, or
+    `--url`), the workload with its vocabulary, and the ceiling's cache sizes."""
+    if workload not in WORKLOADS:
+        raise ConfigError(f"--workload {workload!r} is not one of {sorted(WORKLOADS)}")
+    if history not in HISTORY_MODES:
+        raise ConfigError(f"--history {history!r} is not one of {list(HISTORY_MODES)}")
+    if cache_bust not in CACHE_BUST:
+        raise ConfigError(f"--cache-bust {cache_bust!r} is not one of {list(CACHE_BUST)}")
+    if arm and url:
+        raise ConfigError("--arm and --url exclude each other: give server commands or one URL")
+    if concurrency < 1:
+        raise ConfigError(f"--concurrency {concurrency} must be >= 1")
+    if warmup < 0:
+        raise ConfigError(f"--warmup {warmup} must be >= 0")
+    duration_s = None if duration is None else parse_seconds(duration, "--duration")
+    if duration_s is not None and duration_s <= 0:
+        raise ConfigError(f"--duration {duration!r} must be > 0")
+    bs = block_size
+    ceiling_hbm = hbm_blocks
+    tier_chunks = None
+    min_load = 0
+    chunk = chunk_size
+    if arm or url:
+        arms = tuple(parse_arm(a) for a in arm) if arm else (ArmSpec("endpoint", url=url),)
+        if vocab is None:
+            if model_dir is None:
+                raise ConfigError(
+                    "--vocab is needed with --arm or --url (token ids are drawn below it); "
+                    "pass the model's vocabulary size, or --model-dir to read it"
+                )
+            vocab = int(_model_config(model_dir)["vocab_size"])
+        for a in arms:
+            bs = bs or _int_or_none(a.flag("--block-size"))
+            ceiling_hbm = ceiling_hbm or _int_or_none(
+                a.flag("--hbm-blocks", "--num-gpu-blocks-override")
+            )
+        if tier_tokens is not None:
+            if not chunk:
+                raise ConfigError(
+                    "--tier-tokens needs --chunk-size (the tier stores whole chunks) for the "
+                    "HBM + tier ceiling"
+                )
+            tier_chunks = tier_tokens // chunk
+    else:
+        arms, vocab, extra = _on_off_arms(
+            model_dir, tp, hbm_blocks or 128, bs or 16, chunk or 64, concurrency,
+            max_batched_tokens, vocab,
+        )  # fmt: skip
+        ceiling_hbm = hbm_blocks or 128
+        chunk = extra["chunk_size"]
+        tier_chunks = extra["tier_chunks"] if tier_tokens is None else tier_tokens // chunk
+        min_load = extra["min_load_tokens"]
+    bs = bs or 16
+    wc = WorkloadConfig(
+        kind=WORKLOADS[workload], seed=seed, vocab=vocab, requests=requests, osl=osl, isl=isl,
+        prefixes=prefixes, prefix_len=prefix_len, conversations=conversations, turns=turns,
+        trace=None if trace is None else str(trace), trace_block=trace_block,
+        trace_source_block=trace_source_block, time_scale=time_scale, rate=rate,
+        ignore_timestamps=ignore_timestamps,
+        bust=None if cache_bust == "none" else (bust_id if bust_id is not None else _run_id()),
+        duration_pool=duration_s is not None and requests is None,
+    )  # fmt: skip
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    load = LoadOptions(
+        concurrency=None if is_open_loop(wc) else concurrency,
+        open_loop=is_open_loop(wc),
+        duration_s=duration_s,
+        history=history,
+        require_token_ids=False,
+        model=model,
+        headers=headers,
+    )
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return RunConfig(
+        out_dir=out or Path("runs") / f"bench-run-{stamp}",
+        workload=wc,
+        load=load,
+        arms=arms,
+        repeat=repeat,
+        warmup=warmup,
+        reset_path="/reset_prefix_cache?reset_external=true" if reset else None,
+        ceiling=CeilingConfig(bs, ceiling_hbm, chunk, tier_chunks, min_load),
+        baseline=baseline,
+        cut_s=parse_seconds(start_cut, "--from"),
+        bucket_s=_positive_seconds(bucket, "--bucket"),
+        scrape_interval_s=_positive_seconds(scrape_interval, "--scrape-interval"),
+        port=port,
+        health_path=health_path,
+        startup_timeout_s=startup_timeout,
+        aiperf=tuple(named_paths(aiperf, "--aiperf")),
+    )
+
+
+def _positive_seconds(text: str, what: str) -> float:
+    value = parse_seconds(text, what)
+    if value <= 0:
+        raise ConfigError(f"{what} {text!r} must be > 0")
+    return value
+
+
+def _run_id() -> int:
+    return secrets.randbits(48)
+
+
+def _model_config(model_dir: Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"--model-dir {str(model_dir)!r} has no config.json; pass a model dir")
+    return dict(json.loads(path.read_text(encoding="utf-8")))
+
+
+def _on_off_arms(
+    model_dir: Path | None,
+    tp: int,
+    hbm_blocks: int,
+    block_size: int,
+    chunk_size: int,
+    concurrency: int,
+    max_batched_tokens: int,
+    vocab: int | None,
+) -> tuple[tuple[ArmSpec, ...], int, dict[str, int]]:
+    """kvtier serve with --offload and --no-offload: same flags, same HBM pool, same env."""
+    from kvtier.bench.e2e import DEFAULT_MEMORY_BYTES, ensure_model, tier_chunks_per_rank
+    from kvtier.config import KVTierConfig
+
+    if tp < 1:
+        raise ConfigError(f"--tp {tp} must be >= 1")
+    model = ensure_model(model_dir, "tiny")
+    model_config = _model_config(model)
+    env = {"KVTIER_MEMORY_BYTES": DEFAULT_MEMORY_BYTES}
+    env.update({k: v for k, v in os.environ.items() if k.startswith("KVTIER_")})
+    env["KVTIER_CHUNK_SIZE"] = str(chunk_size)
+    kv = KVTierConfig.from_env(env)
+    if not kv.enabled:
+        raise ConfigError(
+            "the kvtier config has enabled=false, which would make the ON arm an OFF arm; "
+            "unset KVTIER_ENABLED for the bench"
+        )
+    if kv.chunk_size % block_size:
+        raise ConfigError(f"--chunk-size {kv.chunk_size} is not a multiple of {block_size}")
+    server = ServerConfig(
+        model_dir=model,
+        tp=tp,
+        hbm_blocks=hbm_blocks,
+        block_size=block_size,
+        max_num_seqs=concurrency,
+        max_batched_tokens=max_batched_tokens,
+        threads=1,
+        env=env,
+    )
+    arms = (
+        ArmSpec("on", tuple(server.argv("{port}", True)), env=env, offload=True),
+        ArmSpec("off", tuple(server.argv("{port}", False)), env=env, offload=False),
+    )
+    extra = {
+        "chunk_size": kv.chunk_size,
+        "tier_chunks": tier_chunks_per_rank(model_config, tp, kv.chunk_size, kv.memory_bytes),
+        "min_load_tokens": kv.effective_min_load_tokens,
+    }
+    return arms, vocab or int(model_config["vocab_size"]), extra

@@ -1,0 +1,89 @@
+"""`kvtier bench faults`, reduced: two faults under load on a TP=1 engine, every request
+completed with the right output, hits lost during the fault and back after it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import typer
+from rich.console import Console
+from typer.testing import CliRunner
+
+from kvtier.bench import faults
+from kvtier.errors import ConfigError, StartupError
+
+
+@pytest.fixture(scope="module")
+def doc(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("bench") / "faults.json"
+    got = faults.run(quick=True, json_path=out, faults=["remote_restart", "load_fail"])
+    # what run() returns is what it wrote
+    assert json.loads(out.read_text()) == got
+    return got
+
+
+def test_every_fault_row_reads_nothing_lost(doc: dict) -> None:
+    rows = {r["id"]: r for r in doc["rows"]}
+    assert list(rows) == ["remote_restart", "load_fail"]
+    per_phase = faults.QUICK.prompts_per_phase * 2  # a seed pass and a replay
+    for row in rows.values():
+        d = row["detail"]
+        assert d["sent"] == 3 * per_phase
+        assert d["completed"] == d["sent"] and d["verified"] == d["completed"], d["errors"]
+        assert row["pass"] is True and row["ratio"] == 1.0
+        assert d["nothing_lost"] == "yes"
+    assert doc["summary"] == {"targets": 2, "passed": 2}
+
+
+def test_remote_hits_drop_while_down_and_resume_after_the_restart(doc: dict) -> None:
+    d = next(r for r in doc["rows"] if r["id"] == "remote_restart")["detail"]
+    full = d["hit_tokens_possible"]
+    assert full == faults.QUICK.prompts_per_phase * faults.CHUNKS_PER_PROMPT * faults.CHUNK
+    # a memory tier of 4 chunks: replays of 4 prompts x 4 chunks come from the remote
+    assert d["hits_before"] >= full // 2
+    assert d["hits_during"] < d["hits_before"]
+    assert d["hits_after"] >= full // 2  # hits resumed after the restart
+    # the metrics say why: writes dropped by the open breaker, calls that failed
+    assert d["counter:ranks:dropped_writes{reason=breaker_open,tier=remote}"] > 0
+    assert "store_failures" in d["why"]
+
+
+def test_a_failing_load_lane_costs_hits_and_says_why(doc: dict) -> None:
+    d = next(r for r in doc["rows"] if r["id"] == "load_fail")["detail"]
+    assert d["hits_during"] == 0 < d["hits_before"]
+    assert d["hits_after"] > 0
+    assert d["counter:scheduler:load_failures{reason=error:RuntimeError}"] > 0
+    assert "load_failures{reason=error:RuntimeError}" in d["why"]
+
+
+def test_render_prints_the_fault_table(doc: dict) -> None:
+    console = Console(record=True, width=220)
+    console.print(faults.render(doc))
+    text = console.export_text()
+    assert "remote killed + restarted" in text and "a load failing on one rank" in text
+    assert text.count("nothing lost") == 2 + 1  # two rows and the summary line
+    assert "nothing lost: 2 of 2 faults" in text
+
+
+def test_bad_arguments_are_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown faults"):
+        faults.run(quick=True, json_path=tmp_path / "x.json", faults=["gremlins"])
+    with pytest.raises(ValueError, match="is a directory"):
+        faults.run(quick=True, json_path=tmp_path)
+
+
+def test_missing_redis_server_fails_clearly(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing on PATH, redis-server included
+    with pytest.raises(StartupError, match="redis-server"):
+        faults.RedisProcess(tmp_path / "redis")
+    app = typer.Typer()
+    app.command()(faults.bench_faults_command)
+    result = CliRunner().invoke(
+        app, ["--quick", "--fault", "remote_slow", "--json", str(tmp_path / "f.json")]
+    )
+    assert result.exit_code == 2
+    assert "redis-server" in result.output
