@@ -23,17 +23,18 @@ def demo(
 
 
 def _register_tools() -> None:
-    """Tool commands whose bodies live in their own modules (imported lazily per call)."""
+    """Tool commands whose bodies live in their own modules."""
+    from kvtier.bench.faults import bench_faults_command
+    from kvtier.bench.replay import bench_run_command
+    from kvtier.bench.report import bench_report_command
     from kvtier.doctor import doctor_command
     from kvtier.plan import plan_command
 
     app.command("plan")(plan_command)
     app.command("doctor")(doctor_command)
-    from kvtier.bench.replay import bench_run_command
-    from kvtier.bench.report import bench_report_command
-
     bench_app.command("run")(bench_run_command)
     bench_app.command("report")(bench_report_command)
+    bench_app.command("faults")(bench_faults_command)
 
 
 _register_tools()
@@ -51,10 +52,10 @@ def version() -> None:
 def bench_tier(
     quick: bool = typer.Option(False, "--quick", help="Fewer repetitions (tests and CI)."),
     json_path: Path | None = typer.Option(
-        None, "--json", help="Where to write the JSON results [default: runs/bench-tier.json]."
+        None, "--json", help="Where to write the JSON results (default: runs/bench-tier.json)."
     ),
     disk_dir: Path | None = typer.Option(
-        None, "--disk-dir", help="Directory for the disk tier's temp files [default: runs]."
+        None, "--disk-dir", help="Directory for the disk tier's temp files (default: runs)."
     ),
 ) -> None:
     """Memory and disk tier GB/s against raw copies, and all-rank lookup latency."""

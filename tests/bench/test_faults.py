@@ -55,7 +55,7 @@ def test_a_failing_load_lane_costs_hits_and_says_why(doc: dict) -> None:
     assert d["hits_during"] == 0 < d["hits_before"]
     assert d["hits_after"] > 0
     assert d["counter:scheduler:load_failures{reason=error:RuntimeError}"] > 0
-    assert "load_failures{reason=error:RuntimeError}" in d["why"]
+    assert "load_failures(error:RuntimeError)=" in d["why"]
 
 
 def test_render_prints_the_fault_table(doc: dict) -> None:

@@ -51,7 +51,7 @@ from rich.text import Text
 
 from kvtier import __version__
 from kvtier.bench.client import LoadResult, run_load
-from kvtier.bench.table import MISS, PASS, Report, Row, Target, write_json
+from kvtier.bench.table import MISS, Report, Row, Target, write_json
 from kvtier.bench.workload import RequestSpec
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, StartupError
@@ -939,7 +939,7 @@ def _add_row(report: Report, res: FaultResult) -> None:
         "hits_during": res.phases["during"].hit_tokens,
         "hits_after": res.phases["after"].hit_tokens,
         "hit_tokens_possible": res.hit_tokens_possible,
-        "why": ", ".join(f"{k.split(':', 1)[1]}={v:g}" for k, v in sorted(why.items())) or "—",
+        "why": ", ".join(f"{_short(k)}={v:g}" for k, v in sorted(why.items())) or "—",
         "seconds": res.seconds,
         "errors": "; ".join(e for p in res.phases.values() for e in p.errors)[:2000],
     }
@@ -956,6 +956,14 @@ def _add_row(report: Report, res: FaultResult) -> None:
             detail=detail,
         )
     )
+
+
+def _short(counter: str) -> str:
+    """`where:family{k=v,...}` as `family(v,...)`, for the table."""
+    name = counter.partition(":")[2]
+    family, _, labels = name.partition("{")
+    values = [kv.partition("=")[2] for kv in labels.rstrip("}").split(",") if kv]
+    return f"{family}({','.join(values)})" if values else family
 
 
 def _matches(counter: str, pattern: str) -> bool:
@@ -979,18 +987,11 @@ def _matches(counter: str, pattern: str) -> bool:
 def render(doc: dict[str, Any]) -> Group:
     """The fault table: per fault, requests sent/completed/verified, hits per phase, why."""
     table = Table(title=str(doc.get("title", "kvtier bench faults")), title_justify="left")
-    for col, justify in (
-        ("fault", "left"),
-        ("sent", "right"),
-        ("completed", "right"),
-        ("verified", "right"),
-        ("hits before", "right"),
-        ("during", "right"),
-        ("after", "right"),
-        ("metrics say", "left"),
-        ("result", "left"),
-    ):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    table.add_column("fault", ratio=3)
+    for col in ("sent", "completed", "verified", "hits before", "during", "after"):
+        table.add_column(col, justify="right", no_wrap=True)
+    table.add_column("metrics say", ratio=4, overflow="fold")
+    table.add_column("result", no_wrap=True)
     lost = 0
     for row in doc["rows"]:
         d = row["detail"]
@@ -1004,31 +1005,32 @@ def render(doc: dict[str, Any]) -> Group:
             str(d["hits_before"]),
             str(d["hits_during"]),
             str(d["hits_after"]),
-            str(d["why"]),
-            Text(f"{PASS}: nothing lost", style="bold green")
+            str(d["why"]).replace(", ", "\n"),
+            Text("nothing lost", style="bold green")
             if ok
             else Text(f"{MISS}: {d['sent'] - d['verified']} lost", style="bold red"),
         )
     parts: list[Table | Text] = [table]
     for i, note in enumerate(doc.get("footnotes", []), start=1):
         parts.append(Text(f"[{i}] {note}", style="dim"))
-    parts.append(Text(f"nothing lost: {len(doc['rows']) - lost} of {len(doc['rows'])} faults"))
+    summary = f"nothing lost: {len(doc['rows']) - lost} of {len(doc['rows'])} faults"
+    parts.append(Text(summary, style="bold green" if lost == 0 else "bold red"))
     return Group(*parts)
 
 
 def bench_faults_command(
     quick: bool = typer.Option(False, "--quick", help="Fewer requests, TP=1 (under ~90 s)."),
     json_path: Path | None = typer.Option(
-        None, "--json", help="Where to write the JSON results [default: runs/bench-faults.json]."
+        None, "--json", help="Where to write the JSON results (default: runs/bench-faults.json)."
     ),
     tp: int | None = typer.Option(
-        None, "--tp", help="Tensor-parallel size of every engine [default: 2, --quick: 1]."
+        None, "--tp", help="Tensor-parallel size of every engine (default: 2; with --quick, 1)."
     ),
     fault: list[str] | None = typer.Option(
         None, "--fault", help=f"Run only this fault (repeatable): {', '.join(FAULTS)}."
     ),
     model_dir: Path | None = typer.Option(
-        None, "--model-dir", help="Model to serve [default: a tiny float32 model, built here]."
+        None, "--model-dir", help="Model to serve (default: a tiny float32 model, built per run)."
     ),
 ) -> None:
     """Faults under load on the native engine: every request completes, right; hits recover."""

@@ -83,6 +83,12 @@ class Pong(msgspec.Struct, tag="pong", array_like=True, frozen=True):
 Message = LookupRequest | LookupReply | ReleaseRequest | Ping | Pong
 
 
+# What decoding hostile bytes raises besides a schema mismatch: malformed msgpack, a str that is
+# not UTF-8 (msgspec raises UnicodeDecodeError, not DecodeError), nesting deeper than the
+# interpreter's recursion limit.
+_NOT_MSGPACK: Final = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
+
+
 class FrameError(ValueError):
     """A frame that is not a valid message of this protocol version; `reason` labels the metric."""
 
@@ -117,8 +123,8 @@ class Codec:
             if _foreign_version(frame):
                 raise FrameError(REJECT_VERSION, str(e)) from None
             raise FrameError(REJECT_SCHEMA, str(e)) from None
-        except msgspec.DecodeError as e:
-            raise FrameError(REJECT_GARBAGE, str(e)) from None
+        except _NOT_MSGPACK as e:
+            raise FrameError(REJECT_GARBAGE, f"{type(e).__name__}: {e}") from None
         if msg.version != PROTOCOL_VERSION:
             raise FrameError(
                 REJECT_VERSION, f"version {msg.version}, this side speaks {PROTOCOL_VERSION}"
@@ -130,7 +136,7 @@ def _foreign_version(frame: bytes | memoryview) -> bool:
     """True if `frame` is `[tag, version, ...]` with another version (error path only)."""
     try:
         raw = msgspec.msgpack.decode(frame)
-    except msgspec.DecodeError:
+    except _NOT_MSGPACK:
         return False
     return (
         isinstance(raw, list)
