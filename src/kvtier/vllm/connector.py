@@ -1,0 +1,333 @@
+"""`KVTierConnector`: kvtier behind vLLM's prefix cache, as a vLLM v1 KV connector (both roles).
+
+Load it with
+`--kv-transfer-config '{"kv_connector": "KVTierConnector", "kv_connector_module_path":
+"kvtier.vllm", "kv_role": "kv_both", "kv_connector_extra_config": {...}}'`; the extra config is
+a `KVTierConfig` (over `KVTIER_*` variables and the `KVTIER_CONFIG` YAML file).
+
+The scheduler role runs in vLLM's EngineCore and owns the `OffloadScheduler` plus the all-rank
+`LookupClient`; each worker role owns its rank's `OffloadWorker` (tiers, codec, lookup server).
+This module only adapts vLLM's types (`Request`, `KVCacheBlocks`, `SchedulerOutput`,
+`KVConnectorOutput`, registered KV caches) to the core, the way `kvtier.native.offload` does
+for the native engine. vLLM itself is not patched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.config import KVTierConfig
+from kvtier.errors import ConfigError, LayoutError
+from kvtier.offload.scheduler import OffloadScheduler
+from kvtier.offload.worker import OffloadWorker
+from kvtier.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
+from kvtier.vllm.rundir import remove_if_empty, run_dir_for, sweep_stale
+from kvtier.vllm.scheduler_side import SchedulerSide
+from kvtier.vllm.stats import KVTierPromMetrics, KVTierStats
+from kvtier.vllm.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["KVTierConnector"]
+
+log = logging.getLogger("kvtier")
+
+_RECOMPUTE = "recompute"
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+def _ensure_logging() -> None:
+    """vLLM configures only its own "vllm" logger; give "kvtier" an INFO handler on stderr in
+    every process vLLM spawns, unless the application already configured logging."""
+    lg = logging.getLogger("kvtier")
+    if lg.level == logging.NOTSET:
+        lg.setLevel(logging.INFO)
+    if not lg.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(
+            logging.Formatter("%(levelname)s %(asctime)s [%(process)d] %(message)s")
+        )
+        lg.addHandler(handler)
+
+
+def model_id_for(vllm_config: VllmConfig) -> str:
+    """A model identity for the key namespace, the same in every process of every engine that
+    serves the same weights: a local directory's name and config.json digest, or hub id@rev."""
+    mc = vllm_config.model_config
+    path = Path(mc.model)
+    cfg = path / "config.json"
+    if cfg.is_file():
+        digest = hashlib.blake2b(cfg.read_bytes(), digest_size=8).hexdigest()
+        return f"{path.resolve().name}:{digest}"
+    return f"{mc.model}@{mc.revision or 'main'}"
+
+
+def _block_size(vllm_config: VllmConfig, config: KVTierConfig) -> int:
+    block_size = int(vllm_config.cache_config.block_size)
+    if config.chunk_size % block_size:
+        fit = max(block_size, -(-config.chunk_size // block_size) * block_size)
+        raise ConfigError(
+            f"kvtier chunk_size={config.chunk_size} is not a multiple of vLLM's KV block size "
+            f"{block_size}: set kv_connector_extra_config.chunk_size to a multiple of "
+            f"{block_size} (e.g. {fit}), or change vLLM's --block-size to a divisor of "
+            f"{config.chunk_size}"
+        )
+    return block_size
+
+
+def _check_single_group(kv_cache_config: KVCacheConfig | None) -> None:
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if groups is not None and len(groups) != 1:
+        names = [type(g.kv_cache_spec).__name__ for g in groups]
+        raise LayoutError(
+            f"kvtier needs one KV cache group, vLLM built {len(groups)} ({names}); hybrid "
+            "models are not supported by KVTierConnector"
+        )
+
+
+def _hit_source(config: KVTierConfig) -> CacheHitSource:
+    # a lookup does not say which tier holds a chunk; with lower tiers the source is unknown
+    if config.disk_bytes == 0 and config.remote_url is None:
+        return CacheHitSource.HOST
+    return CacheHitSource.EXTERNAL_UNSPECIFIED
+
+
+# ---- the connector ----------------------------------------------------------------------------
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    """vLLM v1 KV connector over kvtier's offload core; vLLM builds one per role and rank."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        _ensure_logging()
+        ktc = self._kv_transfer_config
+        self.config = KVTierConfig.load(ktc.kv_connector_extra_config or {})
+        self.block_size = _block_size(vllm_config, self.config)
+        _check_single_group(kv_cache_config)
+        self._cache_hit_source = _hit_source(self.config)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if not self.config.enabled:
+            log.info("kvtier: offload off (enabled=false); KVTierConnector does nothing")
+            return
+        dp_rank = int(vllm_config.parallel_config.data_parallel_rank or 0)
+        self.run_dir = run_dir_for(str(ktc.engine_id), dp_rank, self.config.lookup_dir)
+        model_id = model_id_for(vllm_config)
+        if role == KVConnectorRole.SCHEDULER:
+            # one sweep per engine start (the scheduler, not every rank): dead engines' sockets
+            stale = sweep_stale(self.config.lookup_dir, keep=self.run_dir)
+            if stale:
+                log.info("kvtier: removed %d run dirs of engines that are gone", len(stale))
+            if ktc.kv_load_failure_policy != _RECOMPUTE:
+                # a failed tier load must cost a recompute, never the request (invariant 9);
+                # vLLM reads the policy right after building the scheduler-side connector
+                log.warning(
+                    "kvtier: kv_load_failure_policy=%r changed to %r: a failed tier load is "
+                    "recomputed instead of failing the request (set %r in "
+                    "--kv-transfer-config to silence this)",
+                    ktc.kv_load_failure_policy,
+                    _RECOMPUTE,
+                    f'"kv_load_failure_policy": "{_RECOMPUTE}"',
+                )
+                ktc.kv_load_failure_policy = _RECOMPUTE
+            self._scheduler = SchedulerSide(
+                vllm_config, self.config, self.run_dir, model_id, self.block_size, kv_cache_config
+            )
+        else:
+            self._worker = WorkerSide(
+                vllm_config, self.config, self.run_dir, model_id, self.block_size
+            )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache: a save dropped by preemption is only a future miss."""
+        return False
+
+    # ---- worker side ----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Hand the rank's KV tensors to its OffloadWorker (copied whole and opaque per block)."""
+        if self._worker is not None:
+            self._worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Decode this step's OffloadMeta."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.bind(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        """Forget this step's OffloadMeta."""
+        super().clear_connector_metadata()
+        if self._worker is not None:
+            self._worker.clear()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Queue this step's loads on the rank's load lane (asynchronous)."""
+        if self._worker is not None:
+            self._worker.worker.start_load_kv(self._worker.meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: loads target parked requests, never this forward's."""
+        return
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        """Nothing per layer: whole blocks of every layer are packed in `wait_for_save`."""
+        return
+
+    def wait_for_save(self) -> None:
+        """Pack this step's finished chunks into the tier (after the forward wrote them)."""
+        if self._worker is not None:
+            self._worker.worker.wait_for_save(self._worker.meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(delayed frees now safe, loads finished ok or failed) on this rank."""
+        if self._worker is None:
+            return None, None
+        return self._worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of failed loads, reported with their request's finished_recving."""
+        if self._worker is None:
+            return set()
+        return set(self._worker.report.invalid_block_ids)
+
+    def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
+        """This rank's op results (and a metrics snapshot) for the scheduler's quorum."""
+        if self._worker is None:
+            return None
+        data = self._worker.encoded_report()
+        return KVTierWorkerMetadata([data]) if data else None
+
+    def shutdown(self) -> None:
+        """Close the rank's worker, or the scheduler's lookup client."""
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+            self._scheduler = None
+        if self.config.enabled:
+            remove_if_empty(self.run_dir)
+
+    # ---- scheduler side -------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens beyond vLLM's local hit that the tier loads asynchronously (0 = none)."""
+        if self._scheduler is None:
+            return 0, False
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Record the blocks vLLM allocated for a promised load (or withdraw it)."""
+        if self._scheduler is not None:
+            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's loads, saves and delayed frees for every worker."""
+        if self._scheduler is None:
+            return KVTierConnectorMetadata()
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Feed every rank's report to the core's quorum."""
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """True while the request's saves await their terminal (freed via finished_sending)."""
+        if self._scheduler is None:
+            return False, None
+        return self._scheduler.request_finished(request), None
+
+    # ---- metrics on vLLM's /metrics ---------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Scheduler role: what changed in every rank's kvtier metrics since the last step."""
+        if self._scheduler is None:
+            return None
+        return self._scheduler.take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        """vLLM's frontend rebuilds the stats it received (for its periodic log line)."""
+        return KVTierStats(data=data if data is not None else {"c": {}, "g": {}})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        """`kvtier_*` families on vLLM's /metrics, fed from the scheduler's stats."""
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def reset_cache(self) -> bool:
+        """The tier is not reset: its chunks are keyed by content and verified on read."""
+        log.warning(
+            "kvtier: reset_connector was requested; the tier keeps its chunks (keys are "
+            "content hashes, reads are verified); restart the engine to empty it"
+        )
+        return False
+
+    @property
+    def offload_scheduler(self) -> OffloadScheduler | None:
+        """The core scheduler (scheduler role only), for diagnostics and tests."""
+        return None if self._scheduler is None else self._scheduler.core
+
+    @property
+    def offload_worker(self) -> OffloadWorker | None:
+        """This rank's OffloadWorker (worker role only), for diagnostics and tests."""
+        return None if self._worker is None else self._worker.worker

@@ -1,0 +1,62 @@
+"""`VLLMRequestView`: vLLM's `Request` as the offload core's read-only `RequestView`.
+
+vLLM's scheduler-side `Request` carries no block table (the KV cache manager owns it), so the
+view keeps the block ids the connector learned from allocations and scheduler outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+__all__ = ["VLLMRequestView"]
+
+
+class VLLMRequestView:
+    """Read-only view over a vLLM `Request` plus the block table the connector learned."""
+
+    __slots__ = ("_block_ids", "_request")
+
+    def __init__(self, request: Any, block_ids: Iterable[int] = ()) -> None:
+        self._request = request
+        self._block_ids: list[int] = list(block_ids)
+
+    @property
+    def request(self) -> Any:
+        """The wrapped vLLM request (the host owns it; the core never sees it)."""
+        return self._request
+
+    @property
+    def request_id(self) -> str:
+        """vLLM's request id, stable for the request's whole lifecycle."""
+        return self._request.request_id
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]:
+        """The prompt's token ids (empty for a prompt given as embeddings)."""
+        ids = self._request.prompt_token_ids
+        return () if ids is None else ids
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens vLLM counts as computed now (read live from the request)."""
+        return self._request.num_computed_tokens
+
+    @property
+    def block_ids(self) -> Sequence[int]:
+        """The request's KV block table as last learned (one id per block)."""
+        return self._block_ids
+
+    def set_block_ids(self, block_ids: Iterable[int]) -> None:
+        """Replace the learned block table (allocation, new or resumed request)."""
+        self._block_ids = list(block_ids)
+
+    def extend_block_ids(self, block_ids: Iterable[int]) -> None:
+        """Append blocks vLLM allocated for a running request this step."""
+        self._block_ids.extend(block_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"VLLMRequestView({self.request_id!r}, prompt={len(self.prompt_token_ids)} tokens, "
+            f"computed={self.num_computed_tokens}, blocks={len(self._block_ids)})"
+        )

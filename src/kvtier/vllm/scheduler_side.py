@@ -1,0 +1,244 @@
+"""The scheduler role of KVTierConnector (vLLM's EngineCore): the engine's `OffloadScheduler`,
+its all-rank `LookupClient`, vLLM's requests and scheduler outputs adapted to the core, and every
+rank's metrics merged for vLLM's /metrics."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry
+
+from kvtier.config import KVTierConfig
+from kvtier.lookup import LookupClient
+from kvtier.metrics import MergedCollector, Metrics
+from kvtier.offload import messages
+from kvtier.offload.messages import WorkerReport
+from kvtier.offload.protocols import StepRequest
+from kvtier.offload.scheduler import OffloadScheduler
+from kvtier.offload.selftest import check_lookup
+from kvtier.topology import Topology, resolve, validate_lookup_scope
+from kvtier.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
+from kvtier.vllm.request_view import VLLMRequestView
+from kvtier.vllm.rundir import lookup_endpoint
+from kvtier.vllm.stats import KVTierStats, StatsDelta
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["SchedulerSide"]
+
+log = logging.getLogger("kvtier")
+
+_READY_TIMEOUT_S = 30.0
+
+
+def _bytes_per_token(kv_cache_config: KVCacheConfig | None, block_size: int) -> int | None:
+    """Per-rank KV bytes of one token over all layers, for the load gate's rate seeds."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if not groups:
+        return None
+    total = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups)
+    return max(1, total // block_size)
+
+
+def _offloadable(request: Request) -> bool:
+    """Keys are chained over token ids only, so requests whose KV also depends on something
+    else (images, LoRA weights, a cache salt) or that have no token ids stay out of the tier."""
+    return (
+        request.prompt_token_ids is not None
+        and not getattr(request, "mm_features", None)
+        and getattr(request, "lora_request", None) is None
+        and getattr(request, "cache_salt", None) is None
+    )
+
+
+class SchedulerSide:
+    """EngineCore half: lookups, load/save decisions, op terminals, merged metrics."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        config: KVTierConfig,
+        run_dir: Path,
+        model_id: str,
+        block_size: int,
+        kv_cache_config: KVCacheConfig | None,
+    ) -> None:
+        # the scheduler is no rank; topology comes from parallel_config, never a guess of 1
+        topo: Topology = resolve(vllm_config, rank=0)
+        scope = validate_lookup_scope(config.lookup_scope, topo)
+        base_port = int(vllm_config.kv_transfer_config.kv_port) + topo.dp_rank * topo.world
+        endpoints = {r: lookup_endpoint(config, r, run_dir, base_port) for r in scope}
+        self.registry = CollectorRegistry()
+        self.metrics = Metrics(rank="scheduler", registry=self.registry)
+        self.metrics.set_lookup_scope(scope, topo.world)
+        self.collector = MergedCollector(self.registry)
+        self.client = LookupClient(
+            endpoints,
+            self.metrics,
+            chunk_size=config.chunk_size,
+            timeout_ms=config.lookup_timeout_ms,
+            world=topo.world,
+        )
+        try:
+            # every worker registered its caches (and started its lookup server) before vLLM
+            # builds the scheduler, so a silent rank here is a startup error, not a race
+            self.client.wait_ready(timeout_s=_READY_TIMEOUT_S)
+            if config.self_test:
+                check_lookup(self.client, scope)
+            self.core = OffloadScheduler(
+                config,
+                self.client,
+                model_id=model_id,
+                block_size=block_size,
+                world=topo.world,
+                metrics=self.metrics,
+                bytes_per_token=_bytes_per_token(kv_cache_config, block_size),
+            )
+        except BaseException:
+            self.client.close()
+            raise
+        self.scope = scope
+        self.views: dict[str, VLLMRequestView] = {}
+        # requests with a load in flight: vLLM itself delays their frees until finished_recving
+        self._loading: set[str] = set()
+        self._vllm_frees: set[str] = set()
+        self._step_t0: float | None = None
+        self._step_prefill = 0
+        self._stats = StatsDelta()
+        # set by every hook that may move a metric; the merged view is walked only then
+        self._dirty = True
+        log.info("%s; %s", config.describe(), topo.describe())
+
+    def take_stats(self) -> KVTierStats | None:
+        """What changed in the merged kvtier metrics since the last call (None if nothing)."""
+        if not self._dirty:
+            return None
+        self._dirty = False
+        return self._stats.take(self.collector.collect())
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """(tokens the tier loads asynchronously beyond vLLM's hit, load_async)."""
+        if not _offloadable(request):
+            return 0, False
+        self._dirty = True
+        view = self.views.get(request.request_id)
+        if view is None:
+            view = self.views[request.request_id] = VLLMRequestView(request)
+        n = self.core.get_num_new_matched_tokens(view, num_computed_tokens)
+        # loads run on each rank's load lane: the request parks in WAITING_FOR_REMOTE_KVS
+        return (n, True) if n > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Learn the request's block table; hand the core a promised load's blocks."""
+        view = self.views.get(request.request_id)
+        if view is None:
+            return
+        self._dirty = True
+        (block_ids,) = blocks.get_block_ids()
+        view.set_block_ids(block_ids)
+        self.core.update_state_after_alloc(view, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, out: SchedulerOutput) -> KVTierConnectorMetadata:
+        """Preemptions, block tables and computed tokens of this step -> encoded OffloadMeta."""
+        if out.preempted_req_ids:
+            self._dirty = True
+        for req_id in out.preempted_req_ids or ():
+            view = self.views.get(req_id)
+            # reset_prefix_cache(reset_running_requests=True) preempts and re-admits in one
+            # step: a load still unsent now was promised to the re-admission, not withdrawn
+            if view is not None and self.core.pending_load(req_id) is None:
+                self.core.request_preempted(view)
+                view.set_block_ids(())
+        scheduled: list[StepRequest] = []
+        prefill = 0
+        for new in out.scheduled_new_reqs:
+            view = self.views.get(new.req_id)
+            if view is None:
+                continue
+            view.set_block_ids(new.block_ids[0])
+            n = out.num_scheduled_tokens.get(new.req_id, 0)
+            scheduled.append(StepRequest(view, new.num_computed_tokens + n))
+            prefill += _prefill_tokens(view, new.num_computed_tokens, n)
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            view = self.views.get(req_id)
+            if view is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                view.set_block_ids(new_ids[0] if new_ids is not None else ())
+            elif new_ids is not None:
+                view.extend_block_ids(new_ids[0])
+            computed = cached.num_computed_tokens[i]
+            n = out.num_scheduled_tokens.get(req_id, 0)
+            scheduled.append(StepRequest(view, computed + n))
+            prefill += _prefill_tokens(view, computed, n)
+        meta = self.core.build_meta(scheduled)
+        if self._vllm_frees:
+            meta.delayed_free = [r for r in meta.delayed_free if r not in self._vllm_frees]
+            self._vllm_frees.clear()
+        for op in meta.loads:
+            self._loading.add(op.req_id)
+        self._step_prefill = prefill
+        self._step_t0 = time.perf_counter()
+        return KVTierConnectorMetadata(b"" if meta.is_empty() else messages.encode(meta))
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """Every rank's report (op results, metrics) into the core's quorum."""
+        if self._step_t0 is not None and self._step_prefill > 0:
+            self.core.observe_prefill(self._step_prefill, time.perf_counter() - self._step_t0)
+        self._step_t0 = None
+        reports: list[WorkerReport] = []
+        worker_meta = output.kv_connector_worker_meta
+        if worker_meta is not None:
+            if not isinstance(worker_meta, KVTierWorkerMetadata):
+                raise TypeError(
+                    f"worker metadata is {type(worker_meta).__name__}, not KVTierWorkerMetadata"
+                )
+            self._dirty = True
+            for data in worker_meta.reports:
+                report = messages.decode_report(data)
+                if report.metrics:
+                    self.collector.update(f"rank{report.rank}", report.metrics)
+                reports.append(report)
+        self.core.process_reports(reports)
+        for req_id in output.finished_recving or ():
+            self._loading.discard(req_id)
+
+    def request_finished(self, request: Request) -> bool:
+        """True when vLLM must keep the blocks until the workers report finished_sending."""
+        view = self.views.pop(request.request_id, None)
+        if view is None:
+            return False
+        self._dirty = True
+        delay = self.core.request_finished(view)
+        if request.request_id in self._loading:
+            # aborted while its load is in flight: vLLM holds the blocks until the load's
+            # finished_recving, so a finished_sending from us would free them a second time
+            if delay:
+                self._vllm_frees.add(request.request_id)
+            return False
+        return delay
+
+    def shutdown(self) -> None:
+        """Close the lookup client."""
+        self.client.close()
+
+
+def _prefill_tokens(view: VLLMRequestView, computed: int, scheduled: int) -> int:
+    """Prompt tokens this step computes for the request (the load gate's prefill-rate sample)."""
+    prompt = len(view.prompt_token_ids)
+    return max(0, min(computed + scheduled, prompt) - computed)

@@ -1,0 +1,185 @@
+"""Fixtures for the vLLM host tests: the isolated `.venv-vllm`, the tiny model, and a runner
+for driver scripts (each driver runs under `.venv-vllm/bin/python` and prints one JSON line)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.native.modelgen import init_model
+from tests.vllm.drivers.common import RESULT_PREFIX
+
+REPO = Path(__file__).resolve().parents[2]
+SETUP_SCRIPT = REPO / "scripts" / "setup-vllm-env.sh"
+VENV = REPO / ".venv-vllm"
+DRIVERS = Path(__file__).resolve().parent / "drivers"
+SETUP_TIMEOUT_S = 1800
+CHUNK = 256
+# The tier every test starts from: small; the load gate off, because on a loaded 2-core machine
+# its measured load/prefill rates swing and it would skip loads nondeterministically; and a
+# lookup deadline that a starved worker process still meets (a miss would change the counts).
+TIER: dict[str, Any] = {
+    "memory_bytes": "64MiB",
+    "chunk_size": CHUNK,
+    "load_gate": False,
+    "lookup_timeout_ms": 5000,
+}
+
+# kvtier[rank 1/2]: Retrieved 512 of 512 required tokens (0.000 GiB, 0.49 GB/s)[ failed: x]
+RETRIEVED_RE = re.compile(
+    r"kvtier\[rank (\d+)/(\d+)\]: Retrieved (\d+) of (\d+) required tokens.*?(failed: \S+)?$"
+)
+
+
+@dataclass(frozen=True)
+class Retrieved:
+    """One per-load log line of an OffloadWorker."""
+
+    rank: int
+    world: int
+    got: int
+    required: int
+    failed: str | None
+
+
+def retrieved_lines(text: str) -> list[Retrieved]:
+    """Every `kvtier[rank r/W]: Retrieved ...` line in a log."""
+    out = []
+    for line in text.splitlines():
+        m = RETRIEVED_RE.search(line)
+        if m:
+            failed = m.group(5)[len("failed: ") :] if m.group(5) else None
+            out.append(Retrieved(*(int(m.group(i)) for i in range(1, 5)), failed))
+    return out
+
+
+def loadable_tokens(prompt_lens: list[int], chunk: int) -> int:
+    """Tokens a full tier can give back: whole chunks, one token short of a whole prompt."""
+    return sum(min(n // chunk * chunk, n - 1) for n in prompt_lens)
+
+
+@dataclass(frozen=True)
+class DriverRun:
+    """What a driver printed, and how long it ran."""
+
+    result: dict[str, Any]
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Whichever driver test runs first may build .venv-vllm (minutes, from PyPI): give every
+    test that needs it room for the build on top of the project's 300 s per-test timeout."""
+    for item in items:
+        if "vllm_python" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.timeout(SETUP_TIMEOUT_S + 300))
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """`.venv-vllm`'s python, built by scripts/setup-vllm-env.sh when missing or stale."""
+    proc = subprocess.run(
+        ["bash", str(SETUP_SCRIPT)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=SETUP_TIMEOUT_S,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"{SETUP_SCRIPT} failed with exit code {proc.returncode}:\n"
+            f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
+    python = VENV / "bin" / "python"
+    assert python.exists(), f"{SETUP_SCRIPT} succeeded but {python} is missing"
+    return python
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny bf16 Llama (head_dim 64, which vLLM's CPU attention supports)."""
+    return init_model(tmp_path_factory.mktemp("vllm-model") / "tiny", dtype="bfloat16")
+
+
+@pytest.fixture(scope="session")
+def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Environment of every driver: offline, 1 GiB of KV, caches and sockets in the test tmp."""
+    root = tmp_path_factory.mktemp("vllm-run")
+    (root / "tmp").mkdir()
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        # a developer's kvtier/vLLM settings must not leak into the tests
+        if not k.startswith(("KVTIER_", "VLLM_")) and k not in ("VIRTUAL_ENV", "PYTHONHOME")
+    }
+    env.update(
+        {
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            # shared across drivers: the second engine skips vLLM's model inspection (~13 s)
+            "VLLM_CACHE_ROOT": str(root / "vllm-cache"),
+            "VLLM_RPC_BASE_PATH": str(root / "tmp"),
+            "TMPDIR": str(root / "tmp"),
+            "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout_s: float) -> tuple[int, str, str]:
+    # a session of its own, so a timeout takes vLLM's worker processes down with the driver
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
+        raise AssertionError(
+            f"driver {cmd[1]} timed out after {timeout_s}s\n--- stderr tail ---\n{err[-6000:]}"
+        ) from None
+    return proc.returncode, out, err
+
+
+@pytest.fixture
+def run_driver(vllm_python: Path, vllm_env: dict[str, str]) -> Callable[..., DriverRun]:
+    """Run `tests/vllm/drivers/<name>.py` with JSON args; returns its parsed result line."""
+
+    def run(
+        name: str, args: dict[str, Any], env: dict[str, str] | None = None, timeout_s: float = 240
+    ) -> DriverRun:
+        cmd = [str(vllm_python), str(DRIVERS / f"{name}.py"), json.dumps(args)]
+        t0 = time.perf_counter()
+        code, out, err = _run(cmd, {**vllm_env, **(env or {})}, timeout_s)
+        seconds = time.perf_counter() - t0
+        lines = [line for line in out.splitlines() if line.startswith(RESULT_PREFIX)]
+        if code != 0 or len(lines) != 1:
+            raise AssertionError(
+                f"driver {name} exited {code} with {len(lines)} result lines\n"
+                f"--- stdout tail ---\n{out[-4000:]}\n--- stderr tail ---\n{err[-8000:]}"
+            )
+        result = json.loads(lines[0][len(RESULT_PREFIX) :])
+        return DriverRun(result, out, err, seconds)
+
+    return run

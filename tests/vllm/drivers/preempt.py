@@ -1,0 +1,90 @@
+"""Preemption through vLLM's own path: pass 1 stores the prompts; in pass 2 every request
+restores its prefix from the tier and starts decoding, then
+`reset_prefix_cache(reset_running_requests=True)` preempts them all and vLLM re-admits them in
+the very next step, so each restores again. The greedy outputs must still be pass 1's.
+
+Args (JSON): model, extra, and optionally n, base_len, max_tokens, decode_before_preempt.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tests.vllm.drivers.common import (
+    args,
+    delta,
+    emit,
+    kv_transfer_config,
+    llm_metrics,
+    make_prompts,
+)
+
+
+def main() -> None:
+    a = args()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    prompts = make_prompts(a.get("n", 3), a.get("base_len", 600))
+    max_tokens = a.get("max_tokens", 24)
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm = LLM(
+        model=a["model"],
+        dtype="bfloat16",
+        max_model_len=2048,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        seed=0,
+        disable_log_stats=False,
+        kv_transfer_config=kv_transfer_config(a["extra"]),
+    )
+    out1 = [
+        list(o.outputs[0].token_ids)
+        for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp)
+    ]
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM refused to reset its prefix cache")
+    m1 = llm_metrics(llm)
+
+    engine = llm.llm_engine
+    ids = [f"pre{i}" for i in range(len(prompts))]
+    # every step's tokens, so the driver sees decoding start (LLM.generate asks for final only)
+    sp2 = SamplingParams(
+        temperature=0.0,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.CUMULATIVE,
+    )
+    for rid, p in zip(ids, prompts, strict=True):
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=p), sp2)
+    decoded = dict.fromkeys(ids, 0)
+    final: dict[str, list[int]] = {}
+    preempted_at: dict[str, int] | None = None
+    # wall-time deadline: loads run on the workers' load lanes, not inside engine steps
+    deadline = time.monotonic() + 120.0
+    while engine.has_unfinished_requests():
+        if time.monotonic() > deadline:
+            raise RuntimeError("pass 2 did not finish within 120 s")
+        for o in engine.step():
+            decoded[o.request_id] = len(o.outputs[0].token_ids)
+            if o.finished:
+                final[o.request_id] = list(o.outputs[0].token_ids)
+        if preempted_at is None and min(decoded.values()) >= a.get("decode_before_preempt", 4):
+            preempted_at = dict(decoded)
+            if not engine.reset_prefix_cache(reset_running_requests=True):
+                raise RuntimeError("vLLM could not preempt its running requests")
+    m2 = llm_metrics(llm)
+    emit(
+        {
+            "prompt_lens": [len(p) for p in prompts],
+            "out1": out1,
+            "out2": [final[rid] for rid in ids],
+            "preempted_at": preempted_at,
+            "pass2": delta(m2, m1),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()

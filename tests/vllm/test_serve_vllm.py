@@ -1,0 +1,53 @@
+"""`vllm serve` with KVTierConnector: completions over HTTP restore from the tier after vLLM's
+prefix cache is reset, `/metrics` (vLLM's and kvtier's families) closes the identities, and
+`kvtier doctor` passes on it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from kvtier.doctor import Status, diagnose
+from tests.vllm.conftest import CHUNK, TIER, DriverRun, loadable_tokens, retrieved_lines
+
+
+def test_serve_restores_over_http_and_metrics_close(
+    run_driver: Callable[..., DriverRun], tiny_vllm_model: Path
+) -> None:
+    extra = TIER
+    run = run_driver("serve", {"model": str(tiny_vllm_model), "extra": extra}, timeout_s=280)
+    r = run.result
+    want = loadable_tokens(r["prompt_lens"], CHUNK)
+    m = r["metrics"]
+
+    assert r["exit_code"] == 0
+    # drained server: every queried token missed HBM was asked of the connector, and nothing else
+    assert (
+        m["vllm:prefix_cache_queries_total"] - m["vllm:prefix_cache_hits_total"]
+        == m["vllm:external_prefix_cache_queries_total"]
+    )
+    assert m["vllm:prefix_cache_queries_total"] == 2 * sum(r["prompt_lens"])
+    assert m["vllm:prefix_cache_hits_total"] == 0
+    assert m["vllm:external_prefix_cache_hits_total"] == want > 0
+    assert m["vllm:prompt_tokens_cached_total"] == want
+    # per request: pass 2 says where its prefix came from, and decodes the same text
+    assert [x["cached"] for x in r["pass1"]] == [0] * len(r["prompt_lens"])
+    assert sum(x["cached"] for x in r["pass2"]) == want
+    assert [x["text"] for x in r["pass2"]] == [x["text"] for x in r["pass1"]]
+    # the server's worker logged every load, and kvtier's families on vLLM's own /metrics
+    # close the second identity: sum over ranks of retrieved tokens / TP == external hits
+    lines = retrieved_lines("\n".join(r["kvtier_lines"]))
+    assert [(x.rank, x.world, x.failed) for x in lines] == [(0, 1, None)] * len(r["prompt_lens"])
+    assert sum(x.got for x in lines) == m["vllm:external_prefix_cache_hits_total"]
+    kv = r["kvtier"]
+    assert kv["kvtier_retrieved_tokens_total{rank=0}"] == m["vllm:external_prefix_cache_hits_total"]
+    assert kv["kvtier_stored_tokens_total{rank=0}"] == want
+    assert not [k for k in kv if k.startswith("kvtier_load_failures_total")]
+    assert "kvtier: lookup client on ranks [0] (world=1)" in "\n".join(r["kvtier_lines"])
+
+    # and `kvtier doctor` reads a vLLM server's /metrics like a native one: nothing fails
+    checks = {c.name: c for c in diagnose(r["metrics_text"], "\n".join(r["kvtier_lines"]), 1)}
+    failed = {name: c.detail for name, c in checks.items() if c.status is Status.FAIL}
+    assert not failed, failed
+    for name in ("lookup client on every rank", "every rank retrieving", "identities"):
+        assert checks[name].status is Status.PASS, (name, checks[name].detail)
