@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from kvtier.config import KVTierConfig
 from kvtier.lookup import LookupClient, endpoint_for, make_run_dir
-from kvtier.metrics import MergedCollector, Metrics, snapshot
+from kvtier.metrics import MergedCollector, Metrics
 from kvtier.native.connector import (
     ConnectorContext,
     ConnectorOutput,
@@ -37,8 +37,6 @@ from kvtier.offload.worker import OffloadWorker
 from kvtier.topology import Topology, resolve, validate_lookup_scope
 
 log = logging.getLogger("kvtier")
-
-_SNAPSHOT_EVERY_S = 1.0
 
 
 def model_id_for(model_dir: str | Path) -> str:
@@ -214,7 +212,6 @@ class WorkerHalf:
         )
         self._meta = OffloadMeta()
         self._report = messages.WorkerReport(rank=topo.rank)
-        self._last_snapshot = 0.0
 
     def register_kv_caches(self, kv_caches: dict[str, Any], block_size: int) -> None:
         self.worker.register_kv_caches(kv_caches, block_size)
@@ -245,14 +242,7 @@ class WorkerHalf:
         return set(self._report.invalid_block_ids)
 
     def build_worker_meta(self) -> bytes:
-        report = self._report
-        now = time.monotonic()
-        fresh = self.worker.metrics_dirty or not report.is_empty()
-        if fresh or now - self._last_snapshot >= _SNAPSHOT_EVERY_S:
-            self.worker.metrics_dirty = False
-            report.metrics = snapshot(self.registry)
-            self._last_snapshot = now
-        return b"" if report.is_empty() and not report.metrics else messages.encode(report)
+        return self.worker.encode_report(self._report)
 
     def clear_connector_metadata(self) -> None:
         self._meta = OffloadMeta()

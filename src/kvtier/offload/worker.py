@@ -26,7 +26,8 @@ from kvtier.errors import StartupError
 from kvtier.keys import Namespace
 from kvtier.layout import TensorSpec, from_tensors
 from kvtier.lookup import LookupServer
-from kvtier.metrics import Metrics
+from kvtier.metrics import Metrics, snapshot
+from kvtier.offload import messages
 from kvtier.offload.codec import BlockCodec
 from kvtier.offload.messages import LoadOp, OffloadMeta, OpResult, SaveOp, WorkerReport
 from kvtier.offload.selftest import SELF_TEST_KEY, self_test_payload
@@ -34,6 +35,8 @@ from kvtier.store.factory import build_stack
 from kvtier.store.stack import TierStack
 
 log = logging.getLogger("kvtier")
+# a rank's metrics ride along its reports; an idle rank refreshes them this often
+_SNAPSHOT_EVERY_S = 1.0
 _GIB = 1 << 30
 DEADLINE = "deadline"  # load failure reason: the lane did not finish it within lease_ttl_s
 
@@ -86,6 +89,7 @@ class OffloadWorker:
         # loads that succeeded here, awaiting the agreed terminal: op id -> (tokens, bytes)
         self._uncounted: dict[str, tuple[int, int]] = {}
         self.metrics_dirty = False
+        self._last_snapshot = 0.0
         self._clock = clock
         self._pending: dict[str, _PendingLoad] = {}  # op id -> load not yet reported
         self._loads: queue.Queue[_PendingLoad | None] = queue.Queue()
@@ -188,6 +192,17 @@ class OffloadWorker:
             )
             self._results, self._sending, self._recving, self._invalid = [], [], [], []
         return report
+
+    def encode_report(self, report: WorkerReport) -> bytes:
+        """Wire bytes of `report` for the scheduler, with a snapshot of this rank's metrics when
+        anything changed (or once a second); b"" when there is nothing to say."""
+        now = time.monotonic()
+        fresh = self.metrics_dirty or not report.is_empty()
+        if fresh or now - self._last_snapshot >= _SNAPSHOT_EVERY_S:
+            self.metrics_dirty = False
+            report.metrics = snapshot(self.metrics.registry)
+            self._last_snapshot = now
+        return b"" if report.is_empty() and not report.metrics else messages.encode(report)
 
     def wait_loads(self, timeout_s: float) -> bool:
         """Block until no load is queued or running (deadline-bounded); for drains and tests."""

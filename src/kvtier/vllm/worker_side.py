@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvtier.config import KVTierConfig
-from kvtier.metrics import Metrics, snapshot
+from kvtier.metrics import Metrics
 from kvtier.offload import messages
 from kvtier.offload.messages import OffloadMeta, WorkerReport
 from kvtier.offload.worker import OffloadWorker
@@ -24,8 +23,6 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 __all__ = ["WorkerSide"]
-
-_SNAPSHOT_EVERY_S = 1.0
 
 
 def _replica_rank(vllm_config: VllmConfig) -> int:
@@ -63,7 +60,6 @@ class WorkerSide:
         )
         self.meta = OffloadMeta()
         self.report = WorkerReport(rank=topo.rank)
-        self._last_snapshot = 0.0
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Build the rank's layout, codec, tiers and lookup server over vLLM's KV tensors."""
@@ -89,15 +85,7 @@ class WorkerSide:
 
     def encoded_report(self) -> bytes:
         """The step's report (with a metrics snapshot when it changed), or b"" if empty."""
-        report = self.report
-        now = time.monotonic()
-        # metrics_dirty: the worker counted agreed loads (retrieved tokens) this step
-        fresh = self.worker.metrics_dirty or not report.is_empty()
-        if fresh or now - self._last_snapshot >= _SNAPSHOT_EVERY_S:
-            self.worker.metrics_dirty = False
-            report.metrics = snapshot(self.registry)
-            self._last_snapshot = now
-        return b"" if report.is_empty() and not report.metrics else messages.encode(report)
+        return self.worker.encode_report(self.report)
 
     def shutdown(self) -> None:
         """Close the worker and remove its ipc socket file."""
