@@ -987,10 +987,10 @@ def _matches(counter: str, pattern: str) -> bool:
 def render(doc: dict[str, Any]) -> Group:
     """The fault table: per fault, requests sent/completed/verified, hits per phase, why."""
     table = Table(title=str(doc.get("title", "kvtier bench faults")), title_justify="left")
-    table.add_column("fault", ratio=3)
+    table.add_column("fault", ratio=3, min_width=16)
     for col in ("sent", "completed", "verified", "hits before", "during", "after"):
         table.add_column(col, justify="right", no_wrap=True)
-    table.add_column("metrics say", ratio=4, overflow="fold")
+    table.add_column("metrics say", ratio=4, overflow="fold", min_width=14)
     table.add_column("result", no_wrap=True)
     lost = 0
     for row in doc["rows"]:
