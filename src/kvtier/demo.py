@@ -18,7 +18,7 @@ from kvtier.bench import e2e
 from kvtier.bench.analysis import MetricSet
 from kvtier.bench.arms import ServerConfig, ServerProcess, free_port, settled_metrics
 from kvtier.bench.client import run_load
-from kvtier.bench.table import print_report
+from kvtier.bench.table import print_report, report_console
 from kvtier.bench.workload import RequestSpec
 
 CHUNK = 64
@@ -100,7 +100,7 @@ def restore_check(model: Path, tp: int, env: dict[str, str], say: Any) -> dict[s
 
 def run(tp: int = 2, console: Console | None = None) -> int:
     """Run the demo; returns the process exit code (1 when a correctness check fails)."""
-    con = console or Console()
+    con = console or report_console()
     t0 = time.perf_counter()
 
     def say(msg: str) -> None:

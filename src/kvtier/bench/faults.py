@@ -51,7 +51,7 @@ from rich.text import Text
 
 from kvtier import __version__
 from kvtier.bench.client import LoadResult, run_load
-from kvtier.bench.table import MISS, Report, Row, Target, write_json
+from kvtier.bench.table import MISS, Report, Row, Target, report_console, write_json
 from kvtier.bench.workload import RequestSpec
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, StartupError
@@ -987,11 +987,12 @@ def _matches(counter: str, pattern: str) -> bool:
 def render(doc: dict[str, Any]) -> Group:
     """The fault table: per fault, requests sent/completed/verified, hits per phase, why."""
     table = Table(title=str(doc.get("title", "kvtier bench faults")), title_justify="left")
-    table.add_column("fault", ratio=3, min_width=16)
-    for col in ("sent", "completed", "verified", "hits before", "during", "after"):
+    # compact headers so the table stays readable in an 80-column terminal or CI log
+    table.add_column("fault", ratio=3, min_width=11)
+    for col in ("sent", "done", "ok", "hits\nbefore", "hits\nduring", "hits\nafter"):
         table.add_column(col, justify="right", no_wrap=True)
-    table.add_column("metrics say", ratio=4, overflow="fold", min_width=14)
-    table.add_column("result", no_wrap=True)
+    table.add_column("metrics say", ratio=4, overflow="fold", min_width=10)
+    table.add_column("result", ratio=1, min_width=7)
     lost = 0
     for row in doc["rows"]:
         d = row["detail"]
@@ -1034,7 +1035,7 @@ def bench_faults_command(
     ),
 ) -> None:
     """Faults under load on the native engine: every request completes, right; hits recover."""
-    console = Console()
+    console = report_console()
     progress = Console(stderr=True)
     try:
         doc = run(

@@ -208,7 +208,7 @@ def render(doc: Mapping[str, Any]) -> Group:
 
 def print_report(doc: Mapping[str, Any], console: Console | None = None) -> None:
     """Print `render(doc)` to `console` (stdout by default)."""
-    (console or Console()).print(render(doc))
+    (console or report_console()).print(render(doc))
 
 
 def _rows(doc: Mapping[str, Any]) -> Sequence[Mapping[str, Any]]:
@@ -216,3 +216,10 @@ def _rows(doc: Mapping[str, Any]) -> Sequence[Mapping[str, Any]]:
     if not isinstance(rows, list):
         raise ValueError("report document has no 'rows' list; build it with Report.to_json()")
     return rows
+
+
+def report_console() -> Console:
+    """A console for result tables: the terminal's width, or 120 columns when output goes to a
+    file or CI log (rich would assume 80 and squeeze the label columns to nothing)."""
+    console = Console()
+    return console if console.is_terminal else Console(width=120)
