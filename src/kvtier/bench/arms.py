@@ -26,11 +26,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, Protocol, TypeVar
 
 import httpx
 from rich.console import Console
@@ -297,51 +297,95 @@ def run_arm(
         raise ValueError(f"arm={arm!r} must be one of {ARMS}")
     log = say or (lambda _m: None)
     offload = arm == ON
-    port = free_port(server.host)
-    base_url = f"http://{server.host}:{port}"
     log_path = out_dir / f"server-{arm}-rep{rep}.log"
-    proc = ServerProcess(
+    flag = "--offload" if offload else "--no-offload"
+    port = free_port(server.host)
+    windows, startup_s, code = serve_and_drive(
+        port,
         server.argv(port, offload),
         server.environ(),
+        server,
+        log_path,
+        tag=f"[{arm.upper()} rep {rep}]",
+        what=f"kvtier serve (tp={server.tp}, hbm_blocks={server.hbm_blocks}, {flag})",
+        say=log,
+        drive=lambda base_url: drive_windows(
+            base_url,
+            arm,
+            rep,
+            workloads,
+            shown=arm.upper(),
+            reset=_post_reset,
+            concurrency=concurrency,
+            warmup=warmup,
+            out_dir=out_dir,
+            say=log,
+            progress=progress,
+            console=console,
+            settle_timeout_s=settle_timeout_s,
+        ),
+    )
+    return ArmRun(arm, rep, offload, windows, startup_s, code, log_path)
+
+
+_T = TypeVar("_T")
+
+
+class Served(Protocol):
+    """Where and how patiently an arm's server is started and stopped."""
+
+    host: str
+    startup_timeout_s: float
+    stop_timeout_s: float
+
+
+def serve_and_drive(
+    port: int,
+    argv: Sequence[str],
+    environ: Mapping[str, str],
+    server: Served,
+    log_path: Path,
+    *,
+    tag: str,
+    what: str,
+    say: Say,
+    drive: Callable[[str], Coroutine[Any, Any, _T]],
+) -> tuple[_T, float, int | None]:
+    """Start a server (`argv`, listening on `port`), run `drive(base_url)` once it is healthy,
+    stop it; returns the drive's result, the startup seconds and the server's exit code."""
+    base_url = f"http://{server.host}:{port}"
+    proc = ServerProcess(
+        argv,
+        environ,
         base_url,
         log_path,
         startup_timeout_s=server.startup_timeout_s,
         stop_timeout_s=server.stop_timeout_s,
     )
-    flag = "--offload" if offload else "--no-offload"
-    log(
-        f"[{arm.upper()} rep {rep}] starting kvtier serve (tp={server.tp}, "
-        f"hbm_blocks={server.hbm_blocks}, {flag})"
-    )
+    say(f"{tag} starting {what}")
     with proc:
         assert proc.startup_s is not None
-        log(f"[{arm.upper()} rep {rep}] server healthy after {proc.startup_s:.1f}s on {base_url}")
-        windows = asyncio.run(
-            _drive(
-                base_url,
-                arm,
-                rep,
-                workloads,
-                concurrency=concurrency,
-                warmup=warmup,
-                out_dir=out_dir,
-                say=log,
-                progress=progress,
-                console=console,
-                settle_timeout_s=settle_timeout_s,
-            )
-        )
+        say(f"{tag} server healthy after {proc.startup_s:.1f}s on {base_url}")
+        result = asyncio.run(drive(base_url))
         startup_s = proc.startup_s
     code = proc.proc.returncode if proc.proc is not None else None
-    return ArmRun(arm, rep, offload, windows, startup_s, code, log_path)
+    return result, startup_s, code
 
 
-async def _drive(
+async def _post_reset(http: httpx.AsyncClient, tag: str) -> None:
+    resp = await http.post("/reset_prefix_cache")
+    if resp.status_code != 200:
+        raise RuntimeError(f"{tag} POST /reset_prefix_cache: HTTP {resp.status_code}")
+
+
+async def drive_windows(
     base_url: str,
     arm: str,
     rep: int,
     workloads: Sequence[Workload],
     *,
+    shown: str,
+    reset: Callable[[httpx.AsyncClient, str], Awaitable[None]],
     concurrency: int,
     warmup: Sequence[RequestSpec],
     out_dir: Path,
@@ -349,27 +393,31 @@ async def _drive(
     progress: bool,
     console: Console | None,
     settle_timeout_s: float,
+    model: str | None = None,
 ) -> dict[str, Window]:
-    tag = f"[{arm.upper()} rep {rep}]"
+    """Run the warmup, then each workload as a window: `reset(http, tag)` the prefix cache,
+    scrape settled counters around the load, write its records; `shown` names the arm in logs."""
+    tag = f"[{shown} rep {rep}]"
     async with httpx.AsyncClient(base_url=base_url, timeout=30.0) as http:
         if warmup:
             say(f"{tag} warmup: {len(warmup)} requests")
-            res = await run_load(base_url, warmup, concurrency=concurrency, progress=False)
+            res = await run_load(
+                base_url, warmup, concurrency=concurrency, model=model, progress=False
+            )
             bad = [r.error for r in res.records if not r.ok]
             if bad:
                 raise RuntimeError(f"{tag} warmup requests failed: {bad[:3]}")
         windows: dict[str, Window] = {}
         for wl in workloads:
-            resp = await http.post("/reset_prefix_cache")
-            if resp.status_code != 200:
-                raise RuntimeError(f"{tag} POST /reset_prefix_cache: HTTP {resp.status_code}")
+            await reset(http, tag)
             before = await settled_metrics(http, settle_timeout_s)
             load = await run_load(
                 base_url,
                 wl.specs,
                 concurrency=concurrency,
+                model=model,
                 progress=progress,
-                label=f"{arm.upper()} rep {rep} {wl.name}",
+                label=f"{shown} rep {rep} {wl.name}",
                 console=console,
             )
             after = await settled_metrics(http, settle_timeout_s)

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.console import Console
 
@@ -52,6 +52,7 @@ from kvtier.bench.workload import (
     PREFIX_POOL,
     WARMUP,
     Placement,
+    RequestSpec,
     no_reuse,
     place_in_window,
     prefix_pool,
@@ -232,17 +233,13 @@ def run(
             console=console, venv=None if vllm_venv is None else Path(vllm_venv),
         )  # fmt: skip
     say = progress or (lambda _m: None)
-    out = Path(DEFAULT_JSON if json_path is None else json_path)
-    if out.is_dir():
-        raise ConfigError(f"--json {str(out)!r} is a directory; pass a file such as {out}/e.json")
+    out = _out_path(json_path, DEFAULT_JSON)
     plan = _plan(quick, hbm_blocks, requests, concurrency)
     if tp < 1:
         raise ConfigError(f"--tp {tp} must be >= 1")
     t0 = time.perf_counter()
 
-    model = ensure_model(model_dir, "tiny" if quick else "small")
-    model_config = json.loads((model / "config.json").read_text())
-    vocab = int(model_config["vocab_size"])
+    model, model_config, vocab = _model(model_dir, quick)
     env = {"KVTIER_MEMORY_BYTES": DEFAULT_MEMORY_BYTES, **_kvtier_env()}
     env["KVTIER_CHUNK_SIZE"] = str(chunk_size)
     kv_config = KVTierConfig.from_env(env)
@@ -254,7 +251,79 @@ def run(
     if kv_config.chunk_size % BLOCK_SIZE:
         raise ConfigError(f"--chunk-size {chunk_size} is not a multiple of {BLOCK_SIZE}")
     tier_chunks = tier_chunks_per_rank(model_config, tp, chunk_size, kv_config.memory_bytes)
-    hbm_tokens = plan.hbm_blocks * BLOCK_SIZE
+    placement, workloads, warm, ceilings = _prepare(
+        plan, plan.hbm_blocks, BLOCK_SIZE, tier_chunks, chunk_size, kv_config, seed, vocab, say
+    )
+
+    server = ServerConfig(
+        model_dir=model,
+        tp=tp,
+        hbm_blocks=plan.hbm_blocks,
+        block_size=BLOCK_SIZE,
+        max_num_seqs=plan.concurrency,
+        max_batched_tokens=plan.max_batched_tokens,
+        threads=1,
+        env=env,
+    )
+    records_dir = out.parent / f"{out.stem}-records"
+    runs: list[ArmRun] = _run_arms(
+        arm_order(repeat), run_arm, server, workloads, plan, records_dir, warm, say, bars, console
+    )
+    report = _report(runs, workloads, ceilings, placement, plan, tp, quick)
+    head = {
+        "kvtier": __version__,
+        "quick": quick,
+        "seed": seed,
+        "repeat": repeat,
+        "tp": tp,
+        "chunk_size": chunk_size,
+        "block_size": BLOCK_SIZE,
+        "model_dir": str(model),
+        "tier_chunks_per_rank": tier_chunks,
+        "kvtier_config": kv_config.to_dict(),  # secrets masked
+    }
+    return _finish(report, head, plan, placement, ceilings, records_dir, t0, out, say)
+
+
+# ----------------------------------------------------------------------------------------------
+# steps both hosts share
+# ----------------------------------------------------------------------------------------------
+
+
+_R = TypeVar("_R")
+
+
+def _out_path(json_path: str | Path | None, default: str | Path) -> Path:
+    """The report's path: `json_path` or `default`, which must not be a directory."""
+    out = Path(default if json_path is None else json_path)
+    if out.is_dir():
+        raise ConfigError(f"--json {str(out)!r} is a directory; pass a file such as {out}/e.json")
+    return out
+
+
+def _model(model_dir: str | Path | None, quick: bool) -> tuple[Path, dict[str, Any], int]:
+    """The model dir (a preset when none is given), its config.json and its vocabulary size."""
+    model = ensure_model(model_dir, "tiny" if quick else "small")
+    model_config = json.loads((model / "config.json").read_text())
+    return model, model_config, int(model_config["vocab_size"])
+
+
+def _prepare(
+    plan: Plan,
+    usable_blocks: int,
+    block_size: int,
+    tier_chunks: int,
+    chunk_size: int,
+    kv_config: KVTierConfig,
+    seed: int,
+    vocab: int,
+    say: Progress,
+    *,
+    host: str = NATIVE,
+) -> tuple[Placement, list[Workload], list[RequestSpec], dict[str, dict[str, Ceiling]]]:
+    """Place the prefix pool's reuse distance between HBM (`usable_blocks` of `block_size`) and
+    the tier, build the workloads and the warmup, and simulate their ceilings."""
+    hbm_tokens = usable_blocks * block_size
     placement = place_in_window(
         hbm_tokens,
         tier_chunks * chunk_size,
@@ -283,56 +352,75 @@ def run(
         tag=WARMUP,
     )
     workloads = [Workload(PREFIX_POOL, pool), Workload(NO_REUSE, fresh)]
-    ceilings = _ceilings(workloads, plan, chunk_size, tier_chunks, kv_config)
+    ceilings = _ceilings(
+        workloads,
+        plan,
+        chunk_size,
+        tier_chunks,
+        kv_config,
+        block_size=block_size,
+        hbm_blocks=usable_blocks,
+    )
     cp = ceilings[PREFIX_POOL]
+    # the native pool is whole; vLLM's keeps a null block back, so say what is usable
+    hbm = (
+        f"{hbm_tokens} usable tokens in blocks of {block_size}" if host == VLLM else f"{hbm_tokens}"
+    )
     say(
         f"prefix pool: {placement.n_prefixes} prefixes x {plan.prefix_len} + {plan.tail_len} "
         f"tail, reuse distance {placement.reuse_distance} tokens in [{placement.low}, "
-        f"{placement.high}] (HBM {hbm_tokens}, tier {tier_chunks * chunk_size} tokens/rank); "
+        f"{placement.high}] (HBM {hbm}, tier {tier_chunks * chunk_size} tokens/rank); "
         f"ceilings: HBM {cp['hbm'].hit_rate:.1%}, HBM+tier {cp['hbm+tier'].hit_rate:.1%}, "
         f"infinite {cp['infinite'].hit_rate:.1%}"
     )
+    return placement, workloads, warm, ceilings
 
-    server = ServerConfig(
-        model_dir=model,
-        tp=tp,
-        hbm_blocks=plan.hbm_blocks,
-        block_size=BLOCK_SIZE,
-        max_num_seqs=plan.concurrency,
-        max_batched_tokens=plan.max_batched_tokens,
-        threads=1,
-        env=env,
-    )
-    records_dir = out.parent / f"{out.stem}-records"
-    runs: list[ArmRun] = []
-    for rep, arm in arm_order(repeat):
-        runs.append(
-            run_arm(
-                arm,
-                rep,
-                server,
-                workloads,
-                concurrency=plan.concurrency,
-                out_dir=records_dir,
-                warmup=warm,
-                say=say,
-                progress=bars,
-                console=console,
-            )
+
+def _run_arms(
+    order: Sequence[tuple[int, str]],
+    run_one: Callable[..., _R],
+    server: Any,
+    workloads: Sequence[Workload],
+    plan: Plan,
+    records_dir: Path,
+    warm: Sequence[RequestSpec],
+    say: Progress,
+    bars: bool,
+    console: Console | None,
+) -> list[_R]:
+    """`run_one(arm, rep, server, workloads, ...)` for each (rep, arm) of `order`, in order."""
+    return [
+        run_one(
+            arm,
+            rep,
+            server,
+            workloads,
+            concurrency=plan.concurrency,
+            out_dir=records_dir,
+            warmup=warm,
+            say=say,
+            progress=bars,
+            console=console,
         )
+        for rep, arm in order
+    ]
 
-    report = _report(runs, workloads, ceilings, placement, plan, tp, quick)
+
+def _finish(
+    report: Report,
+    head: dict[str, Any],
+    plan: Plan,
+    placement: Placement,
+    ceilings: dict[str, dict[str, Ceiling]],
+    records_dir: Path,
+    t0: float,
+    out: Path,
+    say: Progress,
+) -> dict[str, Any]:
+    """Add the host's `head` and the shared run facts to the report's meta, write it to `out`
+    and return the JSON document."""
     report.meta.update(
-        kvtier=__version__,
-        quick=quick,
-        seed=seed,
-        repeat=repeat,
-        tp=tp,
-        chunk_size=chunk_size,
-        block_size=BLOCK_SIZE,
-        model_dir=str(model),
-        tier_chunks_per_rank=tier_chunks,
-        kvtier_config=kv_config.to_dict(),  # secrets masked
+        head,
         plan=asdict(plan),
         placement=placement.to_json(),
         ceilings={w: {k: c.to_json() for k, c in cs.items()} for w, cs in ceilings.items()},
@@ -349,6 +437,22 @@ def run(
     write_json(out, doc)
     say(f"wrote {out}")
     return doc
+
+
+def _failed_row(results: Sequence[_WindowResult]) -> Row:
+    """Requests that failed in any window of any arm; must be none."""
+    return Row(
+        "requests.failed",
+        "requests failed, all arms",
+        sum(x.summary.failed for x in results),
+        "requests",
+        target=Target("value", "<=", 0),
+        detail={
+            "sent": sum(x.summary.requests for x in results),
+            "osl_mismatch": sum(x.summary.osl_mismatch for x in results),
+            "errors": json.dumps(sorted({e for x in results for e in x.summary.errors})[:5]),
+        },
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -688,20 +792,7 @@ def _report(
             },
         )
     )
-    report.add(
-        Row(
-            "requests.failed",
-            "requests failed, all arms",
-            sum(x.summary.failed for x in results),
-            "requests",
-            target=Target("value", "<=", 0),
-            detail={
-                "sent": sum(x.summary.requests for x in results),
-                "osl_mismatch": sum(x.summary.osl_mismatch for x in results),
-                "errors": json.dumps(sorted({e for x in results for e in x.summary.errors})[:5]),
-            },
-        )
-    )
+    report.add(_failed_row(results))
 
     # ---- no reuse
     q = NO_REUSE
@@ -810,9 +901,7 @@ def _run_vllm(
     venv: Path | None,
 ) -> dict[str, Any]:
     """The three vLLM arms (`repeat` times, order alternating); the JSON report, written."""
-    out = Path(DEFAULT_JSON_VLLM if json_path is None else json_path)
-    if out.is_dir():
-        raise ConfigError(f"--json {str(out)!r} is a directory; pass a file such as {out}/e.json")
+    out = _out_path(json_path, DEFAULT_JSON_VLLM)
     if tp < 1:
         raise ConfigError(f"--tp {tp} must be >= 1")
     plan = _plan(quick, hbm_blocks, requests, concurrency, host=VLLM)
@@ -836,58 +925,23 @@ def _run_vllm(
     extra["memory_bytes"] = kv_config.memory_bytes
     cli = vllm_host.ensure_vllm_env(venv, say)
 
-    model = ensure_model(model_dir, "tiny" if quick else "small").resolve()
-    model_config = json.loads((model / "config.json").read_text())
-    vocab = int(model_config["vocab_size"])
+    model, model_config, vocab = _model(model_dir, quick)
+    model = model.resolve()
     tier_chunks = tier_chunks_per_rank(
         model_config, tp, chunk_size, kv_config.memory_bytes, VLLM_DTYPE
     )
     usable = plan.hbm_blocks - 1  # vLLM's null block never holds KV
-    hbm_tokens = usable * VLLM_BLOCK_SIZE
-    placement = place_in_window(
-        hbm_tokens,
-        tier_chunks * chunk_size,
-        plan.prefix_len,
-        plan.tail_len,
-        low_margin=plan.low_margin,
-    )
-    pool = prefix_pool(
-        placement.n_prefixes,
-        plan.prefix_len,
-        plan.tail_len,
-        plan.prefix_requests,
-        seed,
-        vocab,
-        max_tokens=plan.max_tokens,
-    )
-    fresh = no_reuse(
-        plan.no_reuse_requests, plan.no_reuse_len, seed, vocab, max_tokens=plan.max_tokens
-    )
-    warm = no_reuse(
-        plan.warmup_requests,
-        plan.no_reuse_len,
-        seed,
-        vocab,
-        max_tokens=plan.max_tokens,
-        tag=WARMUP,
-    )
-    workloads = [Workload(PREFIX_POOL, pool), Workload(NO_REUSE, fresh)]
-    ceilings = _ceilings(
-        workloads,
+    placement, workloads, warm, ceilings = _prepare(
         plan,
-        chunk_size,
+        usable,
+        VLLM_BLOCK_SIZE,
         tier_chunks,
+        chunk_size,
         kv_config,
-        block_size=VLLM_BLOCK_SIZE,
-        hbm_blocks=usable,
-    )
-    cp = ceilings[PREFIX_POOL]
-    say(
-        f"prefix pool: {placement.n_prefixes} prefixes x {plan.prefix_len} + {plan.tail_len} "
-        f"tail, reuse distance {placement.reuse_distance} tokens in [{placement.low}, "
-        f"{placement.high}] (HBM {hbm_tokens} usable tokens in blocks of {VLLM_BLOCK_SIZE}, "
-        f"tier {tier_chunks * chunk_size} tokens/rank); ceilings: HBM {cp['hbm'].hit_rate:.1%}, "
-        f"HBM+tier {cp['hbm+tier'].hit_rate:.1%}, infinite {cp['infinite'].hit_rate:.1%}"
+        seed,
+        vocab,
+        say,
+        host=VLLM,
     )
 
     longest = max(plan.prefix_len + plan.tail_len, plan.no_reuse_len) + plan.max_tokens
@@ -907,22 +961,14 @@ def _run_vllm(
         env=env,
     )
     arms = vllm_host.make_arms(extra, records_dir / "example-store")
-    runs: list[VLLMArmRun] = []
-    for rep, name in alternate(list(VLLM_ARMS), repeat):
-        runs.append(
-            vllm_host.run_vllm_arm(
-                arms[name],
-                rep,
-                server,
-                workloads,
-                concurrency=plan.concurrency,
-                out_dir=records_dir,
-                warmup=warm,
-                say=say,
-                progress=bars,
-                console=console,
-            )
-        )
+
+    def run_one(name: str, *args: Any, **kwargs: Any) -> VLLMArmRun:
+        return vllm_host.run_vllm_arm(arms[name], *args, **kwargs)
+
+    order = alternate(list(VLLM_ARMS), repeat)
+    runs: list[VLLMArmRun] = _run_arms(
+        order, run_one, server, workloads, plan, records_dir, warm, say, bars, console
+    )
     _check_pool(runs, plan.hbm_blocks)
 
     report = _report_vllm(
@@ -937,25 +983,25 @@ def _run_vllm(
         chunk_size,
         server.threads_bind_in_effect(),
     )
-    report.meta.update(
-        kvtier=__version__,
-        host=VLLM,
-        quick=quick,
-        seed=seed,
-        repeat=repeat,
-        tp=tp,
-        chunk_size=chunk_size,
-        block_size=VLLM_BLOCK_SIZE,
-        hbm_blocks=plan.hbm_blocks,
-        hbm_usable_blocks=usable,
-        dtype=VLLM_DTYPE,
-        threads_bind=server.threads_bind_in_effect(),
-        max_model_len=server.max_model_len,
-        model_dir=str(model),
-        vllm_cli=str(cli),
-        tier_chunks_per_rank=tier_chunks,
-        kvtier_config=kv_config.to_dict(),  # secrets masked
-        arms={
+    head = {
+        "kvtier": __version__,
+        "host": VLLM,
+        "quick": quick,
+        "seed": seed,
+        "repeat": repeat,
+        "tp": tp,
+        "chunk_size": chunk_size,
+        "block_size": VLLM_BLOCK_SIZE,
+        "hbm_blocks": plan.hbm_blocks,
+        "hbm_usable_blocks": usable,
+        "dtype": VLLM_DTYPE,
+        "threads_bind": server.threads_bind_in_effect(),
+        "max_model_len": server.max_model_len,
+        "model_dir": str(model),
+        "vllm_cli": str(cli),
+        "tier_chunks_per_rank": tier_chunks,
+        "kvtier_config": kv_config.to_dict(),  # secrets masked
+        "arms": {
             a.name: {
                 "label": a.label,
                 "kv_transfer_config": None
@@ -964,23 +1010,9 @@ def _run_vllm(
             }
             for a in arms.values()
         },
-        not_run={"OffloadingConnector": vllm_host.OFFLOADING_NOT_RUN},
-        plan=asdict(plan),
-        placement=placement.to_json(),
-        ceilings={w: {k: c.to_json() for k, c in cs.items()} for w, cs in ceilings.items()},
-        records_dir=str(records_dir),
-        env={
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "cores": len(os.sched_getaffinity(0)),
-            "loadavg_end": list(os.getloadavg()),
-        },
-        elapsed_s=round(time.perf_counter() - t0, 2),
-    )
-    doc = report.to_json()
-    write_json(out, doc)
-    say(f"wrote {out}")
-    return doc
+        "not_run": {"OffloadingConnector": vllm_host.OFFLOADING_NOT_RUN},
+    }
+    return _finish(report, head, plan, placement, ceilings, records_dir, t0, out, say)
 
 
 def _check_pool(runs: Sequence[VLLMArmRun], hbm_blocks: int) -> None:
@@ -1268,20 +1300,7 @@ def _report_vllm(
                 },
             )
         )
-    report.add(
-        Row(
-            "requests.failed",
-            "requests failed, all arms",
-            sum(x.summary.failed for x in results),
-            "requests",
-            target=Target("value", "<=", 0),
-            detail={
-                "sent": sum(x.summary.requests for x in results),
-                "osl_mismatch": sum(x.summary.osl_mismatch for x in results),
-                "errors": json.dumps(sorted({e for x in results for e in x.summary.errors})[:5]),
-            },
-        )
-    )
+    report.add(_failed_row(results))
 
     # ---- no reuse
     q = NO_REUSE

@@ -26,9 +26,14 @@ from typing import Any
 import httpx
 from rich.console import Console
 
-from kvtier.bench.analysis import MetricSet, cache_config
-from kvtier.bench.arms import ArmRun, ServerProcess, Window, Workload, free_port, settled_metrics
-from kvtier.bench.client import run_load, write_jsonl
+from kvtier.bench.analysis import cache_config
+from kvtier.bench.arms import (
+    ArmRun,
+    Workload,
+    drive_windows,
+    free_port,
+    serve_and_drive,
+)
 from kvtier.bench.workload import RequestSpec
 from kvtier.errors import ConfigError, StartupError
 
@@ -344,49 +349,45 @@ def run_vllm_arm(
         arm = VLLMArm(
             arm.name, example_transfer_config(store), arm.offload, arm.has_retrieved, store
         )
-    port = free_port(server.host)
-    base_url = f"http://{server.host}:{port}"
     log_path = out_dir / f"server-{arm.name}-rep{rep}.log"
+    port = free_port(server.host)
     argv = server.argv(port, arm)
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-vllm-", dir=_short_tmp()))
     try:
-        proc = ServerProcess(
+        windows, startup_s, code = serve_and_drive(
+            port,
             argv,
             server.environ(tmp),
-            base_url,
+            server,
             log_path,
-            startup_timeout_s=server.startup_timeout_s,
-            stop_timeout_s=server.stop_timeout_s,
+            tag=tag,
+            what=(
+                f"vllm serve (tp={server.tp}, num_gpu_blocks={server.hbm_blocks} x "
+                f"{server.block_size}, {server.dtype}, connector: {arm.label})"
+            ),
+            say=log,
+            drive=lambda base_url: drive_windows(
+                base_url,
+                arm.name,
+                rep,
+                workloads,
+                shown=arm.name,
+                reset=lambda http, _tag: reset_prefix_cache(http, reset_timeout_s),
+                model=server.served_model_name,
+                concurrency=concurrency,
+                warmup=warmup,
+                out_dir=out_dir,
+                say=log,
+                progress=progress,
+                console=console,
+                settle_timeout_s=settle_timeout_s,
+            ),
         )
-        log(
-            f"{tag} starting vllm serve (tp={server.tp}, num_gpu_blocks={server.hbm_blocks} x "
-            f"{server.block_size}, {server.dtype}, connector: {arm.label})"
-        )
-        with proc:
-            assert proc.startup_s is not None
-            log(f"{tag} server healthy after {proc.startup_s:.1f}s on {base_url}")
-            windows, config = asyncio.run(
-                _drive(
-                    base_url,
-                    arm.name,
-                    rep,
-                    workloads,
-                    model=server.served_model_name,
-                    concurrency=concurrency,
-                    warmup=warmup,
-                    out_dir=out_dir,
-                    say=log,
-                    progress=progress,
-                    console=console,
-                    settle_timeout_s=settle_timeout_s,
-                    reset_timeout_s=reset_timeout_s,
-                )
-            )
-            startup_s = proc.startup_s
+        # vLLM's pool as the first window that reports it
+        config = next((c for w in windows.values() if (c := cache_config(w.before))), {})
     finally:
         # vLLM's ipc sockets and dist files; its processes are gone once the server stopped
         shutil.rmtree(tmp)
-    code = proc.proc.returncode if proc.proc is not None else None
     store_bytes = store_files = None
     if arm.store is not None:
         files = [f for f in arm.store.rglob("*") if f.is_file()]
@@ -434,52 +435,3 @@ async def reset_prefix_cache(
                 "attempts): blocks are still held on an idle server"
             )
         await asyncio.sleep(interval_s)
-
-
-async def _drive(
-    base_url: str,
-    arm: str,
-    rep: int,
-    workloads: Sequence[Workload],
-    *,
-    model: str,
-    concurrency: int,
-    warmup: Sequence[RequestSpec],
-    out_dir: Path,
-    say: Say,
-    progress: bool,
-    console: Console | None,
-    settle_timeout_s: float,
-    reset_timeout_s: float,
-) -> tuple[dict[str, Window], dict[str, str]]:
-    tag = f"[{arm} rep {rep}]"
-    config: dict[str, str] = {}
-    async with httpx.AsyncClient(base_url=base_url, timeout=30.0) as http:
-        if warmup:
-            say(f"{tag} warmup: {len(warmup)} requests")
-            res = await run_load(
-                base_url, warmup, concurrency=concurrency, model=model, progress=False
-            )
-            bad = [r.error for r in res.records if not r.ok]
-            if bad:
-                raise RuntimeError(f"{tag} warmup requests failed: {bad[:3]}")
-        windows: dict[str, Window] = {}
-        for wl in workloads:
-            await reset_prefix_cache(http, reset_timeout_s)
-            before: MetricSet = await settled_metrics(http, settle_timeout_s)
-            config = config or cache_config(before)
-            load = await run_load(
-                base_url,
-                wl.specs,
-                concurrency=concurrency,
-                model=model,
-                progress=progress,
-                label=f"{arm} rep {rep} {wl.name}",
-                console=console,
-            )
-            after = await settled_metrics(http, settle_timeout_s)
-            path = write_jsonl(out_dir / f"{wl.name}-{arm}-rep{rep}.jsonl", load.records)
-            done = sum(1 for r in load.records if r.ok)
-            say(f"{tag} {wl.name}: {done}/{len(wl.specs)} requests in {load.duration_s:.1f}s")
-            windows[wl.name] = Window(wl.name, load, before, after, path)
-    return windows, config
