@@ -108,7 +108,12 @@ def run(tp: int = 2, console: Console | None = None) -> int:
 
     say("building (or reusing) the small demo model under runs/")
     model = e2e.ensure_model(None, "small")
-    env = {"KVTIER_CHUNK_SIZE": str(CHUNK), "KVTIER_MEMORY_BYTES": "256MiB"}
+    # the engine process and both ranks share 2 cores here: give a rank's lookup thread time
+    env = {
+        "KVTIER_CHUNK_SIZE": str(CHUNK),
+        "KVTIER_MEMORY_BYTES": "256MiB",
+        "KVTIER_LOOKUP_TIMEOUT_MS": "2000",
+    }
     restore = restore_check(model, tp, env, say)
     say(
         f"restore: {restore['external_hits']:.0f} of {restore['prompt_tokens']} prompt tokens "

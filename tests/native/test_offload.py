@@ -17,6 +17,8 @@ def kvtier_engine(model: Path, tmp_path: Path, tp: int = 1, **cfg) -> Engine:
     cfg.setdefault("chunk_size", 64)
     cfg.setdefault("memory_bytes", "64MiB")
     cfg.setdefault("load_gate", False)
+    # exact hit counts below: on 2 oversubscribed cores a rank's lookup thread can miss 200 ms
+    cfg.setdefault("lookup_timeout_ms", 2000)
     spec = connector_spec(KVTierConfig(**cfg), model, run_dir=tmp_path / f"run-tp{tp}")
     return Engine(model, EngineConfig(num_threads=1, tensor_parallel_size=tp, num_blocks=256), spec)
 
