@@ -110,6 +110,8 @@ def kvtier_engine(
     cfg.setdefault("chunk_size", 64)
     cfg.setdefault("memory_bytes", "64MiB")
     cfg.setdefault("load_gate", False)
+    # hit counts are asserted: on 2 oversubscribed cores a rank's lookup can miss 200 ms
+    cfg.setdefault("lookup_timeout_ms", 2000)
     spec = connector_spec(KVTierConfig(**cfg), model, run_dir=run_dir)
     factory: Any = spec if fault is None else (f"{__name__}:build", {**spec.args, **fault})
     return Engine(

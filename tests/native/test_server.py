@@ -59,7 +59,9 @@ GAUGES = {
 @pytest.fixture(scope="module")
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineServer]:
     """A TP=1 engine with kvtier (64-token chunks, no load gate) behind the HTTP app."""
-    config = KVTierConfig(chunk_size=CHUNK, memory_bytes="64MiB", load_gate=False)
+    config = KVTierConfig(
+        chunk_size=CHUNK, memory_bytes="64MiB", load_gate=False, lookup_timeout_ms=2000
+    )
     run_dir = tmp_path_factory.mktemp("server-run")
     spec = connector_spec(config, tiny_model, run_dir=run_dir)
     engine = Engine(tiny_model, EngineConfig(num_threads=1, num_blocks=256), spec)
