@@ -234,3 +234,16 @@ def test_no_lookup_when_even_a_full_hit_could_not_pay():
     assert sched.get_num_new_matched_tokens(SlotView("a", p), 4 * CHUNK - 1) == 0
     assert lookup.leased == [] and metrics.value("lookups_total") == 0
     assert metrics.value("skipped_loads_total", reason="hbm_satisfies") == 1
+
+
+def test_asked_again_before_allocation_reuses_the_promise_without_a_lookup():
+    sched, lookup, metrics = make(hits=2)
+    view = SlotView("a", prompt(2 * CHUNK + 1))
+    first = sched.get_num_new_matched_tokens(view, 0)
+    # the host could not allocate and asks again next step: same answer, same lease
+    assert sched.get_num_new_matched_tokens(view, 0) == first == 2 * CHUNK
+    assert metrics.value("lookups_total") == 1 and len(lookup.leased) == 1
+    # a different HBM floor means a different promise: look up afresh
+    assert sched.get_num_new_matched_tokens(view, BLOCK) == 2 * CHUNK - BLOCK
+    assert metrics.value("lookups_total") == 2
+    assert lookup.outstanding() == {lookup.leased[-1]}

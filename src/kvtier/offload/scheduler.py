@@ -125,8 +125,11 @@ class OffloadScheduler:
         if not self.config.enabled:
             return 0
         st = self._state(req)
-        if st.load is not None:
-            # asked again before allocation (the host could not allocate last time): start over
+        if st.load is not None and st.load.op_id is None:
+            if st.load.hbm == num_computed_tokens and st.load.block_ids is None:
+                # asked again because the host could not allocate last time: the promise and
+                # its lease still stand, so no second round trip to every rank
+                return st.load.end - st.load.hbm
             self._drop_load(st, WITHDRAWN, count=False)
         if st.load_failed:
             self._m.skipped_load(REPEAT).inc()
