@@ -84,6 +84,20 @@ def _empty(ax: Axes, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.35")
 
 
+def _finish_time_axes(
+    ax: Axes, doc: Mapping[str, Any], drawn: bool, ylabel: str, empty: str
+) -> None:
+    """Labels, grid, start-cut line and legend shared by every over-time chart."""
+    if not drawn:
+        _empty(ax, empty)
+    _cut_line(ax, doc)
+    ax.set_xlabel("seconds since the load started")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    if drawn:
+        ax.legend(fontsize=8)
+
+
 def _cut_line(ax: Axes, doc: Mapping[str, Any]) -> None:
     cut = doc.get("cut_s") or 0
     if cut > 0:
@@ -107,14 +121,7 @@ def _ttft_figure(doc: Mapping[str, Any], colors: Mapping[str, str]) -> Figure:
                 color=colors[run["arm"]], label=f"{run['arm']} rep {run['rep']}",
             )  # fmt: skip
             drawn = True
-    if not drawn:
-        _empty(ax, "no completed request")
-    _cut_line(ax, doc)
-    ax.set_xlabel("seconds since the load started")
-    ax.set_ylabel("TTFT p50 (ms)")
-    ax.grid(True, alpha=0.3)
-    if drawn:
-        ax.legend(fontsize=8)
+    _finish_time_axes(ax, doc, drawn, "TTFT p50 (ms)", "no completed request")
     return fig
 
 
@@ -145,15 +152,8 @@ def _hit_figure(doc: Mapping[str, Any], colors: Mapping[str, str]) -> Figure:
                 label=f"{run['arm']} rep {run['rep']} (server)",
             )  # fmt: skip
             drawn = True
-    if not drawn:
-        _empty(ax, "no prompt tokens counted")
-    _cut_line(ax, doc)
-    ax.set_xlabel("seconds since the load started")
-    ax.set_ylabel("cache-read rate (%)")
+    _finish_time_axes(ax, doc, drawn, "cache-read rate (%)", "no prompt tokens counted")
     ax.set_ylim(-2, 102)
-    ax.grid(True, alpha=0.3)
-    if drawn:
-        ax.legend(fontsize=8)
     return fig
 
 
@@ -171,14 +171,8 @@ def _residency_figure(doc: Mapping[str, Any], colors: Mapping[str, str]) -> Figu
                 color=colors[run["arm"]], label=f"{run['arm']} rep {run['rep']} {tier}",
             )  # fmt: skip
             drawn = True
-    if not drawn:
-        _empty(ax, "no tier residency samples (no kvtier tier, or no /metrics)")
-    _cut_line(ax, doc)
-    ax.set_xlabel("seconds since the load started")
-    ax.set_ylabel("resident MiB")
-    ax.grid(True, alpha=0.3)
-    if drawn:
-        ax.legend(fontsize=8)
+    empty = "no tier residency samples (no kvtier tier, or no /metrics)"
+    _finish_time_axes(ax, doc, drawn, "resident MiB", empty)
     return fig
 
 
