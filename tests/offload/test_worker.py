@@ -12,7 +12,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from kvtier.config import KVTierConfig
-from kvtier.errors import StartupError
+from kvtier.errors import ConfigError, StartupError
 from kvtier.metrics import Metrics
 from kvtier.offload.codec import PageCodec
 from kvtier.offload.device import CudaOps, Lane
@@ -206,3 +206,19 @@ def test_cuda_lanes_bind_the_ranks_device(monkeypatch: pytest.MonkeyPatch) -> No
     t.start()
     t.join()
     assert calls == [torch.device("cuda", 3)]
+
+
+def test_a_tier_over_the_hosts_ram_is_refused_before_anything_is_allocated() -> None:
+    raw, views = build(gqa(block_size=BS), NB, "LBHNC")
+    worker = OffloadWorker(
+        KVTierConfig.from_dict({"memory_bytes": "1TiB", "chunk_size": CHUNK}),
+        rank=0,
+        world=8,
+        model_id="m",
+        metrics=Metrics(rank=0, registry=CollectorRegistry()),
+        lookup_endpoint=None,
+        ranks_on_host=8,
+    )
+    with pytest.raises(ConfigError, match=r"memory_bytes=1TiB per rank x 8 rank\(s\)"):
+        worker.register_kv_caches(KVCacheDescription(views, NB, BS, "LBHNC"))
+    assert worker.stack is None
