@@ -57,8 +57,11 @@ def bench_tier(
     disk_dir: Path | None = typer.Option(
         None, "--disk-dir", help="Directory for the disk tier's temp files (default: runs)."
     ),
+    device: str = typer.Option(
+        "cpu", "--device", help="KV device of the save/load path rows: cpu, cuda or cuda:N."
+    ),
 ) -> None:
-    """Memory and disk tier GB/s against raw copies, and all-rank lookup latency."""
+    """Tier GB/s against raw copies, all-rank lookup latency, save/load on the KV device."""
     from rich.console import Console
 
     from kvtier.bench import table, tier
@@ -69,6 +72,7 @@ def bench_tier(
         json_path=json_path,
         disk_dir=disk_dir,
         progress=lambda msg: progress.print(f"[dim]{escape(msg)}[/dim]"),
+        device=device,
     )
     table.print_report(doc)
 

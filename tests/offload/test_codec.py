@@ -157,3 +157,36 @@ def test_bad_block_ids_are_errors() -> None:
         codec.gather([0], buf)
     with pytest.raises(ValueError, match="outside"):
         codec.gather([-1, 0], buf)
+
+
+@pytest.mark.parametrize(
+    ("src", "dst"),
+    [
+        ([0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]),  # runs: one slice copy per segment
+        ([11, 0, 5, 3, 9, 1], [2, 10, 4, 8, -1, 6]),  # scattered: one indexed op per segment
+    ],
+)
+def test_consecutive_and_scattered_block_ids_move_the_same_bytes(src, dst) -> None:
+    mode = DeviceSeparation()
+    ops = TaggedOps(mode)
+    raw_a, views_a = build(gqa(block_size=BS), NB, "LBNHC")
+    raw_b, views_b = build(gqa(block_size=BS), NB, "LBNHC")
+    filled(raw_a, 7)
+    filled(raw_b, 8)
+    before = {n: v.clone() for n, v in views_b.items()}
+    mode.tag(raw_a)
+    mode.tag(raw_b)
+    with mode:
+        a = PageCodec(describe_pages(describe(views_a, "LBNHC")), 6, ops)
+        b = PageCodec(describe_pages(describe(views_b, "LBNHC")), 6, ops)
+        staging = ops.staging(a.chunk_bytes)
+        assert staging is not None
+        a.gather(src, staging)
+        assert b.scatter(staging, dst) == sum(1 for d in dst if d >= 0)
+    for name in views_a:
+        for s, d in zip(src, dst, strict=True):
+            if d >= 0:
+                assert torch.equal(block_bytes(views_b[name], d), block_bytes(views_a[name], s))
+        untouched = [i for i in range(NB) if i not in dst]
+        vb, old = manager_view(views_b[name], NB), manager_view(before[name], NB)
+        assert torch.equal(vb[untouched], old[untouched])

@@ -474,16 +474,22 @@ class OffloadWorker:
         """Read one chunk (tier -> device staging) and scatter it into its blocks; the serving
         tier's name, or None on a miss or once the load expired (then nothing is written)."""
         assert self.stack is not None and self.codec is not None
-        buf = self._load_staging if self._load_staging is not None else self._load_buf
-        assert buf is not None
         with lane.active():
-            tier = self.stack.read_into(ref.key, buf)
+            src = None
+            if self._load_staging is None:
+                # the KV cache is host memory: scatter straight from the leased slot, one copy
+                src = self.stack.read_view(ref.key)
+                tier = self.stack.memory.name if src is not None else None
+            if src is None:
+                src = self._load_staging if self._load_staging is not None else self._load_buf
+                assert src is not None
+                tier = self.stack.read_into(ref.key, src)
             if tier is None:
                 return None
             with p.lock:
                 if p.expired:
                     return None  # its deadline reported it failed: write no more blocks
-                self.codec.scatter(buf, ref.block_ids)
+                self.codec.scatter(src, ref.block_ids)
                 lane.finish()
         return tier
 

@@ -190,6 +190,11 @@ class MemoryTier:
             self._end_read(key, slot, bad)
         return not bad
 
+    def is_leased(self, key: bytes) -> bool:
+        """True if `key` is resident and pinned by a lease (so a `view` of it stays valid)."""
+        with self._lock:
+            return key in self._index and self._leases.is_pinned(key)
+
     def view(self, key: bytes) -> torch.Tensor | None:
         """A zero-copy, verified uint8 view of the payload of `key`, or None on a miss/mismatch.
 
