@@ -136,8 +136,14 @@ def _measure(
     worker.register_kv_caches(KVCacheDescription(views, num_blocks, BLOCK, layout))
     assert worker.stack is not None
     pin = device.type == "cuda"
-    host = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
-    dev_buf = torch.zeros(n, dtype=torch.uint8, device=device)
+    # the raw copies rotate over as many buffers as the real path touches (pool, tier slots), so
+    # neither side finds its bytes in a cache the other side just warmed
+    hosts = itertools.cycle(
+        [torch.zeros(n, dtype=torch.uint8, pin_memory=pin) for _ in range(CHUNKS_IN_POOL)]
+    )
+    devs = itertools.cycle(
+        [torch.zeros(n, dtype=torch.uint8, device=device) for _ in range(CHUNKS_IN_POOL)]
+    )
     keys = _Keys(f"datapath-{model.name}")
     blocks = itertools.cycle([list(range(c * k, (c + 1) * k)) for c in range(CHUNKS_IN_POOL)])
     ops = itertools.count()
@@ -149,14 +155,16 @@ def _measure(
     _save_and_wait(worker, [ChunkRef(resident, next(blocks))], next(ops))
 
     def raw_d2h() -> float:
+        host, dev = next(hosts), next(devs)
         t = time.perf_counter()
-        host.copy_(dev_buf, non_blocking=pin)
+        host.copy_(dev, non_blocking=pin)
         _sync(device)
         return time.perf_counter() - t
 
     def raw_h2d() -> float:
+        host, dev = next(hosts), next(devs)
         t = time.perf_counter()
-        dev_buf.copy_(host, non_blocking=pin)
+        dev.copy_(host, non_blocking=pin)
         _sync(device)
         return time.perf_counter() - t
 
