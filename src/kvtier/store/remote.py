@@ -584,6 +584,8 @@ class RemoteTier:
                 self._url,
                 shard,
             )
+            # after an outage the owners may have changed (a replica promoted)
+            self._transport.refresh()
 
     def _shard(self, rkey: bytes) -> str:
         """The shard of `rkey`; republishes the breakers when the topology changed."""

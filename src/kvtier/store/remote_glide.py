@@ -50,8 +50,10 @@ log = logging.getLogger(__name__)
 
 _Client = GlideClient | GlideClusterClient
 _RECONNECT = BackoffStrategy(num_of_retries=4, factor=5, exponent_base=2)
-# the slot map is re-read at most this often, however many calls report a moved shard
+# the slot map is re-read at most this often, however many calls report a moved shard, and
+# at least this often, so shard names follow a failover or migration glide handled silently
 _REFRESH_MIN_S = 0.5
+_REFRESH_MAX_S = 10.0
 # replies a live server gives promptly: (text in glide's message, reason label)
 _REFUSALS: tuple[tuple[str, str], ...] = (
     ("OOM", "oom"),
@@ -183,6 +185,8 @@ class GlideTransport:
         if not self._cluster:
             return self._seed
         slot = key_slot(rkey)
+        if self._clock() - self._refreshed_at > _REFRESH_MAX_S:
+            self._refresh(force=False)
         with self._lock:
             i = bisect.bisect_right(self._starts, slot) - 1
             if i >= 0:
