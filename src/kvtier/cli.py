@@ -57,8 +57,11 @@ def bench_tier(
     disk_dir: Path | None = typer.Option(
         None, "--disk-dir", help="Directory for the disk tier's temp files (default: runs)."
     ),
+    remote: bool = typer.Option(
+        True, "--remote/--no-remote", help="Remote rows: a loopback server and 3-shard cluster."
+    ),
 ) -> None:
-    """Memory and disk tier GB/s against raw copies, and all-rank lookup latency."""
+    """Memory, disk and remote tier GB/s against raw copies, and all-rank lookup latency."""
     from rich.console import Console
 
     from kvtier.bench import table, tier
@@ -68,6 +71,7 @@ def bench_tier(
         quick=quick,
         json_path=json_path,
         disk_dir=disk_dir,
+        remote=remote,
         progress=lambda msg: progress.print(f"[dim]{escape(msg)}[/dim]"),
     )
     table.print_report(doc)
