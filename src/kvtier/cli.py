@@ -60,8 +60,12 @@ def bench_tier(
     remote: bool = typer.Option(
         True, "--remote/--no-remote", help="Remote rows: a loopback server and 3-shard cluster."
     ),
+    device: str = typer.Option(
+        "cpu", "--device", help="KV device of the save/load path rows: cpu, cuda or cuda:N."
+    ),
 ) -> None:
-    """Memory, disk and remote tier GB/s against raw copies, and all-rank lookup latency."""
+    """Tier GB/s against raw copies (memory, disk, remote), all-rank lookup latency, save/load
+    on the KV device."""
     from rich.console import Console
 
     from kvtier.bench import table, tier
@@ -73,6 +77,7 @@ def bench_tier(
         disk_dir=disk_dir,
         remote=remote,
         progress=lambda msg: progress.print(f"[dim]{escape(msg)}[/dim]"),
+        device=device,
     )
     table.print_report(doc)
 

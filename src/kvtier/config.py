@@ -48,6 +48,9 @@ _READ_FROM = ("primary", "replica")
 _TLS_FILES = ("remote_tls_ca_file", "remote_tls_cert_file", "remote_tls_key_file")
 _TENANT_RE = re.compile(r"^[A-Za-z0-9._-]{0,64}$")
 _TRANSPORTS = ("ipc", "tcp")
+# vLLM 0.32 layouts whose per-layer block pages are contiguous (LHBNC and BHLNC split a
+# layer's page by head: refused)
+_KV_LAYOUTS = ("", "BLHNC", "BLNHC", "LBHNC", "LBNHC")
 
 
 class KeyedConfigError(ConfigError):
@@ -321,7 +324,10 @@ class KVTierConfig:
     verify_memory_reads: bool = _f(False, "bool", "checksum memory-tier reads too")
     breaker_failures: int = _f(5, "int", "consecutive failures that open a tier's breaker")
     breaker_probe_s: float = _f(5.0, "float", "seconds before an open breaker probes again")
-    self_test: bool = _f(True, "bool", "store/lookup/read one chunk on every rank at startup")
+    self_test: bool = _f(True, "bool", "move one chunk through the codec on every rank at startup")
+    preferred_kv_layout: str = _f(
+        "BLHNC", "str", "KV layout asked of vLLM ('' = no preference); BLHNC: one page per block"
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -343,6 +349,13 @@ class KVTierConfig:
                 "memory_bytes",
                 "memory_bytes=0 leaves no host-memory tier while offload is enabled; "
                 "set memory_bytes (e.g. 2GiB, the default) or enabled=false",
+            )
+        if self.preferred_kv_layout not in _KV_LAYOUTS:
+            raise _error(
+                "preferred_kv_layout",
+                f"{_show('preferred_kv_layout', self.preferred_kv_layout)} is not a layout "
+                f"kvtier can move whole; use one of {', '.join(_KV_LAYOUTS[1:])}, or '' for no "
+                "preference",
             )
         self._validate_disk()
         self._validate_remote()

@@ -216,6 +216,16 @@ class TierStack:
 
     # ---- reads ---------------------------------------------------------------------------
 
+    def read_view(self, key: bytes) -> torch.Tensor | None:
+        """A zero-copy, verified view of `key`'s payload in memory when a lease pins it there
+        (valid while that lease lasts); None otherwise: `read_into` a buffer instead."""
+        if not self._memory.is_leased(key):
+            return None
+        view = self._memory.view(key)
+        if view is not None:
+            self._m.tier_hit(self._memory.name).inc()
+        return view
+
     def read_into(self, key: bytes, dst: torch.Tensor) -> str | None:
         """Fill `dst` from the highest tier holding a verified copy; the serving tier's name,
         or None on a miss. A lower-tier hit is promoted into memory."""
