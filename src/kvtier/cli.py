@@ -57,11 +57,15 @@ def bench_tier(
     disk_dir: Path | None = typer.Option(
         None, "--disk-dir", help="Directory for the disk tier's temp files (default: runs)."
     ),
+    remote: bool = typer.Option(
+        True, "--remote/--no-remote", help="Remote rows: a loopback server and 3-shard cluster."
+    ),
     device: str = typer.Option(
         "cpu", "--device", help="KV device of the save/load path rows: cpu, cuda or cuda:N."
     ),
 ) -> None:
-    """Tier GB/s against raw copies, all-rank lookup latency, save/load on the KV device."""
+    """Tier GB/s against raw copies (memory, disk, remote), all-rank lookup latency, save/load
+    on the KV device."""
     from rich.console import Console
 
     from kvtier.bench import table, tier
@@ -71,6 +75,7 @@ def bench_tier(
         quick=quick,
         json_path=json_path,
         disk_dir=disk_dir,
+        remote=remote,
         progress=lambda msg: progress.print(f"[dim]{escape(msg)}[/dim]"),
         device=device,
     )

@@ -143,6 +143,7 @@ def run(
     json_path: str | Path | None = None,
     disk_dir: str | Path | None = None,
     progress: Progress | None = None,
+    remote: bool = True,
     device: str = "cpu",
 ) -> dict[str, Any]:
     """Run every measurement, write the JSON report to `json_path` and return it.
@@ -150,8 +151,9 @@ def run(
     `device` ("cpu", "cuda", "cuda:N") is where the KV cache of the save/load path rows lives.
 
     `progress` gets one line per phase as it starts. `disk_dir` holds a temporary directory for
-    the disk tier and raw files, removed afterwards. A missed target is reported in its row
-    (`pass: false`), never raised.
+    the disk tier and raw files, removed afterwards. `remote` adds the shared-tier rows (a
+    throwaway redis-server and a 3-shard cluster on loopback). A missed target is reported in
+    its row (`pass: false`), never raised.
     """
     out = Path(DEFAULT_JSON if json_path is None else json_path)
     if out.is_dir():
@@ -183,6 +185,10 @@ def run(
     _bench_memory(report, plan, chunk_bytes, say)
     _bench_disk(report, plan, chunk_bytes, disk_root, say)
     _bench_lookup(report, plan, say)
+    if remote:
+        from kvtier.bench.tier_remote import bench_remote
+
+        bench_remote(report, quick, say)
     from kvtier.bench.datapath import run_datapath
 
     run_datapath(report, device, plan.datapath_reps, plan.datapath_warmup, say)
@@ -780,10 +786,10 @@ def _gbps_row(
     seconds: Sequence[float],
     raw_seconds: Sequence[float],
     target: Target | None = None,
-) -> None:
+) -> Row:
     """A GB/s row from per-repetition seconds (median), with its raw baseline's median."""
     med, raw_med = float(np.median(seconds)), float(np.median(raw_seconds))
-    report.add(
+    return report.add(
         Row(
             row_id,
             label,
