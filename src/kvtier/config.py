@@ -308,6 +308,9 @@ class KVTierConfig:
     tenant: str = _f("", "str", "key prefix separating tenants on a shared store")
     lookup_scope: tuple[int, ...] | None = _f(None, "scope", "ranks asked on lookup; None = all")
     lookup_timeout_ms: int = _f(200, "int", "deadline of one lookup across ranks")
+    lookup_wait_ms: float = _f(
+        5.0, "float", "longest the scheduler loop waits on a lookup before asking next step"
+    )
     lookup_transport: str = _f("ipc", "str", "'ipc' or 'tcp'")
     lookup_dir: str | None = _f(None, "opt_str", "directory of the ipc sockets")
     lookup_bind_host: str = _f("127.0.0.1", "str", "address lookup servers bind on tcp")
@@ -492,6 +495,12 @@ class KVTierConfig:
                 raise _error(
                     key, f"{_show(key, value)} must be > 0; use {default!r} (the default) or more"
                 )
+        if self.lookup_wait_ms < 0:
+            raise _error(
+                "lookup_wait_ms",
+                f"{_show('lookup_wait_ms', self.lookup_wait_ms)} is negative; use 0 to never "
+                "block the scheduler loop, or a few ms (5, the default)",
+            )
         if self.min_load_tokens is not None and self.min_load_tokens < 0:
             raise _error(
                 "min_load_tokens",

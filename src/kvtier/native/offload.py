@@ -143,6 +143,8 @@ class SchedulerHalf:
         self, request: ConnectorRequest, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         n = self.core.get_num_new_matched_tokens(request, num_computed_tokens)
+        if n is None:
+            return None, False  # not known yet: the engine asks again next step
         # loads run on each rank's load lane: the request parks until they report
         return (n, True) if n > 0 else (0, False)
 

@@ -136,6 +136,8 @@ class SchedulerSide:
         if view is None:
             view = self.views[request.request_id] = VLLMRequestView(request)
         n = self.core.get_num_new_matched_tokens(view, num_computed_tokens)
+        if n is None:
+            return None, False  # not known yet: vLLM keeps it waiting and asks next step
         # loads run on each rank's load lane: the request parks in WAITING_FOR_REMOTE_KVS
         return (n, True) if n > 0 else (0, False)
 
