@@ -190,14 +190,19 @@ class Engine:
         out = self.scheduler.schedule()
         self.last_step_tokens = out.total_num_scheduled_tokens
         meta = self.connector.encode_meta(self.connector.build_connector_meta(out))
-        step = build_step_input(out, meta, next(self._step_ids), self.config.block_size)
+        step = build_step_input(
+            out, meta, next(self._step_ids), self.config.block_size, self.model_config.eos_token_ids
+        )
         results = self.executor.execute(step)
         reports = [
             RankReport(r.finished_sending, r.finished_recving, r.invalid_block_ids, r.worker_meta)
             for r in results
         ]
-        sampled = results[0].sampled or [-1] * len(out.scheduled)
-        return self.scheduler.update_from_output(out, sampled, reports)
+        first = results[0]
+        sampled = first.sampled or [-1] * len(out.scheduled)
+        return self.scheduler.update_from_output(
+            out, sampled, reports, first.logprobs, first.failed
+        )
 
     def generate(
         self,
@@ -269,6 +274,7 @@ class Engine:
             "num_preemptions": s.num_preemptions,
             "requests_finished": s.requests_finished,
             "requests_aborted": s.requests_aborted,
+            "requests_failed": s.requests_failed,
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": (
                 len(self.scheduler.waiting) + len(self.scheduler.ready) + len(self.scheduler.parked)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from kvtier.native.blocks import BlockManager
 from kvtier.native.connector import ConnectorOutput, KVOutputAggregator, SchedulerConnector
+from kvtier.native.sampling import TokenLogprobs
 from kvtier.native.sequence import ExternalLoad, RequestOutput, Sequence, SequenceStatus
 
 log = logging.getLogger("kvtier.native")
@@ -73,6 +75,7 @@ class SchedulerStats:
     num_preemptions: int = 0
     requests_finished: int = 0
     requests_aborted: int = 0
+    requests_failed: int = 0  # sampling raised: finished with reason "error"
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
     external_load_failures: int = 0
@@ -283,12 +286,21 @@ class Scheduler:
     # ---- results ------------------------------------------------------------------------------
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled: Seq[int], reports: Seq[RankReport]
+        self,
+        out: SchedulerOutput,
+        sampled: Seq[int],
+        reports: Seq[RankReport],
+        logprobs: Seq[TokenLogprobs | None] = (),
+        failed: Mapping[str, str] | None = None,
     ) -> list[RequestOutput]:
         """Apply one step: advance computed tokens, append samples, settle connector reports.
 
-        `sampled[i]` is the token of `out.scheduled[i]` (-1 where it did not sample).
+        `sampled[i]` is the token of `out.scheduled[i]` (-1 where it did not sample) and
+        `logprobs[i]` its logprobs; a request in `failed` (its sampling raised) finishes with
+        reason "error" and the error text.
         """
+        lps = list(logprobs) or [None] * len(out.scheduled)
+        failed = failed or {}
         expect_recv = self.parked.keys() | {k for k, h in self.held.items() if h.wait_recv}
         expect_send = {k for k, h in self.held.items() if h.wait_send}
         sending: set[str] = set()
@@ -305,8 +317,8 @@ class Scheduler:
             self._mark_invalid(invalid, out)
         outputs = [
             o
-            for sr, tok in zip(out.scheduled, sampled, strict=True)
-            if (o := self._advance(sr, tok))
+            for sr, tok, lp in zip(out.scheduled, sampled, lps, strict=True)
+            if (o := self._advance(sr, tok, lp, failed.get(sr.request_id)))
         ]
         resumed = [self.parked.pop(rid) for rid in recving if rid in self.parked]
         resumed.sort(key=lambda s: s.arrival)
@@ -368,7 +380,9 @@ class Scheduler:
                 seq.request_id, load.first_bad_block, good, load.end,
             )  # fmt: skip
 
-    def _advance(self, sr: ScheduledRequest, token: int) -> RequestOutput | None:
+    def _advance(
+        self, sr: ScheduledRequest, token: int, lp: TokenLogprobs | None, error: str | None
+    ) -> RequestOutput | None:
         seq = sr.seq
         seq.num_computed_tokens += sr.num_new_tokens
         load = seq.load
@@ -384,6 +398,11 @@ class Scheduler:
         self.bm.cache_blocks(seq, seq.num_computed_tokens)
         if seq.num_computed_tokens < seq.num_tokens:
             return None  # a prefill chunk that did not reach the end of the prompt
+        if error is not None:
+            self.running.remove(seq)
+            self.stats.requests_failed += 1
+            self._finish(seq, "error", wait_recv=False)
+            return self._output(seq, [], "error", error=error)
         if token < 0:
             raise RuntimeError(f"rank 0 sampled no token for {seq.request_id}, which needed one")
         if not seq.output_token_ids:
@@ -395,15 +414,28 @@ class Scheduler:
             self.running.remove(seq)
             self.stats.requests_finished += 1
             self._finish(seq, reason, wait_recv=False)
+        return self._output(seq, [token], reason, logprobs=lp)
+
+    def _output(
+        self,
+        seq: Sequence,
+        new: list[int],
+        reason: str | None,
+        *,
+        logprobs: TokenLogprobs | None = None,
+        error: str | None = None,
+    ) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id,
-            new_token_ids=[token],
+            new_token_ids=new,
             output_token_ids=list(seq.output_token_ids),
             finished=reason is not None,
             finish_reason=reason,
             prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=max(seq.num_cached_tokens, 0),
             num_external_tokens=seq.num_external_tokens,
+            logprobs=logprobs,
+            error=error,
         )
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
