@@ -22,7 +22,7 @@ from kvtier.native.connector import (
 )
 from kvtier.native.loader import load_model
 from kvtier.native.model import AllReduce, AttentionMetadata, ModelConfig, SeqAttention
-from kvtier.native.sampling import Sampler, SampleOutcome, SampleSpec, TokenLogprobs, sample_spec
+from kvtier.native.sampling import SampleOutcome, Sampler, SampleSpec, TokenLogprobs, sample_spec
 from kvtier.native.scheduler import SchedulerOutput
 
 
@@ -198,6 +198,10 @@ class ModelRunner:
         invalid = conn.get_block_ids_with_load_errors()
         worker_meta = conn.build_worker_meta()
         conn.clear_connector_metadata()
+        # ranks other than 0 sample nothing: their outcomes are empty
+        failed = {
+            s.req_id: o.error for s, o in zip(step.seqs, outcomes, strict=False) if o and o.error
+        }
         return StepResult(
             rank=self.rank,
             step_id=step.step_id,
@@ -207,7 +211,7 @@ class ModelRunner:
             invalid_block_ids=sorted(invalid or ()),
             worker_meta=worker_meta or b"",
             logprobs=[o.logprobs if o is not None else None for o in outcomes],
-            failed={s.req_id: o.error for s, o in zip(step.seqs, outcomes) if o and o.error},
+            failed=failed,
         )
 
     def _forward(self, step: StepInput) -> list[SampleOutcome | None]:
