@@ -27,6 +27,14 @@ MAX_LOGPROBS = 20
 LOGIT_BIAS_LIMIT = 100.0
 
 
+class SamplingParamError(ConfigError):
+    """A sampling parameter outside vLLM's range; `param` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops (vLLM's names, defaults and ranges)."""
@@ -70,7 +78,7 @@ class SamplingParams:
         )
         for ok, rule, name in checks:
             if not ok:
-                raise ConfigError(f"{name}={getattr(self, name)!r} {rule}")
+                raise SamplingParamError(name, f"{name}={getattr(self, name)!r} {rule}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         bias = {int(t): min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(b)))
                 for t, b in self.logit_bias.items()}  # fmt: skip

@@ -10,7 +10,12 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from kvtier.native.blocks import BlockManager
-from kvtier.native.connector import ConnectorOutput, KVOutputAggregator, SchedulerConnector
+from kvtier.native.connector import (
+    ConnectorOutput,
+    KVOutputAggregator,
+    SchedulerConnector,
+    external_cache_hit_sources,
+)
 from kvtier.native.sampling import TokenLogprobs
 from kvtier.native.sequence import ExternalLoad, RequestOutput, Sequence, SequenceStatus
 
@@ -79,6 +84,8 @@ class SchedulerStats:
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
     external_load_failures: int = 0
+    # external hits by the tier that served them (vLLM's CacheHitSource values)
+    external_hits_by_source: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -130,6 +137,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.aggregator = KVOutputAggregator(world)
         self._finished_ids: set[str] = set()
+        self._loaded: list[tuple[Sequence, int]] = []  # loads counted in this step: (seq, tokens)
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -153,8 +161,9 @@ class Scheduler:
                 return seq
         return None
 
-    def abort(self, request_id: str) -> bool:
-        """Finish a live request now (reason "abort"); False if it is not live."""
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        """Finish a live request now (reason "abort", or "stop" for a stop string the server
+        matched); False if it is not live."""
         seq = self.get(request_id)
         if seq is None:
             return False
@@ -167,8 +176,11 @@ class Scheduler:
             self.ready.remove(seq)
         else:
             self.waiting.remove(seq)
-        self.stats.requests_aborted += 1
-        self._finish(seq, "abort", wait_recv=loading)
+        if reason == "abort":
+            self.stats.requests_aborted += 1
+        else:
+            self.stats.requests_finished += 1
+        self._finish(seq, reason, wait_recv=loading)
         return True
 
     # ---- scheduling ---------------------------------------------------------------------------
@@ -336,7 +348,16 @@ class Scheduler:
         self.connector.update_connector_output(
             ConnectorOutput(sending, recving, invalid, [r.worker_meta for r in reports])
         )
+        self._count_sources()
         return outputs
+
+    def _count_sources(self) -> None:
+        # asked after update_connector_output: the connector knows the serving tier by then
+        loaded, self._loaded = self._loaded, []
+        by_source = self.stats.external_hits_by_source
+        for seq, tokens in loaded:
+            for source, n in external_cache_hit_sources(self.connector, seq, tokens).items():
+                by_source[source] = by_source.get(source, 0) + n
 
     def _mark_invalid(self, invalid: set[int], out: SchedulerOutput) -> None:
         loading = list(self.parked.values())
@@ -373,6 +394,8 @@ class Scheduler:
     def _count_load(self, seq: Sequence, load: ExternalLoad, good: int) -> None:
         seq.num_external_tokens = good - load.start
         self.stats.external_prefix_cache_hits += good - load.start
+        if good > load.start:
+            self._loaded.append((seq, good - load.start))
         if load.first_bad_block is not None:
             self.stats.external_load_failures += 1
             log.warning(
