@@ -17,7 +17,6 @@ import torch
 from kvtier.native import Engine, EngineConfig, SamplingParams
 from kvtier.native.connector import ConnectorContext, ConnectorOutput, ConnectorRole, ConnectorSpec
 from kvtier.native.modelgen import init_model
-from tests.vllm.conftest import vllm_env, vllm_python  # noqa: F401 - fixtures for real clients
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
