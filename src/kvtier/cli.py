@@ -135,8 +135,15 @@ def bench_tier(
     disk_dir: Path | None = typer.Option(
         None, "--disk-dir", help="Directory for the disk tier's temp files (default: runs)."
     ),
+    remote: bool = typer.Option(
+        True, "--remote/--no-remote", help="Remote rows: a loopback server and 3-shard cluster."
+    ),
+    device: str = typer.Option(
+        "cpu", "--device", help="KV device of the save/load path rows: cpu, cuda or cuda:N."
+    ),
 ) -> None:
-    """Memory and disk tier GB/s against raw copies, and all-rank lookup latency."""
+    """Tier GB/s against raw copies (memory, disk, remote), all-rank lookup latency, save/load
+    on the KV device."""
     from rich.console import Console
     from rich.markup import escape
 
@@ -147,7 +154,9 @@ def bench_tier(
         quick=quick,
         json_path=json_path,
         disk_dir=disk_dir,
+        remote=remote,
         progress=lambda msg: progress.print(f"[dim]{escape(msg)}[/dim]"),
+        device=device,
     )
     table.print_report(doc)
 

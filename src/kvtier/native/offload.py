@@ -31,6 +31,7 @@ from kvtier.native.connector import (
 from kvtier.native.scheduler import SchedulerOutput
 from kvtier.offload import messages
 from kvtier.offload.messages import OffloadMeta
+from kvtier.offload.pages import KVCacheDescription
 from kvtier.offload.protocols import StepRequest
 from kvtier.offload.scheduler import OffloadScheduler
 from kvtier.offload.selftest import check_lookup
@@ -157,13 +158,14 @@ class SchedulerHalf:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMeta:
         scheduled = [StepRequest(s.seq, s.computed_after_step) for s in scheduler_output.scheduled]
+        preempted = scheduler_output.preempted_req_ids
         self._step_prefill = sum(
             min(s.computed_after_step, len(s.seq.prompt_token_ids)) - s.seq.num_computed_tokens
             for s in scheduler_output.scheduled
             if s.seq.num_computed_tokens < len(s.seq.prompt_token_ids)
         )
         self._step_t0 = time.perf_counter()
-        return self.core.build_meta(scheduled)
+        return self.core.build_meta(scheduled, preempted)
 
     def encode_meta(self, meta: object) -> bytes:
         assert isinstance(meta, OffloadMeta)
@@ -215,6 +217,7 @@ class WorkerHalf:
         model_id: str,
     ) -> None:
         self.rank = topo.rank
+        self.context = context
         self.registry = CollectorRegistry()
         self.metrics = Metrics(rank=topo.rank, registry=self.registry)
         self.worker = OffloadWorker(
@@ -224,12 +227,21 @@ class WorkerHalf:
             model_id=model_id,
             metrics=self.metrics,
             lookup_endpoint=_endpoint(config, topo.rank, run_dir),
+            # every TP rank of the native engine runs on this host
+            ranks_on_host=topo.world,
         )
         self._meta = OffloadMeta()
         self._report = messages.WorkerReport(rank=topo.rank)
 
     def register_kv_caches(self, kv_caches: dict[str, Any], block_size: int) -> None:
-        self.worker.register_kv_caches(kv_caches, block_size)
+        self.worker.register_kv_caches(
+            KVCacheDescription(
+                tensors=kv_caches,
+                num_blocks=self.context.num_blocks,
+                block_size=block_size,
+                layout=f"native[{self.context.kv_layout}]",
+            )
+        )
 
     def decode_meta(self, data: bytes) -> OffloadMeta:
         return messages.decode_meta(data) if data else OffloadMeta()
@@ -239,9 +251,8 @@ class WorkerHalf:
         self._meta = meta
 
     def handle_preemptions(self, preempted_req_ids: set[str]) -> None:
-        # saves finish inside the step that emits them, and a loading request is parked, never
-        # running, so no preempted request has a transfer touching its blocks
-        return
+        # a loading request is parked, never running, so only saves can touch these blocks
+        self.worker.handle_preemptions(preempted_req_ids)
 
     def start_load_kv(self) -> None:
         self.worker.start_load_kv(self._meta)

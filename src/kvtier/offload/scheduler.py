@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.config import KVTierConfig
@@ -211,9 +211,12 @@ class OffloadScheduler:
 
     # ---- per step -----------------------------------------------------------------------------
 
-    def build_meta(self, scheduled: Sequence[StepRequest]) -> OffloadMeta:
-        """The loads ready to go, the saves this step completes, and the delayed frees."""
-        meta = OffloadMeta()
+    def build_meta(
+        self, scheduled: Sequence[StepRequest], preempted: Iterable[str] = ()
+    ) -> OffloadMeta:
+        """The loads ready to go, the saves this step completes, the delayed frees, and the
+        requests preempted in this step (whose in-flight saves the ranks cancel)."""
+        meta = OffloadMeta(preempted=sorted(preempted))
         for st in self._reqs.values():
             load = st.load
             if load is not None and load.block_ids is not None and load.op_id is None:

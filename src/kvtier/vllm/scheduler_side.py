@@ -186,7 +186,7 @@ class SchedulerSide:
             n = out.num_scheduled_tokens.get(req_id, 0)
             scheduled.append(StepRequest(view, computed + n))
             prefill += _prefill_tokens(view, computed, n)
-        meta = self.core.build_meta(scheduled)
+        meta = self.core.build_meta(scheduled, out.preempted_req_ids or ())
         if self._vllm_frees:
             meta.delayed_free = [r for r in meta.delayed_free if r not in self._vllm_frees]
             self._vllm_frees.clear()
