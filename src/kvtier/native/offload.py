@@ -21,6 +21,7 @@ from kvtier.config import KVTierConfig
 from kvtier.lookup import LookupClient, endpoint_for, make_run_dir
 from kvtier.metrics import MergedCollector, Metrics
 from kvtier.native.connector import (
+    UNSPECIFIED_SOURCE,
     ConnectorContext,
     ConnectorOutput,
     ConnectorRequest,
@@ -38,6 +39,9 @@ from kvtier.offload.worker import OffloadWorker
 from kvtier.topology import Topology, resolve, validate_lookup_scope
 
 log = logging.getLogger("kvtier")
+
+# kvtier's tier names -> vLLM's CacheHitSource values; a shared store has no vLLM name of its own
+_SOURCE_OF_TIER = {"memory": "host", "disk": "disk", "remote": UNSPECIFIED_SOURCE}
 
 
 def model_id_for(model_dir: str | Path) -> str:
@@ -134,6 +138,7 @@ class SchedulerHalf:
             raise
         self.scope = scope
         self._step_t0: float | None = None
+        self._served_by: dict[str, str] = {}  # request -> tier of its finished load
         self._step_prefill = 0
         log.info("%s", config.describe())
 
@@ -180,9 +185,19 @@ class SchedulerHalf:
             if meta.metrics:
                 self.collector.update(f"rank{rank}", meta.metrics)
             reports.append(meta)
-        self.core.process_reports(reports)
+        for outcome in self.core.process_reports(reports):
+            if outcome.ok:
+                self._served_by[outcome.req_id] = outcome.tier
+
+    def get_external_cache_hit_sources(
+        self, request: ConnectorRequest, num_external_tokens: int
+    ) -> dict[str, int]:
+        """The load's tokens under the tier that served it (vLLM's CacheHitSource names)."""
+        tier = self._served_by.pop(request.request_id, "")
+        return {_SOURCE_OF_TIER.get(tier, UNSPECIFIED_SOURCE): num_external_tokens}
 
     def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> bool:
+        self._served_by.pop(request.request_id, None)
         return self.core.request_finished(request)
 
     def request_preempted(self, request: ConnectorRequest) -> None:

@@ -72,6 +72,7 @@ class LoadOutcome:
     ok: bool
     tokens: int
     reason: str
+    tier: str = ""  # the tier that served most of the load's chunks ("" when it failed)
 
 
 class OffloadScheduler:
@@ -385,7 +386,7 @@ class OffloadScheduler:
             st.load = None
         if term.ok:
             self.gate.observe_load(tokens, term.seconds, term.tier)
-            return LoadOutcome(req_id, True, tokens, "")
+            return LoadOutcome(req_id, True, tokens, "", term.tier)
         self._m.load_failure(term.reason or "unknown").inc()
         if st is not None and load is not None:
             st.load_failed = True
