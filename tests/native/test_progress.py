@@ -9,6 +9,10 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvtier.native import Engine, EngineConfig
+
+from .conftest import GREEDY, make_prompts
+from .faults_connector import kvtier_engine
 from .sim_connector import Arrival, Plan, SimConnector, drive, make_scheduler
 
 BS = 16
@@ -96,3 +100,24 @@ def test_progress_invariant_for_any_workload_and_pool(case):
     assert run.steps <= 5000, "no wedge, but no end either (livelock)"
     assert run.finished == {a.request_id: a.max_tokens for a in arrivals}
     _assert_all_returned(sched, sched.connector)
+
+
+def test_kvtier_engine_on_a_tight_pool_does_not_wedge(tiny_model, tmp_path):
+    # issue 10 item 1's recipe on the real engine and tier: prompts go in one by one, the HBM
+    # prefix cache is reset, then all at once: every one is a 256-token tier hit whose 33-token
+    # tail needs 3 more blocks than its load; 33 blocks fit two loads and one spare block
+    prompts = make_prompts(8, 289, seed=5)
+    with Engine(tiny_model, EngineConfig(num_threads=1, num_blocks=33)) as plain:
+        expected = [o.output_token_ids for o in plain.generate(prompts, GREEDY)]
+    with kvtier_engine(tiny_model, tmp_path / "run", num_blocks=33) as eng:
+        for p in prompts:
+            eng.generate([p], GREEDY)
+        eng.drain()
+        eng.reset_prefix_cache()
+        before = eng.stats()
+        # a wedge never ends: generate's deadline turns it into a failure naming what is open
+        out = eng.generate(prompts, GREEDY, timeout_s=60)
+        s = eng.stats()
+        assert [o.output_token_ids for o in out] == expected
+        assert s["external_prefix_cache_hits"] - before["external_prefix_cache_hits"] >= 8 * 256
+        assert eng.block_manager.num_free_blocks() == 33

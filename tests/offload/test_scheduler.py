@@ -247,3 +247,19 @@ def test_asked_again_before_allocation_reuses_the_promise_without_a_lookup():
     assert sched.get_num_new_matched_tokens(view, BLOCK) == 2 * CHUNK - BLOCK
     assert metrics.value("lookups_total") == 2
     assert lookup.outstanding() == {lookup.leased[-1]}
+
+
+def test_preempting_a_request_whose_load_is_on_the_ranks_is_refused():
+    sched, lookup, _ = make(hits=2, world=1)
+    p = prompt(2 * CHUNK + 1)
+    view = SlotView("a", p)
+    need = sched.get_num_new_matched_tokens(view, 0)
+    sched.update_state_after_alloc(view, blocks(len(p)), need)
+    (op,) = sched.build_meta([]).loads
+    with pytest.raises(RuntimeError, match=r"preempted while its load a#ld\d+ is on the ranks"):
+        sched.request_preempted(view)
+    assert sched.pending_load("a") == (0, need)  # the load stands, its blocks still promised
+    (outcome,) = report_all(sched, op.op_id, world=1)
+    assert outcome.ok and sched.pending_load("a") is None
+    sched.request_preempted(view)  # after the terminal: nothing left to withdraw
+    assert not sched.has_pending_work()

@@ -356,10 +356,18 @@ class OffloadScheduler:
         return False
 
     def request_preempted(self, req: RequestView) -> None:
-        """The host took the request's blocks back; an unsent load is withdrawn."""
+        """The host takes the request's blocks back; an unsent load is withdrawn (its lease
+        released). A load already sent cannot be: the ranks may still write those blocks, so a
+        host preempts such a request only after its load's terminal (finished_recving)."""
         st = self._reqs.get(req.request_id)
-        if st is not None and st.load is not None and st.load.op_id is None:
-            self._drop_load(st, WITHDRAWN)
+        if st is None or st.load is None:
+            return
+        if st.load.op_id is not None:
+            raise RuntimeError(
+                f"request {st.req_id} was preempted while its load {st.load.op_id} is on the "
+                "ranks, which may still write its blocks; wait for the load's finished_recving"
+            )
+        self._drop_load(st, WITHDRAWN)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The host's measured prefill rate feeds the load gate."""
