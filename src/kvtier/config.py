@@ -15,13 +15,20 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, parse_qs, unquote, urlsplit
 
 import yaml
 
 from kvtier.errors import ConfigError
 
-__all__ = ["ENV_CONFIG_FILE", "ENV_PREFIX", "KVTierConfig", "format_size", "parse_size"]
+__all__ = [
+    "ENV_CONFIG_FILE",
+    "ENV_PREFIX",
+    "KVTierConfig",
+    "format_size",
+    "mask_url",
+    "parse_size",
+]
 
 ENV_PREFIX = "KVTIER_"
 ENV_CONFIG_FILE = "KVTIER_CONFIG"
@@ -64,19 +71,41 @@ def _error(keys: str | tuple[str, ...], message: str) -> KeyedConfigError:
 _QUERY_PASSWORD_RE = re.compile(r"(?i)([?&]password=)[^&#]*")
 
 
-def _mask_url(url: str) -> str:
-    """Hide a URL's passwords: userinfo (`redis://u:pw@h`) and a `?password=` query parameter."""
+def mask_url(url: str) -> str:
+    """`url` with its userinfo secret and any `?password=` value replaced by `***`: the one
+    masking function for every log line and error message that shows a store URL."""
     url = _QUERY_PASSWORD_RE.sub(lambda m: m.group(1) + _MASK, url)
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url
-    # userinfo ends at the last '@' before the first '/' of the path
-    authority, slash, path = rest.partition("/")
-    userinfo, at, host = authority.rpartition("@")
-    if not at or ":" not in userinfo:
+    # the userinfo ends at the last '@' before the query: searching past the first '/' too
+    # keeps a password holding an unescaped '/' hidden (over-masking a path is harmless)
+    cut = min((i for i in (rest.find("?"), rest.find("#")) if i != -1), default=len(rest))
+    at = rest.rfind("@", 0, cut)
+    if at == -1:
         return url
-    user = userinfo.split(":", 1)[0]
-    return f"{scheme}://{user}:{_MASK}@{host}{slash}{path}"
+    user, colon, _secret = rest[:at].partition(":")
+    # a lone userinfo (redis://TOKEN@host) is a user name to redis-py, but it is often a token
+    shown = f"{user}:{_MASK}" if colon else _MASK
+    return f"{scheme}://{shown}{rest[at:]}"
+
+
+def _db_text(parts: SplitResult) -> str:
+    # redis-py's reading: a ?db= query wins; else a redis(s):// path; a unix path is the socket
+    query = parse_qs(parts.query).get("db")
+    if query:
+        return query[0]
+    if parts.scheme == "unix":
+        return "0"
+    return unquote(parts.path).replace("/", "") or "0"
+
+
+def remote_db(url: str) -> int | None:
+    """The database index a Redis URL selects (`/N` or `?db=N`); 0 when it names none, None
+    when what it names is not a whole number >= 0 (redis-py would silently use 0)."""
+    parts = urlsplit(url)
+    text = _db_text(parts)
+    return int(text) if text.isascii() and text.isdigit() else None
 
 
 def _show(key: str, value: Any) -> str:
@@ -84,7 +113,7 @@ def _show(key: str, value: Any) -> str:
     if key == "remote_password":
         return f"{key}={_MASK}"
     if key == "remote_url" and isinstance(value, str):
-        return f"{key}={_mask_url(value)!r}"
+        return f"{key}={mask_url(value)!r}"
     return f"{key}={value!r}"
 
 
@@ -294,6 +323,9 @@ class KVTierConfig:
     lookup_scope: tuple[int, ...] | None = _f(None, "scope", "ranks asked on lookup; None = all")
     lookup_timeout_ms: int = _f(200, "int", "deadline of one lookup across ranks")
     lookup_transport: str = _f("ipc", "str", "'ipc' or 'tcp'")
+    lookup_base_port: int | None = _f(
+        None, "opt_int", "tcp: rank r's lookup server listens on this port + r"
+    )
     lookup_dir: str | None = _f(None, "opt_str", "directory of the ipc sockets")
     lookup_bind_host: str = _f("127.0.0.1", "str", "address lookup servers bind on tcp")
     allow_remote_bind: bool = _f(False, "bool", "permit a non-loopback lookup_bind_host")
@@ -310,6 +342,9 @@ class KVTierConfig:
     breaker_failures: int = _f(5, "int", "consecutive failures that open a tier's breaker")
     breaker_probe_s: float = _f(5.0, "float", "seconds before an open breaker probes again")
     self_test: bool = _f(True, "bool", "store/lookup/read one chunk on every rank at startup")
+    model_revision: str | None = _f(
+        None, "opt_str", "folded into the model identity; change it when weights change in place"
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -335,6 +370,7 @@ class KVTierConfig:
         self._validate_disk()
         self._validate_remote()
         self._validate_lookup()
+        self._validate_lookup_port()
         self._validate_numbers()
 
     def _validate_disk(self) -> None:
@@ -396,6 +432,13 @@ class KVTierConfig:
             raise _error("remote_url", f"{shown} names no host; {fix}")
         if port == 0:
             raise _error("remote_url", f"{shown} has port 0; {fix}")
+        db = remote_db(url)
+        if db is None:
+            raise _error(
+                "remote_url",
+                f"{shown} selects database {_db_text(parts)!r}, which is not a database index; "
+                "give a whole number >= 0 (redis://host:6379/0, unix:///path.sock?db=0)",
+            )
 
     def _validate_lookup(self) -> None:
         if self.lookup_transport not in _TRANSPORTS:
@@ -413,6 +456,15 @@ class KVTierConfig:
                 f"{_show('lookup_bind_host', host)} is not a loopback address, so lookup "
                 "servers would listen off this host; use 127.0.0.1, or set "
                 "allow_remote_bind=true if other hosts must reach them",
+            )
+
+    def _validate_lookup_port(self) -> None:
+        port = self.lookup_base_port
+        if port is not None and not 0 < port < 65536:
+            raise _error(
+                "lookup_base_port",
+                f"lookup_base_port={port} is outside 1..65535; pick a free port range "
+                "(rank r listens on lookup_base_port + r), e.g. 15500",
             )
 
     def _validate_numbers(self) -> None:
@@ -450,6 +502,18 @@ class KVTierConfig:
         """Smallest load worth issuing, in tokens: `min_load_tokens`, or one chunk when unset."""
         return self.chunk_size if self.min_load_tokens is None else self.min_load_tokens
 
+    def check_max_model_len(self, max_model_len: int) -> None:
+        """Startup check against the host's longest sequence: a chunk no prompt can fill is
+        never stored, so offload would do nothing."""
+        if self.enabled and self.chunk_size > max_model_len:
+            fit = max(16, max_model_len // 16 * 16)
+            raise _error(
+                "chunk_size",
+                f"chunk_size={self.chunk_size} is larger than the model's max_model_len="
+                f"{max_model_len}: no prompt fills one chunk, so nothing would ever be stored; "
+                f"set chunk_size to at most {fit} (a multiple of the KV block size)",
+            )
+
     # -------------------------------------------------------------------------- display
 
     def to_dict(self, secrets: bool = False) -> dict[str, Any]:
@@ -461,7 +525,7 @@ class KVTierConfig:
             if not secrets and f.name == "remote_password" and value is not None:
                 value = _MASK
             elif not secrets and f.name == "remote_url" and value is not None:
-                value = _mask_url(value)
+                value = mask_url(value)
             if f.name == "lookup_scope" and value is not None:
                 value = list(value)
             out[f.name] = value
@@ -476,7 +540,7 @@ class KVTierConfig:
         if not self.enabled:
             return "kvtier: offload off"
         disk = f"{format_size(self.disk_bytes)} at {self.disk_dir}" if self.disk_bytes else "off"
-        remote = _mask_url(self.remote_url) if self.remote_url else "off"
+        remote = mask_url(self.remote_url) if self.remote_url else "off"
         scope = "all ranks" if self.lookup_scope is None else f"ranks {list(self.lookup_scope)}"
         return (
             f"kvtier: offload on; chunk={self.chunk_size} tokens; "
@@ -589,6 +653,21 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
     return out
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a mapping key given twice (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice; keep one", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def _from_yaml(path: str | os.PathLike[str], via: str) -> dict[str, tuple[Any, str]]:
     p = Path(path)
     try:
@@ -598,7 +677,7 @@ def _from_yaml(path: str | os.PathLike[str], via: str) -> dict[str, tuple[Any, s
             via, f"{via}={str(p)!r} cannot be read ({exc.strerror}); point it at a YAML file"
         ) from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no arbitrary objects
     except yaml.YAMLError as exc:
         # keep only the position: the default message quotes the line, which may hold a secret
         mark = getattr(exc, "problem_mark", None)

@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvtier.config import KVTierConfig
 from kvtier.native import Engine, EngineConfig
@@ -175,3 +176,47 @@ def test_load_failing_on_one_rank_fails_the_op_recomputes_and_saves_again(
         assert eng.stats()["external_prefix_cache_hits"] == 256
         # rank 0's half-successful load of pass 2 is not counted: the identity still closes
         assert rank_total(eng, "retrieved_tokens_total") / 2 == 256
+
+
+def _other_weights(model: Path, dest: Path) -> Path:
+    """A copy of `model` under the same directory name and config.json, with perturbed weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = dest / model.name
+    shutil.copytree(model, out)
+    g = torch.Generator().manual_seed(99)
+    weights = load_file(str(out / "model.safetensors"))
+    perturbed = {
+        k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) for k, v in weights.items()
+    }
+    save_file(perturbed, str(out / "model.safetensors"))
+    return out
+
+
+def test_other_weights_under_the_same_config_and_dir_name_miss_a_shared_disk_tier(
+    tiny_model, tmp_path, whole_chunk_prompts, whole_chunk_baseline
+):
+    # issue 10 item 2: a persistent disk tier outlives the weights it was written with
+    other = _other_weights(tiny_model, tmp_path / "b")
+    assert (other / "config.json").read_bytes() == (tiny_model / "config.json").read_bytes()
+    prompts = whole_chunk_prompts[:4]
+    disk = {"disk_dir": str(tmp_path / "disk"), "disk_bytes": "64MiB"}
+    with kvtier_engine(tiny_model, tmp_path / "a", **disk) as eng:
+        assert [o.output_token_ids for o in eng.generate(prompts, GREEDY)] == (
+            whole_chunk_baseline[:4]
+        )
+        assert eng.executor.runner.connector.worker.stack.flush(10.0)
+    with Engine(other, EngineConfig(num_threads=1)) as plain:
+        expected = [o.output_token_ids for o in plain.generate(prompts, GREEDY)]
+    assert expected != whole_chunk_baseline[:4]  # the weights really differ
+    with kvtier_engine(other, tmp_path / "b", **disk) as eng:
+        out = eng.generate(prompts, GREEDY)
+        assert [o.output_token_ids for o in out] == expected
+        assert eng.stats()["external_prefix_cache_hits"] == 0
+        assert all(o.num_external_tokens == 0 for o in out)
+    # the first weights still find their own chunks on the same disk
+    with kvtier_engine(tiny_model, tmp_path / "c", **disk) as eng:
+        eng.generate(prompts, GREEDY)
+        assert eng.stats()["external_prefix_cache_hits"] == 4 * (320 - 1)

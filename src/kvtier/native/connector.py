@@ -86,6 +86,7 @@ class ConnectorContext(msgspec.Struct, frozen=True):
     device: str
     # layout of each registered per-layer tensor; a block is one contiguous `cache[b]` slice
     kv_layout: str = "block,kv,token,head,dim"
+    max_model_len: int = 0  # the longest sequence the engine serves; 0 = not told
 
 
 class ConnectorSpec(msgspec.Struct, frozen=True):
