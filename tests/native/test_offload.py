@@ -62,7 +62,7 @@ def whole_chunk_baseline(tiny_model, whole_chunk_prompts) -> list[list[int]]:
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_two_pass_restore(
-    tiny_model, tmp_path, whole_chunk_prompts, whole_chunk_baseline, tp, caplog
+    tiny_model, tmp_path, whole_chunk_prompts, whole_chunk_baseline, tp, caplog, capfd
 ):
     caplog.set_level(logging.INFO, logger="kvtier")
     prompts, baseline = whole_chunk_prompts, whole_chunk_baseline
@@ -86,10 +86,14 @@ def test_two_pass_restore(
             == after["external_prefix_cache_queries"]
         )
         assert rank_total(eng, "retrieved_tokens_total") / tp == after["external_prefix_cache_hits"]
-    retrieved = [r.getMessage() for r in caplog.records if "Retrieved" in r.getMessage()]
-    if tp == 1:  # TP=2 ranks log in their own processes
-        assert len(retrieved) == 8
-        assert all("Retrieved 319 of 319 required tokens" in m for m in retrieved)
+    if tp == 1:
+        retrieved = [r.getMessage() for r in caplog.records if "Retrieved" in r.getMessage()]
+    else:  # TP ranks log in their own processes, onto the stderr they share with the engine
+        retrieved = [ln for ln in capfd.readouterr().err.splitlines() if "Retrieved" in ln]
+    for r in range(tp):
+        mine = [m for m in retrieved if f"kvtier[rank {r}/{tp}]: Retrieved" in m]
+        assert len(mine) == 8, retrieved
+        assert all("Retrieved 319 of 319 required tokens" in m for m in mine)
     assert f"kvtier: lookup client on ranks {list(range(tp))} (world={tp})" in caplog.text
 
 

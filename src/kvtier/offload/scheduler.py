@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -52,6 +53,7 @@ class _Req:
     emitted: int = 0  # emitted save frontier: saves in flight cover [saved, emitted)
     saves: dict[str, tuple[int, int]] = field(default_factory=dict)
     finished: bool = False
+    epoch: int = 0  # the namespace epoch its keys belong to
 
     def busy(self) -> bool:
         return bool(self.saves) or (self.load is not None and self.load.op_id is not None)
@@ -95,7 +97,9 @@ class OffloadScheduler:
         self.blocks_per_chunk = self.chunk // block_size
         self.world = world
         self._lookup = lookup
+        self._model_id = model_id
         self._seed = key_seed(model_id, self.chunk)
+        self.epoch = 0
         self._m = metrics
         self._reqs: dict[str, _Req] = {}
         self._quorum = Quorum(world)
@@ -125,6 +129,11 @@ class OffloadScheduler:
         if not self.config.enabled:
             return 0
         st = self._state(req)
+        if st.epoch != self.epoch:
+            if st.busy() or st.load is not None:
+                return 0  # its keys name the old epoch until its transfers end
+            del self._reqs[st.req_id]  # a new lifecycle: keyed in the new epoch
+            st = self._state(req)
         if st.load is not None and st.load.op_id is None:
             if st.load.hbm == num_computed_tokens and st.load.block_ids is None:
                 # asked again because the host could not allocate last time: the promise and
@@ -249,6 +258,8 @@ class OffloadScheduler:
     def _emit_save(self, st: _Req, item: StepRequest) -> SaveOp | None:
         if st.load is not None:
             return None  # its blocks are being filled by a load
+        if st.epoch != self.epoch:
+            return None  # computed before a reset: nothing of it enters the new epoch
         computed = min(item.computed_after_step, st.prompt_len)
         aligned = (computed // self.chunk) * self.chunk
         if aligned <= st.emitted:
@@ -369,6 +380,20 @@ class OffloadScheduler:
             )
         self._drop_load(st, WITHDRAWN)
 
+    def reset(self) -> None:
+        """Start a new namespace epoch: lookups and saves from now on chain from a fresh random
+        seed, so no chunk stored before (by any engine) is reachable; requests keyed before
+        neither load nor save again. For the host's cache resets (weights changed, pause); the
+        host resets its own prefix cache with it."""
+        self.epoch += 1
+        self._seed = key_seed(self._model_id, self.chunk, epoch=os.urandom(16))
+        log.info(
+            "kvtier: namespace epoch %d: every chunk stored before is unreachable (%d requests "
+            "keyed before it neither load nor save)",
+            self.epoch,
+            len(self._reqs),
+        )
+
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The host's measured prefill rate feeds the load gate."""
         self.gate.observe_prefill(tokens, seconds)
@@ -396,7 +421,9 @@ class OffloadScheduler:
         if st is None:
             prompt = req.prompt_token_ids
             keys = chain_keys(prompt, self.chunk, self._seed)
-            st = self._reqs[req.request_id] = _Req(req.request_id, len(prompt), keys)
+            st = self._reqs[req.request_id] = _Req(
+                req.request_id, len(prompt), keys, epoch=self.epoch
+            )
         return st
 
     def _drop_load(self, st: _Req, reason: str, count: bool = True) -> None:

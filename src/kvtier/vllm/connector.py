@@ -327,12 +327,11 @@ class KVTierConnector(KVConnectorBase_V1):
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def reset_cache(self) -> bool:
-        """The tier is not reset: its chunks are keyed by content and verified on read."""
-        log.warning(
-            "kvtier: reset_connector was requested; the tier keeps its chunks (keys are "
-            "content hashes, reads are verified); restart the engine to empty it"
-        )
-        return False
+        """vLLM's cache reset (pause, sleep, weight update): a new namespace epoch makes every
+        chunk stored before unreachable; the tiers free their space by eviction."""
+        if self._scheduler is not None:
+            self._scheduler.core.reset()
+        return True
 
     @property
     def offload_scheduler(self) -> OffloadScheduler | None:
