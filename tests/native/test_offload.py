@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvtier.config import KVTierConfig
+from kvtier.errors import ConfigError
 from kvtier.native import Engine, EngineConfig
 from kvtier.native.offload import connector_spec
 from tests.native.conftest import GREEDY, make_prompts
@@ -224,3 +225,26 @@ def test_other_weights_under_the_same_config_and_dir_name_miss_a_shared_disk_tie
     with kvtier_engine(tiny_model, tmp_path / "c", **disk) as eng:
         eng.generate(prompts, GREEDY)
         assert eng.stats()["external_prefix_cache_hits"] == 4 * (320 - 1)
+
+
+def test_chunk_larger_than_the_engines_max_model_len_is_a_startup_error(tiny_model, tmp_path):
+    spec = connector_spec(KVTierConfig(chunk_size=512), tiny_model, run_dir=tmp_path / "run")
+    cfg = EngineConfig(num_threads=1, num_blocks=64, max_model_len=256)
+    with pytest.raises(ConfigError, match=r"chunk_size=512 is larger than .*max_model_len=256"):
+        Engine(tiny_model, cfg, spec)
+
+
+def test_tcp_lookups_listen_on_lookup_base_port(tiny_model, tmp_path, prompts, baseline):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with kvtier_engine(
+        tiny_model, tmp_path, lookup_transport="tcp", lookup_base_port=port
+    ) as eng:
+        assert _worker(eng).lookup_endpoint == f"tcp://127.0.0.1:{port}"
+        eng.generate(prompts[:2], GREEDY)
+        eng.reset_prefix_cache()
+        assert [o.output_token_ids for o in eng.generate(prompts[:2], GREEDY)] == baseline[:2]
+        assert eng.stats()["external_prefix_cache_hits"] == 2 * 256

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtier.config import KVTierConfig
+from kvtier.config import KVTierConfig, mask_url, remote_db
 from kvtier.errors import StartupError
 from kvtier.metrics import Metrics
 from kvtier.store.base import Tier
@@ -50,7 +50,45 @@ def build_stack(
                 "point disk_dir at a writable directory or set disk_bytes=0"
             ) from e
     if config.remote_url:
-        from kvtier.store.remote import RemoteTier
-
-        lower.append(RemoteTier.from_config(config, namespace, metrics))
+        lower.append(_remote(config, namespace, metrics))
     return TierStack(memory, lower, metrics, queue_depth=config.write_queue_depth)
+
+
+def _remote(config: KVTierConfig, namespace: bytes, metrics: Metrics) -> Tier:
+    import redis
+
+    from kvtier.store.remote import RemoteTier
+
+    try:
+        return RemoteTier.from_config(config, namespace, metrics)
+    except redis.exceptions.ResponseError as e:
+        # the startup PING selects the URL's database first; the server refuses an index
+        # beyond its `databases` setting
+        if "DB index" not in str(e):
+            raise
+        url = config.remote_url or ""
+        have = _server_databases(url, config)
+        allows = f"databases 0..{have - 1}" if have else "fewer databases (16 by default: 0..15)"
+        raise StartupError(
+            f"remote_url={mask_url(url)!r} selects database {remote_db(url)}, but the server "
+            f"has {allows}; use a database index it has, e.g. redis://host:6379/0"
+        ) from None
+
+
+def _server_databases(url: str, config: KVTierConfig) -> int | None:
+    """The server's `databases` setting, asked on database 0 (None when it will not say)."""
+    import redis
+    from redis.connection import parse_url
+
+    kwargs = {**parse_url(url), "db": 0, "socket_timeout": config.remote_timeout_ms / 1000}
+    if config.remote_username is not None:
+        kwargs["username"] = config.remote_username
+    if config.remote_password is not None:
+        kwargs["password"] = config.remote_password
+    client = redis.Redis(connection_pool=redis.ConnectionPool(**kwargs))
+    try:
+        return int(client.config_get("databases")["databases"])
+    except (redis.exceptions.RedisError, KeyError, ValueError):
+        return None
+    finally:
+        client.close()
