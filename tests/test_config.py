@@ -504,7 +504,7 @@ def test_yaml_key_given_twice_is_an_error_naming_it(tmp_path: Path) -> None:
 
 def test_chunk_size_larger_than_max_model_len_names_both() -> None:
     cfg = KVTierConfig(chunk_size=512)
-    with pytest.raises(ConfigError, match=r"chunk_size=512 .* max_model_len=300.* at most 288"):
+    with pytest.raises(ConfigError, match=r"chunk_size=512 .* max_model_len=300.* larger than 300"):
         cfg.check_max_model_len(300)
     cfg.check_max_model_len(512)
     KVTierConfig(chunk_size=512, enabled=False).check_max_model_len(300)

@@ -506,12 +506,11 @@ class KVTierConfig:
         """Startup check against the host's longest sequence: a chunk no prompt can fill is
         never stored, so offload would do nothing."""
         if self.enabled and self.chunk_size > max_model_len:
-            fit = max(16, max_model_len // 16 * 16)
-            raise _error(
-                "chunk_size",
+            raise ConfigError(
                 f"chunk_size={self.chunk_size} is larger than the model's max_model_len="
                 f"{max_model_len}: no prompt fills one chunk, so nothing would ever be stored; "
-                f"set chunk_size to at most {fit} (a multiple of the KV block size)",
+                f"set chunk_size to a multiple of the KV block size no larger than "
+                f"{max_model_len}, or raise max_model_len"
             )
 
     # -------------------------------------------------------------------------- display

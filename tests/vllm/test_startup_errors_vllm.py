@@ -19,3 +19,15 @@ def test_chunk_size_not_multiple_of_block_size_stops_startup(
     assert first.startswith("kvtier.errors.ConfigError: ")
     assert "chunk_size=320 is not a multiple of vLLM's KV block size 128" in first
     assert "(e.g. 384)" in first
+
+
+def test_chunk_size_above_max_model_len_stops_startup_naming_both(
+    run_driver: Callable[..., DriverRun], tiny_vllm_model: Path
+) -> None:
+    # the driver serves max_model_len=2048: a 4096-token chunk could never be filled
+    args = {"model": str(tiny_vllm_model), "extra": {**TIER, "chunk_size": 4096}}
+    run = run_driver("bad_startup", args, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert run.result["started"] is False
+    first = run.result["errors"][0]
+    assert first.startswith("kvtier.errors.ConfigError: ")
+    assert "chunk_size=4096 is larger than the model's max_model_len=2048" in first
