@@ -467,3 +467,65 @@ def test_a_kv_layout_kvtier_cannot_move_whole_is_refused_by_name() -> None:
     with pytest.raises(ConfigError, match=r"preferred_kv_layout='LHBNC' is not a layout.*BLHNC"):
         KVTierConfig(preferred_kv_layout="LHBNC")
     assert KVTierConfig(preferred_kv_layout="").preferred_kv_layout == ""
+
+
+# ------------------------------------------------- configs that cannot start wrong (issue 10)
+
+
+@pytest.mark.parametrize(
+    ("url", "masked"),
+    [
+        # a password holding '/' (unescaped): the mask must not stop at the first '/'
+        (f"redis://admin:{SECRET}/x@cache:6379/0", "redis://admin:***@cache:6379/0"),
+        # a bare token as userinfo is a secret too
+        (f"redis://{SECRET}@cache:6379/0", "redis://***@cache:6379/0"),
+    ],
+)
+def test_one_mask_url_hides_slashed_passwords_and_bare_tokens_everywhere(
+    url: str, masked: str
+) -> None:
+    from kvtier.config import mask_url
+
+    assert mask_url(url) == masked
+    msg = error_of(remote_url=url.replace("redis://", "http://"))  # any error quoting it
+    assert SECRET not in msg
+    if "/x@" not in url:  # a slashed password is not a URL urlsplit can read: only errors show it
+        cfg = KVTierConfig.from_dict({"remote_url": url})
+        for text in (cfg.describe(), repr(cfg), str(cfg.to_dict())):
+            assert SECRET not in text and masked in text
+
+
+@pytest.mark.parametrize("url", ["redis://cache:6379/abc", "unix:///run/r.sock?db=x"])
+def test_redis_db_that_is_not_a_number_is_refused(url: str) -> None:
+    msg = error_of(remote_url=url)
+    assert "is not a database number; use /0" in msg and "remote_url=" in msg
+
+
+def test_yaml_key_given_twice_is_an_error_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "kvtier.yaml"
+    path.write_text("chunk_size: 64\nmemory_bytes: 1GiB\nchunk_size: 128\n")
+    with pytest.raises(ConfigError, match=r"line 3, column 1: key 'chunk_size' is given twice"):
+        KVTierConfig.from_yaml(path)
+
+
+def test_chunk_size_larger_than_max_model_len_names_both() -> None:
+    cfg = KVTierConfig(chunk_size=512)
+    with pytest.raises(ConfigError, match=r"chunk_size=512 .* max_model_len=300.* larger than 300"):
+        cfg.check_max_model_len(300)
+    cfg.check_max_model_len(512)
+    KVTierConfig(chunk_size=512, enabled=False).check_max_model_len(300)
+
+
+def test_lookup_base_port_is_a_key_both_hosts_use_and_tcp_needs() -> None:
+    from kvtier.lookup import endpoint_for
+
+    assert KVTierConfig(lookup_base_port="15500").lookup_base_port == 15500
+    assert "outside 1..65535" in error_of(lookup_base_port=70000)
+    with pytest.raises(ConfigError, match="set lookup_base_port"):
+        endpoint_for(1, transport="tcp")
+    assert endpoint_for(1, transport="tcp", base_port=15500) == "tcp://127.0.0.1:15501"
+
+
+def test_model_revision_is_a_key() -> None:
+    assert KVTierConfig(model_revision="v2").model_revision == "v2"
+    assert KVTierConfig(model_revision="").model_revision is None

@@ -33,10 +33,12 @@ from kvtier.doctor import (
     LEASES,
     LOAD_FAILURES,
     PRESENT,
+    PROGRESS,
     RETRIEVING,
     SAVE_FAILURES,
     SCOPE_CHECK,
     SKIPPED,
+    STORE_FAILURES,
     TIMEOUTS,
     VERIFY,
     WORKERS,
@@ -103,13 +105,32 @@ class Fake:
                 m.load_seconds.observe(0.001)
         return self
 
-    def text(self) -> str:
+    def text(self, stalled_s: float | None = 0.0) -> str:
+        """The scrape; `stalled_s` is what the engine-stall gauges say (None: not exported)."""
         self.serve.publish(self.stats, {"length": 8})
-        return self.serve.render().decode()
+        return with_stall(self.serve.render().decode(), stalled_s)
 
     def diagnose(self, log: str | None = None, tp: int | None = None) -> dict[str, Check]:
         checks = diagnose(self.text(), log, tp)
         return {c.name: c for c in checks}
+
+
+STALL_LIMIT_S = 60.0
+
+
+def with_stall(text: str, stalled_s: float | None) -> str:
+    """`text` with the native server's stall gauges as recorded (over any the server wrote)."""
+    kept = [ln for ln in text.splitlines() if "kvtier_engine_stall" not in ln]
+    if stalled_s is not None:
+        kept += [
+            "# HELP kvtier_engine_stall_seconds Seconds since an engine step last made progress.",
+            "# TYPE kvtier_engine_stall_seconds gauge",
+            f'kvtier_engine_stall_seconds{{model_name="tiny"}} {stalled_s}',
+            "# HELP kvtier_engine_stalled 1 while requests are queued and no step progressed.",
+            "# TYPE kvtier_engine_stalled gauge",
+            f'kvtier_engine_stalled{{model_name="tiny"}} {float(stalled_s > STALL_LIMIT_S)}',
+        ]
+    return "\n".join(kept) + "\n"
 
 
 def statuses(checks: dict[str, Check]) -> dict[str, str]:
@@ -270,10 +291,65 @@ def test_external_hits_pass_and_a_tier_written_and_never_read_fails():
         "external_queries": 2560,
         "external_hits": 0,
         "stored_tokens": 2560,
+        "hbm_hits": 0,
+        "skipped_hbm_satisfies": 0,
     }
     idle = Fake(external_prefix_cache_hits=0, external_prefix_cache_queries=0).diagnose()
     assert idle[EXTERNAL].status is Status.UNDETERMINED
     assert "no HBM miss has reached the connector" in idle[EXTERNAL].detail
+
+
+def test_repeats_that_fit_hbm_warn_instead_of_failing_as_never_read():
+    # a healthy vLLM server whose repeats all hit its own prefix cache: nothing to load yet
+    fake = Fake(external_prefix_cache_hits=0, prefix_cache_hits=1024)
+    fake.healthy(retrieved=0, loads=0).sched.skipped_load("hbm_satisfies").inc(4)
+    check = fake.diagnose()[EXTERNAL]
+    assert check.status is Status.WARN and check.detail.startswith("repeats fit in HBM")
+    assert check.numbers["hbm_hits"] == 1024 and check.numbers["skipped_hbm_satisfies"] == 4
+
+
+def test_absent_counters_are_undetermined_not_passed():
+    # vLLM before its counters were exported at startup: kvtier families only after use
+    keep = ("kvtier_lookup_scope", "kvtier_world_size", "kvtier_tier_capacity", "vllm:")
+    text = "\n".join(
+        ln for ln in Fake().healthy().text().splitlines()
+        if any(k in ln for k in keep)
+    ) + "\n"  # fmt: skip
+    checks = {c.name: c for c in diagnose(text, None, 2)}
+    for name in (SAVE_FAILURES, STORE_FAILURES, LOAD_FAILURES, VERIFY, LEASES, TIMEOUTS):
+        assert checks[name].status is Status.UNDETERMINED, (name, checks[name])
+        assert "unknown, not zero" in checks[name].detail
+    assert checks[EXTERNAL].status is Status.UNDETERMINED
+
+
+def test_store_failures_warn_and_a_tier_refusing_writes_without_evicting_fails():
+    fake = Fake().healthy()
+    assert fake.diagnose()[STORE_FAILURES].status is Status.PASS
+    fake.rank[0].store_failure("remote", "timeout").inc(3)
+    check = fake.diagnose()[STORE_FAILURES]
+    assert check.status is Status.WARN and check.numbers["by_tier_reason"] == {"remote/timeout": 3}
+    # the disk filled up and nothing is evicted: every write fails, the tier is frozen
+    fake.rank[1].store_failure("disk", "enospc").inc(40)
+    check = fake.diagnose()[STORE_FAILURES]
+    assert check.status is Status.FAIL and check.numbers["frozen_tiers"] == ["disk"]
+    assert "the disk tier refuses writes" in check.detail
+    fake.rank[1].eviction("disk").inc(12)  # it evicts to make room: a warning only
+    assert fake.diagnose()[STORE_FAILURES].status is Status.WARN
+
+
+def test_a_wedged_engine_fails_the_progress_check_and_its_signature_warns():
+    # issue 10 item 1 as recorded: 8 waiting, none running, the KV cache full, no step for 120 s
+    wedged = Fake(num_requests_waiting=8, kv_cache_usage=1.0).healthy()
+    check = {c.name: c for c in diagnose(wedged.text(stalled_s=120.0), None, 2)}[PROGRESS]
+    assert check.status is Status.FAIL and check.detail.startswith("wedged: requests are queued")
+    assert check.numbers["stall_seconds"] == 120 and check.numbers["waiting"] == 8
+    moving = {c.name: c for c in diagnose(wedged.text(stalled_s=2.0), None, 2)}[PROGRESS]
+    assert moving.status is Status.PASS
+    # no stall gauge (vLLM): the same scrape shows the wedge signature
+    bare = {c.name: c for c in diagnose(wedged.text(stalled_s=None), None, 2)}[PROGRESS]
+    assert bare.status is Status.WARN and "the wedge signature" in bare.detail
+    idle = {c.name: c for c in diagnose(Fake().healthy().text(None), None, 2)}[PROGRESS]
+    assert idle.status is Status.UNDETERMINED
 
 
 # ---- identities ----
@@ -562,10 +638,14 @@ def test_real_healthy_server_passes_every_check(model, prompts, tmp_path):
     with http_server(eng) as (base, srv):
         two_pass(base, srv, prompts)
         result = cli([base, "--json", "--tp", "2", "--log", str(log)])
+        stall_gauge = "kvtier_engine_stalled" in httpx.get(f"{base}/metrics").text
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
     checks = {c["name"]: c for c in doc["checks"]}
-    assert {n: c["status"] for n, c in checks.items()} == {n: "PASS" for n in CHECK_NAMES}
+    want = {n: "PASS" for n in CHECK_NAMES}
+    if not stall_gauge:  # the stall gauges come with the native server's engine loop
+        want[PROGRESS] = "UNDETERMINED"
+    assert {n: c["status"] for n, c in checks.items()} == want
     assert checks[SCOPE_CHECK]["numbers"]["log_ranks"] == [0, 1]
     # pass 2 restores 319 of each 320-token prompt on both ranks
     assert checks[RETRIEVING]["numbers"]["retrieved_tokens_by_rank"] == {"0": 4 * 319,

@@ -21,7 +21,14 @@ import yaml
 from kvtier import remote_endpoint
 from kvtier.errors import ConfigError
 
-__all__ = ["ENV_CONFIG_FILE", "ENV_PREFIX", "KVTierConfig", "format_size", "parse_size"]
+__all__ = [
+    "ENV_CONFIG_FILE",
+    "ENV_PREFIX",
+    "KVTierConfig",
+    "format_size",
+    "mask_url",
+    "parse_size",
+]
 
 ENV_PREFIX = "KVTIER_"
 ENV_CONFIG_FILE = "KVTIER_CONFIG"
@@ -68,19 +75,23 @@ def _error(keys: str | tuple[str, ...], message: str) -> KeyedConfigError:
 _QUERY_PASSWORD_RE = re.compile(r"(?i)([?&]password=)[^&#]*")
 
 
-def _mask_url(url: str) -> str:
-    """Hide a URL's passwords: userinfo (`redis://u:pw@h`) and a `?password=` query parameter."""
+def mask_url(url: str) -> str:
+    """`url` with its userinfo secret and any `?password=` value replaced by `***`: the one
+    masking function for every log line and error message that shows a store URL."""
     url = _QUERY_PASSWORD_RE.sub(lambda m: m.group(1) + _MASK, url)
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url
-    # userinfo ends at the last '@' before the first '/' of the path
-    authority, slash, path = rest.partition("/")
-    userinfo, at, host = authority.rpartition("@")
-    if not at or ":" not in userinfo:
+    # the userinfo ends at the last '@' before the query: searching past the first '/' too
+    # keeps a password holding an unescaped '/' hidden (over-masking a path is harmless)
+    cut = min((i for i in (rest.find("?"), rest.find("#")) if i != -1), default=len(rest))
+    at = rest.rfind("@", 0, cut)
+    if at == -1:
         return url
-    user = userinfo.split(":", 1)[0]
-    return f"{scheme}://{user}:{_MASK}@{host}{slash}{path}"
+    user, colon, _secret = rest[:at].partition(":")
+    # a lone userinfo (redis://TOKEN@host) is a user name to redis-py, but it is often a token
+    shown = f"{user}:{_MASK}" if colon else _MASK
+    return f"{scheme}://{shown}{rest[at:]}"
 
 
 def _show(key: str, value: Any) -> str:
@@ -88,7 +99,7 @@ def _show(key: str, value: Any) -> str:
     if key == "remote_password":
         return f"{key}={_MASK}"
     if key == "remote_url" and isinstance(value, str):
-        return f"{key}={_mask_url(value)!r}"
+        return f"{key}={mask_url(value)!r}"
     return f"{key}={value!r}"
 
 
@@ -312,6 +323,9 @@ class KVTierConfig:
         5.0, "float", "longest the scheduler loop waits on a lookup before asking next step"
     )
     lookup_transport: str = _f("ipc", "str", "'ipc' or 'tcp'")
+    lookup_base_port: int | None = _f(
+        None, "opt_int", "tcp: rank r's lookup server listens on this port + r"
+    )
     lookup_dir: str | None = _f(None, "opt_str", "directory of the ipc sockets")
     lookup_bind_host: str = _f("127.0.0.1", "str", "address lookup servers bind on tcp")
     allow_remote_bind: bool = _f(False, "bool", "permit a non-loopback lookup_bind_host")
@@ -330,6 +344,9 @@ class KVTierConfig:
     self_test: bool = _f(True, "bool", "move one chunk through the codec on every rank at startup")
     preferred_kv_layout: str = _f(
         "BLHNC", "str", "KV layout asked of vLLM ('' = no preference); BLHNC: one page per block"
+    )
+    model_revision: str | None = _f(
+        None, "opt_str", "folded into the model identity; change it when weights change in place"
     )
 
     def __post_init__(self) -> None:
@@ -363,6 +380,7 @@ class KVTierConfig:
         self._validate_disk()
         self._validate_remote()
         self._validate_lookup()
+        self._validate_lookup_port()
         self._validate_numbers()
 
     def _validate_disk(self) -> None:
@@ -472,6 +490,15 @@ class KVTierConfig:
                 "allow_remote_bind=true if other hosts must reach them",
             )
 
+    def _validate_lookup_port(self) -> None:
+        port = self.lookup_base_port
+        if port is not None and not 0 < port < 65536:
+            raise _error(
+                "lookup_base_port",
+                f"lookup_base_port={port} is outside 1..65535; pick a free port range "
+                "(rank r listens on lookup_base_port + r), e.g. 15500",
+            )
+
     def _validate_numbers(self) -> None:
         positive = (
             "remote_timeout_ms",
@@ -515,6 +542,17 @@ class KVTierConfig:
         """Smallest load worth issuing, in tokens: `min_load_tokens`, or one chunk when unset."""
         return self.chunk_size if self.min_load_tokens is None else self.min_load_tokens
 
+    def check_max_model_len(self, max_model_len: int) -> None:
+        """Startup check against the host's longest sequence: a chunk no prompt can fill is
+        never stored, so offload would do nothing."""
+        if self.enabled and self.chunk_size > max_model_len:
+            raise ConfigError(
+                f"chunk_size={self.chunk_size} is larger than the model's max_model_len="
+                f"{max_model_len}: no prompt fills one chunk, so nothing would ever be stored; "
+                f"set chunk_size to a multiple of the KV block size no larger than "
+                f"{max_model_len}, or raise max_model_len"
+            )
+
     # -------------------------------------------------------------------------- display
 
     def to_dict(self, secrets: bool = False) -> dict[str, Any]:
@@ -526,7 +564,7 @@ class KVTierConfig:
             if not secrets and f.name == "remote_password" and value is not None:
                 value = _MASK
             elif not secrets and f.name == "remote_url" and value is not None:
-                value = _mask_url(value)
+                value = mask_url(value)
             if f.name == "lookup_scope" and value is not None:
                 value = list(value)
             out[f.name] = value
@@ -541,7 +579,7 @@ class KVTierConfig:
         if not self.enabled:
             return "kvtier: offload off"
         disk = f"{format_size(self.disk_bytes)} at {self.disk_dir}" if self.disk_bytes else "off"
-        remote = _mask_url(self.remote_url) if self.remote_url else "off"
+        remote = mask_url(self.remote_url) if self.remote_url else "off"
         scope = "all ranks" if self.lookup_scope is None else f"ranks {list(self.lookup_scope)}"
         return (
             f"kvtier: offload on; chunk={self.chunk_size} tokens; "
@@ -654,6 +692,21 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
     return out
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a mapping key given twice (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice; keep one", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def _from_yaml(path: str | os.PathLike[str], via: str) -> dict[str, tuple[Any, str]]:
     p = Path(path)
     try:
@@ -663,7 +716,7 @@ def _from_yaml(path: str | os.PathLike[str], via: str) -> dict[str, tuple[Any, s
             via, f"{via}={str(p)!r} cannot be read ({exc.strerror}); point it at a YAML file"
         ) from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no arbitrary objects
     except yaml.YAMLError as exc:
         # keep only the position: the default message quotes the line, which may hold a secret
         mark = getattr(exc, "problem_mark", None)

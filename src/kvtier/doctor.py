@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import typer
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.bench.analysis import (
     EXT_HITS,
@@ -58,6 +59,13 @@ SCOPE = "kvtier_lookup_scope"
 WORLD = "kvtier_world_size"
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+STALLED = "kvtier_engine_stalled"
+STALL_SECONDS = "kvtier_engine_stall_seconds"
+STORE_FAILED = "kvtier_store_failures_total"
+SKIPPED_LOADS = "kvtier_skipped_loads_total"
+# store-failure reasons after which a tier takes no write until space or rights come back
+WRITE_REFUSED = ("enospc", "read_only", "no_permission")
 
 _CLIENT_LINE = re.compile(r"kvtier: lookup client on ranks \[([0-9,\s]*)\] \(world=(\d+)\)")
 _RETRIEVED_LINE = re.compile(r"kvtier\[rank (\d+)/\d+\]: Retrieved (\d+) of (\d+) required tokens")
@@ -89,6 +97,7 @@ class Check:
 
 
 PRESENT = "kvtier present"
+PROGRESS = "engine progress"
 SCOPE_CHECK = "lookup client on every rank"
 WORKERS = "a worker on every rank"
 RETRIEVING = "every rank retrieving"
@@ -100,11 +109,13 @@ TIMEOUTS = "lookup timeouts"
 DROPPED = "dropped writes"
 LOAD_FAILURES = "load failures"
 SAVE_FAILURES = "save failures"
+STORE_FAILURES = "store failures"
 SKIPPED = "skipped loads"
 BREAKERS = "breakers"
 
 CHECK_NAMES = (
     PRESENT,
+    PROGRESS,
     SCOPE_CHECK,
     WORKERS,
     RETRIEVING,
@@ -116,6 +127,7 @@ CHECK_NAMES = (
     DROPPED,
     LOAD_FAILURES,
     SAVE_FAILURES,
+    STORE_FAILURES,
     SKIPPED,
     BREAKERS,
 )
@@ -129,13 +141,20 @@ class DoctorError(Exception):
 
 
 class _Samples:
-    """Typed lookups over one scrape: worker ranks are the numeric `rank` labels."""
+    """Typed lookups over one scrape: worker ranks are the numeric `rank` labels; `declared`
+    holds every family the text names, with or without samples."""
 
-    def __init__(self, ms: MetricSet) -> None:
+    def __init__(self, ms: MetricSet, declared: frozenset[str] = frozenset()) -> None:
         self.ms = ms
+        self.declared = declared
 
     def has(self, name: str) -> bool:
         return self.ms.has(name)
+
+    def exported(self, name: str) -> bool:
+        """Whether the server exports `name` at all (a family with no sample yet counts: a
+        counter by reason gets its first sample with its first event)."""
+        return name in self.declared or self.ms.has(name)
 
     def total(self, name: str, **labels: str) -> float:
         return self.ms.total(name, **labels)
@@ -234,8 +253,13 @@ class _Ctx:
         return list(range(top))
 
 
+def _is_tier_sample(name: str) -> bool:
+    # the native server's engine gauges (kvtier_engine_*) are there with offload off too
+    return name.startswith("kvtier_") and not name.startswith("kvtier_engine_")
+
+
 def _present(s: _Samples) -> Check:
-    names = {n for n, _ in s.ms.samples if n.startswith("kvtier_")}
+    names = {n for n, _ in s.ms.samples if _is_tier_sample(n)}
     if not names:
         return Check(
             PRESENT,
@@ -243,7 +267,7 @@ def _present(s: _Samples) -> Check:
             "no kvtier_* metric in /metrics: offload is not on or this is not a kvtier server",
             {"kvtier_samples": 0},
         )
-    kvtier = sum(1 for n, _ in s.ms.samples if n.startswith("kvtier_"))
+    kvtier = sum(1 for n, _ in s.ms.samples if _is_tier_sample(n))
     ranks = _ranks(s.worker_ranks())
     return Check(
         PRESENT,
@@ -463,8 +487,23 @@ def _external(s: _Samples) -> Check:
         f"external queries={_num(queries)}, hits={_num(hits)}, "
         f"stored={_num(stored)} tokens (all ranks)"
     )
+    if not s.exported(STORED):
+        return _absent(EXTERNAL, STORED)
     if hits > 0:
         return Check(EXTERNAL, Status.PASS, said, numbers)
+    hbm_hits = s.total(HBM_HITS)
+    hbm_skips = s.total(SKIPPED_LOADS, reason="hbm_satisfies")
+    numbers.update(hbm_hits=_num(hbm_hits), skipped_hbm_satisfies=_num(hbm_skips))
+    if queries > 0 and stored > 0 and (hbm_hits > 0 or hbm_skips > 0):
+        return Check(
+            EXTERNAL,
+            Status.WARN,
+            f"repeats fit in HBM: {said}, but the prefix cache answered the repeats "
+            f"(prefix_cache_hits={_num(hbm_hits)}; tier hits skipped because HBM already held "
+            f"them: {_num(hbm_skips)}), so the tier was never needed yet; it pays once repeats "
+            "outgrow the HBM pool",
+            numbers,
+        )
     if queries > 0 and stored > 0:
         return Check(
             EXTERNAL,
@@ -510,6 +549,16 @@ def _identities(c: _Ctx) -> Check:
     return Check(IDENTITIES, Status.FAIL if failed else Status.PASS, said, numbers)
 
 
+def _absent(name: str, family: str) -> Check:
+    return Check(
+        name,
+        Status.UNDETERMINED,
+        f"the server exports no {family}, so its count is unknown, not zero (a kvtier older "
+        "than this doctor, or a host that exports counters only after their first increment)",
+        {},
+    )
+
+
 def _counted(
     name: str,
     s: _Samples,
@@ -520,6 +569,8 @@ def _counted(
     why: str,
 ) -> Check:
     """A counter that must stay at zero: `bad` with its counts by `labels` (and per rank)."""
+    if not s.exported(family):
+        return _absent(name, family)
     by = {"/".join(k): v for k, v in s.group(family, *labels).items() if v}
     by_rank = {str(r): _num(v) for r, v in s.per_rank(family).items() if v}
     sched = s.group(family, *labels, rank=SCHEDULER)
@@ -541,6 +592,8 @@ def _counted(
 
 
 def _load_failures(s: _Samples) -> Check:
+    if not s.exported(FAILED_LOADS):
+        return _absent(LOAD_FAILURES, FAILED_LOADS)
     ops = {r: v for (r,), v in s.group(FAILED_LOADS, "reason", rank=SCHEDULER).items() if v}
     ranks = {
         f"{r}/{why}": v
@@ -563,6 +616,8 @@ def _load_failures(s: _Samples) -> Check:
 
 
 def _leases(s: _Samples) -> Check:
+    if not s.exported("kvtier_lease_expiries_total"):
+        return _absent(LEASES, "kvtier_lease_expiries_total")
     exp = s.per_rank("kvtier_lease_expiries_total")
     dbl = s.per_rank("kvtier_lease_double_releases_total")
     numbers = {
@@ -584,6 +639,8 @@ def _leases(s: _Samples) -> Check:
 
 
 def _timeouts(s: _Samples) -> Check:
+    if not s.exported("kvtier_lookup_timeouts_total"):
+        return _absent(TIMEOUTS, "kvtier_lookup_timeouts_total")
     per_target = {
         t: v
         for (t,), v in s.group("kvtier_lookup_timeouts_total", "target", rank=SCHEDULER).items()
@@ -620,6 +677,79 @@ def _skipped(s: _Samples) -> Check:
     return Check(SKIPPED, Status.PASS, f"{said} (informational)", numbers)
 
 
+def _store_failures(s: _Samples) -> Check:
+    """Tier writes that failed; a tier refusing every write and evicting nothing is frozen."""
+    if not s.exported(STORE_FAILED):
+        return _absent(STORE_FAILURES, STORE_FAILED)
+    by = {f"{t}/{r}": v for (t, r), v in s.group(STORE_FAILED, "tier", "reason").items() if v}
+    evicted = {t: v for (t,), v in s.group("kvtier_evictions_total", "tier").items()}
+    frozen = sorted(
+        {k.split("/")[0] for k in by if k.split("/")[1] in WRITE_REFUSED}
+        - {t for t, v in evicted.items() if v > 0}
+    )
+    numbers = {
+        "by_tier_reason": {k: _num(v) for k, v in sorted(by.items())},
+        "by_rank": {str(r): _num(v) for r, v in s.per_rank(STORE_FAILED).items() if v},
+        "evictions_by_tier": {t: _num(v) for t, v in sorted(evicted.items())},
+        "frozen_tiers": frozen,
+    }
+    if not by:
+        return Check(STORE_FAILURES, Status.PASS, "no tier write failed", numbers)
+    said = f"{_num(sum(by.values()))} tier writes failed, by tier/reason: {_fmt(by)}"
+    if frozen:
+        return Check(
+            STORE_FAILURES,
+            Status.FAIL,
+            f"{said}; the {', '.join(frozen)} tier refuses writes ({', '.join(WRITE_REFUSED)}) "
+            "and evicted nothing: it is frozen, every new chunk is lost to it (free space or "
+            "fix its permissions, or lower its budget)",
+            numbers,
+        )
+    return Check(
+        STORE_FAILURES,
+        Status.WARN,
+        f"{said}; those chunks are missing from that tier (a full or unreachable store)",
+        numbers,
+    )
+
+
+def _progress(s: _Samples) -> Check:
+    """The engine's own stall signal; without it, the wedge signature of one scrape."""
+    running, waiting, usage = s.total(RUNNING), s.total(WAITING), s.total(KV_USAGE)
+    numbers: dict[str, Any] = {
+        "running": _num(running), "waiting": _num(waiting), "kv_cache_usage": _num(usage),
+    }  # fmt: skip
+    if s.exported(STALLED):
+        stalled_s = s.total(STALL_SECONDS)
+        numbers.update(stalled=_num(s.total(STALLED)), stall_seconds=_num(stalled_s))
+        if s.total(STALLED) >= 1:
+            return Check(
+                PROGRESS,
+                Status.FAIL,
+                f"wedged: requests are queued ({_num(waiting)} waiting, {_num(running)} "
+                f"running) and no engine step made progress for {stalled_s:.0f} s "
+                f"(kv_cache_usage {usage:.2f}); /health answers 503 for the same reason",
+                numbers,
+            )
+        return Check(PROGRESS, Status.PASS, "engine steps keep making progress", numbers)
+    if s.has(RUNNING) and s.has(WAITING) and running == 0 and waiting > 0 and usage >= 0.99:
+        return Check(
+            PROGRESS,
+            Status.WARN,
+            f"the wedge signature: nothing running, {_num(waiting)} waiting, KV cache "
+            f"{usage:.0%} used; the server exports no {STALLED}, so scrape again: if it "
+            "holds, the engine is stuck",
+            numbers,
+        )
+    return Check(
+        PROGRESS,
+        Status.UNDETERMINED,
+        f"the server exports no {STALLED} (vLLM, or an older kvtier server); "
+        f"{_num(running)} running, {_num(waiting)} waiting",
+        numbers,
+    )
+
+
 def _breakers(s: _Samples) -> Check:
     state = s.group("kvtier_breaker_open", "rank", "tier")
     open_ = sorted(f"rank {r} {t}" for (r, t), v in state.items() if v >= 1)
@@ -647,7 +777,7 @@ def diagnose(metrics_text: str, log_text: str | None, tp: int | None) -> list[Ch
         ms = MetricSet.parse(metrics_text)
     except ValueError as exc:
         raise ValueError(f"the /metrics body is not Prometheus text ({exc})") from None
-    s = _Samples(ms)
+    s = _Samples(ms, _declared(metrics_text))
     present = _present(s)
     if present.status is Status.FAIL:
         return [present]
@@ -660,6 +790,7 @@ def diagnose(metrics_text: str, log_text: str | None, tp: int | None) -> list[Ch
     c = _Ctx(s, log_text, tp, world_metric, world, workers)
     return [
         present,
+        _progress(s),
         _scope(c),
         _workers(c),
         _retrieving(c),
@@ -682,9 +813,20 @@ def diagnose(metrics_text: str, log_text: str | None, tp: int | None) -> list[Ch
             SAVE_FAILURES, s, "kvtier_save_failures_total", ("reason",), Status.WARN,
             "save failures", "those chunks are saved again later, or missing from the tier",
         ),
+        _store_failures(s),
         _skipped(s),
         _breakers(s),
     ]  # fmt: skip
+
+
+def _declared(text: str) -> frozenset[str]:
+    """Every family name the exposition declares (counters under both spellings)."""
+    names: set[str] = set()
+    for family in text_string_to_metric_families(text):
+        names.add(family.name)
+        if family.type == "counter":
+            names.add(f"{family.name}_total")
+    return frozenset(names)
 
 
 # ------------------------------------------------------------------------------ fetching

@@ -58,12 +58,14 @@ def num_full_chunks(n_tokens: int, chunk_size: int) -> int:
     return n_tokens // chunk_size
 
 
-def key_seed(model_id: str, chunk_size: int) -> bytes:
-    """The 16-byte chain seed for `model_id` at `chunk_size`; identical on every rank."""
+def key_seed(model_id: str, chunk_size: int, epoch: bytes = b"") -> bytes:
+    """The 16-byte chain seed for `model_id` at `chunk_size`; identical on every rank. A
+    non-empty `epoch` (a namespace reset) gives a seed no earlier chain shares."""
     if not model_id:
         raise ValueError("model_id is empty; pass the served model's name or path")
     _check_chunk_size(chunk_size)
-    return digest16(_KEYS_DOMAIN, ("seed", model_id, chunk_size))
+    fields: tuple[Field, ...] = ("seed", model_id, chunk_size)
+    return digest16(_KEYS_DOMAIN, (*fields, "epoch", epoch) if epoch else fields)
 
 
 def chain_keys(

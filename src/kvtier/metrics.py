@@ -136,6 +136,17 @@ def families(registry: CollectorRegistry) -> _Families:
         return fam
 
 
+def counter_labels() -> dict[str, tuple[str, ...]]:
+    """Every kvtier counter's sample name (`..._total`) and label names, for hosts that must
+    export the families before their first increment."""
+    fams = _build(CollectorRegistry())
+    return {
+        f"{c._name}_total": tuple(c._labelnames)  # prometheus_client keeps both on the family
+        for c in vars(fams).values()
+        if isinstance(c, Counter)
+    }
+
+
 class Metrics:
     """The kvtier metrics of one rank. Attributes are rank-bound children; methods add labels."""
 

@@ -8,7 +8,7 @@ Redis Cluster through one or more comma-separated seed nodes (the client discove
 from __future__ import annotations
 
 from dataclasses import dataclass
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 DEFAULT_PORT = 6379
@@ -88,7 +88,15 @@ def _parse_unix(url: str) -> RemoteEndpoint:
         raise ValueError("names no socket path")
     username = unquote(parts.username) if parts.username else None
     password = unquote(parts.password) if parts.password else None
-    return RemoteEndpoint("unix", (), parts.path, 0, username, password)
+    # a socket is served by redis-py, which reads these two from the query as well
+    query = parse_qs(parts.query, keep_blank_values=True)
+    other = sorted(set(query) - {"db", "password"})
+    if other:
+        raise ValueError(f"query options {other} are not read; use kvtier's remote_* config keys")
+    db = _db(query["db"][-1]) if "db" in query else 0
+    if "password" in query:
+        password = query["password"][-1]
+    return RemoteEndpoint("unix", (), parts.path, db, username, password)
 
 
 def _userinfo(userinfo: str) -> tuple[str | None, str | None]:

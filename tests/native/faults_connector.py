@@ -114,6 +114,7 @@ def kvtier_engine(
     *,
     tp: int = 1,
     fault: dict[str, Any] | None = None,
+    num_blocks: int = 256,
     **cfg: Any,
 ) -> Engine:
     """A native engine on `model` with kvtier (64-token chunks, no load gate unless given);
@@ -126,7 +127,9 @@ def kvtier_engine(
     spec = connector_spec(KVTierConfig(**cfg), model, run_dir=run_dir)
     factory: Any = spec if fault is None else (f"{__name__}:build", {**spec.args, **fault})
     return Engine(
-        model, EngineConfig(num_threads=1, tensor_parallel_size=tp, num_blocks=256), factory
+        model,
+        EngineConfig(num_threads=1, tensor_parallel_size=tp, num_blocks=num_blocks),
+        factory,
     )
 
 

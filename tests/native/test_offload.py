@@ -6,8 +6,10 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvtier.config import KVTierConfig
+from kvtier.errors import ConfigError
 from kvtier.native import Engine, EngineConfig
 from kvtier.native.offload import connector_spec
 from tests.native.conftest import GREEDY, make_prompts
@@ -61,7 +63,7 @@ def whole_chunk_baseline(tiny_model, whole_chunk_prompts) -> list[list[int]]:
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_two_pass_restore(
-    tiny_model, tmp_path, whole_chunk_prompts, whole_chunk_baseline, tp, caplog
+    tiny_model, tmp_path, whole_chunk_prompts, whole_chunk_baseline, tp, caplog, capfd
 ):
     caplog.set_level(logging.INFO, logger="kvtier")
     prompts, baseline = whole_chunk_prompts, whole_chunk_baseline
@@ -85,10 +87,14 @@ def test_two_pass_restore(
             == after["external_prefix_cache_queries"]
         )
         assert rank_total(eng, "retrieved_tokens_total") / tp == after["external_prefix_cache_hits"]
-    retrieved = [r.getMessage() for r in caplog.records if "Retrieved" in r.getMessage()]
-    if tp == 1:  # TP=2 ranks log in their own processes
-        assert len(retrieved) == 8
-        assert all("Retrieved 319 of 319 required tokens" in m for m in retrieved)
+    if tp == 1:
+        retrieved = [r.getMessage() for r in caplog.records if "Retrieved" in r.getMessage()]
+    else:  # TP ranks log in their own processes, onto the stderr they share with the engine
+        retrieved = [ln for ln in capfd.readouterr().err.splitlines() if "Retrieved" in ln]
+    for r in range(tp):
+        mine = [m for m in retrieved if f"kvtier[rank {r}/{tp}]: Retrieved" in m]
+        assert len(mine) == 8, retrieved
+        assert all("Retrieved 319 of 319 required tokens" in m for m in mine)
     assert f"kvtier: lookup client on ranks {list(range(tp))} (world={tp})" in caplog.text
 
 
@@ -186,3 +192,70 @@ def test_a_codec_that_cannot_move_a_block_stops_startup(
     monkeypatch.setattr(PageCodec, "scatter", lambda self, src, block_ids: 0)
     with pytest.raises(StartupError, match=r"rank 0/1\]: self-test failed on device cpu"):
         kvtier_engine(tiny_model, tmp_path)
+
+
+def _other_weights(model: Path, dest: Path) -> Path:
+    """A copy of `model` under the same directory name and config.json, with perturbed weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = dest / model.name
+    shutil.copytree(model, out)
+    g = torch.Generator().manual_seed(99)
+    weights = load_file(str(out / "model.safetensors"))
+    perturbed = {
+        k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) for k, v in weights.items()
+    }
+    save_file(perturbed, str(out / "model.safetensors"))
+    return out
+
+
+def test_other_weights_under_the_same_config_and_dir_name_miss_a_shared_disk_tier(
+    tiny_model, tmp_path, whole_chunk_prompts, whole_chunk_baseline
+):
+    # issue 10 item 2: a persistent disk tier outlives the weights it was written with
+    other = _other_weights(tiny_model, tmp_path / "b")
+    assert (other / "config.json").read_bytes() == (tiny_model / "config.json").read_bytes()
+    prompts = whole_chunk_prompts[:4]
+    disk = {"disk_dir": str(tmp_path / "disk"), "disk_bytes": "64MiB"}
+    with kvtier_engine(tiny_model, tmp_path / "a", **disk) as eng:
+        assert [o.output_token_ids for o in eng.generate(prompts, GREEDY)] == (
+            whole_chunk_baseline[:4]
+        )
+        assert eng.executor.runner.connector.worker.stack.flush(10.0)
+    with Engine(other, EngineConfig(num_threads=1)) as plain:
+        expected = [o.output_token_ids for o in plain.generate(prompts, GREEDY)]
+    assert expected != whole_chunk_baseline[:4]  # the weights really differ
+    with kvtier_engine(other, tmp_path / "b", **disk) as eng:
+        out = eng.generate(prompts, GREEDY)
+        assert [o.output_token_ids for o in out] == expected
+        assert eng.stats()["external_prefix_cache_hits"] == 0
+        assert all(o.num_external_tokens == 0 for o in out)
+    # the first weights still find their own chunks on the same disk
+    with kvtier_engine(tiny_model, tmp_path / "c", **disk) as eng:
+        eng.generate(prompts, GREEDY)
+        assert eng.stats()["external_prefix_cache_hits"] == 4 * (320 - 1)
+
+
+def test_chunk_larger_than_the_engines_max_model_len_is_a_startup_error(tiny_model, tmp_path):
+    spec = connector_spec(KVTierConfig(chunk_size=512), tiny_model, run_dir=tmp_path / "run")
+    cfg = EngineConfig(num_threads=1, num_blocks=64, max_model_len=256)
+    with pytest.raises(ConfigError, match=r"chunk_size=512 is larger than .*max_model_len=256"):
+        Engine(tiny_model, cfg, spec)
+
+
+def test_tcp_lookups_listen_on_lookup_base_port(tiny_model, tmp_path, prompts, baseline):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with kvtier_engine(
+        tiny_model, tmp_path, lookup_transport="tcp", lookup_base_port=port
+    ) as eng:
+        assert _worker(eng).lookup_endpoint == f"tcp://127.0.0.1:{port}"
+        eng.generate(prompts[:2], GREEDY)
+        eng.reset_prefix_cache()
+        assert [o.output_token_ids for o in eng.generate(prompts[:2], GREEDY)] == baseline[:2]
+        assert eng.stats()["external_prefix_cache_hits"] == 2 * 256

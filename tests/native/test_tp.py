@@ -67,9 +67,12 @@ def test_dead_rank_is_a_clear_error(tp2: Engine, prompts):
     os.kill(victim, signal.SIGKILL)
     tp2.add_request(prompts[0][:40], GREEDY)
     t0 = time.monotonic()
-    with pytest.raises(WorkerError, match=rf"TP rank 1 \(pid {victim}\) exited with code -9"):
+    with pytest.raises(WorkerError, match=rf"TP rank 1 \(pid {victim}\) exited with code -9") as e:
         tp2.step()
     assert time.monotonic() - t0 < 15
+    # the survivor, stuck in a collective with a dead peer, is ended and reaped: no zombie
+    assert "stopped the surviving ranks [0]" in str(e.value)
+    assert all(p.poll() is not None for p in tp2.executor.procs)
     with pytest.raises(WorkerError, match="failed earlier"):
         tp2.step()
 

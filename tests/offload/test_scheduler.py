@@ -315,3 +315,66 @@ def test_a_second_request_waits_for_the_load_of_the_same_chunks_instead_of_readi
     report_all(sched, op.op_id)
     # a's blocks are in HBM now: b asks with that floor and needs the tier for nothing more
     assert sched.get_num_new_matched_tokens(b, 4 * CHUNK) == 0
+
+
+def test_preempting_a_request_whose_load_is_on_the_ranks_is_refused():
+    sched, lookup, _ = make(hits=2, world=1)
+    p = prompt(2 * CHUNK + 1)
+    view = SlotView("a", p)
+    need = sched.get_num_new_matched_tokens(view, 0)
+    sched.update_state_after_alloc(view, blocks(len(p)), need)
+    (op,) = sched.build_meta([]).loads
+    with pytest.raises(RuntimeError, match=r"preempted while its load a#ld\d+ is on the ranks"):
+        sched.request_preempted(view)
+    assert sched.pending_load("a") == (0, need)  # the load stands, its blocks still promised
+    (outcome,) = report_all(sched, op.op_id, world=1)
+    assert outcome.ok and sched.pending_load("a") is None
+    sched.request_preempted(view)  # after the terminal: nothing left to withdraw
+    assert not sched.has_pending_work()
+
+
+class KeyLookup(FakeLookup):
+    """A FakeLookup that remembers the keys of every lookup."""
+
+    def __init__(self, hits: int = 0) -> None:
+        super().__init__(hits)
+        self.keys: list[list[bytes]] = []
+
+    def lookup(self, keys, lookup_id, lease=True):
+        self.keys.append(list(keys))
+        return super().lookup(keys, lookup_id, lease)
+
+
+def test_reset_starts_a_namespace_epoch_that_reaches_no_older_chunk():
+    lookup = KeyLookup(hits=0)
+    config = KVTierConfig(chunk_size=CHUNK, load_gate=False)
+    sched = OffloadScheduler(
+        config, lookup, model_id="m", block_size=BLOCK, world=1, metrics=Metrics(rank=0)
+    )
+    p = prompt(3 * CHUNK + 1)
+    before = SlotView("a", p, computed=0, block_ids=blocks(len(p)))
+    sched.get_num_new_matched_tokens(before, 0)
+    (old_save,) = sched.build_meta([StepRequest(before, len(p))]).saves
+    old_keys = {c.key for c in old_save.chunks}
+    assert old_keys == set(lookup.keys[0])
+
+    assert sched.epoch == 0
+    sched.reset()
+    assert sched.epoch == 1
+    # a live request keyed before the reset saves nothing more under its old keys
+    long = SlotView("a", p, computed=len(p), block_ids=blocks(len(p)))
+    assert sched.build_meta([StepRequest(long, len(p) + CHUNK)]).saves == []
+    # new lookups and saves of the same tokens use keys no earlier chunk has
+    after = SlotView("b", p, computed=0, block_ids=blocks(len(p)))
+    sched.get_num_new_matched_tokens(after, 0)
+    assert not set(lookup.keys[-1]) & old_keys
+    (new_save,) = sched.build_meta([StepRequest(after, len(p))]).saves
+    assert not {c.key for c in new_save.chunks} & old_keys
+    # the request from before the reset, asked again (re-admitted), is keyed anew too
+    for result in (OpResult(old_save.op_id, True, ""), OpResult(new_save.op_id, True, "")):
+        sched.process_reports([WorkerReport(rank=0, results=[result])])
+    sched.get_num_new_matched_tokens(SlotView("a", p), 0)
+    assert lookup.keys[-1] == lookup.keys[-2]  # same tokens, same (new) epoch
+    sched.reset()
+    sched.get_num_new_matched_tokens(SlotView("c", p), 0)
+    assert not set(lookup.keys[-1]) & (old_keys | set(lookup.keys[-2]))

@@ -106,3 +106,16 @@ def test_sweep_removes_only_dead_old_run_dirs(short_dir: Path) -> None:
         listener.close()
     assert not dead.exists()
     assert all(d.is_dir() for d in (mine, young, starting, other, live))
+
+
+def test_lookup_base_port_is_the_config_key_else_vllms_kv_port_per_replica() -> None:
+    from types import SimpleNamespace
+
+    from kvtier.config import KVTierConfig
+    from kvtier.vllm.rundir import lookup_base_port
+
+    vc = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_port=14579))
+    assert lookup_base_port(KVTierConfig(), vc, dp_rank=0, world=2) == 14579
+    assert lookup_base_port(KVTierConfig(), vc, dp_rank=1, world=2) == 14581
+    cfg = KVTierConfig(lookup_transport="tcp", lookup_base_port=15500)
+    assert lookup_base_port(cfg, vc, dp_rank=1, world=4) == 15504

@@ -32,3 +32,15 @@ def test_a_codec_that_cannot_move_a_block_stops_startup(
         "layout LBHNC" in e
         for e in run.result["errors"]
     ), run.result["errors"]
+
+
+def test_chunk_size_above_max_model_len_stops_startup_naming_both(
+    run_driver: Callable[..., DriverRun], tiny_vllm_model: Path
+) -> None:
+    # the driver serves max_model_len=2048: a 4096-token chunk could never be filled
+    args = {"model": str(tiny_vllm_model), "extra": {**TIER, "chunk_size": 4096}}
+    run = run_driver("bad_startup", args, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert run.result["started"] is False
+    first = run.result["errors"][0]
+    assert first.startswith("kvtier.errors.ConfigError: ")
+    assert "chunk_size=4096 is larger than the model's max_model_len=2048" in first

@@ -10,6 +10,7 @@ CHECKS = (
     "check_delta_sends_changes_only",
     "check_aggregate_and_reduce",
     "check_prom_replay_survives_a_second_logger",
+    "check_counters_are_exported_at_zero_from_startup",
 )
 
 

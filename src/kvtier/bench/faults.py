@@ -17,6 +17,11 @@ Faults are injected where they happen in production: the shared store is a real 
 the bench starts, kills, restarts, stalls (DEBUG SLEEP) and corrupts from outside; disk-full,
 an unreachable lookup server and a failing load lane are switched inside the ranks by a small
 fault agent (a thread of the bench's connector, driven by flag files in a control directory).
+A genuinely full filesystem is an 8 MiB tmpfs a filler file fills; HBM-pool pressure is a pool
+that fits two tier loads, replayed all at once; a killed TP rank is a SIGKILL, and that row
+passes on a clean failure (the engine names the rank and stops, nothing is served wrong); a
+namespace collision is a second weight set with the same config.json and directory name on
+the same disk tier; the sampling edge values are replays with temperature 1e-39 and the like.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import logging
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -50,6 +56,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtier import __version__
+from kvtier.bench import fault_env
 from kvtier.bench.client import LoadResult, run_load
 from kvtier.bench.table import MISS, Report, Row, Target, report_console, write_json
 from kvtier.bench.workload import RequestSpec
@@ -84,6 +91,10 @@ _REDIS_START_S = 10.0
 _AGENT_POLL_S = 0.01
 _ACK_TIMEOUT_S = 60.0
 _RECOVER_TIMEOUT_S = 30.0
+# a load (a phase's seed pass or replay) that takes this long on the tiny model is stuck (a
+# wedged engine): its requests are lost, and so are those of every later phase
+_LOAD_TIMEOUT_S = 120.0
+PRESSURE_BLOCKS = 32  # two tier loads of CHUNKS_PER_PROMPT chunks fill this pool exactly
 
 Progress = Callable[[str], None]
 
@@ -95,9 +106,12 @@ class Fault:
     name: str
     title: str
     lower: str  # the tier below memory the engine runs with: "remote" or "disk"
-    # counters shown in the table: `ranks:` (summed over ranks) or `scheduler:` (the engine's
-    # view), then `family` or `family{label=value,...}`
+    # counters shown in the table: `ranks:` (summed over ranks), `scheduler:` (the engine's
+    # view) or `engine:` (its stats), then `family` or `family{label=value,...}`
     why: tuple[str, ...]
+    pool_blocks: int = NUM_BLOCKS  # the HBM pool of its engine
+    min_tp: int = 1  # run at this TP size at least
+    clean_failure: bool = False  # the fault ends the engine: pass = it ends cleanly
 
 
 FAULTS: dict[str, Fault] = {
@@ -129,6 +143,34 @@ FAULTS: dict[str, Fault] = {
             ("scheduler:lookup_timeouts", "scheduler:skipped_loads{reason=lookup_timeout}"),
         ),
         Fault("load_fail", "a load failing on one rank", "disk", ("scheduler:load_failures",)),
+        Fault(
+            "hbm_pressure",
+            "HBM pool fits two loads, replays all at once",
+            "disk",
+            ("engine:num_preemptions", "scheduler:skipped_loads"),
+            pool_blocks=PRESSURE_BLOCKS,
+        ),
+        Fault(
+            "tp_rank_killed",
+            "a TP rank killed (SIGKILL)",
+            "disk",
+            ("engine:error",),
+            min_tp=2,
+            clean_failure=True,
+        ),
+        Fault(
+            "disk_tmpfs",
+            "filesystem genuinely full (8 MiB tmpfs)",
+            "disk",
+            ("ranks:store_failures{tier=disk}", "ranks:evictions{tier=disk}"),
+        ),
+        Fault(
+            "namespace_collision",
+            "other weights, same config.json and dir name",
+            "disk",
+            ("scheduler:lookups",),
+        ),
+        Fault("sampling_edges", "sampling edge values (temperature 1e-39, ...)", "disk", ()),
     )
 }
 
@@ -519,6 +561,9 @@ class FaultResult:
     counters: dict[str, float]
     hit_tokens_possible: int
     seconds: float
+    engine_error: str = ""  # why the engine stopped serving ("" while it serves)
+    clean_failure: bool = False  # the row's point is a clean failure, not nothing lost
+    ranks_left: int = 0  # TP rank processes still running after the run
 
     @property
     def sent(self) -> int:
@@ -537,6 +582,18 @@ class FaultResult:
         """Every request sent completed and every output was right."""
         return self.completed == self.sent and self.verified == self.completed
 
+    @property
+    def ended_cleanly(self) -> bool:
+        """The engine stopped with an error naming a TP rank and its exit code, left no rank
+        running, and served nothing wrong (every completed output right)."""
+        named = "TP rank" in self.engine_error and "exited with code" in self.engine_error
+        return named and self.ranks_left == 0 and self.verified == self.completed
+
+    @property
+    def passed(self) -> bool:
+        """The row's verdict: a clean failure, or nothing lost."""
+        return self.ended_cleanly if self.clean_failure else self.nothing_lost
+
 
 class _Run:
     """One fault against one fresh engine: inject, clear and recover around three phases."""
@@ -554,6 +611,7 @@ class _Run:
         store: RedisProcess | None,
         say: Progress,
         log_path: Path,
+        disk_dir: Path | None = None,
     ) -> None:
         self.fault = fault
         self.tp = tp
@@ -564,7 +622,15 @@ class _Run:
         self.say = say
         self.ctl = Control(work / "ctl", tp)
         self._staller: _Staller | None = None
-        cfg = _kvtier_config(fault, model_dir, tp, work, store)
+        self.tmpfs: fault_env.Tmpfs | None = None
+        disk_bytes = None
+        if fault.name == "disk_tmpfs":
+            self.tmpfs = fault_env.Tmpfs(work / "tmpfs")
+            disk_dir = self.tmpfs.path / "disk"
+            # within the filesystem, so the tier's own budget never evicts: a full
+            # filesystem is what stops its writes
+            disk_bytes = self.tmpfs.size * 3 // 4 // tp
+        cfg = _kvtier_config(fault, model_dir, tp, work, store, disk_dir, disk_bytes)
         spec = connector_spec(cfg, model_dir, run_dir=work / "run")
         factory = (
             f"{__name__}:build_connector",
@@ -576,18 +642,51 @@ class _Run:
                 "bench_pid": os.getpid(),
             },
         )
-        engine = Engine(model_dir, _engine_config(tp), factory)
+        try:
+            engine = Engine(model_dir, _engine_config(tp, fault.pool_blocks), factory)
+        except BaseException:
+            self._unmount()
+            raise
         try:
             self.server = EngineServer(engine, model_name=_SERVED_NAME).start()
         except BaseException:
             engine.close()
+            self._unmount()
             raise
+        self._last_stats: dict[str, float] = {}
+        self.stuck: str | None = None  # set when a load got no answer in time
 
     def close(self) -> None:
         if self._staller is not None:
             self._staller.stop()
             self._staller = None
-        self.server.close()
+        try:
+            self.server.close()
+        finally:
+            self._unmount()
+
+    def _unmount(self) -> None:
+        if self.tmpfs is not None:
+            self.tmpfs.close()
+            self.tmpfs = None
+
+    @property
+    def fatal(self) -> str | None:
+        """Why the engine stopped serving (a failed step, a dead rank, stuck), or None."""
+        return self.server.loop.fatal or self.stuck
+
+    def _within_deadline(self, coro: Any, tag: str, n: int, result: PhaseResult) -> Any:
+        """`coro`'s result, or None (its `n` requests lost) once the engine is stuck."""
+        if self.stuck is not None:
+            coro.close()
+        else:
+            try:
+                return asyncio.run(asyncio.wait_for(coro, _LOAD_TIMEOUT_S))
+            except TimeoutError:
+                self.stuck = f"{tag}: no answer within {_LOAD_TIMEOUT_S:g} s (the engine is stuck)"
+        result.sent += n
+        result.errors.append(self.stuck)
+        return None
 
     # ---- the three phases ----------------------------------------------------------------
 
@@ -597,11 +696,17 @@ class _Run:
         self.say(f"[{self.fault.name}] fault on")
         self._inject()
         phases["during"] = self._phase("during", between=self._between)
-        self.say(f"[{self.fault.name}] fault cleared")
-        self._clear()
-        self._recover()
-        phases["after"] = self._phase("after")
+        if not self.fault.clean_failure:
+            self.say(f"[{self.fault.name}] fault cleared")
+            self._clear()
+            self._recover()
+            phases["after"] = self._phase("after")
+        return self.result(phases, t0)
+
+    def result(self, phases: dict[str, PhaseResult], t0: float) -> FaultResult:
+        """The run's row data once its phases are done."""
         possible = self.plan.prompts_per_phase * CHUNKS_PER_PROMPT * CHUNK
+        procs = getattr(self.server.engine.executor, "procs", [])
         return FaultResult(
             self.fault.name,
             self.fault.title,
@@ -609,20 +714,24 @@ class _Run:
             self._counters(),
             possible,
             round(time.monotonic() - t0, 2),
+            engine_error=self.fatal or "",
+            clean_failure=self.fault.clean_failure,
+            ranks_left=sum(1 for p in procs if p.poll() is None),
         )
 
     def _phase(self, phase: str, between: Callable[[], None] | None = None) -> PhaseResult:
+        """Seed, drain, reset HBM, replay; a dead engine only has its requests refused."""
         prompts = self.prompts[phase]
         result = PhaseResult()
         self._load(prompts, f"{phase}-seed", result)
         self._idle()
-        self.ctl.request("flush")
+        if self.fatal is None:
+            self.ctl.request("flush")
         if between is not None:
             between()
         self._engine_call(lambda e: e.reset_prefix_cache())
         hits0 = self._stats()["external_prefix_cache_hits"]
-        self._load(prompts, f"{phase}-replay", result)
-        self._idle()
+        self.replay(prompts, f"{phase}-replay", result, during=phase == "during")
         result.hit_tokens = int(self._stats()["external_prefix_cache_hits"] - hits0)
         self.say(
             f"[{self.fault.name}] {phase}: {result.verified}/{result.sent} verified, "
@@ -630,19 +739,38 @@ class _Run:
         )
         return result
 
-    def _load(self, prompts: list[list[int]], tag: str, result: PhaseResult) -> None:
+    def replay(
+        self, prompts: list[list[int]], tag: str, result: PhaseResult, *, during: bool = False
+    ) -> None:
+        """The replay of a phase (the fault's own shape of it while the fault is on), drained."""
+        if during and self.fault.name == "sampling_edges":
+            self._load_edges(prompts, tag, result)
+        elif during and self.fault.name == "hbm_pressure":
+            self._load(prompts, tag, result, concurrency=len(prompts))  # all at once
+        else:
+            self._load(prompts, tag, result)
+        self._idle()
+
+    def _load(
+        self,
+        prompts: list[list[int]],
+        tag: str,
+        result: PhaseResult,
+        concurrency: int | None = None,
+    ) -> None:
         specs = [RequestSpec(i, tag, tuple(p), MAX_TOKENS) for i, p in enumerate(prompts)]
-        transport = httpx.ASGITransport(app=self.server.app)
-        load: LoadResult = asyncio.run(
-            run_load(
-                _BASE_URL,
-                specs,
-                concurrency=self.plan.concurrency,
-                model=_SERVED_NAME,
-                progress=False,
-                transport=transport,
-            )
+        transport = httpx.ASGITransport(app=self.server.app)  # no timeouts: a deadline below
+        coro = run_load(
+            _BASE_URL,
+            specs,
+            concurrency=concurrency or self.plan.concurrency,
+            model=_SERVED_NAME,
+            progress=False,
+            transport=transport,
         )
+        load: LoadResult | None = self._within_deadline(coro, tag, len(specs), result)
+        if load is None:
+            return
         for rec, spec in zip(load.records, specs, strict=True):
             result.sent += 1
             if not rec.ok:
@@ -653,6 +781,33 @@ class _Run:
                 result.verified += 1
             else:
                 result.errors.append(f"{tag} request {spec.index}: output differs from reference")
+
+    def _load_edges(self, prompts: list[list[int]], tag: str, result: PhaseResult) -> None:
+        """Each prompt once per edge sampling setting, all expected to equal greedy."""
+
+        async def send() -> list[tuple[list[int], list[int] | None, str]]:
+            transport = httpx.ASGITransport(app=self.server.app)
+            async with httpx.AsyncClient(transport=transport, base_url=_BASE_URL) as client:
+                out = []
+                for prompt, sampling in itertools.product(prompts, fault_env.EDGE_SAMPLING):
+                    ids, why = await fault_env.edge_completion(
+                        client, prompt, MAX_TOKENS, sampling, _SERVED_NAME
+                    )
+                    out.append((prompt, ids, why))
+                return out
+
+        n = len(prompts) * len(fault_env.EDGE_SAMPLING)
+        answers = self._within_deadline(send(), tag, n, result)
+        for prompt, ids, why in answers or ():
+            result.sent += 1
+            if ids is None:
+                result.errors.append(f"{tag}: {why}")
+                continue
+            result.completed += 1
+            if ids == self.reference[tuple(prompt)]:
+                result.verified += 1
+            else:
+                result.errors.append(f"{tag}: output differs from the greedy reference")
 
     # ---- fault hooks -------------------------------------------------------------------------
 
@@ -672,6 +827,13 @@ class _Run:
         elif name == "load_fail":
             self.ctl.set(FLAG_LOAD_FAIL)
             self.ctl.request("probe")
+        elif name == "tp_rank_killed":
+            victim = self.server.engine.executor.pids[-1]  # type: ignore[union-attr]
+            os.kill(victim, signal.SIGKILL)
+            self.say(f"[{self.fault.name}] killed TP rank {self.tp - 1} (pid {victim})")
+        elif name == "disk_tmpfs" and self.tmpfs is not None:
+            n = self.tmpfs.fill()
+            self.say(f"[{self.fault.name}] a filler took the last {n >> 10} KiB of the tmpfs")
 
     def _between(self) -> None:
         """Between the during-phase's seed pass and its replay."""
@@ -686,12 +848,17 @@ class _Run:
         elif name == "remote_slow" and self._staller is not None:
             self._staller.stop()
             self._staller = None
+        elif name == "disk_tmpfs" and self.tmpfs is not None:
+            self.tmpfs.unfill()
         for flag in (FLAG_DISK_FULL, FLAG_LOOKUP_DOWN, FLAG_LOAD_FAIL):
             self.ctl.clear(flag)
-        self.ctl.request("probe")
+        if self.fatal is None:
+            self.ctl.request("probe")
 
     def _recover(self) -> None:
         """Wait until the engine noticed the fault is gone (breakers closed, ranks answer)."""
+        if self.fatal is not None:
+            return  # nothing to recover: the after phase's requests are refused
         deadline = time.monotonic() + _RECOVER_TIMEOUT_S
         while True:
             answers = self.ctl.request("probe")
@@ -709,15 +876,21 @@ class _Run:
     # ---- engine access -------------------------------------------------------------------
 
     def _engine_call(self, fn: Callable[[Engine], Any]) -> Any:
+        if self.fatal is not None:
+            return None
         return self.server.loop.call(fn).result(timeout=_ACK_TIMEOUT_S)
 
     def _stats(self) -> dict[str, float]:
-        stats: dict[str, float] = self._engine_call(lambda e: e.stats())
-        return stats
+        """The engine's stats; once it stopped serving, the last ones it gave."""
+        stats = self._engine_call(lambda e: e.stats())
+        if stats is not None:
+            self._last_stats = stats
+        return self._last_stats or {"external_prefix_cache_hits": 0.0}
 
     def _idle(self) -> None:
-        if not self.server.loop.wait_idle(_ACK_TIMEOUT_S):
-            raise RuntimeError(f"[{self.fault.name}] the engine did not drain")
+        if self.fatal is None and not self.server.loop.wait_idle(_ACK_TIMEOUT_S):
+            if self.fatal is None:
+                raise RuntimeError(f"[{self.fault.name}] the engine did not drain")
 
     def _store(self) -> RedisProcess:
         if self.store is None:
@@ -727,6 +900,8 @@ class _Run:
     def _counters(self) -> dict[str, float]:
         """Every failure counter that moved, summed over ranks (`family{label=value}`)."""
         wanted = {
+            "evictions",
+            "lookups",
             "store_failures",
             "dropped_writes",
             "verify_failures",
@@ -750,15 +925,27 @@ class _Run:
                 where = "scheduler" if s.labels.get("rank") == "scheduler" else "ranks"
                 key = f"{name}{{{labels}}}" if labels else name
                 out[f"{where}:{key}"] = out.get(f"{where}:{key}", 0.0) + s.value
+        for name in ("num_preemptions", "external_load_failures"):
+            value = self._stats().get(name, 0.0)
+            if value:
+                out[f"engine:{name}"] = value
+        if self.fatal is not None:
+            out["engine:error"] = 1.0
         return out
 
 
-def _engine_config(tp: int) -> EngineConfig:
-    return EngineConfig(num_threads=1, tensor_parallel_size=tp, num_blocks=NUM_BLOCKS)
+def _engine_config(tp: int, num_blocks: int = NUM_BLOCKS) -> EngineConfig:
+    return EngineConfig(num_threads=1, tensor_parallel_size=tp, num_blocks=num_blocks)
 
 
 def _kvtier_config(
-    fault: Fault, model_dir: Path, tp: int, work: Path, store: RedisProcess | None
+    fault: Fault,
+    model_dir: Path,
+    tp: int,
+    work: Path,
+    store: RedisProcess | None,
+    disk_dir: Path | None = None,
+    disk_bytes: int | None = None,
 ) -> KVTierConfig:
     mcfg = load_model_config(model_dir)
     # float32 KV (the engine's dtype), K and V of every layer, this rank's share of the heads
@@ -776,8 +963,8 @@ def _kvtier_config(
             raise ConfigError(f"fault {fault.name!r} needs the bench's redis-server")
         cfg["remote_url"] = store.url
     else:
-        cfg["disk_dir"] = str(work / "disk")
-        cfg["disk_bytes"] = 256 * chunk_bytes
+        cfg["disk_dir"] = str(disk_dir or work / "disk")
+        cfg["disk_bytes"] = disk_bytes or 256 * chunk_bytes
     return KVTierConfig(**cfg)
 
 
@@ -884,20 +1071,17 @@ def run(
                     if store.proc is None:
                         store.start()
                     store.flushall()
-                say(f"[{name}] {fault.title}: engine tp={world}, memory + {fault.lower}")
+                fault_tp = max(world, fault.min_tp)
+                say(f"[{name}] {fault.title}: engine tp={fault_tp}, memory + {fault.lower}")
+                args: dict[str, Any] = {
+                    "tp": fault_tp, "plan": plan, "prompts": prompts[name], "store": store,
+                    "say": say, "log_path": log_path,
+                }  # fmt: skip
+                if name == "namespace_collision":
+                    results.append(_run_collision(fault, model, reference, work / f"f{i}", args))
+                    continue
                 fw = work / f"f{i}"
-                run_ = _Run(
-                    fault,
-                    model_dir=model,
-                    tp=world,
-                    plan=plan,
-                    prompts=prompts[name],
-                    reference=reference,
-                    work=fw,
-                    store=store,
-                    say=say,
-                    log_path=log_path,
-                )
+                run_ = _Run(fault, model_dir=model, reference=reference, work=fw, **args)
                 try:
                     results.append(run_.run())
                 finally:
@@ -927,6 +1111,45 @@ def run(
     return doc
 
 
+def _run_collision(
+    fault: Fault,
+    model: Path,
+    reference: dict[tuple[int, ...], list[int]],
+    work: Path,
+    args: dict[str, Any],
+) -> FaultResult:
+    """Weights A fill a disk tier; weights B, under the same config.json and directory name,
+    then replay A's prompts on that tier: every output must be B's own, and B may hit only what
+    B stored."""
+    t0 = time.monotonic()
+    disk = work / "disk"
+    first = _Run(fault, model_dir=model, reference=reference, work=work / "a", disk_dir=disk,
+                 **args)  # fmt: skip
+    try:
+        phases = {"before": first._phase("before")}
+    finally:
+        first.close()
+    other = fault_env.other_weights(model, work / "weights-b")
+    prompts = args["prompts"]
+    ref_b = _reference(other, args["tp"], [*prompts["before"], *prompts["after"]])
+    args["say"](f"[{fault.name}] second weight set at {other}, same config.json and name")
+    second = _Run(fault, model_dir=other, reference=ref_b, work=work / "b", disk_dir=disk, **args)
+    try:
+        during = PhaseResult()
+        hits0 = second._stats()["external_prefix_cache_hits"]
+        second.replay(prompts["before"], "during-replay", during)
+        during.hit_tokens = int(second._stats()["external_prefix_cache_hits"] - hits0)
+        if all(ref_b[tuple(p)] == reference[tuple(p)] for p in prompts["before"]):
+            # the check cannot tell the two models apart: it proves nothing
+            during.verified = 0
+            during.errors.append("the second weight set gives the first one's outputs")
+        phases["during"] = during
+        phases["after"] = second._phase("after")
+        return second.result(phases, t0)
+    finally:
+        second.close()
+
+
 def _tiny_model(path: Path) -> Path:
     from kvtier.native.modelgen import init_model
 
@@ -946,7 +1169,11 @@ def _add_row(report: Report, res: FaultResult) -> None:
         "nothing_lost": "yes" if res.nothing_lost else "no",
         "hits_before": res.phases["before"].hit_tokens,
         "hits_during": res.phases["during"].hit_tokens,
-        "hits_after": res.phases["after"].hit_tokens,
+        "hits_after": res.phases["after"].hit_tokens if "after" in res.phases else 0,
+        "outcome": "clean failure" if res.clean_failure else "nothing lost",
+        "ended_cleanly": "yes" if res.ended_cleanly else "no",
+        "engine_error": res.engine_error[:500],
+        "ranks_left": res.ranks_left,
         "hit_tokens_possible": res.hit_tokens_possible,
         "why": ", ".join(f"{_short(k)}={v:g}" for k, v in sorted(why.items())) or "—",
         "seconds": res.seconds,
@@ -954,8 +1181,18 @@ def _add_row(report: Report, res: FaultResult) -> None:
     }
     for key, value in sorted(res.counters.items()):
         detail[f"counter:{key}"] = value
-    report.add(
-        Row(
+    if res.clean_failure:
+        # the engine cannot serve on: what counts is how it stopped
+        row = Row(
+            id=res.fault,
+            label=f"{res.title}: ended cleanly",
+            value=1.0 if res.ended_cleanly else 0.0,
+            unit="clean",
+            target=Target("value", ">=", 1.0),
+            detail=detail,
+        )
+    else:
+        row = Row(
             id=res.fault,
             label=f"{res.title}: verified / sent",
             value=float(res.verified),
@@ -964,7 +1201,7 @@ def _add_row(report: Report, res: FaultResult) -> None:
             target=Target("ratio", ">=", 1.0),
             detail=detail,
         )
-    )
+    report.add(row)
 
 
 def _short(counter: str) -> str:
@@ -1016,16 +1253,24 @@ def render(doc: dict[str, Any]) -> Group:
             str(d["hits_during"]),
             str(d["hits_after"]),
             str(d["why"]).replace(", ", "\n"),
-            Text("nothing lost", style="bold green")
-            if ok
-            else Text(f"{MISS}: {d['sent'] - d['verified']} lost", style="bold red"),
+            _verdict(d, bool(ok)),
         )
     parts: list[Table | Text] = [table]
     for i, note in enumerate(doc.get("footnotes", []), start=1):
         parts.append(Text(f"[{i}] {note}", style="dim"))
-    summary = f"nothing lost: {len(doc['rows']) - lost} of {len(doc['rows'])} faults"
+    summary = f"as intended: {len(doc['rows']) - lost} of {len(doc['rows'])} faults"
     parts.append(Text(summary, style="bold green" if lost == 0 else "bold red"))
     return Group(*parts)
+
+
+def _verdict(d: dict[str, Any], ok: bool) -> Text:
+    if d.get("outcome") == "clean failure":
+        if ok:
+            return Text("clean failure", style="bold green")
+        return Text(f"{MISS}: did not end cleanly", style="bold red")
+    if ok:
+        return Text("nothing lost", style="bold green")
+    return Text(f"{MISS}: {d['sent'] - d['verified']} lost", style="bold red")
 
 
 def bench_faults_command(

@@ -61,7 +61,10 @@ def endpoint_for(
         return f"ipc://{path}"
     if transport == "tcp":
         if base_port is None:
-            raise ConfigError("tcp lookup endpoints need base_port (rank r listens on base_port+r)")
+            raise ConfigError(
+                "lookup_transport='tcp' needs a base port: set lookup_base_port (rank r's lookup "
+                "server listens on lookup_base_port + r), e.g. 15500"
+            )
         port = base_port + rank
         if not 0 < port < 65536:
             raise ConfigError(

@@ -69,11 +69,16 @@ class BlockManager:
         """Blocks with no owner (cached or not)."""
         return len(self.free_queue)
 
-    def can_allocate(self, hits: list[int], num_tokens: int) -> bool:
-        """Whether `num_tokens` tokens fit when the first blocks are the cached `hits`."""
+    def can_allocate(self, hits: list[int], num_tokens: int, reserve: int = 0) -> bool:
+        """Whether `num_tokens` tokens fit when the first blocks are the cached `hits`, leaving
+        `reserve` free blocks untouched."""
         new = self._blocks_for(num_tokens) - len(hits)
         revived = sum(1 for b in hits if self.ref_counts[b] == 0)
-        return new <= len(self.free_queue) - revived
+        return new + reserve <= len(self.free_queue) - revived
+
+    def blocks_short(self, seq: Sequence) -> int:
+        """Blocks `seq` still needs to hold all of its tokens."""
+        return max(0, self._blocks_for(seq.num_tokens) - len(seq.block_ids))
 
     def allocate(self, seq: Sequence, hits: list[int], num_tokens: int) -> None:
         """Give `seq` the hit blocks plus fresh blocks for `num_tokens` tokens; counts the lookup.

@@ -14,7 +14,9 @@ scheduler half, engine process
     update_state_after_alloc(req, blocks, n)   right after the request got its blocks;
                                                req.num_computed_tokens is the HBM hit (the
                                                floor) and n the external tokens it will count
-    request_preempted(req)                     before a running request's blocks are taken back
+    request_preempted(req)                     before a running or loaded request's blocks
+                                               are taken back (never while its load is on
+                                               the ranks)
     build_connector_meta(scheduler_output)     once per step, before the forward (requests'
                                                num_computed_tokens are still pre-step);
                                                `encode_meta` turns it into bytes for every rank
@@ -92,6 +94,7 @@ class ConnectorContext(msgspec.Struct, frozen=True):
     device: str
     # layout of each registered per-layer tensor; a block is one contiguous `cache[b]` slice
     kv_layout: str = "block,kv,token,head,dim"
+    max_model_len: int = 0  # the longest sequence the engine serves; 0 = not told
 
 
 class ConnectorSpec(msgspec.Struct, frozen=True):
@@ -140,8 +143,8 @@ class ConnectorRequest(Protocol):
     request_id: str
     prompt_token_ids: list[int]
     num_computed_tokens: int
-    num_cached_tokens: int  # HBM hit at first admission; -1 before
-    num_external_tokens: int
+    num_cached_tokens: int  # HBM hit at first admission; -1 until that admission settled
+    num_external_tokens: int  # loaded at first admission
     block_ids: list[int]
 
     @property

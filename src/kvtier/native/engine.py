@@ -32,6 +32,8 @@ from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from kvtier.errors import ConfigError
 from kvtier.native.blocks import BlockManager
 from kvtier.native.config import EngineConfig
@@ -103,7 +105,10 @@ class Engine:
         else:
             self.executor = MultiprocExecutor(self.model_dir, cfg, spec, clock=clock)
         try:
-            ctx = connector_context(self.model_dir, mcfg, cfg, rank=-1)
+            ctx = msgspec.structs.replace(
+                connector_context(self.model_dir, mcfg, cfg, rank=-1),
+                max_model_len=self.max_model_len,
+            )
             self.connector = build_connector(spec, ConnectorRole.SCHEDULER, ctx)
         except BaseException:
             self.executor.close()

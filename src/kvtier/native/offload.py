@@ -8,7 +8,6 @@ codec, lookup server); the scheduler half owns the `OffloadScheduler` and the al
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from kvtier.config import KVTierConfig
+from kvtier.identity import model_identity
 from kvtier.lookup import LookupClient, endpoint_for, make_run_dir
 from kvtier.metrics import MergedCollector, Metrics
 from kvtier.native.connector import (
@@ -44,13 +44,6 @@ log = logging.getLogger("kvtier")
 _SOURCE_OF_TIER = {"memory": "host", "disk": "disk", "remote": UNSPECIFIED_SOURCE}
 
 
-def model_id_for(model_dir: str | Path) -> str:
-    """A model identity for the key namespace: the directory name and its config.json digest."""
-    path = Path(model_dir)
-    digest = hashlib.blake2b((path / "config.json").read_bytes(), digest_size=8).hexdigest()
-    return f"{path.resolve().name}:{digest}"
-
-
 def connector_spec(
     config: KVTierConfig, model_dir: str | Path, run_dir: str | Path | None = None
 ) -> ConnectorSpec:
@@ -65,7 +58,7 @@ def connector_spec(
         {
             "config": config.to_dict(secrets=True),
             "run_dir": str(run),
-            "model_id": model_id_for(model_dir),
+            "model_id": model_identity(model_dir, config.model_revision),
         },
     )
 
@@ -91,6 +84,7 @@ def _endpoint(config: KVTierConfig, rank: int, run_dir: str) -> str:
         transport=config.lookup_transport,
         run_dir=run_dir,
         host=config.lookup_bind_host,
+        base_port=config.lookup_base_port,
         allow_remote_bind=config.allow_remote_bind,
     )
 
@@ -107,6 +101,8 @@ class SchedulerHalf:
         model_id: str,
     ) -> None:
         self.config = config
+        if context.max_model_len:
+            config.check_max_model_len(context.max_model_len)
         self.registry = CollectorRegistry()
         self.metrics = Metrics(rank="scheduler", registry=self.registry)
         self.collector = MergedCollector(self.registry)

@@ -195,7 +195,7 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.bm.can_append(seq, seq.num_computed_tokens + n):
-                victim = self.running[-1]  # the latest admitted gives way
+                victim = self._victim()
                 self._preempt(victim)
                 preempted.add(victim.request_id)
                 if victim is seq:
@@ -234,9 +234,12 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             if is_async:
-                if not self.bm.can_allocate(hits, hbm + ext):
+                # the whole prefill is allocated now, so the loaded request resumes without
+                # asking for a block; and it parks only if what the admitted requests still
+                # need to finish their prefill stays free (else nothing could run: a wedge)
+                if not self.bm.can_allocate(hits, seq.num_tokens, reserve=self._reserve()):
                     break
-                self._allocate(seq, hits, hbm + ext, ext, is_async=True)
+                self._allocate(seq, hits, seq.num_tokens, ext, is_async=True)
                 self.waiting.popleft()
                 seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
                 self.parked[seq.request_id] = seq
@@ -252,6 +255,17 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(skipped))
         return budget, has_sync_loads
+
+    def _reserve(self) -> int:
+        """Free blocks the admitted requests need to hold every token they have."""
+        admitted = (*self.running, *self.ready, *self.parked.values())
+        return sum(self.bm.blocks_short(s) for s in admitted)
+
+    def _victim(self) -> Sequence:
+        """Who gives way when a running request cannot grow: a loaded request still waiting
+        for a seat first, then the latest admitted. A parked request is never taken: the
+        ranks may still write its blocks, and its load ends within the load deadline."""
+        return self.ready[-1] if self.ready else self.running[-1]
 
     def _ask_connector(self, seq: Sequence, hbm: int) -> tuple[int | None, bool]:
         if not self.has_connector:
@@ -272,8 +286,8 @@ class Scheduler:
     ) -> None:
         self.bm.allocate(seq, hits, num_tokens)  # num_computed_tokens = HBM hit
         hbm = seq.num_computed_tokens
-        if seq.num_cached_tokens < 0:
-            seq.num_cached_tokens = hbm
+        if ext == 0 and seq.num_cached_tokens < 0:
+            seq.num_cached_tokens, seq.num_external_tokens = hbm, 0
         if self.has_connector:
             self.stats.external_prefix_cache_queries += seq.num_tokens - hbm
         seq.load = ExternalLoad(hbm, hbm + ext, is_async) if ext > 0 else None
@@ -285,7 +299,10 @@ class Scheduler:
         scheduled.append(ScheduledRequest(seq, n, is_new=True))
 
     def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.ready.remove(seq)  # loaded; its good blocks stay in the prefix cache
         self.connector.request_preempted(seq)
         self.bm.free(seq)
         seq.num_computed_tokens = 0
@@ -392,7 +409,8 @@ class Scheduler:
         self.bm.cache_blocks(seq, good)
 
     def _count_load(self, seq: Sequence, load: ExternalLoad, good: int) -> None:
-        seq.num_external_tokens = good - load.start
+        if seq.num_cached_tokens < 0:  # the first admission's outcome, reported once
+            seq.num_cached_tokens, seq.num_external_tokens = load.start, good - load.start
         self.stats.external_prefix_cache_hits += good - load.start
         if good > load.start:
             self._loaded.append((seq, good - load.start))

@@ -22,8 +22,10 @@ class Sequence:
 
     `num_computed_tokens` counts tokens whose KV is in the cache now. After admission it is the
     HBM hit; a synchronous external load adds its tokens at once, an asynchronous one when the
-    load finishes. `num_cached_tokens` is the HBM prefix hit of the first admission and
-    `num_external_tokens` what the connector loaded successfully.
+    load finishes. `num_cached_tokens` (HBM prefix hit) and `num_external_tokens` (what the
+    connector loaded successfully) describe the first admission only, set once when its outcome
+    is known; a re-admission after preemption changes neither, so their sum never exceeds the
+    prompt.
     """
 
     __slots__ = (
@@ -65,7 +67,7 @@ class Sequence:
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks of token_ids
         self.num_hashed_blocks = 0  # leading blocks already offered to the prefix cache
-        self.num_cached_tokens = -1  # -1 until first admitted
+        self.num_cached_tokens = -1  # -1 until the first admission's outcome is known
         self.num_external_tokens = 0
         self.load: ExternalLoad | None = None
         self.finish_reason: str | None = None
@@ -129,7 +131,8 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop", "length", "abort" or "error" once finished
     prompt_tokens: int
-    num_cached_tokens: int  # HBM prefix hit at admission
+    # first admission only (set once); the sum is OpenAI's cached_tokens, < prompt_tokens
+    num_cached_tokens: int  # HBM prefix hit
     num_external_tokens: int  # tokens the connector loaded successfully
     text: str | None = None  # filled by `Engine.generate` when a tokenizer is present
     logprobs: TokenLogprobs | None = None  # of the new token, when the request asked

@@ -11,6 +11,7 @@ never as a hang.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import socket
@@ -53,6 +54,7 @@ class WorkerInit(msgspec.Struct):
     world: int
     dist_init: str
     connector: ConnectorSpec
+    log_level: int = logging.WARNING  # the engine process's level for the "kvtier" loggers
 
 
 class Ready(msgspec.Struct, tag="ready"):
@@ -89,6 +91,7 @@ def worker_main(conn: Connection) -> None:
     try:
         init = msgspec.msgpack.decode(conn.recv_bytes(), type=WorkerInit)
         rank = init.rank
+        _configure_logging(init.log_level)
         config = EngineConfig(**init.config)
         # ranks share the cores; oversubscribed OpenMP threads only slow every rank down
         torch.set_num_threads(config.num_threads or 1)
@@ -120,6 +123,21 @@ def worker_main(conn: Connection) -> None:
             runner.shutdown()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def _configure_logging(level: int) -> None:
+    """A fresh interpreter logs nothing below WARNING: give "kvtier" the engine's level and a
+    handler on the stderr the rank shares with the engine process, so per-rank lines (the
+    `kvtier[rank r/N]: Retrieved ...` histogram) land in the server's log."""
+    lg = logging.getLogger("kvtier")
+    lg.setLevel(level)
+    if not lg.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(process)d]: %(message)s")
+        )
+        lg.addHandler(handler)
+        lg.propagate = False
 
 
 def _try_send(conn: Connection, data: bytes) -> None:
@@ -165,6 +183,7 @@ class MultiprocExecutor:
                 init = WorkerInit(
                     str(model_dir), config.to_dict(), rank, self.world,
                     os.path.join(self._tmp, "dist_init"), connector,
+                    logging.getLogger("kvtier").getEffectiveLevel(),
                 )  # fmt: skip
                 conn.send_bytes(encode(init))
             ready = self._gather(config.startup_timeout_s, "start up")
@@ -232,9 +251,26 @@ class MultiprocExecutor:
             lines.append(f"TP rank {rank} (pid {self.procs[rank].pid}) {what}")
         elif "\n" in what:
             lines.append(f"TP rank {rank} {what}")
+        stopped = self._stop_survivors()
+        if stopped:
+            lines.append(f"stopped the surviving ranks {stopped}")
         return WorkerError(
             "; ".join(lines) + ". The engine cannot continue; close it and start a new one."
         )
+
+    def _stop_survivors(self) -> list[int]:
+        """End (and reap) every rank still running: after a peer died each one waits in a
+        collective that never completes, so none may be left behind as a zombie."""
+        alive = [r for r, p in enumerate(self.procs) if p.poll() is None]
+        for r in alive:
+            self.procs[r].terminate()
+        for r in alive:
+            try:
+                self.procs[r].wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                self.procs[r].kill()
+                self.procs[r].wait(timeout=10.0)
+        return alive
 
     def close(self) -> None:
         """Ask every rank to stop, then make sure each is gone."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -59,6 +60,7 @@ class _Req:
     finished: bool = False
     lookup: Any = None  # a lookup in flight (polled again at the next ask)
     deferred: bool = False  # already counted as waiting behind another request's load
+    epoch: int = 0  # the namespace epoch its keys belong to
 
     def busy(self) -> bool:
         return bool(self.saves) or (self.load is not None and self.load.op_id is not None)
@@ -103,7 +105,9 @@ class OffloadScheduler:
         self.blocks_per_chunk = self.chunk // block_size
         self.world = world
         self._lookup = lookup
+        self._model_id = model_id
         self._seed = key_seed(model_id, self.chunk)
+        self.epoch = 0
         self._m = metrics
         self._reqs: dict[str, _Req] = {}
         self._quorum = Quorum(world)
@@ -139,6 +143,11 @@ class OffloadScheduler:
         if not self.config.enabled:
             return 0
         st = self._state(req)
+        if st.epoch != self.epoch:
+            if st.busy() or st.load is not None:
+                return 0  # its keys name the old epoch until its transfers end
+            del self._reqs[st.req_id]  # a new lifecycle: keyed in the new epoch
+            st = self._state(req)
         if st.load is not None and st.load.op_id is None:
             if st.load.hbm == num_computed_tokens and st.load.block_ids is None:
                 # asked again because the host could not allocate last time: the promise and
@@ -312,6 +321,8 @@ class OffloadScheduler:
     def _emit_save(self, st: _Req, item: StepRequest) -> SaveOp | None:
         if st.load is not None:
             return None  # its blocks are being filled by a load
+        if st.epoch != self.epoch:
+            return None  # computed before a reset: nothing of it enters the new epoch
         computed = min(item.computed_after_step, st.prompt_len)
         aligned = (computed // self.chunk) * self.chunk
         if aligned <= st.emitted:
@@ -421,10 +432,32 @@ class OffloadScheduler:
         return False
 
     def request_preempted(self, req: RequestView) -> None:
-        """The host took the request's blocks back; an unsent load is withdrawn."""
+        """The host takes the request's blocks back; an unsent load is withdrawn (its lease
+        released). A load already sent cannot be: the ranks may still write those blocks, so a
+        host preempts such a request only after its load's terminal (finished_recving)."""
         st = self._reqs.get(req.request_id)
-        if st is not None and st.load is not None and st.load.op_id is None:
-            self._drop_load(st, WITHDRAWN)
+        if st is None or st.load is None:
+            return
+        if st.load.op_id is not None:
+            raise RuntimeError(
+                f"request {st.req_id} was preempted while its load {st.load.op_id} is on the "
+                "ranks, which may still write its blocks; wait for the load's finished_recving"
+            )
+        self._drop_load(st, WITHDRAWN)
+
+    def reset(self) -> None:
+        """Start a new namespace epoch: lookups and saves from now on chain from a fresh random
+        seed, so no chunk stored before (by any engine) is reachable; requests keyed before
+        neither load nor save again. For the host's cache resets (weights changed, pause); the
+        host resets its own prefix cache with it."""
+        self.epoch += 1
+        self._seed = key_seed(self._model_id, self.chunk, epoch=os.urandom(16))
+        log.info(
+            "kvtier: namespace epoch %d: every chunk stored before is unreachable (%d requests "
+            "keyed before it neither load nor save)",
+            self.epoch,
+            len(self._reqs),
+        )
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The host's measured prefill rate feeds the load gate."""
@@ -453,7 +486,9 @@ class OffloadScheduler:
         if st is None:
             prompt = req.prompt_token_ids
             keys = chain_keys(prompt, self.chunk, self._seed)
-            st = self._reqs[req.request_id] = _Req(req.request_id, len(prompt), keys)
+            st = self._reqs[req.request_id] = _Req(
+                req.request_id, len(prompt), keys, epoch=self.epoch
+            )
         return st
 
     def _drop_load(self, st: _Req, reason: str, count: bool = True) -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kvtier.config import KVTierConfig
+from kvtier import remote_endpoint
+from kvtier.config import KVTierConfig, mask_url
 from kvtier.errors import StartupError
 from kvtier.metrics import Metrics
 from kvtier.store.base import Tier
@@ -52,5 +53,41 @@ def build_stack(
     if config.remote_url:
         from kvtier.store.remote import RemoteTier
 
+        _check_database(config)
         lower.append(RemoteTier.from_config(config, namespace, metrics, payload_bytes=slot_bytes))
     return TierStack(memory, lower, metrics, queue_depth=config.write_queue_depth)
+
+
+def _check_database(config: KVTierConfig) -> None:
+    """A database index the server does not have stops startup by name (a client would
+    otherwise fail every connect and the tier would only look unreachable)."""
+    url = config.remote_url or ""
+    ep = remote_endpoint.parse(url)
+    if ep.db == 0 or ep.cluster or ep.unix:
+        return
+    have = _server_databases(url, config)
+    if have is not None and ep.db >= have:
+        raise StartupError(
+            f"remote_url={mask_url(url)!r} selects database {ep.db}, but the server has "
+            f"databases 0..{have - 1}; use a database index it has, e.g. redis://host:6379/0"
+        )
+
+
+def _server_databases(url: str, config: KVTierConfig) -> int | None:
+    """The server's `databases` setting, asked on database 0 (None when it will not say)."""
+    import redis
+    from redis.connection import parse_url
+
+    kwargs = {**parse_url(url), "db": 0, "socket_timeout": config.remote_timeout_ms / 1000}
+    if config.remote_username is not None:
+        kwargs["username"] = config.remote_username
+    if config.remote_password is not None:
+        kwargs["password"] = config.remote_password
+    client = redis.Redis(connection_pool=redis.ConnectionPool(**kwargs))
+    try:
+        return int(client.config_get("databases")["databases"])
+    except (redis.exceptions.RedisError, KeyError, ValueError):
+        # an unreachable or TLS server says nothing here; the tier's own startup probe reports it
+        return None
+    finally:
+        client.close()

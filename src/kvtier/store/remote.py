@@ -20,7 +20,6 @@ load fails, and the request recomputes the prefix.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 
 from kvtier import remote_endpoint
+from kvtier.config import mask_url
 from kvtier.errors import ConfigError, StartupError
 from kvtier.metrics import Metrics
 from kvtier.store import record
@@ -46,26 +46,6 @@ _DEFAULT_WRITE_TIMEOUT_MS = 1000
 _DEFAULT_TIMEOUT_GBPS = 0.1
 # Redis' and Valkey's default `proto-max-bulk-len`, assumed when the server will not say
 _DEFAULT_MAX_VALUE = 512 << 20
-_MASK = "***"
-_QUERY_PASSWORD_RE = re.compile(r"(?i)([?&]password=)[^&#]*")
-
-
-def mask_url(url: str) -> str:
-    """`url` with the password of its userinfo and any `?password=` query value replaced."""
-    url = _QUERY_PASSWORD_RE.sub(lambda m: m.group(1) + _MASK, url)
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    # the userinfo ends at the last '@' before the query: searching past the first '/' too
-    # keeps a password holding an unescaped '/' hidden (over-masking a path is harmless)
-    cut = min((i for i in (rest.find("?"), rest.find("#")) if i != -1), default=len(rest))
-    at = rest.rfind("@", 0, cut)
-    if at == -1:
-        return url
-    user, colon, _secret = rest[:at].partition(":")
-    # a lone userinfo is a user name to redis-py, but people write passwords there: hide it
-    shown = f"{user}:{_MASK}" if colon else _MASK
-    return f"{scheme}://{shown}{rest[at:]}"
 
 
 class RemoteTier:

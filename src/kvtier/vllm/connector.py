@@ -14,7 +14,6 @@ for the native engine. vLLM itself is not patched.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import sys
 from pathlib import Path
@@ -30,6 +29,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, LayoutError
+from kvtier.identity import model_identity
 from kvtier.offload.scheduler import OffloadScheduler
 from kvtier.offload.worker import OffloadWorker
 from kvtier.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
@@ -78,16 +78,27 @@ def _ensure_logging() -> None:
         lg.addHandler(handler)
 
 
-def model_id_for(vllm_config: VllmConfig) -> str:
-    """A model identity for the key namespace, the same in every process of every engine that
-    serves the same weights: a local directory's name and config.json digest, or hub id@rev."""
+def model_id_for(vllm_config: VllmConfig, config: KVTierConfig) -> str:
+    """The namespace's model identity (`kvtier.identity`) of the weights vLLM serves: its
+    local directory, or the Hugging Face cache snapshot a hub id resolved to."""
     mc = vllm_config.model_config
     path = Path(mc.model)
-    cfg = path / "config.json"
-    if cfg.is_file():
-        digest = hashlib.blake2b(cfg.read_bytes(), digest_size=8).hexdigest()
-        return f"{path.resolve().name}:{digest}"
-    return f"{mc.model}@{mc.revision or 'main'}"
+    if not path.is_dir():
+        path = _hub_snapshot(str(mc.model), mc.revision)
+    return model_identity(path, config.model_revision)
+
+
+def _hub_snapshot(repo_id: str, revision: str | None) -> Path:
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo_id, "config.json", revision=revision)
+    if not isinstance(found, str):
+        raise ConfigError(
+            f"model {repo_id!r} (revision {revision or 'main'!r}) is neither a local directory "
+            "nor in the Hugging Face cache, so kvtier cannot tell which weights it serves; "
+            "download it first or pass its local directory"
+        )
+    return Path(found).parent
 
 
 def _block_size(vllm_config: VllmConfig, config: KVTierConfig) -> int:
@@ -148,7 +159,8 @@ class KVTierConnector(KVConnectorBase_V1):
             return
         dp_rank = int(vllm_config.parallel_config.data_parallel_rank or 0)
         self.run_dir = run_dir_for(str(ktc.engine_id), dp_rank, self.config.lookup_dir)
-        model_id = model_id_for(vllm_config)
+        self.config.check_max_model_len(int(vllm_config.model_config.max_model_len))
+        model_id = model_id_for(vllm_config, self.config)
         if role == KVConnectorRole.SCHEDULER:
             # one sweep per engine start (the scheduler, not every rank): dead engines' sockets
             stale = sweep_stale(self.config.lookup_dir, keep=self.run_dir)
@@ -335,12 +347,11 @@ class KVTierConnector(KVConnectorBase_V1):
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def reset_cache(self) -> bool:
-        """The tier is not reset: its chunks are keyed by content and verified on read."""
-        log.warning(
-            "kvtier: reset_connector was requested; the tier keeps its chunks (keys are "
-            "content hashes, reads are verified); restart the engine to empty it"
-        )
-        return False
+        """vLLM's cache reset (pause, sleep, weight update): a new namespace epoch makes every
+        chunk stored before unreachable; the tiers free their space by eviction."""
+        if self._scheduler is not None:
+            self._scheduler.core.reset()
+        return True
 
     @property
     def offload_scheduler(self) -> OffloadScheduler | None:

@@ -15,12 +15,13 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
 from kvtier.lookup.endpoints import check_private_dir, endpoint_for
 
-__all__ = ["lookup_endpoint", "remove_if_empty", "run_dir_for", "sweep_stale"]
+__all__ = ["lookup_base_port", "lookup_endpoint", "remove_if_empty", "run_dir_for", "sweep_stale"]
 
 log = logging.getLogger("kvtier")
 
@@ -123,6 +124,15 @@ def sweep_stale(
         remove_if_empty(d)
         removed.append(d)
     return removed
+
+
+def lookup_base_port(config: KVTierConfig, vllm_config: Any, dp_rank: int, world: int) -> int:
+    """First tcp lookup port of this DP replica: `lookup_base_port`, else vLLM's `kv_port`,
+    plus `world` ports per replica before it."""
+    base = config.lookup_base_port
+    if base is None:
+        base = int(vllm_config.kv_transfer_config.kv_port)
+    return base + dp_rank * world
 
 
 def lookup_endpoint(config: KVTierConfig, rank: int, run_dir: Path, base_port: int) -> str:

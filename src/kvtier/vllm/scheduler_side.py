@@ -22,7 +22,7 @@ from kvtier.offload.selftest import check_lookup
 from kvtier.topology import Topology, resolve, validate_lookup_scope
 from kvtier.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
 from kvtier.vllm.request_view import VLLMRequestView
-from kvtier.vllm.rundir import lookup_endpoint
+from kvtier.vllm.rundir import lookup_base_port, lookup_endpoint
 from kvtier.vllm.stats import KVTierStats, StatsDelta
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ class SchedulerSide:
         # the scheduler is no rank; topology comes from parallel_config, never a guess of 1
         topo: Topology = resolve(vllm_config, rank=0)
         scope = validate_lookup_scope(config.lookup_scope, topo)
-        base_port = int(vllm_config.kv_transfer_config.kv_port) + topo.dp_rank * topo.world
+        base_port = lookup_base_port(config, vllm_config, topo.dp_rank, topo.world)
         endpoints = {r: lookup_endpoint(config, r, run_dir, base_port) for r in scope}
         self.registry = CollectorRegistry()
         self.metrics = Metrics(rank="scheduler", registry=self.registry)

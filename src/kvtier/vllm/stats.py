@@ -24,7 +24,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetric,
 )
 
-from kvtier.metrics import families
+from kvtier.metrics import counter_labels, families
+from kvtier.topology import resolve
 
 __all__ = ["KVTierPromMetrics", "KVTierStats", "StatsDelta"]
 
@@ -128,7 +129,25 @@ def _doc(name: str) -> str:
 
 
 class KVTierPromMetrics(KVConnectorPromMetrics):
-    """Replays `KVTierStats` onto `kvtier_*` families in vLLM's frontend process."""
+    """Replays `KVTierStats` onto `kvtier_*` families in vLLM's frontend process; every kvtier
+    counter family is on /metrics from startup, per-rank ones at 0 (absent means not kvtier)."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type[PromMetric], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        ranks = ["scheduler", *map(str, range(resolve(vllm_config, rank=0).world))]
+        for sample, names in counter_labels().items():
+            metric, keys = self._family(sample, dict.fromkeys(names, ""), counter=True)
+            if keys != ("rank",):
+                continue  # by reason or tier: the family is declared, children come with use
+            for engine in per_engine_labelvalues.values():
+                for rank in ranks:
+                    metric.labels(*engine, rank).inc(0)
 
     def _family(
         self, sample: str, labels: dict[str, str], counter: bool

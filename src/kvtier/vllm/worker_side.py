@@ -18,7 +18,7 @@ from kvtier.offload.pages import KVCacheDescription
 from kvtier.offload.worker import OffloadWorker
 from kvtier.topology import resolve
 from kvtier.vllm.metadata import KVTierConnectorMetadata
-from kvtier.vllm.rundir import lookup_endpoint
+from kvtier.vllm.rundir import lookup_base_port, lookup_endpoint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -92,7 +92,7 @@ class WorkerSide:
         self.block_size = block_size
         self.registry = CollectorRegistry()
         self.metrics = Metrics(rank=topo.rank, registry=self.registry)
-        base_port = int(vllm_config.kv_transfer_config.kv_port) + topo.dp_rank * topo.world
+        base_port = lookup_base_port(config, vllm_config, topo.dp_rank, topo.world)
         self.worker = OffloadWorker(
             config,
             rank=topo.rank,

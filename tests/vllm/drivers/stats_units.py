@@ -66,7 +66,9 @@ def check_prom_replay_survives_a_second_logger() -> None:
     labels = ["model_name", "engine"]
     r0 = '["kvtier_retrieved_tokens_total",[["rank","0"]]]'
     cap = '["kvtier_tier_capacity_bytes",[["rank","0"],["tier","memory"]]]'
-    config = SimpleNamespace(kv_transfer_config=None)  # the base class only stores it
+    config = SimpleNamespace(  # the base class stores the first; kvtier reads the world
+        kv_transfer_config=None, parallel_config=SimpleNamespace(tensor_parallel_size=1)
+    )
     for _ in range(2):  # vLLM rebuilds its stat loggers per engine in one process
         prom = KVTierPromMetrics(config, types, labels, {0: ["tiny", "0"]})
         prom.observe({"c": {r0: 512.0}, "g": {cap: 64.0}}, engine_idx=0)
@@ -77,10 +79,33 @@ def check_prom_replay_survives_a_second_logger() -> None:
     assert got == 64.0, got
 
 
+def check_counters_are_exported_at_zero_from_startup() -> None:
+    from prometheus_client import generate_latest
+
+    from kvtier.vllm.stats import KVTierPromMetrics
+
+    types = {Counter: Counter, Gauge: Gauge, Histogram: Histogram}
+    config = SimpleNamespace(
+        kv_transfer_config=None,
+        parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1),
+    )
+    KVTierPromMetrics(config, types, ["model_name", "engine"], {0: ["zero", "0"]})
+    for rank in ("scheduler", "0", "1"):
+        want = {"model_name": "zero", "engine": "0", "rank": rank}
+        for name in ("kvtier_stored_tokens_total", "kvtier_retrieved_tokens_total"):
+            got = REGISTRY.get_sample_value(name, want)
+            assert got == 0.0, (name, rank, got)
+    text = generate_latest(REGISTRY).decode()
+    # failure counters by reason have no child yet, but their families are declared
+    for family in ("kvtier_save_failures_total", "kvtier_store_failures_total"):
+        assert f"# TYPE {family} counter" in text, family
+
+
 CHECKS: tuple[Callable[[], None], ...] = (
     check_delta_sends_changes_only,
     check_aggregate_and_reduce,
     check_prom_replay_survives_a_second_logger,
+    check_counters_are_exported_at_zero_from_startup,
 )
 
 

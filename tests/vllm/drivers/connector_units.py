@@ -1,0 +1,85 @@
+"""Unit checks of `KVTierConnector` pieces that need vLLM importable (runs under .venv-vllm):
+`reset_cache` starts a namespace epoch and answers True; `model_id_for` is kvtier's identity of
+the weights. Prints `{"checks": {name: "ok" | "<traceback>"}}`. Args (JSON): `{"tmp": dir}`.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+
+from kvtier.config import KVTierConfig
+from kvtier.metrics import Metrics
+from kvtier.offload.scheduler import OffloadScheduler
+from tests.offload.fakes import FakeLookup
+from tests.vllm.drivers.common import args, emit
+
+TMP = Path(args()["tmp"])
+
+
+def check_reset_cache_starts_a_new_epoch_and_returns_true() -> None:
+    from kvtier.vllm.connector import KVTierConnector
+
+    core = OffloadScheduler(
+        KVTierConfig(chunk_size=32, load_gate=False), FakeLookup(), model_id="m",
+        block_size=16, world=1, metrics=Metrics(rank="scheduler"),
+    )  # fmt: skip
+    scheduler_role = object.__new__(KVTierConnector)
+    scheduler_role._scheduler = SimpleNamespace(core=core)  # type: ignore[assignment]
+    assert scheduler_role.reset_cache() is True and core.epoch == 1
+    assert scheduler_role.reset_cache() is True and core.epoch == 2
+    worker_role = object.__new__(KVTierConnector)
+    worker_role._scheduler = None
+    assert worker_role.reset_cache() is True
+
+
+def check_model_id_is_the_identity_of_the_weights() -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from kvtier.errors import ConfigError
+    from kvtier.identity import model_identity
+    from kvtier.vllm.connector import model_id_for
+
+    model = TMP / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    save_file({"w": torch.arange(64.0)}, str(model / "model.safetensors"))
+
+    def vc(name: str) -> SimpleNamespace:
+        return SimpleNamespace(model_config=SimpleNamespace(model=name, revision=None))
+
+    assert model_id_for(vc(str(model)), KVTierConfig()) == model_identity(model)
+    revised = model_id_for(vc(str(model)), KVTierConfig(model_revision="r2"))
+    assert revised == model_identity(model, "r2") != model_identity(model)
+    try:
+        model_id_for(vc("no-such-org/no-such-model"), KVTierConfig())
+    except ConfigError as e:
+        assert "neither a local directory nor in the Hugging Face cache" in str(e), e
+    else:
+        raise AssertionError("an unresolvable hub id must be a startup error")
+
+
+CHECKS: tuple[Callable[[], None], ...] = (
+    check_reset_cache_starts_a_new_epoch_and_returns_true,
+    check_model_id_is_the_identity_of_the_weights,
+)
+
+
+def main() -> None:
+    results: dict[str, str] = {}
+    for check in CHECKS:
+        try:
+            check()
+        except Exception:  # noqa: BLE001 - every check's failure is reported, not just the first
+            results[check.__name__] = traceback.format_exc()
+        else:
+            results[check.__name__] = "ok"
+    emit({"checks": results})
+
+
+if __name__ == "__main__":
+    main()
