@@ -134,13 +134,17 @@ class ChainPolicy:
         resident neighbours and reference each resident key, tail first."""
         prev = NO_PARENT
         for key in keys:
-            if key in self._size and prev and key not in self._parent:
-                self._link(key, prev)
+            self.link(key, prev)
             prev = key
         gen = self._tick()
         for key in reversed(keys):
             if key in self._size:
                 self._reference(key, gen)
+
+    def link(self, key: bytes, parent: bytes) -> None:
+        """Learn that resident `key` follows `parent` (kept if a link is known already)."""
+        if parent and key in self._size and key not in self._parent:
+            self._link(key, parent)
 
     # ---- removal -----------------------------------------------------------------------------
 
