@@ -458,6 +458,7 @@ class Model:
     def __init__(self) -> None:
         self.now = 0.0
         self.clock = 0
+        self.last_walk = 0
         self.lists: tuple[list[bytes], list[bytes]] = ([], [])  # recent, frequent
         self.ghosts: tuple[list[bytes], list[bytes]] = ([], [])
         self.target = 0.0
@@ -525,12 +526,15 @@ class Model:
         self.gen[key] = self.tick()
         if parent:
             self.parent[key] = parent
-        # the chain above a new chunk is used by the save that wrote it
-        gen, prev, up = self.tick(), self.gen[key], self.parent.get(key)
-        while up is not None and up in self.data and self.gen[up] <= prev:
-            prev = self.gen[up]
-            self.reference(up, gen)
-            up = self.parent.get(up)
+        # the chain above a new chunk is used by the save that wrote it, up to where the
+        # previous such walk reached
+        up = self.parent.get(key)
+        if up is not None and up in self.data:
+            gen = self.tick()
+            while up is not None and up in self.data and self.gen[up] != self.last_walk:
+                self.reference(up, gen)
+                up = self.parent.get(up)
+            self.last_walk = gen
 
     def allocate(self, parent: bytes = b"") -> bool:
         if len(self.data) < SLOTS:

@@ -67,6 +67,7 @@ class ChainPolicy:
         # parent key (resident or not) -> its resident children, oldest first
         self._children: dict[bytes, dict[bytes, None]] = {}
         self._clock = 0
+        self._last_walk = 0  # generation of the latest ancestor walk
 
     # ---- state -------------------------------------------------------------------------------
 
@@ -220,18 +221,19 @@ class ChainPolicy:
         self._restamp(key)
 
     def _refresh_ancestors(self, key: bytes) -> None:
-        """Reference the resident chain above a newly admitted `key`. The walk stops at an
-        ancestor touched after the entry below it, whose own chain is then fresher already,
-        so ascending commits cost O(1) each and a deepest-first save O(depth) once."""
-        gen = self._tick()
-        prev = self._gen[key]
+        """Reference the resident chain above a newly admitted `key`, up to an ancestor that
+        the previous such walk refreshed (whose own chain that walk refreshed too): a
+        deepest-first save walks its chain once, ascending admissions cost O(1) each."""
         parent = self._parent.get(key)
+        if parent is None or parent not in self._size:
+            return
+        gen = self._tick()
         while parent is not None and parent in self._size:
-            if self._gen[parent] > prev:
-                return
-            prev = self._gen[parent]
+            if self._gen[parent] == self._last_walk:
+                break
             self._reference(parent, gen)
             parent = self._parent.get(parent)
+        self._last_walk = gen
 
     def _link(self, key: bytes, parent: bytes) -> None:
         self._parent[key] = parent
