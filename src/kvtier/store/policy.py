@@ -133,13 +133,13 @@ class ChainPolicy:
     def touch(self, keys: Sequence[bytes]) -> None:
         """A lookup used the run `keys` (leading chunks, in chain order): learn the links between
         resident neighbours and reference each resident key, tail first."""
-        prev = NO_PARENT
-        for key in keys:
-            self.link(key, prev)
-            prev = key
         gen = self._tick()
-        for key in reversed(keys):
-            if key in self._size:
+        resident, parents = self._size, self._parent
+        for i in range(len(keys) - 1, -1, -1):
+            key = keys[i]
+            if key in resident:
+                if i and key not in parents:
+                    self._link(key, keys[i - 1])
                 self._reference(key, gen)
 
     def link(self, key: bytes, parent: bytes) -> None:
