@@ -24,7 +24,7 @@ from kvtier.cachemodel.curve import CurvePoint, hit_curve, plot_curve
 from kvtier.cachemodel.optimum import infinite_leading, optimal_leading
 from kvtier.cachemodel.predict import TierHits, predict, tally
 from kvtier.cachemodel.reuse import ReuseProfile, reuse_profile
-from kvtier.cachemodel.stream import Request, from_trace, hbm_floors
+from kvtier.cachemodel.stream import Request, from_trace, hbm_floors, working_set
 from kvtier.cachemodel.trace import TraceRow, parse_trace_rows, read_trace_rows
 from kvtier.config import parse_size
 from kvtier.errors import ConfigError, KVTierError, LayoutError
@@ -315,21 +315,23 @@ def trace_ceilings(
 
 
 def trace_curve(
-    trace: Trace, hbm_pool_tokens: int, png: str | Path | None
+    trace: Trace, hbm_pool_tokens: int, tier_tokens: int, png: str | Path | None
 ) -> tuple[list[CurvePoint], Path | None]:
     """Tier hits against tier capacity behind the HBM pool (kvtier, optimum, infinite), drawn
-    as a PNG at `png` when given."""
+    as a PNG at `png` when given, the tier of `tier_tokens` marked."""
     if trace.num_blocks > MAX_SIM_BLOCKS:
         raise ConfigError(
             f"--trace has {trace.num_blocks:,} blocks, more than the {MAX_SIM_BLOCKS:,} a hit "
             "curve replays; cut the trace, e.g. with head -n"
         )
-    points = hit_curve(trace.chunk_requests, hbm_pool_tokens // trace.block_tokens)
+    requests = trace.chunk_requests
+    points = hit_curve(requests, hbm_pool_tokens // trace.block_tokens)
     if png is None:
         return points, None
     name = Path(trace.source).name if trace.source else "trace"
     title = f"{name}: tier hits behind an HBM pool of {hbm_pool_tokens:,} tokens"
-    return points, plot_curve(points, png, title)
+    mark = min(1.0, tier_tokens // trace.block_tokens / max(1, working_set(requests)))
+    return points, plot_curve(points, png, title, mark)
 
 
 # ----------------------------------------------------------------------------------------- plan
@@ -807,7 +809,7 @@ def plan_command(
         curve: list[CurvePoint] = []
         drawn = None
         if isinstance(workload, Trace):
-            curve, drawn = trace_curve(workload, result.hbm_pool_tokens, png)
+            curve, drawn = trace_curve(workload, result.hbm_pool_tokens, result.tier_tokens, png)
     except KVTierError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from exc

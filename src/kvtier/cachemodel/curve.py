@@ -59,8 +59,11 @@ def hit_curve(
     return out
 
 
-def plot_curve(points: Sequence[CurvePoint], path: str | Path, title: str) -> Path:
-    """Draw the curve as a PNG at `path` (parents created); returns the path."""
+def plot_curve(
+    points: Sequence[CurvePoint], path: str | Path, title: str, mark: float | None = None
+) -> Path:
+    """Draw the curve as a PNG at `path` (parents created), with a vertical line at the tier
+    size `mark` (a fraction of the working set) when given; returns the path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -77,9 +80,11 @@ def plot_curve(points: Sequence[CurvePoint], path: str | Path, title: str) -> Pa
             ("kvtier (real tier, predicted)", lambda p: p.kvtier, "-"),
         ):
             ax.plot(xs, [100 * pick(p).rate for p in points], style, marker="o", label=label)
+        if mark is not None:
+            ax.axvline(100 * mark, color="grey", linewidth=1, label="this tier")
         ax.set_xlabel("tier capacity (% of the working set)")
         ax.set_ylabel("tier hits (% of chunks the HBM missed)")
-        ax.set_title(title)
+        ax.set_title(title, fontsize=10)
         ax.set_ylim(0, 100)
         ax.grid(alpha=0.3)
         ax.legend()
