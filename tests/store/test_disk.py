@@ -456,4 +456,27 @@ def test_a_full_filesystem_evicts_and_keeps_storing(
         assert i % 4 == 0 or i - 1 in held
         assert bytes(tier.get(keys[i]) or b"") == make_payload(i, BIG)
     assert not list(small_fs.rglob("*.tmp"))
+    # the other files go: the budget follows the room back up, never past disk_bytes
+    lowered = tier.budget_bytes
+    (small_fs / "other.bin").unlink()
+    assert tier.put(make_key(99), make_payload(99, BIG))
+    assert lowered < tier.budget_bytes <= budget
+    assert metrics.value("tier_capacity_bytes", tier="disk") == tier.budget_bytes
     tier.close()
+
+
+def test_an_enospc_the_filesystem_does_not_explain_evicts_nothing(
+    tmp_path, namespace, metrics, monkeypatch, make_key: Key, make_payload: Payload
+):
+    # a quota or an injected error: the filesystem has room, so evicting would buy nothing
+    tier = DiskTier(tmp_path, 10 * RECORD, namespace, metrics)
+    assert tier.put(make_key(0), make_payload(0, SIZE))
+
+    def failing_write(fd: int, data) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "write", failing_write)
+    assert tier.put(make_key(1), make_payload(1, SIZE)) is False
+    assert metrics.value("store_failures_total", tier="disk", reason="enospc") == 1
+    assert metrics.value("tier_full_total", tier="disk") == 0
+    assert tier.contains(make_key(0)) and tier.budget_bytes == 10 * RECORD

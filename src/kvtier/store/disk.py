@@ -6,8 +6,9 @@ stay apart and a restarted engine finds its own records again (their chain links
 again from the first lookups that touch them).
 
 The budget is checked against the filesystem at startup; if the filesystem still fills up (other
-files, other ranks), a write that hits ENOSPC lowers the budget to what the filesystem held,
-evicts to make room and retries, so the tier keeps storing instead of failing every write.
+files, other ranks), a write that hits ENOSPC on a filesystem that really lacks the room lowers
+the budget by what is missing, evicts that much and retries, so the tier keeps storing instead
+of failing every write; the budget follows the room back up as it returns.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ _SHARD_NAME = re.compile(r"^[0-9a-f]{2}$")
 _TMP_SUFFIX = ".tmp"
 # a full disk and an exhausted quota are the same event to an operator
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-# ENOSPC retries per write: each one lowers the budget and evicts one write's worth
+# ENOSPC retries per write: each one lowers the budget and evicts what the filesystem lacks
 _NO_SPACE_RETRIES = 3
 
 
@@ -78,7 +79,8 @@ class DiskTier:
                 f"namespace must be {record.NAMESPACE_BYTES} bytes, got {len(namespace)}"
             )
         self._ns = namespace
-        self._max = max_bytes
+        self._limit = max_bytes  # disk_bytes, as configured
+        self._max = max_bytes  # the budget in force: lower while the filesystem is full
         self._m = metrics
         self._root = Path(directory) / namespace.hex()
         self._root.mkdir(parents=True, exist_ok=True)
@@ -154,6 +156,8 @@ class DiskTier:
             if key in self._index:
                 self._resident_again(key, parent)
                 return True
+            if self._max < self._limit:
+                self._regrow()
             if size > self._max:
                 self._m.store_failure(self.name, "too_large").inc()
                 return False
@@ -330,29 +334,52 @@ class DiskTier:
             self._policy.insert(key, size, parent)
 
     def _make_room(self, size: int) -> bool:
-        """The filesystem is full although the budget was not: lower the budget to what the
-        filesystem held and evict one write's worth. False when nothing could be evicted."""
+        """A write hit ENOSPC. When the filesystem really lacks the room (statvfs), lower the
+        budget by what is missing and evict that much, so this write and the next ones fit;
+        False when the filesystem has room (a quota, a transient error) or nothing of ours can
+        go, and the write is lost (counted by the caller)."""
+        free, block = self._fs_space()
+        need = size + block - free
+        if need <= 0:
+            return False
         with self._lock:
             self._m.tier_full(self.name).inc()
-            if not self._bytes:
-                # nothing of ours to give back: other files filled it; later writes try again
-                return False
-            held = self._bytes + self._reserved - size
-            budget = max(size, min(self._max, held))
+            budget = max(size, min(self._max, self._bytes + self._reserved - need))
             if budget < self._max:
                 log.warning(
-                    "kvtier: disk tier %s: the filesystem is full at %s held (disk_bytes=%s); "
-                    "budget lowered to %s until restart, evicting to make room",
+                    "kvtier: disk tier %s: the filesystem is full with %s held (disk_bytes=%s); "
+                    "budget lowered to %s while it stays full, evicting to make room",
                     self._root,
-                    format_size(held),
-                    format_size(self._max),
+                    format_size(self._bytes),
+                    format_size(self._limit),
                     format_size(budget),
                 )
-                self._max = budget
-                self._m.capacity(self.name).set(budget)
+                self._set_budget(budget)
             before = self._bytes
             self._evict_to(self._max - self._reserved)
             return self._bytes < before
+
+    def _regrow(self) -> None:
+        """A budget lowered by a full filesystem follows the room that comes back."""
+        free, block = self._fs_space()
+        room = min(self._limit, self._bytes + self._reserved + free - block)
+        if room > self._max:
+            log.info(
+                "kvtier: disk tier %s: room is back on the filesystem; budget %s (disk_bytes=%s)",
+                self._root,
+                format_size(room),
+                format_size(self._limit),
+            )
+            self._set_budget(room)
+
+    def _set_budget(self, budget: int) -> None:
+        self._max = budget
+        self._m.capacity(self.name).set(budget)
+
+    def _fs_space(self) -> tuple[int, int]:
+        """Bytes free to this process on the tier's filesystem, and its block size."""
+        st = os.statvfs(self._root)
+        return st.f_bavail * st.f_frsize, st.f_frsize
 
     def _evict_to(self, budget: int) -> None:
         """Evict unleased leaves, least recently used first, until resident bytes <= budget."""
@@ -381,12 +408,12 @@ class DiskTier:
     def _check_filesystem(self, directory: str | Path) -> None:
         """A budget the filesystem can never hold is a startup error, not a tier that fills
         the disk and then fails every write."""
-        st = os.statvfs(self._root)
-        room = st.f_bavail * st.f_frsize + self._bytes
+        free, _ = self._fs_space()
+        room = free + self._bytes
         if self._max > room:
             raise StartupError(
                 f"disk_bytes={self._max} ({format_size(self._max)}) is more than the filesystem "
-                f"of disk_dir={str(directory)!r} can hold: {format_size(st.f_bavail * st.f_frsize)}"
+                f"of disk_dir={str(directory)!r} can hold: {format_size(free)}"
                 f" free plus {format_size(self._bytes)} of this tier's records; set disk_bytes to "
                 f"at most {room} ({format_size(room)}), free space there, or point disk_dir at a "
                 "larger filesystem"
