@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvtier-installed
 
-.PHONY: demo test lint setup services vllm-env clean
+.PHONY: demo test lint setup services vllm-env aiperf-env clean
 
 setup: $(STAMP)
 
@@ -26,10 +26,15 @@ services:
 vllm-env:
 	scripts/setup-vllm-env.sh
 
+# aiperf 0.13 (the real-client tests drive its CLI) pins its own dependencies too: .venv-aiperf,
+# reused while its stamp matches.
+aiperf-env:
+	scripts/setup-aiperf-env.sh
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
 
-test: $(STAMP) services vllm-env
+test: $(STAMP) services vllm-env aiperf-env
 	$(BIN)/ruff check src tests
 	$(BIN)/python -m pytest -q
 
@@ -37,4 +42,4 @@ demo: $(STAMP)
 	$(BIN)/kvtier demo
 
 clean:
-	rm -rf $(VENV) .venv-vllm .pytest_cache build
+	rm -rf $(VENV) .venv-vllm .venv-aiperf .pytest_cache build

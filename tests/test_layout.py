@@ -1,4 +1,4 @@
-"""KV geometry from registered tensors and from HF configs (invariant 4: whole chunks)."""
+"""KV geometry from HF configs (the registered-tensor side is tests/offload/test_pages.py)."""
 
 from __future__ import annotations
 
@@ -6,15 +6,7 @@ import pytest
 import torch
 
 from kvtier.errors import LayoutError
-from kvtier.layout import (
-    FoldRule,
-    KVLayout,
-    TensorSpec,
-    bytes_per_token_from_hf,
-    dtype_bytes,
-    from_tensors,
-    normalize_dtype,
-)
+from kvtier.layout import bytes_per_token_from_hf, dtype_bytes, normalize_dtype
 
 # --------------------------------------------------------------------------------------------
 # HF configs, written as the checkpoints ship them (KV-relevant fields plus some context).
@@ -236,183 +228,10 @@ def test_text_config_is_read_from_multimodal_configs() -> None:
     assert bytes_per_token_from_hf(wrapped).bytes_per_token == 131_072
 
 
-# --------------------------------------------------------------------------------------------
-# Layout from registered tensors
-# --------------------------------------------------------------------------------------------
-
-NB = 100
-BS = 64
-
-
-def glm_registration(
-    n_layers: int, indexer_layers: set[int], nb: int = NB
-) -> dict[str, TensorSpec]:
-    """vLLM-style registration: one MLA cache per layer, an indexer cache on some layers."""
-    specs: dict[str, TensorSpec] = {}
-    for i in range(n_layers):
-        p = f"model.layers.{i}.self_attn"
-        specs[f"{p}.attn"] = TensorSpec((nb, BS, 576), torch.uint8)
-        if i in indexer_layers:
-            specs[f"{p}.indexer.k_cache"] = TensorSpec((nb, BS, 132), torch.uint8)
-    return specs
-
-
-def test_indexer_folds_onto_attn_and_layer_count_excludes_it() -> None:
-    specs = glm_registration(6, {0, 4})
-    assert len(specs) == 8
-    layout = from_tensors(specs, block_size=BS)
-    assert layout.num_layers == 6
-    assert [layer.name for layer in layout.layers] == [
-        f"model.layers.{i}.self_attn.attn" for i in range(6)
-    ]
-    assert [s.name for s in layout.layers[4].segments] == [
-        "model.layers.4.self_attn.attn",
-        "model.layers.4.self_attn.indexer.k_cache",
-    ]
-    assert len(layout.layers[3].segments) == 1
-    assert layout.bytes_per_block == 6 * BS * 576 + 2 * BS * 132
-    assert layout.bytes_per_token == 6 * 576 + 2 * 132
-    assert layout.num_blocks == NB
-    assert layout.dtype == "uint8"
-
-
-def test_full_glm_registration_matches_the_config_geometry() -> None:
-    owners = {i for i, t in enumerate(GLM_INDEXER_TYPES) if t == "full"}
-    layout = from_tensors(glm_registration(78, owners), block_size=BS)
-    geometry = bytes_per_token_from_hf(GLM_5X, tp_size=4, kv_dtype="fp8")
-    assert layout.num_layers == 78
-    assert sum(len(layer.segments) for layer in layout.layers) == 99
-    assert layout.bytes_per_block == BS * geometry.bytes_per_token == BS * 47_700
-    assert layout.bytes_per_token == 47_700
-    census = layout.census()
-    assert "78 layers" in census[0]
-    assert "kvtier layout:   78 x tail_shape=(64, 576) dtype=uint8" in census
-    assert "kvtier layout:   21 x tail_shape=(64, 132) dtype=uint8" in census
-
-
-def test_orphan_indexer_is_an_error() -> None:
-    specs = glm_registration(2, {1})
-    del specs["model.layers.1.self_attn.attn"]
-    with pytest.raises(LayoutError, match=r"'model\.layers\.1\.self_attn\.indexer\.k_cache' folds"):
-        from_tensors(specs, block_size=BS)
-
-
-def test_minimax_style_index_cache_folds_onto_its_prefix() -> None:
-    specs = {
-        "model.layers.0.self_attn": TensorSpec((NB, 2, BS, 1, 128), "bfloat16"),
-        "model.layers.0.self_attn.index_cache": TensorSpec((NB, BS, 128), "fp8"),
-        "model.layers.1.self_attn": TensorSpec((NB, 2, BS, 1, 128), "bfloat16"),
-    }
-    layout = from_tensors(specs, block_size=BS)
-    assert layout.num_layers == 2
-    assert layout.layers[0].bytes_per_block == 2 * BS * 128 * 2 + BS * 128
-    assert layout.dtype == "bfloat16"
-
-
-def test_custom_fold_rule_groups_native_k_and_v() -> None:
-    rule = FoldRule(r"layers\.(\d+)\.(k|v)_cache", r"layers.\1", requires_owner=False)
-    specs = {
-        "layers.0.k_cache": TensorSpec((2, NB, 8, BS, 16), torch.bfloat16, block_dim=1),
-        "layers.0.v_cache": TensorSpec((2, NB, 8, BS, 16), torch.bfloat16, block_dim=1),
-        "layers.1.k_cache": TensorSpec((2, NB, 8, BS, 16), torch.bfloat16, block_dim=1),
-        "layers.1.v_cache": TensorSpec((2, NB, 8, BS, 16), torch.bfloat16, block_dim=1),
-    }
-    layout = from_tensors(specs, block_size=BS, fold_rules=[rule])
-    assert [layer.name for layer in layout.layers] == ["layers.0", "layers.1"]
-    assert [s.name for s in layout.layers[1].segments] == ["layers.1.k_cache", "layers.1.v_cache"]
-    assert layout.layers[0].segments[0].block_shape == (2, 8, BS, 16)
-    assert layout.bytes_per_block == 4 * 2 * 8 * BS * 16 * 2
-    assert layout.bytes_per_token == 4 * 2 * 8 * 16 * 2
-
-
-def test_fingerprint_ignores_num_blocks() -> None:
-    a = from_tensors(glm_registration(4, {0}, nb=100), block_size=BS)
-    b = from_tensors(glm_registration(4, {0}, nb=7000), block_size=BS)
-    assert (a.num_blocks, b.num_blocks) == (100, 7000)
-    assert a.fingerprint == b.fingerprint
-    assert len(a.fingerprint) == 16
-    assert a.fingerprint_hex == a.fingerprint.hex()
-
-
-def _fp(specs: dict[str, TensorSpec], block_size: int = BS) -> bytes:
-    return from_tensors(specs, block_size=block_size).fingerprint
-
-
-def test_fingerprint_changes_with_dtype_shape_block_size_names_and_block_dim() -> None:
-    base = {
-        "l0": TensorSpec((NB, BS, 576), "bfloat16"),
-        "l1": TensorSpec((NB, BS, 576), "bfloat16"),
-    }
-    fps = {
-        _fp(base),
-        _fp({**base, "l1": TensorSpec((NB, BS, 576), "float8_e4m3fn")}),
-        _fp({**base, "l1": TensorSpec((NB, BS, 512), "bfloat16")}),
-        _fp({**base, "l1": TensorSpec((NB, 576, BS), "bfloat16")}),
-        _fp({"l0": base["l0"], "l2": base["l1"]}),
-        _fp({"l1": base["l1"], "l0": base["l0"]}),
-        _fp({"l0": TensorSpec((NB, BS, 576), "bfloat16")}),
-        _fp(base, block_size=32),
-        _fp({k: TensorSpec((BS, NB, 576), "bfloat16", block_dim=1) for k in base}),
-    }
-    assert len(fps) == 9
-
-
-def test_known_answer_layout_fingerprint_is_pinned() -> None:
-    # Computed once; a change here orphans every stored record of every deployment.
-    layout = from_tensors({"l0": TensorSpec((NB, BS, 576), "bfloat16")}, block_size=BS)
-    assert layout.fingerprint_hex == "4d29a192e021918b8c8573d59138974a"
-
-
-def test_mismatched_block_counts_name_both_tensors() -> None:
-    specs = glm_registration(2, {1})
-    specs["model.layers.1.self_attn.indexer.k_cache"] = TensorSpec((NB // 2, BS, 132), "uint8")
-    with pytest.raises(LayoutError, match="do not share a block count") as err:
-        from_tensors(specs, block_size=BS)
-    msg = str(err.value)
-    assert "'model.layers.0.self_attn.attn' has 100 blocks" in msg
-    assert "'model.layers.1.self_attn.indexer.k_cache' has 50" in msg
-
-
-def test_chunk_check_names_both_values_and_the_fix() -> None:
-    layout = from_tensors({"l0": TensorSpec((NB, 128, 576), "bfloat16")}, block_size=128)
-    with pytest.raises(LayoutError) as err:
-        layout.check_chunk(200)
-    assert str(err.value) == (
-        "chunk_size 200 is not a multiple of block_size 128: "
-        "set chunk_size to a multiple of 128, such as 256"
-    )
-    with pytest.raises(LayoutError, match="such as 128"):
-        layout.check_chunk(100)
-    with pytest.raises(LayoutError, match="chunk_size 0 must be a positive multiple"):
-        layout.check_chunk(0)
-    layout.check_chunk(512)
-    assert layout.chunk_bytes(512) == 4 * 128 * 576 * 2
-
-
-def test_tensor_spec_normalises_dtypes_and_validates() -> None:
-    assert TensorSpec((4, 2), torch.bfloat16) == TensorSpec((4, 2), "bf16")
-    assert TensorSpec((4, 2), "torch.float16").dtype == "float16"
+def test_normalize_dtype_and_its_sizes() -> None:
+    assert normalize_dtype(torch.bfloat16) == normalize_dtype("bf16") == "bfloat16"
+    assert normalize_dtype("torch.float16") == "float16"
     assert normalize_dtype("fp8") == "float8_e4m3fn"
     assert dtype_bytes("fp8") == 1 and dtype_bytes(torch.float32) == 4
-    spec = TensorSpec.of(torch.zeros(3, 5, 7, dtype=torch.float16), block_dim=-1)
-    assert (spec.block_dim, spec.num_blocks, spec.bytes_per_block) == (2, 7, 3 * 5 * 2)
-    with pytest.raises(LayoutError, match="block_dim 3 is outside"):
-        TensorSpec((4, 2, 2), "uint8", block_dim=3)
     with pytest.raises(LayoutError, match="not a torch dtype"):
-        TensorSpec((4,), "float9")
-
-
-def test_from_tensors_rejects_empty_input_and_bad_block_size() -> None:
-    with pytest.raises(LayoutError, match="no KV tensors"):
-        from_tensors({}, block_size=BS)
-    with pytest.raises(LayoutError, match="block_size 0"):
-        from_tensors(glm_registration(1, set()), block_size=0)
-    with pytest.raises(LayoutError, match="0 bytes per block"):
-        from_tensors({"l0": TensorSpec((NB, 0, 576), "uint8")}, block_size=BS)
-
-
-def test_layout_is_frozen() -> None:
-    layout = from_tensors(glm_registration(1, set()), block_size=BS)
-    assert isinstance(layout, KVLayout)
-    with pytest.raises(AttributeError):
-        layout.block_size = 1  # type: ignore[misc]
+        normalize_dtype("float9")

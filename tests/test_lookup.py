@@ -232,6 +232,39 @@ def test_slow_rank_late_reply_is_never_used_for_a_later_lookup(run_dir: Path) ->
             s.close()
 
 
+def test_a_lookup_in_flight_never_blocks_its_caller_past_the_wait(run_dir: Path) -> None:
+    """`begin` + `poll(wait_ms)`: the scheduler is blocked for at most the wait, the answer is
+    collected by a later poll, and two lookups in flight each get their own replies."""
+    keys = make_keys(8)
+    gate = threading.Event()
+    slow = FakeBackend(1, keys[:6], gate=gate)
+    servers, eps = _servers(run_dir, {0: FakeBackend(0, keys), 1: slow})
+    m = Metrics(0)
+    c = LookupClient(eps, m, chunk_size=CHUNK, world=2, timeout_ms=5000)
+    try:
+        c.wait_ready(10.0)
+        gate.clear()
+        a = c.begin(keys, "a")
+        b = c.begin(keys[:3], "b")
+        t0 = time.perf_counter()
+        assert c.poll(a, wait_ms=20) is None
+        assert time.perf_counter() - t0 < 1.0  # the wait, not the 5 s deadline
+        gate.set()
+        got_b = c.poll(b, wait_ms=5000)
+        got_a = c.poll(a, wait_ms=5000)
+        assert got_a is not None and got_b is not None
+        assert got_a.per_rank == {0: 8, 1: 6} and got_a.timed_out == ()
+        assert got_b.per_rank == {0: 3, 1: 3}
+        assert c.poll(a) is got_a  # settled once
+        assert m.value("lookup_timeouts_total", target="1") == 0
+        assert slow.leases == {"a": 6, "b": 3}
+    finally:
+        gate.set()
+        c.close()
+        for s in servers.values():
+            s.close()
+
+
 def _raw_reply(sock: zmq.Socket) -> LookupReply:
     assert sock.poll(5000), "server sent no error reply"
     msg = Codec().decode(sock.recv())

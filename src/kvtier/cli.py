@@ -1,14 +1,110 @@
-"""The `kvtier` console command; subcommands drive hosts over HTTP, never their internals."""
+"""The `kvtier` console command; subcommands drive hosts over HTTP, never their internals.
+
+Heavy modules (torch, matplotlib, the engine) are imported only inside the commands that need
+them: commands whose bodies live in other modules are registered lazily (`LAZY`, with their
+one-line help), so `kvtier --help` imports typer and nothing of kvtier's stack.
+"""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+from typing import Any, ClassVar
 
+import click
 import typer
-from rich.markup import escape
+from typer.core import TyperGroup
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="kvtier: KV-cache offload tier.")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print side-by-side ratios.")
+# group -> command -> ("module:function", the function's first docstring line)
+LAZY: dict[str, dict[str, tuple[str, str]]] = {
+    "kvtier": {
+        "plan": (
+            "kvtier.plan:plan_command",
+            "Bytes per token, pool and tier in tokens, the reuse window verdict, fill time, "
+            "break-even",
+        ),
+        "doctor": (
+            "kvtier.doctor:doctor_command",
+            "Check a running kvtier server: PASS/FAIL/WARN per check; exit 1 on any FAIL, 2 if "
+            "unread.",
+        ),
+    },
+    "bench": {
+        "run": (
+            "kvtier.bench.replay:bench_run_command",
+            "A seeded workload against OpenAI-compatible endpoints, arm by arm: latency, hit "
+            "rates",
+        ),
+        "report": (
+            "kvtier.bench.report:bench_report_command",
+            "Re-analyse a recorded run and re-render report.html, the PNGs and the summary table.",
+        ),
+        "faults": (
+            "kvtier.bench.faults:bench_faults_command",
+            "Faults under load on the native engine: every request completes, right; hits "
+            "recover.",
+        ),
+    },
+}
+
+
+class _LazyGroup(TyperGroup):
+    """A command group whose `LAZY` commands are imported when run, not when listed."""
+
+    group: ClassVar[str] = ""
+    _listing = False
+
+    @property
+    def _lazy(self) -> dict[str, tuple[str, str]]:
+        return LAZY.get(self.group, {})
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        names = super().list_commands(ctx)
+        return [*names, *(n for n in self._lazy if n not in names)]
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        lazy = self._lazy.get(cmd_name)
+        if lazy is not None and cmd_name not in self.commands:
+            if self._listing:
+                # the listing needs a name and a line of help, not the command's imports
+                return click.Command(cmd_name, help=lazy[1], short_help=lazy[1])
+            self.commands[cmd_name] = load_command(cmd_name, lazy[0])
+        return super().get_command(ctx, cmd_name)
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        self._listing = True
+        try:
+            super().format_help(ctx, formatter)
+        finally:
+            self._listing = False
+
+
+def load_command(name: str, path: str) -> click.Command:
+    """Import `module:function` and build its click command as typer would."""
+    module, _, attr = path.partition(":")
+    fn: Any = getattr(importlib.import_module(module), attr)
+    single = typer.Typer(add_completion=False)
+    single.command(name)(fn)
+    cmd = typer.main.get_command(single)
+    cmd.name = name
+    return cmd
+
+
+class _RootGroup(_LazyGroup):
+    group = "kvtier"
+
+
+class _BenchGroup(_LazyGroup):
+    group = "bench"
+
+
+app = typer.Typer(
+    cls=_RootGroup, no_args_is_help=True, add_completion=False,
+    help="kvtier: KV-cache offload tier.",
+)  # fmt: skip
+bench_app = typer.Typer(
+    cls=_BenchGroup, no_args_is_help=True, help="Benchmarks that print side-by-side ratios."
+)
 app.add_typer(bench_app, name="bench")
 
 
@@ -20,24 +116,6 @@ def demo(
     from kvtier.demo import run
 
     raise typer.Exit(run(tp=tp))
-
-
-def _register_tools() -> None:
-    """Tool commands whose bodies live in their own modules."""
-    from kvtier.bench.faults import bench_faults_command
-    from kvtier.bench.replay import bench_run_command
-    from kvtier.bench.report import bench_report_command
-    from kvtier.doctor import doctor_command
-    from kvtier.plan import plan_command
-
-    app.command("plan")(plan_command)
-    app.command("doctor")(doctor_command)
-    bench_app.command("run")(bench_run_command)
-    bench_app.command("report")(bench_report_command)
-    bench_app.command("faults")(bench_faults_command)
-
-
-_register_tools()
 
 
 @app.command()
@@ -57,9 +135,17 @@ def bench_tier(
     disk_dir: Path | None = typer.Option(
         None, "--disk-dir", help="Directory for the disk tier's temp files (default: runs)."
     ),
+    remote: bool = typer.Option(
+        True, "--remote/--no-remote", help="Remote rows: a loopback server and 3-shard cluster."
+    ),
+    device: str = typer.Option(
+        "cpu", "--device", help="KV device of the save/load path rows: cpu, cuda or cuda:N."
+    ),
 ) -> None:
-    """Memory and disk tier GB/s against raw copies, and all-rank lookup latency."""
+    """Tier GB/s against raw copies (memory, disk, remote), all-rank lookup latency, save/load
+    on the KV device."""
     from rich.console import Console
+    from rich.markup import escape
 
     from kvtier.bench import table, tier
 
@@ -68,7 +154,9 @@ def bench_tier(
         quick=quick,
         json_path=json_path,
         disk_dir=disk_dir,
+        remote=remote,
         progress=lambda msg: progress.print(f"[dim]{escape(msg)}[/dim]"),
+        device=device,
     )
     table.print_report(doc)
 
@@ -89,6 +177,7 @@ def bench_cache(
     """Tier hits of kvtier's policy, today's previous policy, the offline optimum and the
     infinite tier, per workload, tier size and HBM in front: ratios to the optimum."""
     from rich.console import Console
+    from rich.markup import escape
 
     from kvtier.bench import cache
     from kvtier.errors import KVTierError
@@ -142,6 +231,7 @@ def bench_e2e(
 ) -> None:
     """kvtier serve with the tier ON vs OFF: throughput, TTFT, hits vs ceilings, identities."""
     from rich.console import Console
+    from rich.markup import escape
 
     from kvtier.bench import e2e, table
 
@@ -196,15 +286,24 @@ def serve(
     served_model_name: str | None = typer.Option(
         None, help="Model name in the API (else MODEL_DIR as given)."
     ),
+    stall_timeout: float = typer.Option(
+        60.0,
+        "--stall-timeout",
+        help="Seconds with requests queued and no engine step making progress before /health "
+        "answers 503 and kvtier_engine_stalled is 1.",
+    ),
 ) -> None:
-    """Serve MODEL_DIR over an OpenAI-compatible HTTP API on the native engine."""
+    """Serve MODEL_DIR over an OpenAI-compatible HTTP API on the native engine.
+
+    Exits 0 on SIGINT/SIGTERM, 1 when the engine fails (a step raised, a TP rank died).
+    """
     import logging
     import os
 
     from kvtier.config import ENV_CONFIG_FILE, KVTierConfig
     from kvtier.errors import KVTierError
     from kvtier.native.config import EngineConfig
-    from kvtier.native.server import serve as run_server
+    from kvtier.native.launcher import serve as run_server
     from kvtier.native.tp import WorkerError
 
     logging.basicConfig(
@@ -228,16 +327,21 @@ def serve(
             tensor_parallel_size=tp,
             num_threads=threads,
         )
-        run_server(
+        if not stall_timeout > 0:
+            raise _fail(f"--stall-timeout {stall_timeout} must be > 0 seconds")
+        code = run_server(
             model_dir,
             engine_config,
             offload=kv_config,
             host=host,
             port=port,
             served_model_name=served_model_name,
+            stall_timeout_s=stall_timeout,
         )
     except (KVTierError, WorkerError, FileNotFoundError) as e:
         raise _fail(str(e)) from None
+    if code:
+        raise typer.Exit(code=code)
 
 
 @model_app.command("init")

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import yaml
 
+from kvtier import remote_endpoint
 from kvtier.errors import ConfigError
 
 __all__ = ["ENV_CONFIG_FILE", "ENV_PREFIX", "KVTierConfig", "format_size", "parse_size"]
@@ -44,9 +44,13 @@ _SIZE_RE = re.compile(r"^\s*([+-]?)\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE]([+-]?\d+))?\s
 _SIZE_FIX = "use a byte count or a number with a unit, e.g. 4096, 512MiB, 64GiB, 1.5GB"
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
-_REMOTE_SCHEMES = ("redis", "rediss", "unix")
+_READ_FROM = ("primary", "replica")
+_TLS_FILES = ("remote_tls_ca_file", "remote_tls_cert_file", "remote_tls_key_file")
 _TENANT_RE = re.compile(r"^[A-Za-z0-9._-]{0,64}$")
 _TRANSPORTS = ("ipc", "tcp")
+# vLLM 0.32 layouts whose per-layer block pages are contiguous (LHBNC and BHLNC split a
+# layer's page by head: refused)
+_KV_LAYOUTS = ("", "BLHNC", "BLNHC", "LBHNC", "LBNHC")
 
 
 class KeyedConfigError(ConfigError):
@@ -285,14 +289,28 @@ class KVTierConfig:
     memory_bytes: int = _f(2 * _GiB, "size", "host-memory tier budget per rank")
     disk_dir: str | None = _f(None, "opt_str", "directory of the disk tier")
     disk_bytes: int = _f(0, "size", "disk tier budget per rank; 0 = no disk tier")
-    remote_url: str | None = _f(None, "opt_str", "redis://, rediss:// or unix:// URL")
+    remote_url: str | None = _f(
+        None, "opt_str", "redis://, rediss://, redis+cluster://, rediss+cluster:// or unix:// URL"
+    )
     remote_username: str | None = _f(None, "opt_str", "remote store user")
     remote_password: str | None = _f(None, "opt_str", "remote store password (secret)")
     remote_ttl_s: int = _f(0, "int", "expiry of remote entries in seconds; 0 = none")
     remote_timeout_ms: int = _f(100, "int", "per-call timeout of the remote store")
+    remote_write_timeout_ms: int = _f(1000, "int", "base timeout of one remote write")
+    remote_timeout_gbps: float = _f(
+        0.1, "float", "slowest healthy transfer rate: read/write timeouts grow by record bytes"
+    )
+    remote_read_from: str = _f("primary", "str", "'primary' or 'replica' (cluster reads)")
+    remote_tls_ca_file: str | None = _f(None, "opt_str", "PEM CA bundle verifying the store")
+    remote_tls_cert_file: str | None = _f(None, "opt_str", "PEM client certificate (mTLS)")
+    remote_tls_key_file: str | None = _f(None, "opt_str", "PEM client key (mTLS)")
+    remote_tls_insecure: bool = _f(False, "bool", "skip TLS certificate verification")
     tenant: str = _f("", "str", "key prefix separating tenants on a shared store")
     lookup_scope: tuple[int, ...] | None = _f(None, "scope", "ranks asked on lookup; None = all")
     lookup_timeout_ms: int = _f(200, "int", "deadline of one lookup across ranks")
+    lookup_wait_ms: float = _f(
+        5.0, "float", "longest the scheduler loop waits on a lookup before asking next step"
+    )
     lookup_transport: str = _f("ipc", "str", "'ipc' or 'tcp'")
     lookup_dir: str | None = _f(None, "opt_str", "directory of the ipc sockets")
     lookup_bind_host: str = _f("127.0.0.1", "str", "address lookup servers bind on tcp")
@@ -309,7 +327,10 @@ class KVTierConfig:
     verify_memory_reads: bool = _f(False, "bool", "checksum memory-tier reads too")
     breaker_failures: int = _f(5, "int", "consecutive failures that open a tier's breaker")
     breaker_probe_s: float = _f(5.0, "float", "seconds before an open breaker probes again")
-    self_test: bool = _f(True, "bool", "store/lookup/read one chunk on every rank at startup")
+    self_test: bool = _f(True, "bool", "move one chunk through the codec on every rank at startup")
+    preferred_kv_layout: str = _f(
+        "BLHNC", "str", "KV layout asked of vLLM ('' = no preference); BLHNC: one page per block"
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -331,6 +352,13 @@ class KVTierConfig:
                 "memory_bytes",
                 "memory_bytes=0 leaves no host-memory tier while offload is enabled; "
                 "set memory_bytes (e.g. 2GiB, the default) or enabled=false",
+            )
+        if self.preferred_kv_layout not in _KV_LAYOUTS:
+            raise _error(
+                "preferred_kv_layout",
+                f"{_show('preferred_kv_layout', self.preferred_kv_layout)} is not a layout "
+                f"kvtier can move whole; use one of {', '.join(_KV_LAYOUTS[1:])}, or '' for no "
+                "preference",
             )
         self._validate_disk()
         self._validate_remote()
@@ -355,12 +383,12 @@ class KVTierConfig:
     def _validate_remote(self) -> None:
         url = self.remote_url
         if url is None:
-            for key in ("remote_username", "remote_password"):
+            for key in ("remote_username", "remote_password", *_TLS_FILES):
                 if getattr(self, key) is not None:
                     raise _error(
                         (key, "remote_url"),
                         f"{key} is set but remote_url is not; set remote_url "
-                        "(redis://host:6379/0) or unset the credentials",
+                        f"(redis://host:6379/0) or unset {key}",
                     )
         else:
             self._validate_remote_url(url)
@@ -377,25 +405,54 @@ class KVTierConfig:
             )
 
     def _validate_remote_url(self, url: str) -> None:
-        fix = "use redis://host:6379/0, rediss://host:6380/0 or unix:///path/to/redis.sock"
+        fix = remote_endpoint.URL_FORMS
         shown = _show("remote_url", url)
         try:
-            parts = urlsplit(url)
-            port = parts.port
-        except ValueError:
-            raise _error("remote_url", f"{shown} is not a valid URL; {fix}") from None
-        if parts.scheme not in _REMOTE_SCHEMES:
+            endpoint = remote_endpoint.parse(url)
+        except ValueError as e:
+            if "scheme" in str(e):
+                raise _error("remote_url", f"{shown} has {e}; {fix}") from None
+            raise _error("remote_url", f"{shown} is not a valid remote URL: {e}; {fix}") from None
+        if self.remote_read_from not in _READ_FROM:
             raise _error(
-                "remote_url",
-                f"{shown} has scheme {parts.scheme or '(none)'!r}, not one of "
-                f"{', '.join(_REMOTE_SCHEMES)}; {fix}",
+                "remote_read_from",
+                f"{_show('remote_read_from', self.remote_read_from)} is not one of "
+                f"{', '.join(_READ_FROM)}; use 'primary' (the default) or 'replica'",
             )
-        if parts.scheme == "unix" and not parts.path:
-            raise _error("remote_url", f"{shown} names no socket path; {fix}")
-        if parts.scheme != "unix" and not parts.hostname:
-            raise _error("remote_url", f"{shown} names no host; {fix}")
-        if port == 0:
-            raise _error("remote_url", f"{shown} has port 0; {fix}")
+        if self.remote_read_from == "replica" and not endpoint.cluster:
+            raise _error(
+                ("remote_read_from", "remote_url"),
+                f"remote_read_from='replica' needs a cluster, but {shown} names one server; "
+                "use a redis+cluster:// URL or remote_read_from='primary'",
+            )
+        tls_keys = [k for k in _TLS_FILES if getattr(self, k) is not None]
+        if self.remote_tls_insecure:
+            tls_keys.append("remote_tls_insecure")
+        if tls_keys and not endpoint.tls:
+            raise _error(
+                (tls_keys[0], "remote_url"),
+                f"{', '.join(tls_keys)} set but {shown} is not a TLS URL; use rediss:// or "
+                "rediss+cluster://, or unset the TLS keys",
+            )
+        if (self.remote_tls_cert_file is None) != (self.remote_tls_key_file is None):
+            raise _error(
+                ("remote_tls_cert_file", "remote_tls_key_file"),
+                "remote_tls_cert_file and remote_tls_key_file go together (mutual TLS); "
+                "set both or neither",
+            )
+        if self.remote_tls_insecure and self.remote_tls_ca_file is not None:
+            raise _error(
+                ("remote_tls_insecure", "remote_tls_ca_file"),
+                "remote_tls_insecure=true skips the verification remote_tls_ca_file is for; "
+                "unset one of them",
+            )
+        if self.remote_write_timeout_ms < self.remote_timeout_ms:
+            raise _error(
+                ("remote_write_timeout_ms", "remote_timeout_ms"),
+                f"remote_write_timeout_ms={self.remote_write_timeout_ms} is below "
+                f"remote_timeout_ms={self.remote_timeout_ms}; a write never gets less time "
+                "than a read, so raise it (default 1000)",
+            )
 
     def _validate_lookup(self) -> None:
         if self.lookup_transport not in _TRANSPORTS:
@@ -418,6 +475,8 @@ class KVTierConfig:
     def _validate_numbers(self) -> None:
         positive = (
             "remote_timeout_ms",
+            "remote_write_timeout_ms",
+            "remote_timeout_gbps",
             "lookup_timeout_ms",
             "lease_ttl_s",
             "max_leases",
@@ -436,6 +495,12 @@ class KVTierConfig:
                 raise _error(
                     key, f"{_show(key, value)} must be > 0; use {default!r} (the default) or more"
                 )
+        if self.lookup_wait_ms < 0:
+            raise _error(
+                "lookup_wait_ms",
+                f"{_show('lookup_wait_ms', self.lookup_wait_ms)} is negative; use 0 to never "
+                "block the scheduler loop, or a few ms (5, the default)",
+            )
         if self.min_load_tokens is not None and self.min_load_tokens < 0:
             raise _error(
                 "min_load_tokens",

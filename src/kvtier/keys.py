@@ -168,7 +168,7 @@ class Namespace:
         if not isinstance(self.layout_fingerprint, bytes) or len(self.layout_fingerprint) != 16:
             raise ValueError(
                 f"Namespace.layout_fingerprint {self.layout_fingerprint!r} is not 16 bytes; "
-                "pass KVLayout.fingerprint"
+                "pass KVPages.fingerprint (kvtier.offload.pages)"
             )
         if not self.dtype:
             raise ValueError("Namespace.dtype is empty; pass the KV dtype name, e.g. 'bfloat16'")

@@ -68,6 +68,7 @@ class _Families:
     lookup_seconds: Histogram
     load_seconds: Histogram
     save_seconds: Histogram
+    scheduler_lookup_seconds: Histogram
 
 
 def _build(reg: CollectorRegistry) -> _Families:
@@ -121,6 +122,11 @@ def _build(reg: CollectorRegistry) -> _Families:
         lookup_seconds=h("lookup_seconds", "Lookup latency."),
         load_seconds=h("load_seconds", "Load latency."),
         save_seconds=h("save_seconds", "Save latency."),
+        scheduler_lookup_seconds=h(
+            "scheduler_lookup_seconds",
+            "Time the engine's scheduler loop waited on lookups, per call (lookups in flight "
+            "are polled again next step instead of blocking it).",
+        ),
     )
 
 
@@ -156,6 +162,7 @@ class Metrics:
         self.lease_expiries = f.lease_expiries.labels(r)
         self.lease_double_releases = f.lease_double_releases.labels(r)
         self.lookup_seconds = f.lookup_seconds.labels(r)
+        self.scheduler_lookup_seconds = f.scheduler_lookup_seconds.labels(r)
         self.load_seconds = f.load_seconds.labels(r)
         self.save_seconds = f.save_seconds.labels(r)
 

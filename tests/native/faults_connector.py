@@ -42,6 +42,7 @@ class FaultyLoadWorkerHalf(WorkerHalf):
     fired: threading.Event
     release: threading.Event
     _read_into: Callable[[bytes, torch.Tensor], str | None]
+    _read_view: Callable[[bytes], torch.Tensor | None]
 
     def arm(self, fault: str, fail_loads: int) -> None:
         """Set the fault up (the class is swapped in after the WorkerHalf was built)."""
@@ -58,8 +59,11 @@ class FaultyLoadWorkerHalf(WorkerHalf):
         stack = self.worker.stack
         assert stack is not None
         self._read_into = stack.read_into
-        # an instance attribute shadows the method for every caller, the load lane included
+        self._read_view = stack.read_view
+        # instance attributes shadow the methods for every caller, the load lane included (on
+        # the CPU it scatters from a leased slot's view, else reads into device staging)
         stack.read_into = self._faulty_read  # type: ignore[method-assign]
+        stack.read_view = self._faulty_view  # type: ignore[method-assign]
 
     def start_load_kv(self) -> None:
         for op in self._meta.loads:
@@ -69,13 +73,20 @@ class FaultyLoadWorkerHalf(WorkerHalf):
         super().start_load_kv()
 
     def _faulty_read(self, key: bytes, dst: torch.Tensor) -> str | None:
+        self._maybe_fail(key)
+        return self._read_into(key, dst)
+
+    def _faulty_view(self, key: bytes) -> torch.Tensor | None:
+        self._maybe_fail(key)
+        return self._read_view(key)
+
+    def _maybe_fail(self, key: bytes) -> None:
         if key in self.doomed:
             self.doomed.discard(key)
             self.fired.set()
             if self.fault == "raise":
                 raise RankDied(f"rank {self.rank}'s load lane died mid-load")
             self.release.wait(STUCK_MAX_S)
-        return self._read_into(key, dst)
 
     def shutdown(self) -> None:
         self.release.set()

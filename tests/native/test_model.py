@@ -286,11 +286,16 @@ def test_rope_scaling_variants():
 def test_sampler_greedy_seeded_and_top_p():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.9], [5.0, 0.0, 0.0, 0.0]])
     s = Sampler()
-    assert s.sample(logits, [SampleSpec("a", 0.0, 1.0, 0), SampleSpec("b", 0.0, 1.0, 0)]) == [1, 0]
-    draws = [Sampler().sample(logits[:1], [SampleSpec("x", 1.0, 1.0, 42)])[0] for _ in range(3)]
+
+    def draw(sampler: Sampler, rows: torch.Tensor, spec: SampleSpec) -> int:
+        return sampler.sample(rows, [spec])[0].token
+
+    both = s.sample(logits, [SampleSpec("a", 0.0, 1.0, 0), SampleSpec("b", 0.0, 1.0, 0)])
+    assert [o.token for o in both] == [1, 0]
+    draws = [draw(Sampler(), logits[:1], SampleSpec("x", 1.0, 1.0, 42)) for _ in range(3)]
     assert len(set(draws)) == 1  # same seed, same first draw
     seq = Sampler()
-    many = [seq.sample(logits[:1], [SampleSpec("x", 5.0, 1.0, 42)])[0] for _ in range(50)]
+    many = [draw(seq, logits[:1], SampleSpec("x", 5.0, 1.0, 42)) for _ in range(50)]
     assert len(set(many)) > 1  # one generator per request keeps advancing
     narrow = Sampler()
-    assert {narrow.sample(logits[:1], [SampleSpec("y", 1.0, 0.05, 7)])[0] for _ in range(20)} == {1}
+    assert {draw(narrow, logits[:1], SampleSpec("y", 1.0, 0.05, 7)) for _ in range(20)} == {1}

@@ -175,3 +175,14 @@ def test_load_failing_on_one_rank_fails_the_op_recomputes_and_saves_again(
         assert eng.stats()["external_prefix_cache_hits"] == 256
         # rank 0's half-successful load of pass 2 is not counted: the identity still closes
         assert rank_total(eng, "retrieved_tokens_total") / 2 == 256
+
+
+def test_a_codec_that_cannot_move_a_block_stops_startup(
+    tiny_model, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtier.errors import StartupError
+    from kvtier.offload.codec import PageCodec
+
+    monkeypatch.setattr(PageCodec, "scatter", lambda self, src, block_ids: 0)
+    with pytest.raises(StartupError, match=r"rank 0/1\]: self-test failed on device cpu"):
+        kvtier_engine(tiny_model, tmp_path)

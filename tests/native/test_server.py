@@ -1,34 +1,28 @@
-"""The native server over HTTP: OpenAI completions equal `Engine.generate`, streaming, two-pass
-restore through kvtier, vLLM-named /metrics that close, 400s for bad input, disconnects abort,
-engine failures answer 500/503, and the `kvtier serve` / `kvtier model init` commands."""
+"""The native server in process (ASGI): completions equal `Engine.generate`, streaming, chat
+through the model's template, two-pass restore with vLLM-named /metrics that close (cache hits
+by source included), OpenAI's error shape for every bad input (malformed Unicode and 100k-deep
+JSON too), sampling edge values, a request whose sampling raises failing alone, large bodies
+off the event loop, the stall check of /health, and an engine failure ending serving."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-import os
-import queue
-import signal
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from typer.testing import CliRunner
 
-from kvtier.cli import app as cli_app
 from kvtier.config import KVTierConfig
-from kvtier.native import Engine, EngineConfig, SamplingParams
+from kvtier.native import Engine, EngineConfig
+from kvtier.native.detokenizer import Detokenizer, TextStream
 from kvtier.native.offload import connector_spec
-from kvtier.native.server import APIError, EngineServer, _Detokenizer, parse_completion_request
+from kvtier.native.server import EngineServer
 from kvtier.native.tokenizer import Tokenizer
 from tests.native.conftest import make_prompts
 
@@ -81,6 +75,22 @@ async def client(srv: EngineServer) -> AsyncIterator[httpx.AsyncClient]:
         yield c
 
 
+def post_all(srv: EngineServer, path: str, bodies: list[Any]) -> list[httpx.Response]:
+    """POST each body (JSON, or raw bytes) in turn."""
+
+    async def go() -> list[httpx.Response]:
+        async with client(srv) as c:
+            out = []
+            for b in bodies:
+                if isinstance(b, bytes):
+                    out.append(await c.post(path, content=b))
+                else:
+                    out.append(await c.post(path, json=b))
+            return out
+
+    return asyncio.run(go())
+
+
 def engine_stats(srv: EngineServer) -> dict[str, float]:
     """engine.stats() read on the loop thread, after the server drained."""
     assert srv.loop.wait_idle(30.0), "the server did not drain within 30 s"
@@ -109,24 +119,29 @@ def scrape(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def vllm_value(samples: dict, name: str, **labels: str) -> float:
-    key = (name, tuple(sorted({"model_name": "tiny", **labels}.items())))
+    key = (name, tuple(sorted({"model_name": "tiny", "engine": "0", **labels}.items())))
     assert key in samples, f"{name} {labels} missing from /metrics"
     return samples[key]
 
 
-# ---- completions ------------------------------------------------------------------------------
+def assert_openai_error(r: httpx.Response, status: int, param: str | None = None) -> str:
+    """The body is OpenAI's error object with no traceback; returns the message."""
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+    if param is not None:
+        assert err["param"] == param, err
+    assert "Traceback" not in r.text and 'File "' not in r.text and ".py" not in r.text
+    return err["message"]
+
+
+# ---- completions and chat ----------------------------------------------------------------------
 
 
 def test_completion_returns_the_token_ids_of_engine_generate(server, prompts, baseline):
-    async def go() -> dict:
-        async with client(server) as c:
-            r = await c.post(
-                "/v1/completions", json={"model": "tiny", "prompt": prompts[0], **GREEDY}
-            )
-            assert r.status_code == 200, r.text
-            return r.json()
-
-    body = asyncio.run(go())
+    (r,) = post_all(server, "/v1/completions", [{"model": "tiny", "prompt": prompts[0], **GREEDY}])
+    assert r.status_code == 200, r.text
+    body = r.json()
     assert body["object"] == "text_completion"
     assert body["id"].startswith("cmpl-") and body["model"] == "tiny"
     (choice,) = body["choices"]
@@ -142,19 +157,15 @@ def test_completion_returns_the_token_ids_of_engine_generate(server, prompts, ba
 def test_streaming_returns_the_same_text_and_token_ids_and_ends_with_done(
     server, prompts, baseline
 ):
-    async def go() -> tuple[list[Any], list[Any], dict]:
-        async with client(server) as c:
-            ids = await c.post(
-                "/v1/completions",
-                json={"prompt": prompts[1], "stream": True, **GREEDY,
-                      "stream_options": {"include_usage": True}},
-            )  # fmt: skip
-            text = await c.post("/v1/completions", json={"prompt": TEXT, "stream": True, **GREEDY})
-            plain = await c.post("/v1/completions", json={"prompt": TEXT, **GREEDY})
-        assert ids.headers["content-type"].startswith("text/event-stream")
-        return sse_events(ids.text), sse_events(text.text), plain.json()
-
-    ids_events, text_events, plain = asyncio.run(go())
+    ids, text, plain = post_all(
+        server, "/v1/completions",
+        [{"prompt": prompts[1], "stream": True, **GREEDY,
+          "stream_options": {"include_usage": True}},
+         {"prompt": TEXT, "stream": True, **GREEDY},
+         {"prompt": TEXT, **GREEDY}],
+    )  # fmt: skip
+    assert ids.headers["content-type"].startswith("text/event-stream")
+    ids_events, text_events = sse_events(ids.text), sse_events(text.text)
     # token-id prompt: deltas add up to Engine.generate's output; a usage chunk, then [DONE]
     assert ids_events[-1] == "[DONE]"
     usage_chunk = ids_events[-2]
@@ -168,14 +179,42 @@ def test_streaming_returns_the_same_text_and_token_ids_and_ends_with_done(
         baseline[1]
     )
     assert [e["choices"][0]["finish_reason"] for e in token_chunks] == [None] * 7 + ["length"]
-    # text prompt: the stream equals the non-streaming answer, and no usage chunk was asked for
+    # text prompt: the stream equals the non-streaming answer
     assert text_events[-1] == "[DONE]"
     chunks = text_events[:-1]
-    assert all("usage" not in e for e in chunks)
-    (choice,) = plain["choices"]
+    (choice,) = plain.json()["choices"]
     assert [t for e in chunks for t in e["choices"][0]["token_ids"]] == choice["token_ids"]
     assert "".join(e["choices"][0]["text"] for e in chunks) == choice["text"]
-    assert plain["usage"]["prompt_tokens"] == len(server.tokenizer.encode(TEXT))
+    assert plain.json()["usage"]["prompt_tokens"] == len(server.tokenizer.encode(TEXT))
+
+
+def test_chat_renders_the_models_template_and_streams_the_same_tokens(server):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXT}]
+    rendered = server.tokenizer.apply_chat_template(messages)
+    assert rendered.startswith("<s>System: Be brief.\nUser: ") and rendered.endswith("Assistant:")
+    ids = server.tokenizer.encode(rendered, add_special_tokens=False)
+    chat, stream, completion, tok = [
+        *post_all(server, "/v1/chat/completions", [
+            {"messages": messages, **GREEDY},
+            {"messages": messages, **GREEDY, "stream": True,
+             "stream_options": {"include_usage": True}},
+        ]),
+        *post_all(server, "/v1/completions", [{"prompt": ids, **GREEDY}]),
+        *post_all(server, "/tokenize", [{"messages": messages}]),
+    ]  # fmt: skip
+    body = chat.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    (choice,) = body["choices"]
+    assert choice["message"]["role"] == "assistant"
+    assert choice["token_ids"] == completion.json()["choices"][0]["token_ids"]
+    assert choice["message"]["content"] == completion.json()["choices"][0]["text"]
+    assert body["usage"]["prompt_tokens"] == len(ids) == tok.json()["count"]
+    assert tok.json()["tokens"] == ids
+    events = sse_events(stream.text)
+    assert events[-1] == "[DONE]" and events[0]["choices"][0]["delta"]["role"] == "assistant"
+    deltas = [e["choices"][0]["delta"]["content"] for e in events[1:-2]]
+    assert "".join(deltas) == choice["message"]["content"]
+    assert events[-2]["usage"]["completion_tokens"] == 8
 
 
 def test_two_pass_restore_over_http_and_metrics_close(server, prompts, baseline):
@@ -210,7 +249,7 @@ def test_two_pass_restore_over_http_and_metrics_close(server, prompts, baseline)
     assert ext == sum(cached)
     assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == 0
 
-    # /metrics of the drained server: vLLM names with engine.stats()'s exact values
+    # /metrics of the drained server: vLLM names and labels with engine.stats()'s exact values
     samples = scrape(text)
     for name, key in COUNTERS.items():
         assert vllm_value(samples, f"{name}_total") == after[key], name
@@ -219,6 +258,14 @@ def test_two_pass_restore_over_http_and_metrics_close(server, prompts, baseline)
     assert vllm_value(samples, "vllm:prefix_cache_queries_total") - vllm_value(
         samples, "vllm:prefix_cache_hits_total"
     ) == vllm_value(samples, "vllm:external_prefix_cache_queries_total")
+    # the tier's contribution by source: every external hit came from kvtier's memory tier
+    by_source = {
+        s: vllm_value(samples, "vllm:prompt_tokens_cached_by_source_total", source=s)
+        for s in ("device", "host", "disk", "p2p", "external_unspecified")
+    }
+    assert by_source["host"] == after["external_prefix_cache_hits"] > 0
+    assert by_source["device"] == after["prefix_cache_hits"]
+    assert by_source["disk"] == by_source["p2p"] == by_source["external_unspecified"] == 0
     done = sum(
         vllm_value(samples, "vllm:request_success_total", finished_reason=r)
         for r in ("stop", "length")
@@ -226,17 +273,17 @@ def test_two_pass_restore_over_http_and_metrics_close(server, prompts, baseline)
     assert done == after["requests_finished"]
     aborted = vllm_value(samples, "vllm:request_success_total", finished_reason="abort")
     assert aborted == after["requests_aborted"]
-    for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
-        assert vllm_value(samples, f"vllm:{hist}_count") == after["requests_finished"]
-    # ignore_eos + max_tokens=8 everywhere in this module: 7 gaps per finished request
-    assert vllm_value(samples, "vllm:inter_token_latency_seconds_count") == (
-        after["generation_tokens"] - after["requests_finished"]
-    )
+    finished = after["requests_finished"] + after["requests_aborted"] + after["requests_failed"]
+    for hist in ("e2e_request_latency_seconds", "request_prompt_tokens",
+                 "request_generation_tokens", "request_queue_time_seconds",
+                 "request_max_num_generation_tokens"):  # fmt: skip
+        assert vllm_value(samples, f"vllm:{hist}_count") == finished, hist
+    assert vllm_value(samples, "vllm:request_generation_tokens_sum") == after["generation_tokens"]
+    assert vllm_value(samples, "vllm:iteration_tokens_total_count") > 0
+    assert vllm_value(samples, "kvtier_engine_stalled") == 0
     # and kvtier's own families, per rank: every retrieved token is an external hit (TP=1)
     retrieved = samples[("kvtier_retrieved_tokens_total", (("rank", "0"),))]
     assert retrieved == after["external_prefix_cache_hits"] >= ext
-    assert samples[("kvtier_lookups_total", (("rank", "0"),))] > 0
-    assert ("kvtier_stored_tokens_total", (("rank", "0"),)) in samples
 
 
 # ---- bad input --------------------------------------------------------------------------------
@@ -244,256 +291,251 @@ def test_two_pass_restore_over_http_and_metrics_close(server, prompts, baseline)
 
 LONG = make_prompts(1, 4096, seed=5)[0]
 BAD = [
-    ({"prompt": LONG}, 400, "prompt", "4096 tokens but max_model_len is 4096"),
+    ({"prompt": LONG}, 400, "prompt", "context length is 4096 tokens"),
     ({"prompt": LONG[:4000], "max_tokens": 200}, 400, "max_tokens", "max_tokens <= 96"),
-    ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens", "max_tokens=-1 must be >= 1"),
-    ({"prompt": "hi", "max_tokens": "8"}, 400, "max_tokens", "not an integer"),
-    ({"prompt": 123}, 400, "prompt", "send a string or a list of token ids"),
-    ({"prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
+    ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens", "at least 1"),
+    ({"prompt": 123}, 400, "prompt", "prompt"),
     ({"prompt": [5, 99999]}, 400, "prompt", "outside the vocabulary [0, 2048)"),
-    ({"prompt": ""}, 400, "prompt", "prompt is empty"),
-    ({}, 400, "prompt", "prompt is missing"),
-    ({"prompt": "hi", "temperature": "hot"}, 400, "temperature", "not a finite number"),
+    ({"prompt": ""}, 400, "prompt", "must be provided and non-empty"),
+    ({}, 400, "prompt", "must be provided and non-empty"),
+    ({"prompt": "hi", "temperature": "hot"}, 400, "temperature", "valid number"),
+    ({"prompt": "hi", "temperature": 3}, 400, "temperature", "must be in [0, 2]"),
     ({"prompt": "hi", "top_p": 0}, 400, "top_p", "(0, 1]"),
-    ({"prompt": "hi", "stream": "yes"}, 400, "stream", "send true or false"),
-    ({"prompt": "hi", "n": 2}, 400, "n", "not supported"),
-    ({"prompt": "hi", "stop": ["."]}, 400, "stop", "not supported"),
-    ({"prompt": "hi", "stop_token_ids": [1, "x"]}, 400, "stop_token_ids", "list of token ids"),
-    ({"prompt": "hi", "model": "gpt-4"}, 404, "model", "use 'tiny'"),
-]
+    ({"prompt": "hi", "top_k": -2}, 400, "top_k", "at least 1"),
+    ({"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty", "[-2, 2]"),
+    ({"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty", "greater than zero"),
+    ({"prompt": "hi", "logprobs": 21}, 400, "logprobs", "[0, 20]"),
+    ({"prompt": "hi", "n": 2, "temperature": 0}, 400, "n", "greedy"),
+    ({"prompt": "hi", "best_of": 2, "n": 1, "stream": True}, 400, "best_of", "stream"),
+    ({"prompt": "hi", "stop": [""]}, 400, "stop", "empty string"),
+    ({"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias", "converted to int"),
+    ({"prompt": "hi", "logit_bias": {"99999": 1}}, 400, "logit_bias", "outside the vocabulary"),
+    ({"prompt": "hi", "stop_token_ids": [1, "x"]}, 400, "stop_token_ids", "valid integer"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options",
+     "stream=True"),
+    ({"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo", "prompt logprobs"),
+    ({"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search", "not supported"),
+    ({"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format",
+     "grammar"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "model", "serves 'tiny'"),
+    (b"{not json", 400, None, "Invalid JSON"),
+    (b'{"prompt": "\\ud800"}', 400, None, "Invalid JSON"),  # a lone surrogate
+    (b'{"prompt": "\xff\xfe"}', 400, None, "Invalid JSON"),  # not UTF-8
+    (b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None, "recursion limit"),
+    (b"[1, 2]", 400, None, "should be an object"),
+    (b"", 400, None, "body is empty"),
+]  # fmt: skip
 
 
-def test_bad_input_answers_400_naming_the_field_and_never_reaches_the_engine(server):
-    async def go() -> list[httpx.Response]:
-        async with client(server) as c:
-            rs = [await c.post("/v1/completions", json=body) for body, *_ in BAD]
-            rs.append(await c.post("/v1/completions", content=b"{not json"))
-            rs.append(await c.post("/v1/completions", json=[1, 2]))
-            rs.append(await c.get("/health"))
-        return rs
-
+def test_bad_input_answers_openai_errors_naming_the_field_and_never_reaches_the_engine(server):
     before = engine_stats(server)
-    rs = asyncio.run(go())
-    for r, (body, status, param, words) in zip(rs, BAD, strict=False):
-        assert r.status_code == status, (body, r.text)
-        err = r.json()["error"]
-        assert err["param"] == param and words in err["message"], (body, err)
-        assert err["code"] == status
-    assert rs[-3].status_code == 400 and "not valid JSON" in rs[-3].json()["error"]["message"]
-    assert rs[-2].status_code == 400 and "send a JSON object" in rs[-2].json()["error"]["message"]
-    assert rs[-1].status_code == 200 and rs[-1].json() == {"status": "ok"}
+    rs = post_all(server, "/v1/completions", [body for body, *_ in BAD])
+    for r, (body, status, param, words) in zip(rs, BAD, strict=True):
+        message = assert_openai_error(r, status, param)
+        assert words in message, (body if isinstance(body, dict) else body[:40], message)
     assert engine_stats(server)["prompt_tokens"] == before["prompt_tokens"]
 
 
-def test_neutral_values_of_unsupported_fields_and_a_batch_of_one_are_accepted():
-    req = parse_completion_request(
-        {"prompt": [[5, 6, 7]], "n": 1, "logprobs": None, "stop": [], "echo": False,
-         "max_tokens": None, "stream_options": {"include_usage": True}, "user": "u",
-         "some_extension": 1}
+def test_unknown_routes_and_methods_answer_openai_errors_and_the_small_endpoints_answer(server):
+    async def go() -> list[httpx.Response]:
+        async with client(server) as c:
+            return [
+                await c.post("/v1/nothing", json={}),
+                await c.post("/v1/responses", json={"input": "hi"}),
+                await c.get("/v1/completions"),
+                await c.get("/version"),
+                await c.get("/ping"),
+                await c.post("/ping"),
+                await c.get("/docs"),
+                await c.post("/detokenize", json={"tokens": [5, 6, 7]}),
+                await c.post("/tokenize", json={"prompt": "ka ro", "return_token_strs": True}),
+                await c.post("/tokenize", json={}),
+            ]
+
+    (nothing, responses, method, version, ping, ping_post, docs, detok, tok, empty) = asyncio.run(
+        go()
+    )
+    assert "no route POST /v1/nothing" in assert_openai_error(nothing, 404)
+    assert "/v1/chat/completions" in assert_openai_error(responses, 404)
+    assert_openai_error(method, 405)
+    assert version.json()["version"] and ping.status_code == ping_post.status_code == 200
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()
+    assert detok.json() == {"prompt": server.tokenizer.decode([5, 6, 7])}
+    body = tok.json()
+    assert body["tokens"] == server.tokenizer.encode("ka ro") and body["count"] == 3
+    assert body["max_model_len"] == 4096 and len(body["token_strs"]) == 3
+    assert "exactly one of prompt or messages" in assert_openai_error(empty, 400)
+
+
+# ---- sampling edge values and a request that fails alone ---------------------------------------
+
+EDGE = [{"temperature": 1e-39}, {"temperature": 1e-45}, {"temperature": 1e-300},
+        {"top_p": 1e-300}, {"top_p": 1e-300, "temperature": 1.0, "top_k": 1}]  # fmt: skip
+
+
+def test_sampling_edge_values_are_greedy_and_the_engine_lives_on(server):
+    # before: logits / 1e-39 overflowed to inf, the sampler raised inside the step, the engine
+    # loop died and every later request (and /health) answered 503
+    greedy, *edge = post_all(
+        server, "/v1/completions",
+        [{"prompt": "hi", "max_tokens": 4, "temperature": 0, "return_token_ids": True}]
+        + [{"prompt": "hi", "max_tokens": 4, "return_token_ids": True, **e} for e in EDGE],
     )  # fmt: skip
-    assert req.prompt == [5, 6, 7] and req.max_tokens is None and req.include_usage
-    # min_tokens holds by construction with ignore_eos, no stop ids and max_tokens >= it
-    ok = {"prompt": "x", "min_tokens": 4, "max_tokens": 8, "ignore_eos": True}
-    assert parse_completion_request(ok).max_tokens == 8
-    assert parse_completion_request({"prompt": ["hello"]}).prompt == "hello"
-    with pytest.raises(APIError) as info:
-        parse_completion_request({"prompt": "x", "min_tokens": 4})
-    assert info.value.param == "min_tokens" and info.value.status == 400
+    want = greedy.json()["choices"][0]["token_ids"]
+    for r, e in zip(edge, EDGE, strict=True):
+        assert r.status_code == 200, (e, r.text)
+        assert r.json()["choices"][0]["token_ids"] == want, e
+    assert server.loop.health() is None
+
+
+def test_a_request_whose_sampling_raises_fails_alone_with_a_500(make_engine, monkeypatch):
+    engine = make_engine(num_blocks=64)
+    sampler = engine.executor.runner.sampler
+    real = sampler._row
+
+    def row(logits: Any, spec: Any) -> Any:
+        if spec.seed == 4242:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real(logits, spec)
+
+    monkeypatch.setattr(sampler, "_row", row)
+    body = {"prompt": "ka ro mi", "max_tokens": 6, "ignore_eos": True}
+    with EngineServer(engine, model_name="tiny") as srv:
+
+        async def go() -> list[httpx.Response]:
+            async with client(srv) as c:
+                bad = c.post("/v1/completions", json={**body, "seed": 4242})
+                bad_stream = c.post("/v1/completions", json={**body, "seed": 4242, "stream": True})
+                good = c.post("/v1/completions", json={**body, "seed": 1})
+                first = await asyncio.gather(bad, bad_stream, good)
+                return [*first, await c.get("/health"), await c.post("/v1/completions", json=body)]
+
+        bad, bad_stream, good, health, later = asyncio.run(go())
+        stats = engine_stats(srv)
+    message = assert_openai_error(bad, 500)
+    assert "RuntimeError: probability tensor contains" in message
+    error_event = sse_events(bad_stream.text)[-2]
+    assert error_event["error"]["code"] == 500 and "RuntimeError" in error_event["error"]["message"]
+    assert good.status_code == later.status_code == health.status_code == 200
+    assert good.json()["usage"]["completion_tokens"] == 6
+    assert stats["requests_failed"] == 2 and stats["kv_cache_usage"] == 0.0
+
+
+# ---- the event loop, the stall check, an engine failure ---------------------------------------
+
+
+def test_a_10mib_prompt_is_tokenized_off_the_event_loop(server):
+    huge = ("ka ro mi ne su " * 700_000)[: 10 * 1024 * 1024]
+
+    async def go() -> tuple[httpx.Response, bool, httpx.Response]:
+        async with client(server) as c:
+            big = asyncio.ensure_future(c.post("/v1/completions", json={"prompt": huge}))
+            await asyncio.sleep(0)  # let the big request's handler start reading
+            health = await c.get("/health")
+            big_done_when_health_answered = big.done()
+            return health, big_done_when_health_answered, await big
+
+    health, big_was_done, big = asyncio.run(go())
+    assert health.status_code == 200 and not big_was_done
+    assert "context length is 4096 tokens" in assert_openai_error(big, 400, "prompt")
+
+
+def test_health_turns_503_with_a_reason_when_queued_work_makes_no_progress(make_engine):
+    engine = make_engine(num_blocks=64)
+    real_step = engine.step
+    wedged = threading.Event()
+    wedged.set()
+
+    def step() -> list:
+        if wedged.is_set():  # a wedged scheduler: steps complete, nothing is scheduled
+            engine.last_step_tokens = 0
+            return []
+        return real_step()
+
+    engine.step = step  # type: ignore[method-assign]
+    with EngineServer(engine, model_name="tiny", stall_timeout_s=0.2) as srv:
+
+        async def go() -> tuple[httpx.Response, httpx.Response, httpx.Response, httpx.Response]:
+            async with client(srv) as c:
+                assert (await c.get("/health")).status_code == 200
+                req = asyncio.ensure_future(
+                    c.post("/v1/completions", json={"prompt": "ka", "max_tokens": 2})
+                )
+                while srv.loop.stall_seconds() <= 0.2:  # the loop's own clock, no sleep guess
+                    await asyncio.sleep(0.01)
+                stalled, metrics = await c.get("/health"), await c.get("/metrics")
+                wedged.clear()
+                done = await req
+                return stalled, metrics, done, await c.get("/health")
+
+        stalled, metrics, done, healthy = asyncio.run(go())
+    reason = assert_openai_error(stalled, 503)
+    assert "engine stalled: 1 requests queued" in reason and "--stall-timeout" in reason
+    assert vllm_value(scrape(metrics.text), "kvtier_engine_stalled") == 1
+    assert vllm_value(scrape(metrics.text), "kvtier_engine_stall_seconds") > 0.2
+    assert done.status_code == 200 and healthy.status_code == 200
+
+
+def test_engine_failure_fails_in_flight_requests_once_and_ends_serving(make_engine, caplog):
+    engine = make_engine()
+
+    def broken_step() -> list:
+        raise RuntimeError("simulated rank failure\n  File \"/x/y.py\", line 1")
+
+    engine.step = broken_step  # type: ignore[method-assign]
+    fatal: list[str] = []
+    ended = threading.Event()
+
+    def on_fatal(reason: str) -> None:
+        fatal.append(reason)
+        ended.set()
+
+    async def go() -> list[httpx.Response]:
+        async with client(srv) as c:
+            ok = await c.get("/health")
+            failed = await c.post("/v1/completions", json={"prompt": "ka ro mi", "max_tokens": 2})
+            assert ended.wait(10.0)
+            return [
+                ok, failed, await c.get("/health"),
+                await c.post("/v1/completions", json={"prompt": "ka", "max_tokens": 2}),
+            ]  # fmt: skip
+
+    with EngineServer(engine, model_name="tiny", on_fatal=on_fatal) as srv:
+        ok, failed, health, refused = asyncio.run(go())
+    assert ok.status_code == 200
+    assert "simulated rank failure" in assert_openai_error(failed, 500)
+    assert "simulated rank failure" in assert_openai_error(health, 503)
+    assert_openai_error(refused, 503)
+    assert fatal == ["engine failed: RuntimeError: simulated rank failure"]
+    logged = [r for r in caplog.records if "the server exits" in r.getMessage()]
+    assert len(logged) == 1
+
+
+# ---- text ---------------------------------------------------------------------------------------
 
 
 def test_streamed_text_deltas_add_up_to_the_full_decode(tiny_model):
     # random ids include lone byte tokens: partial UTF-8 must wait, never garble the text
     tok = Tokenizer(tiny_model)
-    for ids in make_prompts(100, 40, seed=11):
+    for ids in make_prompts(60, 40, seed=11):
         ids = [t % 2048 for t in ids] + [0, 1, 2]  # special tokens too (skipped in text)
-        detok = _Detokenizer(tok)
+        detok = Detokenizer(tok)
         text = "".join(detok.update(ids[:i], i == len(ids)) for i in range(1, len(ids) + 1))
         assert text == tok.decode(ids)
 
 
-# ---- disconnects ------------------------------------------------------------------------------
-
-
-async def call_then_disconnect(srv: EngineServer, body: dict) -> list[dict]:
-    """Drive the ASGI app directly: send `body`, then report the client gone at once."""
-    sent: list[dict] = []
-    delivered = False
-
-    async def receive() -> dict:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-        "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-        "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
-        "server": ("kvtier", 80), "client": ("test", 1),
-    }  # fmt: skip
-    await srv.app(scope, receive, send)
-    return sent
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_client_disconnect_aborts_the_request(server, stream):
-    # 3000 tokens would take minutes on this box: draining at once proves the abort
-    prompt = make_prompts(1, 300, seed=7)[0]
-    body = {"prompt": prompt, "max_tokens": 3000, "ignore_eos": True, "stream": stream}
-    before = engine_stats(server)
-    asyncio.run(call_then_disconnect(server, body))
-    after = engine_stats(server)
-    assert after["requests_aborted"] == before["requests_aborted"] + 1
-    assert after["generation_tokens"] - before["generation_tokens"] < 3000
-    assert after["num_requests_running"] == 0 and after["kv_cache_usage"] == 0.0
-
-
-# ---- engine failure ---------------------------------------------------------------------------
-
-
-def test_engine_failure_answers_500_then_503_and_health_fails(make_engine):
-    engine = make_engine()
-
-    def broken_step() -> list:
-        raise RuntimeError("simulated rank failure")
-
-    engine.step = broken_step  # type: ignore[method-assign]
-
-    async def go() -> list[httpx.Response]:
-        async with client(srv) as c:
-            return [
-                await c.get("/health"),
-                await c.post("/v1/completions", json={"prompt": "ka ro mi", "max_tokens": 2}),
-                await c.get("/health"),
-                await c.post("/v1/completions", json={"prompt": "ka ro mi", "max_tokens": 2}),
-                await c.post("/reset_prefix_cache"),
-            ]
-
-    with EngineServer(engine, model_name="tiny") as srv:
-        ok, failed, health, refused, reset = asyncio.run(go())
-    assert ok.status_code == 200
-    assert failed.status_code == 500
-    assert "simulated rank failure" in failed.json()["error"]["message"]
-    assert health.status_code == 503 and "simulated rank failure" in health.text
-    assert refused.status_code == 503 and reset.status_code == 503
-
-
-# ---- the CLI ------------------------------------------------------------------------------------
-
-
-class Output:
-    """Collects a subprocess's merged output on a thread; waits for a line with a deadline."""
-
-    def __init__(self, proc: subprocess.Popen[str]) -> None:
-        self.lines: list[str] = []
-        self._new: queue.Queue[str | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
-        self._thread.start()
-
-    def _read(self, proc: subprocess.Popen[str]) -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            self.lines.append(line)
-            self._new.put(line)
-        self._new.put(None)
-
-    def wait_for(self, needle: str, timeout_s: float) -> str:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"{needle!r} not seen in {timeout_s} s:\n{self.text}")
-            try:
-                line = self._new.get(timeout=left)
-            except queue.Empty:
-                continue
-            if line is None:
-                raise AssertionError(f"process ended before {needle!r}:\n{self.text}")
-            if needle in line:
-                return line
-
-    @property
-    def text(self) -> str:
-        return "".join(self.lines)
-
-
-def wait_until(predicate: Any, timeout_s: float, what: str) -> None:
-    """Re-check `predicate` (each check is a real HTTP round trip) until it holds."""
-    deadline = time.monotonic() + timeout_s
-    pause = threading.Event()
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen within {timeout_s} s")
-        pause.wait(0.02)
-
-
-def test_cli_serve_tp2_answers_fails_health_on_a_dead_rank_and_exits_on_sigterm(
-    tiny_model, tmp_path, prompts, baseline
-):
-    cfg = tmp_path / "kvtier.yaml"
-    cfg.write_text(f"chunk_size: {CHUNK}\nmemory_bytes: 64MiB\nload_gate: false\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    cmd = [
-        sys.executable, "-m", "kvtier.cli", "serve", str(tiny_model), "--port", "0", "--tp", "2",
-        "--hbm-blocks", "256", "--config", str(cfg), "--served-model-name", "tiny",
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path
-    )
-    out = Output(proc)
-    try:
-        line = out.wait_for("kvtier serve: listening on http://127.0.0.1:", 60.0)
-        base = line.split("listening on ")[1].split()[0]
-        assert "TP=2" in line and "offload on" in line
-        assert "kvtier: lookup client on ranks [0, 1] (world=2)" in out.text
-        with httpx.Client(base_url=base, timeout=30.0) as c:
-            assert c.get("/health").status_code == 200
-            assert c.get("/v1/models").json()["data"][0]["id"] == "tiny"
-            r = c.post("/v1/completions", json={"prompt": prompts[0], **GREEDY})
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["token_ids"] == baseline[0]
-            out.wait_for("prompt=304 cached=0 (hbm=0 external=0) completion=8", 10.0)
-            workers = psutil.Process(proc.pid).children()
-            assert len(workers) == 2, workers
-            workers[1].kill()
-            wait_until(lambda: c.get("/health").status_code == 503, 10.0, "/health turning 503")
-            health = c.get("/health").json()["error"]["message"]
-            assert f"pid {workers[1].pid}) exited" in health
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0, out.text
-        gone, alive = psutil.wait_procs(workers, timeout=10)
-        assert not alive, alive
-        out.wait_for("kvtier serve: shut down cleanly", 5.0)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-
-
-def test_cli_serve_config_error_exits_nonzero_without_traceback(tiny_model):
-    result = CliRunner().invoke(
-        cli_app, ["serve", str(tiny_model)], env={"KVTIER_CHUNK_SIZE": "33"}
-    )
-    assert result.exit_code == 2
-    assert "chunk_size=33 is not a positive multiple of 16" in result.output
-    assert "KVTIER_CHUNK_SIZE" in result.output and "Traceback" not in result.output
-
-
-def test_cli_model_init_writes_a_loadable_model(tmp_path):
-    target = tmp_path / "m"
-    args = ["model", "init", str(target), "--dtype", "float32", "--layers", "2", "--hidden", "128",
-            "--heads", "2", "--kv-heads", "1", "--intermediate", "256", "--seed", "3"]  # fmt: skip
-    result = CliRunner().invoke(cli_app, args)
-    assert result.exit_code == 0, result.output
-    assert f"to {target}" in result.output and "model.safetensors" in result.output
-    config = json.loads((target / "config.json").read_text())
-    assert config["num_hidden_layers"] == 2 and config["hidden_size"] == 128
-    with Engine(target, EngineConfig(num_threads=1, num_blocks=32)) as eng:
-        (out,) = eng.generate(["ka ro mi"], SamplingParams(temperature=0, max_tokens=4))
-    assert len(out.output_token_ids) == 4
-    bad = CliRunner().invoke(cli_app, ["model", "init", str(tmp_path / "x"), "--dtype", "int8"])
-    assert bad.exit_code == 2 and "dtype='int8'" in bad.output
+def test_stop_strings_truncate_hold_back_and_can_be_kept(tiny_model):
+    tok = Tokenizer(tiny_model)
+    ids = tok.encode("ka ro mi ne su ta lo vi", add_special_tokens=False)
+    for stop, keep, want in (("ne", False, "ka ro mi "), ("ne", True, "ka ro mi ne"),
+                             ("zz", False, "ka ro mi ne su ta lo vi")):  # fmt: skip
+        stream = TextStream(tok, [stop], include_stop=keep)
+        emitted = ""
+        for i in range(1, len(ids) + 1):
+            emitted += stream.update(ids[:i], i == len(ids))
+            if stream.stopped_by:
+                break
+            # never stream a prefix of the stop string before it is known not to match
+            assert not emitted.endswith(stop[0]) or stop == "zz" or keep
+        assert emitted == want == stream.text
+        assert stream.stopped_by == (None if stop == "zz" else stop)

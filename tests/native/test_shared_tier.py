@@ -1,6 +1,8 @@
 """The shared tier at engine level: one engine writes behind to Valkey/Redis, a fresh process
 restores the prefix from it; corrupted records and records of another namespace read as misses
 (counted), never as KV bytes, and every request still gets the output of a run without offload.
+Through a Redis Cluster (3 masters + 3 replicas) two engines share a prefix, and a master killed
+mid-run costs hits only until its replica is promoted.
 
 Run as a module (`python -m tests.native.test_shared_tier '<json>'`) this file is the driver of
 the fresh engine process: it prints one `KVTIER_RESULT {json}` line.
@@ -18,11 +20,13 @@ from typing import Any
 
 import pytest
 
+from kvtier.bench.redis_local import LocalCluster
 from kvtier.native import Engine, EngineConfig
 from kvtier.store import record
 from kvtier.store.remote import RemoteTier
 from tests.native.conftest import GREEDY, make_prompts
 from tests.native.faults_connector import kvtier_engine, local_worker, rank_values
+from tests.redis_cluster import flush, redis_cluster  # noqa: F401
 from tests.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -208,6 +212,64 @@ def test_records_of_another_namespace_read_as_misses(
         assert sm.value("load_failures_total", reason="miss") == 1
         assert eng.stats()["external_prefix_cache_hits"] == 0
     admin.close()
+
+
+# ---- through a Redis Cluster ------------------------------------------------------------------
+
+
+def _remote_hits(eng: Engine) -> float:
+    return local_worker(eng).metrics.value("tier_hits_total", tier="remote")
+
+
+def test_two_engines_share_a_prefix_through_the_cluster(
+    tiny_model, tmp_path, redis_cluster, prompts, reference  # noqa: F811
+):
+    flush(redis_cluster)
+    assert _write(tiny_model, tmp_path / "run-a", redis_cluster.url, prompts) == reference
+    # the chunks spread over every shard (no hash tag pins a prefix on one)
+    held = [redis_cluster.node(m).client().dbsize() for m in redis_cluster.masters()]
+    assert sum(held) == len(prompts) * CHUNKS + 1 and all(n > 0 for n in held), held
+
+    with kvtier_engine(tiny_model, tmp_path / "run-b", remote_url=redis_cluster.url) as eng:
+        outs = [o.output_token_ids for o in eng.generate(prompts, GREEDY)]
+        assert outs == reference
+        assert _remote_hits(eng) == len(prompts) * CHUNKS
+        stats = eng.stats()
+        assert stats["external_prefix_cache_hits"] == len(prompts) * (PROMPT_LEN - 1)
+        assert stats["external_load_failures"] == 0
+        assert not _remote(eng).breaker.is_open
+
+
+def test_master_killed_mid_run_costs_hits_until_its_replica_is_promoted(
+    tiny_model, tmp_path, redis_cluster: LocalCluster, prompts, reference  # noqa: F811
+):
+    """Runs last in the module: it leaves the cluster with a promoted replica."""
+    flush(redis_cluster)
+    _write(tiny_model, tmp_path / "run-a", redis_cluster.url, prompts)
+    redis_cluster.sync_replicas()
+    cfg = {"remote_url": redis_cluster.url, "breaker_failures": 2, "breaker_probe_s": 0.2}
+    with kvtier_engine(tiny_model, tmp_path / "run-b", **cfg) as eng:
+        m = local_worker(eng).metrics
+        # B is up (its self-test went through the cluster) when one master dies
+        victim = redis_cluster.masters()[0]
+        redis_cluster.node(victim).kill()
+        outs = [o.output_token_ids for o in eng.generate(prompts, GREEDY)]
+        # requests complete with the outputs of a recompute; only the dead shard cost hits
+        assert outs == reference
+        assert _remote_hits(eng) < len(prompts) * CHUNKS
+        assert m.total("store_failures_total", tier="remote") > 0
+        assert set(_remote(eng).breaker.open_shards()) <= {victim}
+        assert eng.stats()["external_load_failures"] == m.total("load_failures_total")
+        promoted = redis_cluster.fail_master(victim)
+        assert promoted != victim
+
+    # after promotion a fresh engine finds every chunk: nothing was lost, hits resume
+    with kvtier_engine(tiny_model, tmp_path / "run-c", **cfg) as eng:
+        outs = [o.output_token_ids for o in eng.generate(prompts, GREEDY)]
+        assert outs == reference
+        assert _remote_hits(eng) == len(prompts) * CHUNKS
+        assert eng.stats()["external_load_failures"] == 0
+        assert not _remote(eng).breaker.is_open
 
 
 # ---- the fresh process ------------------------------------------------------------------------

@@ -14,6 +14,15 @@ class FakeResult:
     per_rank: dict[int, int] = field(default_factory=dict)
 
 
+@dataclass
+class FakePending:
+    """A fake lookup in flight: answered (`ready`) at once unless a test holds it back."""
+
+    lookup_id: str
+    result: FakeResult
+    ready: bool = True
+
+
 class FakeLookup:
     """Answers `hits` chunks (capped by the keys asked) and records leases and releases."""
 
@@ -31,6 +40,15 @@ class FakeLookup:
 
     def release(self, lookup_ids: Sequence[str]) -> None:
         self.released.extend(lookup_ids)
+
+    def begin(self, keys: Sequence[bytes], lookup_id: str, lease: bool = True) -> FakePending:
+        return FakePending(lookup_id, self.lookup(keys, lookup_id, lease))
+
+    def poll(self, pending: FakePending, wait_ms: float = 0.0) -> FakeResult | None:
+        return pending.result if pending.ready else None
+
+    def cancel(self, pending: FakePending) -> None:
+        self.release([pending.lookup_id])
 
     def outstanding(self) -> set[str]:
         return set(self.leased) - set(self.released)

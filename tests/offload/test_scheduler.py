@@ -247,3 +247,71 @@ def test_asked_again_before_allocation_reuses_the_promise_without_a_lookup():
     assert sched.get_num_new_matched_tokens(view, BLOCK) == 2 * CHUNK - BLOCK
     assert metrics.value("lookups_total") == 2
     assert lookup.outstanding() == {lookup.leased[-1]}
+
+
+def test_a_lookup_still_in_flight_answers_not_yet_known_and_never_blocks():
+    """The scheduler loop waits at most lookup_wait_ms; the answer comes at a later ask."""
+    sched, lookup, metrics = make(hits=4, lookup_wait_ms=0)
+    real_begin = lookup.begin
+    held = []
+
+    def slow_begin(keys, lookup_id, lease=True):
+        p = real_begin(keys, lookup_id, lease)
+        p.ready = False
+        held.append(p)
+        return p
+
+    lookup.begin = slow_begin  # type: ignore[method-assign]
+    view = SlotView("a", prompt(4 * CHUNK))
+    assert sched.get_num_new_matched_tokens(view, 0) is None
+    assert sched.get_num_new_matched_tokens(view, 0) is None
+    assert len(held) == 1  # asked again: polled, not sent again
+    held[0].ready = True
+    assert sched.get_num_new_matched_tokens(view, 0) == 4 * CHUNK - 1
+    assert metrics.value("scheduler_lookup_seconds_count") == 3
+
+
+def test_a_request_gone_while_its_lookup_is_in_flight_releases_the_lease():
+    sched, lookup, _ = make(hits=4)
+    view = SlotView("a", prompt(4 * CHUNK))
+    p = lookup.begin(view.prompt_token_ids, "x")
+    p.ready = False
+    sched._state(view).lookup = p  # a lookup sent at an earlier ask, still in flight
+    assert sched.get_num_new_matched_tokens(view, 0) is None
+    assert sched.request_finished(view) is False
+    assert lookup.outstanding() == set()
+
+
+def test_a_load_granted_fewer_tokens_than_promised_loads_exactly_the_grant():
+    sched, lookup, _ = make(hits=4)
+    view = SlotView("a", prompt(4 * CHUNK + 1))
+    promised = sched.get_num_new_matched_tokens(view, 0)
+    assert promised == 4 * CHUNK
+    granted = 3 * CHUNK - BLOCK  # e.g. cut to a block boundary by the host
+    ids = blocks(granted)
+    assert sched.update_state_after_alloc(view, ids, granted) == granted
+    (op,) = sched.build_meta([]).loads
+    assert op.tokens == granted
+    # three chunks read whole; the third writes only the block inside the grant
+    assert [c.block_ids for c in op.chunks] == [ids[0:2], ids[2:4], [ids[4], -1]]
+    with pytest.raises(ValueError, match="more than the"):
+        other = SlotView("b", prompt(4 * CHUNK + 1, salt=3))
+        sched.get_num_new_matched_tokens(other, 0)
+        sched.update_state_after_alloc(other, blocks(5 * CHUNK), 5 * CHUNK)
+
+
+def test_a_second_request_waits_for_the_load_of_the_same_chunks_instead_of_reading_them():
+    sched, lookup, metrics = make(hits=4)
+    a = SlotView("a", prompt(4 * CHUNK + 1))
+    b = SlotView("b", prompt(4 * CHUNK + 1))  # same prefix
+    need = sched.get_num_new_matched_tokens(a, 0)
+    sched.update_state_after_alloc(a, blocks(need), need)
+    (op,) = sched.build_meta([]).loads
+    leased = len(lookup.leased)
+    assert sched.get_num_new_matched_tokens(b, 0) is None
+    assert sched.get_num_new_matched_tokens(b, 0) is None
+    assert len(lookup.leased) == leased  # no second lookup, no second read
+    assert metrics.value("skipped_loads_total", reason="behind_inflight_load") == 1
+    report_all(sched, op.op_id)
+    # a's blocks are in HBM now: b asks with that floor and needs the tier for nothing more
+    assert sched.get_num_new_matched_tokens(b, 4 * CHUNK) == 0

@@ -16,9 +16,10 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, StartupError
 from kvtier.metrics import Metrics
 from kvtier.store import record
-from kvtier.store.breaker import CircuitBreaker, State
+from kvtier.store.breaker import ShardBreakers, State
 from kvtier.store.factory import build_stack
 from kvtier.store.remote import RemoteTier, mask_url
+from kvtier.store.remote_transport import Timeouts
 from tests import redis_server
 from tests.redis_server import RedisServer, RedisServerError
 
@@ -90,6 +91,21 @@ def _breaker_open_warnings(caplog: pytest.LogCaptureFixture) -> int:
     )
 
 
+def _read_failures(metrics: Metrics) -> float:
+    """Reads counted as failed by an outage (a dead server times out or refuses connections)."""
+    return sum(
+        metrics.value("store_failures_total", tier="remote", reason=f"read_{r}")
+        for r in ("timeout", "connection")
+    )
+
+
+def _write_failures(metrics: Metrics) -> float:
+    return sum(
+        metrics.value("store_failures_total", tier="remote", reason=r)
+        for r in ("timeout", "connection")
+    )
+
+
 def _closed_infos(caplog: pytest.LogCaptureFixture) -> int:
     return sum(
         1
@@ -127,12 +143,28 @@ def test_round_trip_bytes(server: RedisServer, make_tier: MakeTier, namespace: b
     assert tier._m.value("tier_residency_bytes", tier="remote") == expected
 
 
-def test_get_many_reads_with_one_mget(server: RedisServer, make_tier: MakeTier) -> None:
+def _count_batches(monkeypatch: pytest.MonkeyPatch, client: object) -> list[int]:
+    """Sizes of the batches `client` (a glide client) executes from now on."""
+    sizes: list[int] = []
+    real = client.exec  # type: ignore[attr-defined]
+
+    def counting(batch: object, *a: object, **kw: object) -> object:
+        sizes.append(len(batch.commands))  # type: ignore[attr-defined]
+        return real(batch, *a, **kw)
+
+    monkeypatch.setattr(client, "exec", counting)
+    return sizes
+
+
+def test_get_many_reads_with_one_batch(
+    server: RedisServer, make_tier: MakeTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
     tier = make_tier(server.url)
     for i in (0, 2, 3):
         assert tier.put(key_of(i), payload_of(i, 512))
     admin = server.client()
     admin.config_resetstat()
+    batches = _count_batches(monkeypatch, tier._transport._reader)
     got = tier.get_many([key_of(i) for i in range(4)])
     assert [None if g is None else bytes(g) for g in got] == [
         payload_of(0, 512),
@@ -140,42 +172,36 @@ def test_get_many_reads_with_one_mget(server: RedisServer, make_tier: MakeTier) 
         payload_of(2, 512),
         payload_of(3, 512),
     ]
-    stats = admin.info("commandstats")
-    assert stats["cmdstat_mget"]["calls"] == 1
-    assert "cmdstat_get" not in stats
+    assert batches == [4]  # one round trip carrying a GET per key
+    assert admin.info("commandstats")["cmdstat_get"]["calls"] == 4
     assert tier.get_many([]) == []
 
 
-def test_lookup_prefix_counts_leading_run_in_one_pipeline(
+def test_lookup_prefix_counts_leading_run_in_one_batch(
     server: RedisServer, make_tier: MakeTier, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tier = make_tier(server.url)
     for i in (0, 1, 2, 3, 5):
         assert tier.put(key_of(i), payload_of(i, 64))
     keys = [key_of(i) for i in range(7)]
-    executes: list[int] = []
-    single: list[object] = []
-    real_execute = redis.client.Pipeline.execute
-
-    def counting_execute(self: redis.client.Pipeline, *a: object, **kw: object) -> object:
-        executes.append(len(self.command_stack))
-        return real_execute(self, *a, **kw)
-
-    monkeypatch.setattr(redis.client.Pipeline, "execute", counting_execute)
-    monkeypatch.setattr(tier._redis, "execute_command", lambda *a, **kw: single.append(a))
+    admin = server.client()
+    admin.config_resetstat()
+    batches = _count_batches(monkeypatch, tier._transport._presence)
     assert tier.lookup_prefix(keys) == 4
     # one round trip carrying one EXISTS per key, nothing sent outside it
-    assert executes == [7]
-    assert single == []
-    monkeypatch.undo()
+    assert batches == [7]
+    stats = admin.info("commandstats")
+    assert stats["cmdstat_exists"]["calls"] == 7
+    assert set(stats) == {"cmdstat_exists", "cmdstat_config|resetstat"}
     assert tier.lookup_prefix(keys[1:]) == 3
     assert tier.lookup_prefix([key_of(4), key_of(0)]) == 0
     assert tier.lookup_prefix([]) == 0
-    # lease only counts (Redis cannot pin); release is a no-op
+    # lease only counts (Redis cannot pin), in one batch too; release is a no-op
     assert tier.lease("req-1", keys) == 4
     tier.release("req-1")
     tier.release("never-leased")
     assert tier.lookup_prefix(keys) == 4
+    assert batches == [7, 6, 2, 7, 7]
 
 
 def test_ttl_is_set_when_configured(server: RedisServer, make_tier: MakeTier) -> None:
@@ -248,7 +274,7 @@ def test_refusal_by_a_full_server_counts_and_keeps_breaker_closed(
     metrics: Metrics,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    tier = make_tier(server.url, breaker=CircuitBreaker(2, 5.0))
+    tier = make_tier(server.url, breakers=ShardBreakers(2, 5.0))
     admin = server.client()
     caplog.set_level(logging.DEBUG, logger=LOGGER)
     admin.config_set("maxmemory", 1)
@@ -282,7 +308,7 @@ def test_from_config_reads_remote_and_breaker_fields(
     tier = RemoteTier.from_config(config, namespace, metrics)
     try:
         assert tier.breaker.failures == 2 and tier.breaker.probe_s == 1.5
-        assert tier._timeout_s == 0.25 and tier._write_timeout_s == 1.0
+        assert tier.timeouts == Timeouts(presence_s=0.25, read_s=0.25, write_s=1.0)
         assert tier.put(key_of(0), payload_of(0, 10))
         assert 0 < auth_server.client().ttl(tier.redis_key(key_of(0))) <= 30
     finally:
@@ -386,7 +412,7 @@ def test_down_at_construction_opens_breaker_instead_of_raising(
     caplog.set_level(logging.INFO, logger=LOGGER)
     own_server.kill()
     url = f"redis://:{PASSWORD}@127.0.0.1:{own_server.port}/0"
-    tier = make_tier(url, breaker=CircuitBreaker(3, 2.0, clock))
+    tier = make_tier(url, breakers=ShardBreakers(3, 2.0, clock))
     assert tier.breaker.state is State.OPEN
     assert metrics.value("breaker_open", tier="remote") == 1
     assert _breaker_open_warnings(caplog) == 1
@@ -413,28 +439,28 @@ def test_server_killed_mid_run_then_restarted(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.DEBUG, logger=LOGGER)
-    timeout_s = 0.1
     tier = make_tier(
-        own_server.url, timeout_ms=100, breaker=CircuitBreaker(3, 5.0, clock), clock=clock
+        own_server.url, timeout_ms=100, breakers=ShardBreakers(3, 5.0, clock), clock=clock
     )
     key, payload = key_of(1), payload_of(1, 2048)
     assert tier.put(key, payload)
     assert tier.get(key) is not None
 
     own_server.kill()
-    # the first calls fail fast, counted, each within the timeout
     calls: list[Callable[[], object]] = [
         lambda: tier.get(key),
         lambda: tier.put(key_of(2), payload),
         lambda: tier.lookup_prefix([key]),
     ]
-    for call in calls:
+    # the first calls fail within their own timeouts, counted (a read 0.1s, a write 1s)
+    limits = [tier.timeouts.read_s, tier.timeouts.write_s, tier.timeouts.presence_s]
+    for call, limit in zip(calls, limits, strict=True):
         t0 = time.monotonic()
         result = call()
-        assert time.monotonic() - t0 < timeout_s + 0.4
+        assert time.monotonic() - t0 < limit + 0.4
         assert result in (None, False, 0)
-    assert metrics.value("store_failures_total", tier="remote", reason="read_connection") == 2
-    assert metrics.value("store_failures_total", tier="remote", reason="connection") == 1
+    assert _read_failures(metrics) == 2
+    assert _write_failures(metrics) == 1
     assert tier.breaker.state is State.OPEN
     assert metrics.value("breaker_open", tier="remote") == 1
 
@@ -445,13 +471,13 @@ def test_server_killed_mid_run_then_restarted(
         assert tier.get_many([key]) == [None]
         assert not tier.contains(key)
     assert metrics.value("dropped_writes_total", tier="remote", reason="breaker_open") == 10
-    assert metrics.value("store_failures_total", tier="remote", reason="read_connection") == 2
+    assert _read_failures(metrics) == 2
     assert _breaker_open_warnings(caplog) == 1
 
     # a probe while the server is still dead re-opens quietly
     clock.advance(5.0)
     assert tier.get(key) is None
-    assert metrics.value("store_failures_total", tier="remote", reason="read_connection") == 3
+    assert _read_failures(metrics) == 3
     assert tier.breaker.state is State.OPEN
     assert _breaker_open_warnings(caplog) == 1
 

@@ -4,19 +4,13 @@ prefix cache is reset, `/metrics` (vLLM's and kvtier's families) closes the iden
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
-
 from kvtier.doctor import Status, diagnose
-from tests.vllm.conftest import CHUNK, TIER, DriverRun, loadable_tokens, retrieved_lines
+from tests.vllm.conftest import CHUNK, loadable_tokens, retrieved_lines
 
 
-def test_serve_restores_over_http_and_metrics_close(
-    run_driver: Callable[..., DriverRun], tiny_vllm_model: Path
-) -> None:
-    extra = TIER
-    run = run_driver("serve", {"model": str(tiny_vllm_model), "extra": extra}, timeout_s=280)
-    r = run.result
+def test_serve_restores_over_http_and_metrics_close(vllm_served: dict) -> None:
+    # one `vllm serve` run per session, shared with the native-vs-vLLM and deploy tests
+    r = vllm_served
     want = loadable_tokens(r["prompt_lens"], CHUNK)
     m = r["metrics"]
 

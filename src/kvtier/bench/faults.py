@@ -177,16 +177,25 @@ class FaultWorkerHalf(WorkerHalf):
         super().register_kv_caches(kv_caches, block_size)
         stack = self.worker.stack
         assert stack is not None
-        read_into = stack.read_into
+        read_into, read_view = stack.read_into, stack.read_view
 
-        def faulty_read(key: bytes, dst: Any) -> str | None:
+        def fail_doomed(key: bytes) -> None:
             if key in self.doomed:
                 self.doomed.discard(key)
                 raise RuntimeError(f"injected: rank {self.rank}'s load lane failed mid-load")
+
+        def faulty_read(key: bytes, dst: Any) -> str | None:
+            fail_doomed(key)
             return read_into(key, dst)
 
-        # instance attributes shadow the methods for every caller (the load lane included)
+        def faulty_view(key: bytes) -> Any:
+            fail_doomed(key)
+            return read_view(key)
+
+        # instance attributes shadow the methods for every caller (the load lane included; on
+        # the CPU it scatters from a leased slot's view, else reads into device staging)
         stack.read_into = faulty_read  # type: ignore[method-assign]
+        stack.read_view = faulty_view  # type: ignore[method-assign]
         for tier in stack.lower:
             if tier.name == "disk":
                 write_temp = tier._write_temp  # type: ignore[attr-defined]

@@ -7,6 +7,8 @@ Three measurements in one process (rank servers in spawned subprocesses):
 2. Disk tier put/get against a raw file write/read of the same bytes, warm and cold.
 3. Lookup of a 32k-token prompt (128 chunk keys) across 4 rank LookupServers, with leases,
    next to the time to hash the prompt into keys.
+4. Save and load through the offload worker's real path on the KV device (`--device`), next to
+   a raw pinned copy of the same bytes (`kvtier.bench.datapath`).
 
 Methods and their raw baselines are interleaved repetition by repetition (rotating the order), so
 a noisy neighbour on a shared machine slows both sides alike; each row is the median.
@@ -96,6 +98,8 @@ class Plan:
     hash_reps: int
     lookup_warmup: int
     lookup_reps: int
+    datapath_warmup: int = 3
+    datapath_reps: int = 30
 
 
 # About 20 s on 2 idle cores (under 60 s when shared); p99 of 5000 lookups rests on 50 samples.
@@ -124,6 +128,8 @@ QUICK = Plan(
     hash_reps=10,
     lookup_warmup=20,
     lookup_reps=100,
+    datapath_warmup=1,
+    datapath_reps=3,
 )
 
 
@@ -137,12 +143,17 @@ def run(
     json_path: str | Path | None = None,
     disk_dir: str | Path | None = None,
     progress: Progress | None = None,
+    remote: bool = True,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Run every measurement, write the JSON report to `json_path` and return it.
 
+    `device` ("cpu", "cuda", "cuda:N") is where the KV cache of the save/load path rows lives.
+
     `progress` gets one line per phase as it starts. `disk_dir` holds a temporary directory for
-    the disk tier and raw files, removed afterwards. A missed target is reported in its row
-    (`pass: false`), never raised.
+    the disk tier and raw files, removed afterwards. `remote` adds the shared-tier rows (a
+    throwaway redis-server and a 3-shard cluster on loopback). A missed target is reported in
+    its row (`pass: false`), never raised.
     """
     out = Path(DEFAULT_JSON if json_path is None else json_path)
     if out.is_dir():
@@ -174,6 +185,13 @@ def run(
     _bench_memory(report, plan, chunk_bytes, say)
     _bench_disk(report, plan, chunk_bytes, disk_root, say)
     _bench_lookup(report, plan, say)
+    if remote:
+        from kvtier.bench.tier_remote import bench_remote
+
+        bench_remote(report, quick, say)
+    from kvtier.bench.datapath import run_datapath
+
+    run_datapath(report, device, plan.datapath_reps, plan.datapath_warmup, say)
     report.meta["elapsed_s"] = round(time.perf_counter() - t0, 2)
     report.meta["loadavg_end"] = list(os.getloadavg())
     doc = report.to_json()
@@ -768,10 +786,10 @@ def _gbps_row(
     seconds: Sequence[float],
     raw_seconds: Sequence[float],
     target: Target | None = None,
-) -> None:
+) -> Row:
     """A GB/s row from per-repetition seconds (median), with its raw baseline's median."""
     med, raw_med = float(np.median(seconds)), float(np.median(raw_seconds))
-    report.add(
+    return report.add(
         Row(
             row_id,
             label,

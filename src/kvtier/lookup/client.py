@@ -65,6 +65,28 @@ class LookupResult:
     errors: dict[int, str] = field(default_factory=dict)
 
 
+@dataclass(eq=False, slots=True)
+class PendingLookup:
+    """A lookup sent to the ranks and not yet settled (`LookupClient.begin` / `poll`)."""
+
+    lookup_id: str
+    req: int
+    n: int  # keys asked
+    t0: float  # perf_counter at send
+    deadline: float  # perf_counter
+    sent_at: float  # the client clock at send (for the peers' miss records)
+    targets: list[int]
+    pending: set[int]  # ranks sent to that have not answered
+    unsent: set[int]
+    per_rank: dict[int, int] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
+    result: LookupResult | None = None
+
+
+def _no_other_reply(rank: int, msg: Message) -> bool:
+    return False
+
+
 class _Peer:
     """One rank's DEALER socket and its miss record (consecutive misses, next probe time)."""
 
@@ -140,6 +162,7 @@ class LookupClient:
         self._peers: dict[int, _Peer] = {}
         self._rank_of: dict[zmq.Socket, int] = {}
         self._closed = False
+        self._inflight: dict[int, PendingLookup] = {}  # request number -> lookup in flight
         # Diagnostics for tests and `kvtier doctor`; no metric family exists for them.
         self.stale_replies = 0
         self.dropped_releases: dict[int, int] = dict.fromkeys(self.ranks, 0)
@@ -163,8 +186,21 @@ class LookupClient:
         Never raises for a dead or slow rank: it counts as 0 and is listed in `timed_out`.
         The caller must `release([lookup_id])` on every path when `lease` is true.
         """
+        pending = self.begin(keys, lookup_id, lease, timeout_ms=timeout_ms)
+        result = self.poll(pending, wait_ms=math.inf)
+        assert result is not None  # an unbounded wait ends at the deadline at the latest
+        return result
+
+    def begin(
+        self,
+        keys: Sequence[bytes],
+        lookup_id: str,
+        lease: bool = True,
+        *,
+        timeout_ms: int | None = None,
+    ) -> PendingLookup:
+        """Send the lookup to every rank and return at once; `poll` collects the answer."""
         _check_lookup_id(lookup_id)
-        n = len(keys)
         for i, k in enumerate(keys):
             if type(k) is not bytes or len(k) != KEY_BYTES:
                 size = len(k) if isinstance(k, bytes | bytearray | memoryview) else "?"
@@ -182,59 +218,89 @@ class LookupClient:
             )
             if len(frame) > self._codec.max_frame_bytes:
                 raise ValueError(
-                    f"lookup of {n} keys is a {len(frame)}-byte frame, over max_frame_bytes="
-                    f"{self._codec.max_frame_bytes}; look up fewer keys or raise the cap"
+                    f"lookup of {len(keys)} keys is a {len(frame)}-byte frame, over "
+                    f"max_frame_bytes={self._codec.max_frame_bytes}; look up fewer keys or "
+                    "raise the cap"
                 )
-            per_rank: dict[int, int] = {}
-            errors: dict[int, str] = {}
-
-            def accept(rank: int, msg: Message) -> bool:
-                if not (
-                    isinstance(msg, LookupReply) and msg.req == req and msg.lookup_id == lookup_id
-                ):
-                    return False
-                if msg.rank != rank:
-                    self._wrong_rank(rank, msg.rank)
-                    errors[rank] = f"reply from rank {msg.rank} on rank {rank}'s endpoint"
-                    per_rank[rank] = 0
-                elif msg.error is not None:
-                    errors[rank] = msg.error
-                    per_rank[rank] = 0
-                elif msg.hit_chunks > n:
-                    self._m.rejected_frame(REJECT_RANGE).inc()
-                    errors[rank] = f"claimed {msg.hit_chunks} hits for {n} keys"
-                    per_rank[rank] = 0
-                else:
-                    per_rank[rank] = msg.hit_chunks
-                return True
-
             now = self._clock()
-            targets = [p for p in self._peers.values() if not self._is_down(p, now)]
-            pending, unsent = self._send_all(frame, targets)
-            self._gather(pending, deadline, accept)
-            missed = sorted(r for r in self.ranks if r not in per_rank)
-            for rank in missed:
-                per_rank[rank] = 0
-                self._m.lookup_timeout(rank).inc()
-            for peer in targets:
-                if peer.rank in pending or peer.rank in unsent:
-                    self._missed(peer, now)
-                else:
-                    self._answered(peer)
-        ordered = {r: per_rank[r] for r in self.ranks}
+            targets = [p.rank for p in self._peers.values() if not self._is_down(p, now)]
+            sent, unsent = self._send_all(frame, [self._peers[r] for r in targets])
+            p = PendingLookup(lookup_id, req, len(keys), t0, deadline, now, targets, sent, unsent)
+            self._inflight[req] = p
+        return p
+
+    def poll(self, p: PendingLookup, wait_ms: float = 0.0) -> LookupResult | None:
+        """The lookup's result once every rank answered or its deadline passed, waiting at most
+        `wait_ms` for that; None while it is still in flight (poll again later)."""
+        if p.result is not None:
+            return p.result
+        with self._lock:
+            self._check_open()
+            if p.pending:
+                until = min(p.deadline, time.perf_counter() + wait_ms / 1000.0)
+                self._gather(lambda: not p.pending, until, _no_other_reply)
+            if p.pending and time.perf_counter() < p.deadline:
+                return None
+            return self._finish(p)
+
+    def cancel(self, p: PendingLookup) -> None:
+        """Stop waiting for a lookup (its request is gone); release its lease if it took one."""
+        with self._lock:
+            self._inflight.pop(p.req, None)
+        if p.result is None:
+            p.result = LookupResult(0, 0, None, dict.fromkeys(self.ranks, 0), ())
+        self.release([p.lookup_id])
+
+    def _finish(self, p: PendingLookup) -> LookupResult:
+        """Count the ranks that did not answer as 0 and settle the peers' miss records."""
+        self._inflight.pop(p.req, None)
+        missed = sorted(r for r in self.ranks if r not in p.per_rank)
+        for rank in missed:
+            p.per_rank[rank] = 0
+            self._m.lookup_timeout(rank).inc()
+        for rank in p.targets:
+            peer = self._peers.get(rank)
+            if peer is None:
+                continue
+            if rank in p.pending or rank in p.unsent:
+                self._missed(peer, p.sent_at)
+            else:
+                self._answered(peer)
+        ordered = {r: p.per_rank[r] for r in self.ranks}
         hit = min(ordered.values())
-        limiting = None if hit == n else next(r for r, h in ordered.items() if h == hit)
-        result = LookupResult(
+        limiting = None if hit == p.n else next(r for r, h in ordered.items() if h == hit)
+        p.result = LookupResult(
             hit_chunks=hit,
             hit_tokens=hit * self.chunk_size,
             limiting_rank=limiting,
             per_rank=ordered,
             timed_out=tuple(missed),
-            errors=errors,
+            errors=p.errors,
         )
-        self._m.lookup_hit_tokens.inc(result.hit_tokens)
-        self._m.lookup_seconds.observe(time.perf_counter() - t0)
-        return result
+        self._m.lookup_hit_tokens.inc(p.result.hit_tokens)
+        self._m.lookup_seconds.observe(time.perf_counter() - p.t0)
+        return p.result
+
+    def _accept_reply(self, rank: int, msg: LookupReply) -> bool:
+        """Route a lookup reply to its in-flight lookup; False for a stale one."""
+        p = self._inflight.get(msg.req)
+        if p is None or msg.lookup_id != p.lookup_id or rank not in p.pending:
+            return False
+        p.pending.discard(rank)
+        if msg.rank != rank:
+            self._wrong_rank(rank, msg.rank)
+            p.errors[rank] = f"reply from rank {msg.rank} on rank {rank}'s endpoint"
+            p.per_rank[rank] = 0
+        elif msg.error is not None:
+            p.errors[rank] = msg.error
+            p.per_rank[rank] = 0
+        elif msg.hit_chunks > p.n:
+            self._m.rejected_frame(REJECT_RANGE).inc()
+            p.errors[rank] = f"claimed {msg.hit_chunks} hits for {p.n} keys"
+            p.per_rank[rank] = 0
+        else:
+            p.per_rank[rank] = msg.hit_chunks
+        return True
 
     def release(self, lookup_ids: Iterable[str]) -> None:
         """Release the leases of `lookup_ids` on every rank. Fire-and-forget: never blocks,
@@ -278,10 +344,12 @@ class LookupClient:
             self._check_open()
             nonce = next(self._reqs)
             pongs: dict[int, Pong | None] = dict.fromkeys(self.ranks)
+            waiting: set[int] = set()
 
             def accept(rank: int, msg: Message) -> bool:
-                if not (isinstance(msg, Pong) and msg.nonce == nonce):
+                if not (isinstance(msg, Pong) and msg.nonce == nonce and rank in waiting):
                     return False
+                waiting.discard(rank)
                 if msg.rank != rank:
                     self._wrong_rank(rank, msg.rank)
                 else:
@@ -289,8 +357,8 @@ class LookupClient:
                 return True
 
             frame = self._codec.encode(Ping(PROTOCOL_VERSION, nonce))
-            pending, _ = self._send_all(frame, list(self._peers.values()))
-            self._gather(pending, deadline, accept)
+            waiting, _ = self._send_all(frame, list(self._peers.values()))
+            self._gather(lambda: not waiting, deadline, accept)
             for rank, pong in pongs.items():
                 if pong is not None:
                     self._answered(self._peers[rank])
@@ -435,14 +503,15 @@ class LookupClient:
         return pending, unsent
 
     def _gather(
-        self, pending: set[int], deadline: float, accept: Callable[[int, Message], bool]
+        self, done: Callable[[], bool], deadline: float, accept: Callable[[int, Message], bool]
     ) -> None:
-        """Read replies until every pending rank answered or the `perf_counter` deadline passed.
+        """Read replies until `done()` or the `perf_counter` deadline passed.
 
-        Every readable socket is drained, so late replies of earlier requests are consumed and
-        discarded (counted in `stale_replies`) instead of waiting to be mistaken for answers.
+        Every readable socket is drained: a lookup reply goes to its in-flight lookup, anything
+        else to `accept`; late replies of finished requests are discarded (counted in
+        `stale_replies`) instead of waiting to be mistaken for answers.
         """
-        while pending:
+        while not done():
             left_ms = (deadline - time.perf_counter()) * 1000.0
             if left_ms <= 0:
                 return
@@ -459,9 +528,11 @@ class LookupClient:
                         self._m.rejected_frame(e.reason).inc()
                         log.warning("kvtier: lookup reply from rank %d rejected: %s", rank, e)
                         continue
-                    if rank in pending and accept(rank, msg):
-                        pending.discard(rank)
+                    if isinstance(msg, LookupReply):
+                        taken = self._accept_reply(rank, msg)
                     else:
+                        taken = accept(rank, msg)
+                    if not taken:
                         self.stale_replies += 1
 
     def _check_open(self) -> None:

@@ -31,6 +31,9 @@ scheduler half again
                                                of any rank (union), each rank's worker bytes
     request_finished(req, block_ids) -> bool   when a request finishes or is aborted; True =
                                                keep its blocks until its id is finished_sending
+    get_external_cache_hit_sources(req, n)     optional: after the step that finished a load
+                                               of n tokens, {CacheHitSource value: tokens}
+                                               summing to n (absent: all external_unspecified)
 
 Loads. `(n, False)`: the engine counts the n tokens as computed at once and the rank must fill
 them in `start_load_kv` before the forward. `(n, True)`: the request waits in
@@ -58,6 +61,11 @@ from kvtier.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvtier.native.scheduler import SchedulerOutput
+
+
+# vLLM's CacheHitSource values (vllm/v1/metrics/cache_hit_source.py), nearest tier first
+CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")
+UNSPECIFIED_SOURCE = "external_unspecified"
 
 
 class ConnectorRole(enum.Enum):
@@ -291,6 +299,20 @@ class NullConnector:
 
 
 NULL_CONNECTOR = ConnectorSpec("kvtier.native.connector:NullConnector")
+
+
+def external_cache_hit_sources(
+    connector: object, request: ConnectorRequest, num_external_tokens: int
+) -> dict[str, int]:
+    """The optional hook's split of a load by tier; a missing hook, or counts that name an
+    unknown source or do not sum to the load, count as `external_unspecified` (vLLM's rule)."""
+    hook = getattr(connector, "get_external_cache_hit_sources", None)
+    if num_external_tokens <= 0:
+        return {}
+    split = dict(hook(request, num_external_tokens)) if callable(hook) else {}
+    if sum(split.values()) != num_external_tokens or not set(split) <= set(CACHE_HIT_SOURCES):
+        return {UNSPECIFIED_SOURCE: num_external_tokens}
+    return {k: v for k, v in split.items() if v}
 
 
 def resolve(path: str) -> Callable[..., Any]:

@@ -36,6 +36,7 @@ from kvtier.errors import ConfigError
 from kvtier.native.blocks import BlockManager
 from kvtier.native.config import EngineConfig
 from kvtier.native.connector import (
+    CACHE_HIT_SOURCES,
     NULL_CONNECTOR,
     ConnectorRole,
     ConnectorSpec,
@@ -121,6 +122,7 @@ class Engine:
             has_connector=self.has_connector,
         )
         self.last_step_tokens = 0  # tokens in the latest step's forward (0: hooks only)
+        self.last_scheduled_new: list[str] = []  # requests admitted (or resumed) in that step
         self._arrivals = itertools.count()
         self._step_ids = itertools.count()
 
@@ -167,10 +169,11 @@ class Engine:
         self.scheduler.add(Sequence(rid, ids, params, seed & _SEED_MASK, arrival))
         return rid
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a live request; its blocks are freed once no transfer touches them."""
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        """Stop a live request ("stop": the caller matched a stop string); its blocks are freed
+        once no transfer touches them."""
         self._check_open()
-        return self.scheduler.abort(request_id)
+        return self.scheduler.abort(request_id, reason)
 
     def has_unfinished_requests(self) -> bool:
         """True while requests wait, run, load, or hold blocks for the connector."""
@@ -189,15 +192,21 @@ class Engine:
             return []
         out = self.scheduler.schedule()
         self.last_step_tokens = out.total_num_scheduled_tokens
+        self.last_scheduled_new = [s.request_id for s in out.scheduled if s.is_new]
         meta = self.connector.encode_meta(self.connector.build_connector_meta(out))
-        step = build_step_input(out, meta, next(self._step_ids), self.config.block_size)
+        step = build_step_input(
+            out, meta, next(self._step_ids), self.config.block_size, self.model_config.eos_token_ids
+        )
         results = self.executor.execute(step)
         reports = [
             RankReport(r.finished_sending, r.finished_recving, r.invalid_block_ids, r.worker_meta)
             for r in results
         ]
-        sampled = results[0].sampled or [-1] * len(out.scheduled)
-        return self.scheduler.update_from_output(out, sampled, reports)
+        first = results[0]
+        sampled = first.sampled or [-1] * len(out.scheduled)
+        return self.scheduler.update_from_output(
+            out, sampled, reports, first.logprobs, first.failed
+        )
 
     def generate(
         self,
@@ -269,11 +278,20 @@ class Engine:
             "num_preemptions": s.num_preemptions,
             "requests_finished": s.requests_finished,
             "requests_aborted": s.requests_aborted,
+            "requests_failed": s.requests_failed,
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": (
                 len(self.scheduler.waiting) + len(self.scheduler.ready) + len(self.scheduler.parked)
             ),
+            "num_requests_queued": len(self.scheduler.waiting) + len(self.scheduler.ready),
+            "num_requests_loading": len(self.scheduler.parked),
             "kv_cache_usage": bm.usage(),
+            # external hits by the tier that served them (vLLM's CacheHitSource values)
+            **{
+                f"external_hits_{src}": s.external_hits_by_source.get(src, 0)
+                for src in CACHE_HIT_SOURCES
+                if src != "device"
+            },
         }
 
     # ---- lifecycle ----------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Write a tiny, deterministic, valid HF Llama model directory (config, tokenizer, safetensors).
+"""Write a tiny, deterministic, valid HF Llama model directory (config, tokenizer with a simple
+chat template, safetensors).
 
 The weights are random but scaled so that greedy output depends on the context (embedding std
 1.0, linear std 1/sqrt(fan_in)); with HF's default std 0.02 every prompt decodes to one repeated
@@ -19,6 +20,12 @@ from kvtier.errors import ConfigError
 
 SPECIAL_TOKENS = ("<s>", "</s>", "<unk>")
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+# plain-text role markers (the vocabulary has no chat tokens); vLLM renders the same template
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ message['role'] | capitalize }}: {{ message['content'] }}{{ '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
 _SYLLABLES = (
     "ka ro mi ne su ta lo vi pe da zu fo ri ma ke no sa te li wa ge bu ho ya ni do ru se "
     "pa mo ti ga fe ko la vu re so di ba je nu ha to yo ze mu ki po"
@@ -150,6 +157,7 @@ def init_model(
             "add_eos_token": False,
             "model_max_length": max_position,
             "clean_up_tokenization_spaces": False,
+            "chat_template": CHAT_TEMPLATE,
         },
     )
     weights = _weights(

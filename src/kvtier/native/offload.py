@@ -21,6 +21,7 @@ from kvtier.config import KVTierConfig
 from kvtier.lookup import LookupClient, endpoint_for, make_run_dir
 from kvtier.metrics import MergedCollector, Metrics
 from kvtier.native.connector import (
+    UNSPECIFIED_SOURCE,
     ConnectorContext,
     ConnectorOutput,
     ConnectorRequest,
@@ -30,6 +31,7 @@ from kvtier.native.connector import (
 from kvtier.native.scheduler import SchedulerOutput
 from kvtier.offload import messages
 from kvtier.offload.messages import OffloadMeta
+from kvtier.offload.pages import KVCacheDescription
 from kvtier.offload.protocols import StepRequest
 from kvtier.offload.scheduler import OffloadScheduler
 from kvtier.offload.selftest import check_lookup
@@ -37,6 +39,9 @@ from kvtier.offload.worker import OffloadWorker
 from kvtier.topology import Topology, resolve, validate_lookup_scope
 
 log = logging.getLogger("kvtier")
+
+# kvtier's tier names -> vLLM's CacheHitSource values; a shared store has no vLLM name of its own
+_SOURCE_OF_TIER = {"memory": "host", "disk": "disk", "remote": UNSPECIFIED_SOURCE}
 
 
 def model_id_for(model_dir: str | Path) -> str:
@@ -133,6 +138,7 @@ class SchedulerHalf:
             raise
         self.scope = scope
         self._step_t0: float | None = None
+        self._served_by: dict[str, str] = {}  # request -> tier of its finished load
         self._step_prefill = 0
         log.info("%s", config.describe())
 
@@ -142,6 +148,8 @@ class SchedulerHalf:
         self, request: ConnectorRequest, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         n = self.core.get_num_new_matched_tokens(request, num_computed_tokens)
+        if n is None:
+            return None, False  # not known yet: the engine asks again next step
         # loads run on each rank's load lane: the request parks until they report
         return (n, True) if n > 0 else (0, False)
 
@@ -152,13 +160,14 @@ class SchedulerHalf:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMeta:
         scheduled = [StepRequest(s.seq, s.computed_after_step) for s in scheduler_output.scheduled]
+        preempted = scheduler_output.preempted_req_ids
         self._step_prefill = sum(
             min(s.computed_after_step, len(s.seq.prompt_token_ids)) - s.seq.num_computed_tokens
             for s in scheduler_output.scheduled
             if s.seq.num_computed_tokens < len(s.seq.prompt_token_ids)
         )
         self._step_t0 = time.perf_counter()
-        return self.core.build_meta(scheduled)
+        return self.core.build_meta(scheduled, preempted)
 
     def encode_meta(self, meta: object) -> bytes:
         assert isinstance(meta, OffloadMeta)
@@ -176,9 +185,19 @@ class SchedulerHalf:
             if meta.metrics:
                 self.collector.update(f"rank{rank}", meta.metrics)
             reports.append(meta)
-        self.core.process_reports(reports)
+        for outcome in self.core.process_reports(reports):
+            if outcome.ok:
+                self._served_by[outcome.req_id] = outcome.tier
+
+    def get_external_cache_hit_sources(
+        self, request: ConnectorRequest, num_external_tokens: int
+    ) -> dict[str, int]:
+        """The load's tokens under the tier that served it (vLLM's CacheHitSource names)."""
+        tier = self._served_by.pop(request.request_id, "")
+        return {_SOURCE_OF_TIER.get(tier, UNSPECIFIED_SOURCE): num_external_tokens}
 
     def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> bool:
+        self._served_by.pop(request.request_id, None)
         return self.core.request_finished(request)
 
     def request_preempted(self, request: ConnectorRequest) -> None:
@@ -200,6 +219,7 @@ class WorkerHalf:
         model_id: str,
     ) -> None:
         self.rank = topo.rank
+        self.context = context
         self.registry = CollectorRegistry()
         self.metrics = Metrics(rank=topo.rank, registry=self.registry)
         self.worker = OffloadWorker(
@@ -209,12 +229,21 @@ class WorkerHalf:
             model_id=model_id,
             metrics=self.metrics,
             lookup_endpoint=_endpoint(config, topo.rank, run_dir),
+            # every TP rank of the native engine runs on this host
+            ranks_on_host=topo.world,
         )
         self._meta = OffloadMeta()
         self._report = messages.WorkerReport(rank=topo.rank)
 
     def register_kv_caches(self, kv_caches: dict[str, Any], block_size: int) -> None:
-        self.worker.register_kv_caches(kv_caches, block_size)
+        self.worker.register_kv_caches(
+            KVCacheDescription(
+                tensors=kv_caches,
+                num_blocks=self.context.num_blocks,
+                block_size=block_size,
+                layout=f"native[{self.context.kv_layout}]",
+            )
+        )
 
     def decode_meta(self, data: bytes) -> OffloadMeta:
         return messages.decode_meta(data) if data else OffloadMeta()
@@ -224,9 +253,8 @@ class WorkerHalf:
         self._meta = meta
 
     def handle_preemptions(self, preempted_req_ids: set[str]) -> None:
-        # saves finish inside the step that emits them, and a loading request is parked, never
-        # running, so no preempted request has a transfer touching its blocks
-        return
+        # a loading request is parked, never running, so only saves can touch these blocks
+        self.worker.handle_preemptions(preempted_req_ids)
 
     def start_load_kv(self) -> None:
         self.worker.start_load_kv(self._meta)

@@ -8,6 +8,8 @@ the step as msgspec bytes, in process (TP=1) or over a pipe (TP>1), so both take
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 import torch
 
@@ -20,7 +22,7 @@ from kvtier.native.connector import (
 )
 from kvtier.native.loader import load_model
 from kvtier.native.model import AllReduce, AttentionMetadata, ModelConfig, SeqAttention
-from kvtier.native.sampling import Sampler, SampleSpec
+from kvtier.native.sampling import SampleOutcome, Sampler, SampleSpec, TokenLogprobs, sample_spec
 from kvtier.native.scheduler import SchedulerOutput
 
 
@@ -31,10 +33,7 @@ class SeqInput(msgspec.Struct, array_like=True):
     q_len: int
     ctx_len: int
     block_table: list[int]
-    sample: bool
-    temperature: float
-    top_p: float
-    seed: int
+    sampling: SampleSpec | None  # None: the step does not reach the end of what it knows
 
 
 class StepInput(msgspec.Struct, tag="step"):
@@ -52,7 +51,11 @@ class StepInput(msgspec.Struct, tag="step"):
 
 
 class StepResult(msgspec.Struct, tag="result"):
-    """One rank's answer: sampled tokens (rank 0; -1 = no sample) and connector reports."""
+    """One rank's answer: sampled tokens (rank 0; -1 = no sample) and connector reports.
+
+    `failed` maps a request whose sampling raised to the error (its `sampled` entry is -1);
+    `logprobs` is aligned with `sampled` (None where none were asked for).
+    """
 
     rank: int
     step_id: int
@@ -61,6 +64,8 @@ class StepResult(msgspec.Struct, tag="result"):
     finished_recving: list[str]
     invalid_block_ids: list[int]
     worker_meta: bytes
+    logprobs: list[TokenLogprobs | None] = msgspec.field(default_factory=list)
+    failed: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -74,7 +79,11 @@ def encode(msg: msgspec.Struct) -> bytes:
 
 
 def build_step_input(
-    out: SchedulerOutput, connector_meta: bytes, step_id: int, block_size: int
+    out: SchedulerOutput,
+    connector_meta: bytes,
+    step_id: int,
+    block_size: int,
+    eos_token_ids: Sequence[int] = (),
 ) -> StepInput:
     """Flatten the scheduled requests into the step's token-level arrays."""
     input_ids: list[int] = []
@@ -90,20 +99,13 @@ def build_step_input(
         table = seq.block_ids[: -(-end // block_size)]
         bs = block_size
         slots.extend(table[t // bs] * bs + t % bs for t in range(start, end))
-        sp = seq.params
-        sample = end == seq.num_tokens  # the step reaches the end of what the request knows
-        seqs.append(
-            SeqInput(
-                seq.request_id,
-                sr.num_new_tokens,
-                end,
-                table,
-                sample,
-                sp.temperature,
-                sp.top_p,
-                seq.seed,
-            )
-        )
+        spec = None
+        if end == seq.num_tokens:  # the step reaches the end of what the request knows
+            spec = sample_spec(
+                seq.request_id, seq.params, seq.seed, seq.token_ids, seq.num_prompt_tokens,
+                eos_token_ids,
+            )  # fmt: skip
+        seqs.append(SeqInput(seq.request_id, sr.num_new_tokens, end, table, spec))
     return StepInput(
         step_id=step_id,
         input_ids=input_ids,
@@ -186,7 +188,7 @@ class ModelRunner:
             conn.handle_preemptions(set(step.preempted_req_ids))
         if step.has_sync_loads:
             conn.start_load_kv()  # the forward reads what these loads write
-        sampled = self._forward(step) if step.seqs else []
+        outcomes = self._forward(step) if step.seqs else []
         if not step.has_sync_loads:
             conn.start_load_kv()
         conn.wait_for_save()
@@ -196,17 +198,23 @@ class ModelRunner:
         invalid = conn.get_block_ids_with_load_errors()
         worker_meta = conn.build_worker_meta()
         conn.clear_connector_metadata()
+        # ranks other than 0 sample nothing: their outcomes are empty
+        failed = {
+            s.req_id: o.error for s, o in zip(step.seqs, outcomes, strict=False) if o and o.error
+        }
         return StepResult(
             rank=self.rank,
             step_id=step.step_id,
-            sampled=sampled,
+            sampled=[o.token if o is not None else -1 for o in outcomes],
             finished_sending=sorted(sending or ()),
             finished_recving=sorted(recving or ()),
             invalid_block_ids=sorted(invalid or ()),
             worker_meta=worker_meta or b"",
+            logprobs=[o.logprobs if o is not None else None for o in outcomes],
+            failed=failed,
         )
 
-    def _forward(self, step: StepInput) -> list[int]:
+    def _forward(self, step: StepInput) -> list[SampleOutcome | None]:
         dev = self.device
         seqs = []
         start = 0
@@ -215,7 +223,7 @@ class ModelRunner:
             table = torch.tensor(s.block_table, dtype=torch.long, device=dev)
             seqs.append(SeqAttention(start, s.q_len, s.ctx_len, table))
             start += s.q_len
-            if s.sample:
+            if s.sampling is not None:
                 rows.append(start - 1)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.long, device=dev),
@@ -230,11 +238,9 @@ class ModelRunner:
         )
         if self.rank != 0:
             return []
-        specs = [
-            SampleSpec(s.req_id, s.temperature, s.top_p, s.seed) for s in step.seqs if s.sample
-        ]
-        tokens = iter(self.sampler.sample(self.model.compute_logits(hidden[rows]), specs))
-        return [next(tokens) if s.sample else -1 for s in step.seqs]
+        specs = [s.sampling for s in step.seqs if s.sampling is not None]
+        outcomes = iter(self.sampler.sample(self.model.compute_logits(hidden[rows]), specs))
+        return [next(outcomes) if s.sampling is not None else None for s in step.seqs]
 
     def shutdown(self) -> None:
         """Stop the worker-side connector."""

@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from kvtier.native.blocks import BlockManager
-from kvtier.native.connector import ConnectorOutput, KVOutputAggregator, SchedulerConnector
+from kvtier.native.connector import (
+    ConnectorOutput,
+    KVOutputAggregator,
+    SchedulerConnector,
+    external_cache_hit_sources,
+)
+from kvtier.native.sampling import TokenLogprobs
 from kvtier.native.sequence import ExternalLoad, RequestOutput, Sequence, SequenceStatus
 
 log = logging.getLogger("kvtier.native")
@@ -73,9 +80,12 @@ class SchedulerStats:
     num_preemptions: int = 0
     requests_finished: int = 0
     requests_aborted: int = 0
+    requests_failed: int = 0  # sampling raised: finished with reason "error"
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
     external_load_failures: int = 0
+    # external hits by the tier that served them (vLLM's CacheHitSource values)
+    external_hits_by_source: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -127,6 +137,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.aggregator = KVOutputAggregator(world)
         self._finished_ids: set[str] = set()
+        self._loaded: list[tuple[Sequence, int]] = []  # loads counted in this step: (seq, tokens)
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -150,8 +161,9 @@ class Scheduler:
                 return seq
         return None
 
-    def abort(self, request_id: str) -> bool:
-        """Finish a live request now (reason "abort"); False if it is not live."""
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        """Finish a live request now (reason "abort", or "stop" for a stop string the server
+        matched); False if it is not live."""
         seq = self.get(request_id)
         if seq is None:
             return False
@@ -164,8 +176,11 @@ class Scheduler:
             self.ready.remove(seq)
         else:
             self.waiting.remove(seq)
-        self.stats.requests_aborted += 1
-        self._finish(seq, "abort", wait_recv=loading)
+        if reason == "abort":
+            self.stats.requests_aborted += 1
+        else:
+            self.stats.requests_finished += 1
+        self._finish(seq, reason, wait_recv=loading)
         return True
 
     # ---- scheduling ---------------------------------------------------------------------------
@@ -283,12 +298,21 @@ class Scheduler:
     # ---- results ------------------------------------------------------------------------------
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled: Seq[int], reports: Seq[RankReport]
+        self,
+        out: SchedulerOutput,
+        sampled: Seq[int],
+        reports: Seq[RankReport],
+        logprobs: Seq[TokenLogprobs | None] = (),
+        failed: Mapping[str, str] | None = None,
     ) -> list[RequestOutput]:
         """Apply one step: advance computed tokens, append samples, settle connector reports.
 
-        `sampled[i]` is the token of `out.scheduled[i]` (-1 where it did not sample).
+        `sampled[i]` is the token of `out.scheduled[i]` (-1 where it did not sample) and
+        `logprobs[i]` its logprobs; a request in `failed` (its sampling raised) finishes with
+        reason "error" and the error text.
         """
+        lps = list(logprobs) or [None] * len(out.scheduled)
+        failed = failed or {}
         expect_recv = self.parked.keys() | {k for k, h in self.held.items() if h.wait_recv}
         expect_send = {k for k, h in self.held.items() if h.wait_send}
         sending: set[str] = set()
@@ -305,8 +329,8 @@ class Scheduler:
             self._mark_invalid(invalid, out)
         outputs = [
             o
-            for sr, tok in zip(out.scheduled, sampled, strict=True)
-            if (o := self._advance(sr, tok))
+            for sr, tok, lp in zip(out.scheduled, sampled, lps, strict=True)
+            if (o := self._advance(sr, tok, lp, failed.get(sr.request_id)))
         ]
         resumed = [self.parked.pop(rid) for rid in recving if rid in self.parked]
         resumed.sort(key=lambda s: s.arrival)
@@ -324,7 +348,16 @@ class Scheduler:
         self.connector.update_connector_output(
             ConnectorOutput(sending, recving, invalid, [r.worker_meta for r in reports])
         )
+        self._count_sources()
         return outputs
+
+    def _count_sources(self) -> None:
+        # asked after update_connector_output: the connector knows the serving tier by then
+        loaded, self._loaded = self._loaded, []
+        by_source = self.stats.external_hits_by_source
+        for seq, tokens in loaded:
+            for source, n in external_cache_hit_sources(self.connector, seq, tokens).items():
+                by_source[source] = by_source.get(source, 0) + n
 
     def _mark_invalid(self, invalid: set[int], out: SchedulerOutput) -> None:
         loading = list(self.parked.values())
@@ -361,6 +394,8 @@ class Scheduler:
     def _count_load(self, seq: Sequence, load: ExternalLoad, good: int) -> None:
         seq.num_external_tokens = good - load.start
         self.stats.external_prefix_cache_hits += good - load.start
+        if good > load.start:
+            self._loaded.append((seq, good - load.start))
         if load.first_bad_block is not None:
             self.stats.external_load_failures += 1
             log.warning(
@@ -368,7 +403,9 @@ class Scheduler:
                 seq.request_id, load.first_bad_block, good, load.end,
             )  # fmt: skip
 
-    def _advance(self, sr: ScheduledRequest, token: int) -> RequestOutput | None:
+    def _advance(
+        self, sr: ScheduledRequest, token: int, lp: TokenLogprobs | None, error: str | None
+    ) -> RequestOutput | None:
         seq = sr.seq
         seq.num_computed_tokens += sr.num_new_tokens
         load = seq.load
@@ -384,6 +421,11 @@ class Scheduler:
         self.bm.cache_blocks(seq, seq.num_computed_tokens)
         if seq.num_computed_tokens < seq.num_tokens:
             return None  # a prefill chunk that did not reach the end of the prompt
+        if error is not None:
+            self.running.remove(seq)
+            self.stats.requests_failed += 1
+            self._finish(seq, "error", wait_recv=False)
+            return self._output(seq, [], "error", error=error)
         if token < 0:
             raise RuntimeError(f"rank 0 sampled no token for {seq.request_id}, which needed one")
         if not seq.output_token_ids:
@@ -395,15 +437,28 @@ class Scheduler:
             self.running.remove(seq)
             self.stats.requests_finished += 1
             self._finish(seq, reason, wait_recv=False)
+        return self._output(seq, [token], reason, logprobs=lp)
+
+    def _output(
+        self,
+        seq: Sequence,
+        new: list[int],
+        reason: str | None,
+        *,
+        logprobs: TokenLogprobs | None = None,
+        error: str | None = None,
+    ) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id,
-            new_token_ids=[token],
+            new_token_ids=new,
             output_token_ids=list(seq.output_token_ids),
             finished=reason is not None,
             finish_reason=reason,
             prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=max(seq.num_cached_tokens, 0),
             num_external_tokens=seq.num_external_tokens,
+            logprobs=logprobs,
+            error=error,
         )
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:

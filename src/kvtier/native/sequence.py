@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from kvtier.native.sampling import SamplingParams
+from kvtier.native.sampling import SamplingParams, TokenLogprobs
 
 
 class SequenceStatus(enum.Enum):
@@ -127,8 +127,10 @@ class RequestOutput:
     new_token_ids: list[int]  # sampled in this step
     output_token_ids: list[int]  # every token so far
     finished: bool
-    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    finish_reason: str | None  # "stop", "length", "abort" or "error" once finished
     prompt_tokens: int
     num_cached_tokens: int  # HBM prefix hit at admission
     num_external_tokens: int  # tokens the connector loaded successfully
     text: str | None = None  # filled by `Engine.generate` when a tokenizer is present
+    logprobs: TokenLogprobs | None = None  # of the new token, when the request asked
+    error: str | None = None  # why the request failed (finish_reason "error")

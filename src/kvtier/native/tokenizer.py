@@ -1,10 +1,14 @@
-"""A thin wrapper over `tokenizers.Tokenizer` reading an HF model directory's tokenizer.json."""
+"""A thin wrapper over `tokenizers.Tokenizer` reading an HF model directory: tokenizer.json for
+the vocabulary, tokenizer_config.json (or chat_template.jinja) for the chat template."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -20,8 +24,31 @@ def _eos_from(path: Path) -> list[int]:
     return [int(value)] if isinstance(value, int) else [int(v) for v in value]
 
 
+def _token_text(value: object) -> str:
+    # tokenizer_config.json writes special tokens as strings or as AddedToken objects
+    if isinstance(value, Mapping):
+        return str(value.get("content", ""))
+    return "" if value is None else str(value)
+
+
+def _template_from(d: Path, config: Mapping[str, Any]) -> str | None:
+    jinja = d / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    value = config.get("chat_template")
+    if isinstance(value, list):  # named templates: the "default" one serves chat
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
+        value = named.get("default")
+    return value if isinstance(value, str) else None
+
+
+class ChatTemplateError(ValueError):
+    """A chat request the model's template cannot render (no template, or it raised)."""
+
+
 class Tokenizer:
-    """encode (special tokens per the post-processor, so BOS where the model wants it) / decode."""
+    """encode (special tokens per the post-processor, so BOS where the model wants it) / decode,
+    and the model's chat template."""
 
     def __init__(self, model_dir: str | Path) -> None:
         d = Path(model_dir)
@@ -34,6 +61,12 @@ class Tokenizer:
         self.eos_token_id: int | None = eos[0] if eos else None
         bos = json.loads((d / "config.json").read_text()).get("bos_token_id")
         self.bos_token_id: int | None = bos if isinstance(bos, int) else None
+        cfg_path = d / "tokenizer_config.json"
+        config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.chat_template: str | None = _template_from(d, config)
+        self.special_tokens = {
+            name: _token_text(config.get(name)) for name in ("bos_token", "eos_token")
+        }
 
     @property
     def vocab_size(self) -> int:
@@ -41,9 +74,59 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`."""
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text` (the batch call releases the GIL: a long text cannot stall the
+        server's event loop while a worker thread encodes it)."""
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token as logprobs report it (special tokens kept)."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    @cached_property
+    def _environment(self) -> Any:
+        # jinja2 only for chat requests; the sandbox is what HF and vLLM render templates in
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise ChatTemplateError(f"the chat template refused the messages: {message}")
+
+        def tojson(value: object, indent: int | None = None) -> str:
+            return json.dumps(value, ensure_ascii=False, indent=indent)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = tojson
+        return env
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """The prompt text of a conversation, rendered with the model's (or the given) template."""
+        from jinja2 import TemplateError
+
+        template = chat_template or self.chat_template
+        if template is None:
+            raise ChatTemplateError(
+                "the model directory has no chat template (tokenizer_config.json 'chat_template' "
+                "or chat_template.jinja); add one, pass chat_template in the request, or use "
+                "/v1/completions"
+            )
+        try:
+            return self._environment.from_string(template).render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+                **kwargs,
+            )
+        except TemplateError as exc:
+            raise ChatTemplateError(f"the chat template failed to render: {exc}") from None

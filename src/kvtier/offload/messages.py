@@ -48,9 +48,13 @@ class OffloadMeta(msgspec.Struct):
     # agreed load terminals (op id -> every rank succeeded): a rank counts its retrieved tokens
     # only for loads that succeeded on every rank, so sum(retrieved) / TP == external hits
     load_terminals: dict[str, bool] = msgspec.field(default_factory=dict)
+    # requests whose blocks the host took back this step: their in-flight saves must not commit
+    preempted: list[str] = msgspec.field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.saves or self.delayed_free or self.load_terminals)
+        return not (
+            self.loads or self.saves or self.delayed_free or self.load_terminals or self.preempted
+        )
 
 
 class OpResult(msgspec.Struct, frozen=True, array_like=True):

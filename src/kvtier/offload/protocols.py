@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -49,11 +49,31 @@ class LookupResultLike(Protocol):
     timed_out: tuple[int, ...]
 
 
+class PendingLookupLike(Protocol):
+    """A lookup sent to the ranks and not yet settled."""
+
+    lookup_id: str
+
+
 class LookupPort(Protocol):
     """The scheduler's handle on every rank's tier (a `kvtier.lookup.LookupClient`)."""
 
     def lookup(self, keys: Sequence[bytes], lookup_id: str, lease: bool = True) -> LookupResultLike:
         """Ask every rank in scope how many leading chunks it holds; lease them."""
+        ...
+
+    def begin(
+        self, keys: Sequence[bytes], lookup_id: str, lease: bool = True
+    ) -> PendingLookupLike:
+        """Send the lookup to every rank and return at once."""
+        ...
+
+    def poll(self, pending: Any, wait_ms: float = 0.0) -> LookupResultLike | None:
+        """The result once settled (waiting at most `wait_ms`), else None."""
+        ...
+
+    def cancel(self, pending: Any) -> None:
+        """Stop waiting for a lookup and release whatever it leased."""
         ...
 
     def release(self, lookup_ids: Sequence[str]) -> None:

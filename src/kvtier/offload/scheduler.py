@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvtier.config import KVTierConfig
 from kvtier.keys import chain_keys, key_seed
@@ -30,6 +33,8 @@ SLOWER = "slower_than_recompute"
 LOOKUP_TIMEOUT = "lookup_timeout"
 WITHDRAWN = "withdrawn"
 REPEAT = "failed_before"
+# another request's load is bringing these chunks into HBM: wait for it instead of a second read
+BEHIND_LOAD = "behind_inflight_load"
 
 
 @dataclass
@@ -52,6 +57,8 @@ class _Req:
     emitted: int = 0  # emitted save frontier: saves in flight cover [saved, emitted)
     saves: dict[str, tuple[int, int]] = field(default_factory=dict)
     finished: bool = False
+    lookup: Any = None  # a lookup in flight (polled again at the next ask)
+    deferred: bool = False  # already counted as waiting behind another request's load
 
     def busy(self) -> bool:
         return bool(self.saves) or (self.load is not None and self.load.op_id is not None)
@@ -65,6 +72,7 @@ class LoadOutcome:
     ok: bool
     tokens: int
     reason: str
+    tier: str = ""  # the tier that served most of the load's chunks ("" when it failed)
 
 
 class OffloadScheduler:
@@ -103,6 +111,8 @@ class OffloadScheduler:
         self._nonce = itertools.count()
         self._delayed: list[str] = []
         self._terminals: dict[str, bool] = {}
+        # chunk keys of loads with blocks allocated, not yet terminal: key -> loads
+        self._loading: Counter[bytes] = Counter()
         seeds = {}
         if bytes_per_token:
             seeds = {
@@ -117,8 +127,12 @@ class OffloadScheduler:
 
     # ---- lookup -------------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, req: RequestView, num_computed_tokens: int) -> int:
-        """Tokens beyond the HBM hit that the tier will load for `req` (0 = none).
+    def get_num_new_matched_tokens(
+        self, req: RequestView, num_computed_tokens: int
+    ) -> int | None:
+        """Tokens beyond the HBM hit that the tier will load for `req` (0 = none); None when
+        not known yet (a lookup still in flight, or another request's load is bringing the
+        same chunks into HBM): the host asks again at a later step.
 
         A positive answer holds a lease on every rank until the load's terminal or a withdrawal.
         """
@@ -139,10 +153,27 @@ class OffloadScheduler:
         best = min(len(st.keys) * self.chunk, st.prompt_len - 1)
         if best - num_computed_tokens < self.min_load:
             # even a full tier hit could not beat HBM by a worthwhile load: skip the round trip
+            self._cancel_lookup(st)
             self._m.skipped_load(HBM_SATISFIES if best <= num_computed_tokens else TOO_SMALL).inc()
             return 0
-        lookup_id = f"{st.req_id}#lk{next(self._nonce)}"
-        result = self._lookup.lookup(st.keys, lookup_id, lease=True)
+        first = num_computed_tokens // self.chunk
+        if st.lookup is None and any(k in self._loading for k in st.keys[first:]):
+            # its blocks land in HBM when that load finishes: one tier read per chunk
+            if not st.deferred:
+                st.deferred = True
+                self._m.skipped_load(BEHIND_LOAD).inc()
+            return None
+        t0 = time.perf_counter()
+        if st.lookup is None:
+            st.lookup = self._lookup.begin(
+                st.keys, f"{st.req_id}#lk{next(self._nonce)}", lease=True
+            )
+        result = self._lookup.poll(st.lookup, wait_ms=self.config.lookup_wait_ms)
+        self._m.scheduler_lookup_seconds.observe(time.perf_counter() - t0)
+        if result is None:
+            return None  # still in flight: polled again at the next ask, never blocking
+        lookup_id = st.lookup.lookup_id
+        st.lookup = None
         hit = result.hit_chunks * self.chunk
         self._m.lookups.inc()
         # lookup_hit_tokens is the lookup client's to count (it shares these metrics)
@@ -162,6 +193,11 @@ class OffloadScheduler:
             return 0
         st.load = _Load(hbm=num_computed_tokens, end=end, lookup_id=lookup_id)
         return end - num_computed_tokens
+
+    def _cancel_lookup(self, st: _Req) -> None:
+        if st.lookup is not None:
+            self._lookup.cancel(st.lookup)
+            st.lookup = None
 
     def _skip_reason(self, hbm: int, end: int) -> str | None:
         if end <= hbm:
@@ -199,6 +235,22 @@ class OffloadScheduler:
                 self._drop_load(st, reason)
                 return 0
             load.hbm = hbm_tokens
+        promised = load.end - load.hbm
+        if num_external_tokens > promised:
+            raise ValueError(
+                f"request {st.req_id}: the host counts {num_external_tokens} external tokens, "
+                f"more than the {promised} promised"
+            )
+        if num_external_tokens < promised:
+            # the host granted less (a token budget, a block-aligned cut): load exactly that;
+            # the chunk it ends in is read whole and written only up to the grant
+            log.debug(
+                "kvtier: load of %s cut from %d to %d granted tokens",
+                st.req_id,
+                promised,
+                num_external_tokens,
+            )
+            load.end = load.hbm + num_external_tokens
         need_blocks = -(-load.end // self.block_size)
         if len(block_ids) < need_blocks:
             raise ValueError(
@@ -206,13 +258,24 @@ class OffloadScheduler:
                 f"token {load.end}, which needs {need_blocks}"
             )
         load.block_ids = list(block_ids)
+        self._track(st, load, +1)
         return load.end - load.hbm
+
+    def _track(self, st: _Req, load: _Load, delta: int) -> None:
+        """Count (+1) or forget (-1) the chunk keys an allocated load brings into HBM."""
+        for key in st.keys[load.hbm // self.chunk : -(-load.end // self.chunk)]:
+            self._loading[key] += delta
+            if self._loading[key] <= 0:
+                del self._loading[key]
 
     # ---- per step -----------------------------------------------------------------------------
 
-    def build_meta(self, scheduled: Sequence[StepRequest]) -> OffloadMeta:
-        """The loads ready to go, the saves this step completes, and the delayed frees."""
-        meta = OffloadMeta()
+    def build_meta(
+        self, scheduled: Sequence[StepRequest], preempted: Iterable[str] = ()
+    ) -> OffloadMeta:
+        """The loads ready to go, the saves this step completes, the delayed frees, and the
+        requests preempted in this step (whose in-flight saves the ranks cancel)."""
+        meta = OffloadMeta(preempted=sorted(preempted))
         for st in self._reqs.values():
             load = st.load
             if load is not None and load.block_ids is not None and load.op_id is None:
@@ -319,11 +382,12 @@ class OffloadScheduler:
         self._terminals[term.op_id] = term.ok
         load = st.load if st is not None else None
         tokens = (load.end - load.hbm) if load is not None else 0
-        if st is not None:
+        if st is not None and load is not None:
+            self._track(st, load, -1)
             st.load = None
         if term.ok:
             self.gate.observe_load(tokens, term.seconds, term.tier)
-            return LoadOutcome(req_id, True, tokens, "")
+            return LoadOutcome(req_id, True, tokens, "", term.tier)
         self._m.load_failure(term.reason or "unknown").inc()
         if st is not None and load is not None:
             st.load_failed = True
@@ -347,6 +411,7 @@ class OffloadScheduler:
         st = self._reqs.get(req.request_id)
         if st is None:
             return False
+        self._cancel_lookup(st)
         if st.load is not None and st.load.op_id is None:
             self._drop_load(st, WITHDRAWN)
         st.finished = True
@@ -394,6 +459,8 @@ class OffloadScheduler:
 
     def _drop_load(self, st: _Req, reason: str, count: bool = True) -> None:
         assert st.load is not None and st.load.op_id is None
+        if st.load.block_ids is not None:
+            self._track(st, st.load, -1)
         self._lookup.release([st.load.lookup_id])
         if count:
             self._m.skipped_load(reason).inc()

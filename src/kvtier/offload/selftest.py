@@ -1,23 +1,90 @@
-"""The startup self-test: a synthetic chunk stored on every rank, looked up from the scheduler,
-read back on every rank. Any failure stops startup with the cause."""
+"""The startup self-test. On every rank, a known pattern is written into real KV blocks through
+the host's own views, saved as a chunk through the full save path, the blocks cleared, the chunk
+loaded back into other blocks through the full load path and compared byte for byte; the blocks
+are restored. The scheduler then looks the chunk up on every rank. Any failure stops startup
+with the rank, the device, the layout and the cause."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import blake3
 import torch
 
 from kvtier.errors import StartupError
+from kvtier.offload.device import DeviceOps, copy_to
+from kvtier.offload.pages import KVCacheDescription, manager_view
 from kvtier.offload.protocols import LookupPort
 
-SELF_TEST_KEY = blake3.blake3(b"kvtier self-test chunk v1").digest(16)
+SELF_TEST_KEY = blake3.blake3(b"kvtier self-test chunk v2").digest(16)
 
 
-def self_test_payload(nbytes: int) -> torch.Tensor:
-    """Deterministic non-trivial bytes, so a rank that returns zeros or stale bytes fails."""
-    g = torch.Generator().manual_seed(0x6B7674)
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+def _pattern(view: torch.Tensor, blocks: int, seed: int) -> torch.Tensor:
+    """Host values for `blocks` manager blocks of `view`: small integers, exact in every KV
+    dtype (fp8 included), different per element, block and tensor."""
+    g = torch.Generator().manual_seed(0x6B7674 + seed)
+    shape = (blocks, *view.shape[1:])
+    return torch.randint(0, 16, shape, generator=g, dtype=torch.int16).to(view.dtype)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def codec_round_trip(
+    desc: KVCacheDescription,
+    ops: DeviceOps,
+    blocks_per_chunk: int,
+    save: Callable[[Sequence[int]], None],
+    load: Callable[[Sequence[int]], None],
+) -> None:
+    """Pattern -> blocks A -> `save(A)` -> clear -> `load(B)` -> compare B; blocks restored.
+
+    `save` and `load` run the worker's real paths and raise on any failure. Raises ValueError
+    naming the first tensor whose bytes did not come back."""
+    k = blocks_per_chunk
+    nb = desc.num_blocks
+    if nb < k:
+        raise ValueError(f"the KV pool has {nb} blocks, fewer than one chunk ({k} blocks)")
+    src = list(range(k))
+    # load into other blocks when the pool has them, so a codec that ignores ids is caught
+    dst = list(range(2 * k - 1, k - 1, -1)) if nb >= 2 * k else src
+    views = {name: manager_view(t, nb) for name, t in desc.tensors.items()}
+    touched = sorted(set(src) | set(dst))
+    # blocks are read and written one at a time through the host's own views, never through
+    # the codec's index tensors, so a codec that addresses the wrong rows cannot hide
+    backup = {name: [v[b].clone() for b in touched] for name, v in views.items()}
+    try:
+        patterns = {name: _pattern(v, k, i) for i, (name, v) in enumerate(views.items())}
+        for name, v in views.items():
+            for i, b in enumerate(src):
+                v[b].copy_(ops.upload(patterns[name][i]))
+        save(src)
+        for v in views.values():
+            for b in touched:
+                v[b].zero_()
+        load(dst)
+        for name, v in views.items():
+            for i, b in enumerate(dst):
+                got = copy_to(v[b], torch.device("cpu"))
+                if not torch.equal(_as_bytes(got), _as_bytes(patterns[name][i])):
+                    raise ValueError(
+                        f"KV tensor {name!r}: block {b} did not receive the bytes saved from "
+                        f"block {src[i]}"
+                    )
+    finally:
+        for name, v in views.items():
+            for b, saved in zip(touched, backup[name], strict=True):
+                v[b].copy_(saved)
+
+
+def fail_startup(tag: str, device: torch.device, layout: str, err: BaseException) -> StartupError:
+    """The StartupError of a failed codec self-test, naming rank, device, layout and cause."""
+    return StartupError(
+        f"{tag}: self-test failed on device {device}, KV layout {layout}: could not move a "
+        f"chunk through the codec and back ({type(err).__name__}: {err}); offload cannot "
+        "serve correct KV on this rank"
+    )
 
 
 def check_lookup(client: LookupPort, ranks: Sequence[int]) -> None:

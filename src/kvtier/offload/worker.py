@@ -1,8 +1,12 @@
 """OffloadWorker: the per-rank half of the offload core.
 
-It owns the rank's TierStack, codec and LookupServer. Loads run on their own lane (a thread),
-so a load never queues behind saves; saves pack finished blocks into the memory tier right
-after the forward that produced them, and lower tiers are written behind.
+It owns the rank's TierStack, codec and LookupServer, and two lanes (threads bound to the KV
+device, each with its own stream on CUDA). Saves leave the forward path: `wait_for_save` only
+records where the forward stands and queues the step's saves; the save lane gathers each chunk
+on the device, copies it into its memory-tier slot in one transfer, waits for that copy, and
+commits. Loads run on the load lane: tier -> device staging in one transfer, scatter, wait. An
+operation reports only after its copies completed; a preempted request's saves are cancelled
+and never commit bytes read after its blocks were given back.
 
 Every load reports exactly once, even when the lane cannot: a load still unfinished
 `lease_ttl_s` after it was queued (its leases have expired by then) is reported failed with
@@ -11,12 +15,12 @@ reason `deadline`, and the lane writes no further block for it when it comes bac
 
 from __future__ import annotations
 
+import itertools
 import logging
-import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -24,13 +28,16 @@ import torch
 from kvtier.config import KVTierConfig
 from kvtier.errors import StartupError
 from kvtier.keys import Namespace
-from kvtier.layout import TensorSpec, from_tensors
 from kvtier.lookup import LookupServer
 from kvtier.metrics import Metrics, snapshot
 from kvtier.offload import messages
-from kvtier.offload.codec import BlockCodec
-from kvtier.offload.messages import LoadOp, OffloadMeta, OpResult, SaveOp, WorkerReport
-from kvtier.offload.selftest import SELF_TEST_KEY, self_test_payload
+from kvtier.offload.codec import PageCodec
+from kvtier.offload.device import DeviceOps, Lane, ops_for
+from kvtier.offload.lane import WorkLane
+from kvtier.offload.messages import ChunkRef, LoadOp, OffloadMeta, OpResult, SaveOp, WorkerReport
+from kvtier.offload.pages import KVCacheDescription, KVPages, describe_pages
+from kvtier.offload.selftest import SELF_TEST_KEY, codec_round_trip, fail_startup
+from kvtier.store.arena import check_host_memory
 from kvtier.store.factory import build_stack
 from kvtier.store.stack import TierStack
 
@@ -39,6 +46,8 @@ log = logging.getLogger("kvtier")
 _SNAPSHOT_EVERY_S = 1.0
 _GIB = 1 << 30
 DEADLINE = "deadline"  # load failure reason: the lane did not finish it within lease_ttl_s
+PREEMPTED = "preempted"  # save failure reason: its request's blocks were taken back first
+_SELF_TEST_TIMEOUT_S = 120.0
 
 
 @dataclass(eq=False, slots=True)
@@ -54,6 +63,17 @@ class _PendingLoad:
     expired: bool = False
 
 
+@dataclass(eq=False, slots=True)
+class _PendingSave:
+    """A save handed to the lane. `fence` is where the forward that wrote its blocks stands;
+    `lock` makes cancelling it and committing one of its chunks mutually exclusive."""
+
+    op: SaveOp
+    fence: object | None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    cancelled: bool = False
+
+
 class OffloadWorker:
     """Loads and saves KV chunks of one rank and answers its lookups."""
 
@@ -66,19 +86,26 @@ class OffloadWorker:
         model_id: str,
         metrics: Metrics,
         lookup_endpoint: str | None,
+        ranks_on_host: int = 1,
         clock: Callable[[], float] = time.monotonic,
+        ops: DeviceOps | None = None,
     ) -> None:
-        """`clock` times the per-load deadline (`config.lease_ttl_s` after a load is queued)."""
+        """`clock` times the per-load deadline (`config.lease_ttl_s` after a load is queued);
+        `ranks_on_host` sizes the host-RAM check (every rank of every replica on this host);
+        `ops` drives the KV device (default: the device the KV cache lives on)."""
         self.config = config
         self.rank = rank
         self.world = world
         self.model_id = model_id
         self.metrics = metrics
         self.lookup_endpoint = lookup_endpoint
+        self.ranks_on_host = ranks_on_host
         self.tag = f"kvtier[rank {rank}/{world}]"
         self.stack: TierStack | None = None
-        self.codec: BlockCodec | None = None
+        self.codec: PageCodec | None = None
+        self.pages: KVPages | None = None
         self.server: LookupServer | None = None
+        self._ops = ops
         self._lock = threading.Lock()
         self._results: list[OpResult] = []
         self._recving: list[str] = []
@@ -92,62 +119,120 @@ class OffloadWorker:
         self._last_snapshot = 0.0
         self._clock = clock
         self._pending: dict[str, _PendingLoad] = {}  # op id -> load not yet reported
-        self._loads: queue.Queue[_PendingLoad | None] = queue.Queue()
+        self._saving: dict[str, _PendingSave] = {}  # op id -> save not yet reported
         self._idle = threading.Condition(self._lock)
-        self._thread: threading.Thread | None = None
+        self._load_lane: WorkLane | None = None
+        self._save_lane: WorkLane | None = None
+        self._load_buf: torch.Tensor | None = None  # host buffer of the CPU load path
+        self._load_staging: torch.Tensor | None = None
+        self._save_staging: torch.Tensor | None = None
+        self._selftest_ids = itertools.count()
 
     # ---- startup ------------------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], block_size: int) -> None:
-        """Build layout, codec, tiers and lookup server for this rank's KV caches; self-test."""
+    def register_kv_caches(self, desc: KVCacheDescription) -> None:
+        """Build pages, codec, tiers, lanes and lookup server for this rank's KV cache, then
+        self-test the codec on real blocks; any failure stops startup."""
         chunk = self.config.chunk_size
-        specs = {n: TensorSpec(tuple(t.shape), t.dtype, 0) for n, t in kv_caches.items()}
-        layout = from_tensors(specs, block_size)
-        layout.check_chunk(chunk)
-        self.codec = BlockCodec(kv_caches, chunk // block_size, layout.num_blocks)
-        if self.codec.chunk_bytes != layout.chunk_bytes(chunk):
+        if chunk % desc.block_size:
             raise StartupError(
-                f"{self.tag}: codec chunk of {self.codec.chunk_bytes} bytes disagrees with the "
-                f"layout's {layout.chunk_bytes(chunk)}; the registered tensors are not block-major"
+                f"{self.tag}: chunk_size={chunk} is not a multiple of the KV block size "
+                f"{desc.block_size}; set chunk_size to a multiple of {desc.block_size}"
             )
+        self.pages = pages = describe_pages(desc)
+        ops = self._ops = self._ops or ops_for(pages.device)
+        self.codec = codec = PageCodec(pages, chunk // desc.block_size, ops)
         ns = Namespace(
             model_id=self.model_id,
-            layout_fingerprint=layout.fingerprint,
-            dtype=layout.dtype,
+            layout_fingerprint=pages.fingerprint,
+            dtype=pages.dtype,
             chunk_size=chunk,
             tp_size=self.world,
             tp_rank=self.rank,
             tenant=self.config.tenant,
         )
-        self.stack = build_stack(self.config, ns.fingerprint, self.codec.chunk_bytes, self.metrics)
-        self._staging = torch.empty(self.codec.chunk_bytes, dtype=torch.uint8)
-        self._self_test()
+        check_host_memory(self.config.memory_bytes, self.ranks_on_host, self.tag)
+        self.stack = build_stack(self.config, ns.fingerprint, codec.chunk_bytes, self.metrics)
+        try:
+            self._start_lanes(ops, codec.chunk_bytes)
+            if self.config.self_test:
+                self._self_test(desc)
+        except BaseException:
+            self.close()
+            raise
         if self.lookup_endpoint is not None:
             self.server = LookupServer(self.rank, self.stack, self.lookup_endpoint, self.metrics)
             self.server.start()
-        self._thread = threading.Thread(target=self._load_lane, name=f"kvtier-load-{self.rank}")
-        self._thread.daemon = True
-        self._thread.start()
         log.info(
-            "%s: registered %d KV tensors, %d B/block, %d B/chunk, namespace %s, tiers %s, "
+            "%s: registered %d KV tensors (%s), %d B/chunk, namespace %s, tiers %s, "
             "lookup server %s",
             self.tag,
-            len(kv_caches),
-            self.codec.bytes_per_block,
-            self.codec.chunk_bytes,
+            len(desc.tensors),
+            pages.describe(),
+            codec.chunk_bytes,
             ns.hex,
             "+".join(self.stack.tiers),
             self.lookup_endpoint,
         )
 
-    def _self_test(self) -> None:
-        assert self.stack is not None
-        payload = self_test_payload(self.codec.chunk_bytes if self.codec else 0)
-        if not self.stack.put(SELF_TEST_KEY, payload):
-            raise StartupError(f"{self.tag}: self-test could not store a chunk in the memory tier")
-        back = torch.empty_like(payload)
-        if self.stack.read_into(SELF_TEST_KEY, back) is None or not torch.equal(back, payload):
-            raise StartupError(f"{self.tag}: self-test chunk did not read back identical bytes")
+    def _start_lanes(self, ops: DeviceOps, chunk_bytes: int) -> None:
+        self._load_staging = ops.staging(chunk_bytes)
+        self._save_staging = ops.staging(chunk_bytes)
+        if self._load_staging is None:
+            self._load_buf = torch.empty(chunk_bytes, dtype=torch.uint8)
+        self._load_lane = WorkLane(f"kvtier-load-{self.rank}", ops)
+        self._save_lane = WorkLane(f"kvtier-save-{self.rank}", ops)
+        self._load_lane.start()
+        self._save_lane.start()
+
+    def _self_test(self, desc: KVCacheDescription) -> None:
+        """Pattern -> real blocks -> save path -> clear -> load path -> compare -> restore."""
+        assert self.codec is not None and self.stack is not None
+        assert self._save_lane is not None and self._load_lane is not None
+        stack, key = self.stack, SELF_TEST_KEY
+
+        def save(block_ids: Sequence[int]) -> None:
+            job = _PendingSave(SaveOp("self-test", "self-test", [], 0), self._ops_fence())
+            ref = ChunkRef(key, list(block_ids))
+            reason = self._save_lane_call(lambda lane: self._save_chunk(lane, job, ref))
+            if reason:
+                raise RuntimeError(f"the save path failed: {reason}")
+
+        def load(block_ids: Sequence[int]) -> None:
+            lease = f"kvtier-self-test-{next(self._selftest_ids)}"
+            if stack.lookup([key], lease) < 1:
+                raise RuntimeError("the saved chunk is not in the tier")
+            try:
+                p = _PendingLoad(LoadOp("self-test", "self-test", lease, [], 0), 0.0, 0.0)
+                ref = ChunkRef(key, list(block_ids))
+                got = self._load_lane_call(lambda lane: self._load_chunk(lane, p, ref))
+            finally:
+                stack.release(lease)
+            if got is None:
+                raise RuntimeError("the load path missed the saved chunk")
+
+        try:
+            codec_round_trip(desc, self.codec.ops, self.codec.blocks_per_chunk, save, load)
+        except Exception as e:
+            assert self.pages is not None
+            raise fail_startup(self.tag, self.pages.device, self.pages.layout, e) from e
+        log.info(
+            "%s: self-test moved one chunk (%d B) through the codec on %s and back",
+            self.tag,
+            self.codec.chunk_bytes,
+            self.pages.device if self.pages else "?",
+        )
+
+    def _save_lane_call(self, fn: Callable[[Lane], str]) -> str:
+        assert self._save_lane is not None
+        return self._save_lane.call(fn, _SELF_TEST_TIMEOUT_S)
+
+    def _load_lane_call(self, fn: Callable[[Lane], str | None]) -> str | None:
+        assert self._load_lane is not None
+        return self._load_lane.call(fn, _SELF_TEST_TIMEOUT_S)
+
+    def _ops_fence(self) -> object | None:
+        return self._ops.fence() if self._ops is not None else None
 
     # ---- per step -----------------------------------------------------------------------------
 
@@ -166,13 +251,36 @@ class OffloadWorker:
                 self._inflight[p.op.req_id] += 1
                 self._pending[p.op.op_id] = p
             self._delayed.update(meta.delayed_free)
+        assert self._load_lane is not None or not pending
         for p in pending:
-            self._loads.put(p)
+            self._load_lane.submit(lambda lane, p=p: self._run_load(lane, p))  # type: ignore[union-attr]
 
     def wait_for_save(self, meta: OffloadMeta) -> None:
-        """Pack this step's finished chunks into the tier (after the forward wrote them)."""
-        for op in meta.saves:
-            self._record(op.req_id, self._save(op), recv=False, invalid=())
+        """Queue this step's saves behind the forward that computed their blocks; returns
+        without waiting for any copy."""
+        if not meta.saves:
+            return
+        fence = self._ops_fence()
+        jobs = [_PendingSave(op, fence) for op in meta.saves]
+        with self._lock:
+            for job in jobs:
+                self._inflight[job.op.req_id] += 1
+                self._saving[job.op.op_id] = job
+        assert self._save_lane is not None
+        for job in jobs:
+            self._save_lane.submit(lambda lane, job=job: self._run_save(lane, job))
+
+    def handle_preemptions(self, req_ids: Iterable[str]) -> None:
+        """These requests' blocks are about to be reused: their in-flight saves commit nothing
+        read from now on (a chunk copied before this call still commits)."""
+        wanted = set(req_ids)
+        if not wanted:
+            return
+        with self._lock:
+            jobs = [j for j in self._saving.values() if j.op.req_id in wanted]
+        for job in jobs:
+            with job.lock:
+                job.cancelled = True
 
     def take_report(self) -> WorkerReport:
         """Drain what finished since the last call into one report (loads past their deadline
@@ -205,7 +313,8 @@ class OffloadWorker:
         return b"" if report.is_empty() and not report.metrics else messages.encode(report)
 
     def wait_loads(self, timeout_s: float) -> bool:
-        """Block until no load is queued or running (deadline-bounded); for drains and tests."""
+        """Block until no load or save is queued or running (deadline-bounded); for drains and
+        tests."""
         deadline = time.monotonic() + timeout_s
         with self._idle:
             while any(self._inflight.values()):
@@ -215,12 +324,14 @@ class OffloadWorker:
                 self._idle.wait(left)
         return True
 
+    wait_idle = wait_loads
+
     def close(self) -> None:
-        """Stop the load lane and the lookup server, flush and close the tiers."""
-        if self._thread is not None:
-            self._loads.put(None)
-            self._thread.join(timeout=10)
-            self._thread = None
+        """Stop the lanes and the lookup server, flush and close the tiers."""
+        for lane in (self._load_lane, self._save_lane):
+            if lane is not None and not lane.close():
+                log.warning("%s: lane %s still busy at close; leaving it", self.tag, lane.name)
+        self._load_lane = self._save_lane = None
         if self.server is not None:
             self.server.close()
             self.server = None
@@ -228,30 +339,96 @@ class OffloadWorker:
             self.stack.close()
             self.stack = None
 
-    # ---- lanes --------------------------------------------------------------------------------
+    # ---- saves ----------------------------------------------------------------------------------
 
-    def _load_lane(self) -> None:
-        while True:
-            p = self._loads.get()
-            if p is None:
-                return
-            with p.lock:
-                skip = p.expired
-            if skip:
-                # reported failed while it waited behind a stuck load; only the lease is left
-                assert self.stack is not None
-                self.stack.release(p.op.lookup_id)
+    def _run_save(self, lane: Lane, job: _PendingSave) -> None:
+        result = OpResult(job.op.op_id, False, "error:unreported")
+        try:
+            result = self._save(lane, job)
+        finally:
+            with self._lock:
+                self._saving.pop(job.op.op_id, None)
+            self._record(job.op.req_id, result, recv=False, invalid=())
+
+    def _save(self, lane: Lane, job: _PendingSave) -> OpResult:
+        assert self.codec is not None
+        op = job.op
+        t0 = time.perf_counter()
+        stored = 0
+        # deepest chunk first: a chain's head is committed last, so it is the most recent
+        for ref in reversed(op.chunks):
+            reason = self._save_chunk(lane, job, ref)
+            if reason == "resident":
                 continue
-            outcome = self._load(p)
-            if outcome is None:
-                log.warning(
-                    "%s: load %s came back after its deadline had reported it failed; "
-                    "its result is dropped",
-                    self.tag,
-                    p.op.op_id,
-                )
-                continue
-            self._finish_load(p, *outcome)
+            if reason:
+                self.metrics.save_failure(reason).inc()
+                return OpResult(op.op_id, False, reason, stored, time.perf_counter() - t0)
+            stored += 1
+        seconds = time.perf_counter() - t0
+        nbytes = stored * self.codec.chunk_bytes
+        self.metrics.save_seconds.observe(seconds)
+        # only chunks written now count: one the tier already held was not stored again
+        self.metrics.stored_tokens.inc(stored * self.config.chunk_size)
+        self.metrics.stored_bytes.inc(nbytes)
+        self.metrics_dirty = True
+        return OpResult(op.op_id, True, "", nbytes, seconds, "memory")
+
+    def _save_chunk(self, lane: Lane, job: _PendingSave, ref: ChunkRef) -> str:
+        """Gather one chunk into its memory slot and commit it: "" when stored, "resident" when
+        the tier held it already, else the failure reason (nothing of it is committed then)."""
+        assert self.stack is not None and self.codec is not None
+        stack = self.stack
+        if stack.memory.contains(ref.key):
+            return "resident"
+        slot = stack.reserve(ref.key)
+        if slot is None:
+            return "resident" if stack.memory.contains(ref.key) else "no_slot"
+        staging = self._save_staging
+        committed = False
+        try:
+            with job.lock:
+                if job.cancelled:
+                    return PREEMPTED
+            lane.after(job.fence)
+            with lane.active():
+                self.codec.gather(ref.block_ids, slot if staging is None else staging)
+                if staging is not None:
+                    slot.copy_(staging, non_blocking=True)
+                lane.finish()
+            with job.lock:
+                # blocks reused after a cancel may have been read: such bytes never commit
+                if job.cancelled:
+                    return PREEMPTED
+                stack.commit(ref.key)
+                committed = True
+            return ""
+        except (RuntimeError, ValueError) as e:
+            log.exception("%s: save %s raised", self.tag, job.op.op_id)
+            return f"error:{type(e).__name__}"
+        finally:
+            if not committed:
+                stack.abort(ref.key)
+
+    # ---- loads ----------------------------------------------------------------------------------
+
+    def _run_load(self, lane: Lane, p: _PendingLoad) -> None:
+        with p.lock:
+            skip = p.expired
+        if skip:
+            # reported failed while it waited behind a stuck load; only the lease is left
+            assert self.stack is not None
+            self.stack.release(p.op.lookup_id)
+            return
+        outcome = self._load(lane, p)
+        if outcome is None:
+            log.warning(
+                "%s: load %s came back after its deadline had reported it failed; "
+                "its result is dropped",
+                self.tag,
+                p.op.op_id,
+            )
+            return
+        self._finish_load(p, *outcome)
 
     def _finish_load(self, p: _PendingLoad, result: OpResult, invalid: Iterable[int]) -> None:
         with self._lock:
@@ -268,7 +445,7 @@ class OffloadWorker:
             with p.lock:
                 if p.done or p.expired:
                     continue
-                # after this, the lane writes no block for it (unpacks hold p.lock)
+                # after this, the lane writes no block for it (scatters hold p.lock)
                 p.expired = True
             log.error(
                 "%s: load %s not finished %.1fs after it was queued (lease_ttl_s=%.1f); "
@@ -288,13 +465,36 @@ class OffloadWorker:
             if recv:
                 self._recving.append(req_id)
                 self._invalid.extend(invalid)
-                self._inflight[req_id] -= 1
-                if not self._inflight[req_id]:
-                    del self._inflight[req_id]
-                self._idle.notify_all()
+            self._inflight[req_id] -= 1
+            if not self._inflight[req_id]:
+                del self._inflight[req_id]
+            self._idle.notify_all()
 
-    def _load(self, p: _PendingLoad) -> tuple[OpResult, list[int]] | None:
-        """Read and unpack the load's chunks; its result and suspect blocks, or None when its
+    def _load_chunk(self, lane: Lane, p: _PendingLoad, ref: ChunkRef) -> str | None:
+        """Read one chunk (tier -> device staging) and scatter it into its blocks; the serving
+        tier's name, or None on a miss or once the load expired (then nothing is written)."""
+        assert self.stack is not None and self.codec is not None
+        with lane.active():
+            src = None
+            if self._load_staging is None:
+                # the KV cache is host memory: scatter straight from the leased slot, one copy
+                src = self.stack.read_view(ref.key)
+                tier = self.stack.memory.name if src is not None else None
+            if src is None:
+                src = self._load_staging if self._load_staging is not None else self._load_buf
+                assert src is not None
+                tier = self.stack.read_into(ref.key, src)
+            if tier is None:
+                return None
+            with p.lock:
+                if p.expired:
+                    return None  # its deadline reported it failed: write no more blocks
+                self.codec.scatter(src, ref.block_ids)
+                lane.finish()
+        return tier
+
+    def _load(self, lane: Lane, p: _PendingLoad) -> tuple[OpResult, list[int]] | None:
+        """Read and scatter the load's chunks; its result and suspect blocks, or None when its
         deadline reported it failed meanwhile (then nothing of it is counted here)."""
         assert self.stack is not None and self.codec is not None
         op = p.op
@@ -304,15 +504,12 @@ class OffloadWorker:
         reason = ""
         try:
             for ref in op.chunks:
-                tier = self.stack.read_into(ref.key, self._staging)
+                tier = self._load_chunk(lane, p, ref)
                 if tier is None:
                     reason = "miss"
                     break
                 served[tier] += 1
-                with p.lock:
-                    if p.expired:
-                        break  # its deadline reported it failed: write no more blocks
-                    written += self.codec.unpack(self._staging, ref.block_ids)
+                written += sum(1 for b in ref.block_ids if b >= 0)
         except Exception as e:
             # whatever a tier or the codec raised, the lane must live on to serve later loads
             # and this one must report: an escaped exception would park its request forever
@@ -350,29 +547,3 @@ class OffloadWorker:
     @staticmethod
     def _claimed_blocks(op: LoadOp) -> list[int]:
         return [b for ref in op.chunks for b in ref.block_ids if b >= 0]
-
-    def _save(self, op: SaveOp) -> OpResult:
-        assert self.stack is not None and self.codec is not None
-        t0 = time.perf_counter()
-        nbytes = 0
-        for ref in op.chunks:
-            if self.stack.memory.contains(ref.key):
-                continue
-            slot = self.stack.reserve(ref.key)
-            if slot is None:
-                self.metrics.save_failure("no_slot").inc()
-                return OpResult(op.op_id, False, "no_slot", nbytes, time.perf_counter() - t0)
-            try:
-                self.codec.pack(ref.block_ids, slot)
-            except (RuntimeError, ValueError) as e:
-                self.stack.abort(ref.key)
-                log.exception("%s: save %s raised", self.tag, op.op_id)
-                return OpResult(op.op_id, False, f"error:{type(e).__name__}", nbytes)
-            self.stack.commit(ref.key)
-            nbytes += self.codec.chunk_bytes
-        seconds = time.perf_counter() - t0
-        self.metrics.save_seconds.observe(seconds)
-        # only chunks written now count: one the tier already held was not stored again
-        self.metrics.stored_tokens.inc(nbytes // self.codec.chunk_bytes * self.config.chunk_size)
-        self.metrics.stored_bytes.inc(nbytes)
-        return OpResult(op.op_id, True, "", nbytes, seconds, "memory")

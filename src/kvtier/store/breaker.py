@@ -132,3 +132,66 @@ class CircuitBreaker:
             f"CircuitBreaker(state={self.state.value}, failures={self.failures}, "
             f"probe_s={self.probe_s})"
         )
+
+
+class ShardBreakers:
+    """One `CircuitBreaker` per shard of a store, made on first use with the same settings, so
+    a dead shard is shed while the others keep serving.
+
+    A shard is named by its owner's address; after a failover the promoted replica is a new
+    shard with a closed breaker. `retain()` forgets shards no longer in the topology (bounded).
+    """
+
+    def __init__(
+        self, failures: int, probe_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        # validates the settings once, up front, with the breaker's own messages
+        CircuitBreaker(failures, probe_s, clock)
+        self.failures = failures
+        self.probe_s = float(probe_s)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._by_shard: dict[str, CircuitBreaker] = {}
+
+    def __getitem__(self, shard: str) -> CircuitBreaker:
+        with self._lock:
+            breaker = self._by_shard.get(shard)
+            if breaker is None:
+                breaker = CircuitBreaker(self.failures, self.probe_s, self._clock)
+                self._by_shard[shard] = breaker
+            return breaker
+
+    def retain(self, shards: set[str]) -> None:
+        """Drop the breakers of shards not in `shards` (they left the topology)."""
+        with self._lock:
+            for gone in set(self._by_shard) - shards:
+                del self._by_shard[gone]
+
+    def open_shards(self) -> list[str]:
+        """Shards whose breaker is open or probing, sorted."""
+        with self._lock:
+            items = list(self._by_shard.items())
+        return sorted(shard for shard, b in items if b.is_open)
+
+    @property
+    def is_open(self) -> bool:
+        """True while any shard's breaker is open or probing."""
+        return bool(self.open_shards())
+
+    @property
+    def state(self) -> State:
+        """OPEN when any shard is open, HALF_OPEN when any probes and none is open, else
+        CLOSED (one word for the whole store, as a single-server breaker reports)."""
+        with self._lock:
+            states = {b.state for b in self._by_shard.values()}
+        if State.OPEN in states:
+            return State.OPEN
+        if State.HALF_OPEN in states:
+            return State.HALF_OPEN
+        return State.CLOSED
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardBreakers(open={self.open_shards()}, failures={self.failures}, "
+            f"probe_s={self.probe_s})"
+        )

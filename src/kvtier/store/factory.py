@@ -62,5 +62,5 @@ def build_stack(
     if config.remote_url:
         from kvtier.store.remote import RemoteTier
 
-        lower.append(RemoteTier.from_config(config, namespace, metrics))
+        lower.append(RemoteTier.from_config(config, namespace, metrics, payload_bytes=slot_bytes))
     return TierStack(memory, lower, metrics, queue_depth=config.write_queue_depth)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.metrics import Metrics
+from kvtier.store.arena import HostArena
 from kvtier.store.lease import LeaseTable
 from kvtier.store.policy import GHOST_FRACTION, NO_PARENT, ChainPolicy
 from kvtier.store.record import KEY_BYTES, NAMESPACE_BYTES, checksum
@@ -89,7 +90,9 @@ class MemoryTier:
         self.namespace = bytes(namespace)
         self.verify_reads = verify_reads
         self._m = metrics
-        self._buf = torch.empty(num_slots * slot_bytes, dtype=torch.uint8, pin_memory=pin)
+        # exact size (torch's pinned allocator would round it up to a power of two)
+        self._arena = HostArena(num_slots * slot_bytes, pin=pin)
+        self._buf = self._arena.tensor
         # a numpy view of the same memory: zero-copy hashing and bytes-like copies
         self._np = self._buf.numpy()
         self._lock = threading.Lock()
@@ -199,6 +202,11 @@ class MemoryTier:
         finally:
             self._end_read(key, slot, bad)
         return not bad
+
+    def is_leased(self, key: bytes) -> bool:
+        """True if `key` is resident and pinned by a lease (so a `view` of it stays valid)."""
+        with self._lock:
+            return key in self._index and self._leases.is_pinned(key)
 
     def view(self, key: bytes) -> torch.Tensor | None:
         """A zero-copy, verified uint8 view of the payload of `key`, or None on a miss/mismatch.
@@ -388,7 +396,8 @@ class MemoryTier:
             self._writing.clear()
             self._quarantine.clear()
             self._free.clear()
-            self._buf = torch.empty(0, dtype=torch.uint8)
+            self._arena.close()
+            self._buf = self._arena.tensor
             self._np = self._buf.numpy()
             self._residency.set(0)
 

@@ -1,23 +1,24 @@
 """Shared tier on Valkey/Redis: verified records under `kvtier:<namespace hex>:<key hex>`.
 
-Every call runs under a short socket timeout and a circuit breaker, so a slow or dead store costs
-hits, never requests: network errors and timeouts become misses (reads) or counted False (writes),
-and after `breaker.failures` of them in a row calls are skipped without touching the network until
-a probe finds the store again.
+One server (`redis://`, `rediss://`, `unix://`) or a Valkey/Redis Cluster (`redis+cluster://`,
+`rediss+cluster://`): each chunk lives on its own slot's shard (no hash tags, so a prefix spreads
+over every shard), and a batch is one round trip per shard, all shards at once. The key holds
+nothing but the namespace and the chunk key, so any layout whose namespace leaves the rank out
+shares its records between ranks.
 
-Writes get their own connections with a longer socket timeout (`write_timeout_ms`): Python bounds
-a whole `sendall` by the socket timeout, so a 32 MiB record over a 1 Gbit/s link (~270 ms) would
-never fit in the 100 ms that suits reads, whose timeout applies to each receive. Writes come from
-the write-behind thread, never from the engine's step.
+Every call runs under a timeout and behind its shard's circuit breaker, so a slow or dead shard
+costs hits, never requests: network errors and timeouts become misses (reads) or counted False
+(writes), and after `breaker.failures` of them in a row that shard's calls are skipped without
+touching the network until a probe finds it again; the other shards keep serving. Read and
+write timeouts grow with the record size (`timeout_gbps`), so a big chunk is not a failure.
 
-Redis cannot pin: a chunk counted by `lookup_prefix`/`lease` may be evicted by the server
-(maxmemory policy, TTL) or deleted by another process before the load reads it. That load then
-misses, the load fails, and the request recomputes the prefix.
+Redis cannot pin: a chunk counted by `lookup_prefix` may be evicted by the server (maxmemory
+policy, TTL) or deleted by another process before the load reads it. That load then misses, the
+load fails, and the request recomputes the prefix.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import re
 import threading
@@ -25,15 +26,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
-import redis
-from redis.backoff import NoBackoff
-from redis.maint_notifications import MaintNotificationsConfig
-from redis.retry import Retry
+import numpy as np
+import torch
 
+from kvtier import remote_endpoint
 from kvtier.errors import ConfigError, StartupError
 from kvtier.metrics import Metrics
 from kvtier.store import record
-from kvtier.store.breaker import CircuitBreaker, Transition
+from kvtier.store.breaker import ShardBreakers, Transition
+from kvtier.store.remote_transport import CredentialsRefused, StoreError, Timeouts, Transport
 
 if TYPE_CHECKING:
     from kvtier.config import KVTierConfig
@@ -42,26 +43,11 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _DEFAULT_WRITE_TIMEOUT_MS = 1000
+_DEFAULT_TIMEOUT_GBPS = 0.1
+# Redis' and Valkey's default `proto-max-bulk-len`, assumed when the server will not say
+_DEFAULT_MAX_VALUE = 512 << 20
 _MASK = "***"
 _QUERY_PASSWORD_RE = re.compile(r"(?i)([?&]password=)[^&#]*")
-
-# The store did not answer in time or the connection broke: feed the breaker, read as a miss.
-# AuthenticationError is a ConnectionError in redis-py; after startup a credential change on the
-# server is one more way for the store to be unusable, so it degrades the same way.
-_NET_ERRORS: tuple[type[BaseException], ...] = (
-    redis.exceptions.ConnectionError,
-    redis.exceptions.TimeoutError,
-    redis.exceptions.InvalidResponse,
-    TimeoutError,
-    OSError,
-)
-_TIMEOUTS: tuple[type[BaseException], ...] = (redis.exceptions.TimeoutError, TimeoutError)
-# Refusals the server answered promptly (full, read-only replica, ACL): the store is alive
-_REJECT_REASONS: tuple[tuple[type[redis.exceptions.ResponseError], str], ...] = (
-    (redis.exceptions.OutOfMemoryError, "oom"),
-    (redis.exceptions.ReadOnlyError, "read_only"),
-    (redis.exceptions.NoPermissionError, "no_permission"),
-)
 
 
 def mask_url(url: str) -> str:
@@ -82,23 +68,21 @@ def mask_url(url: str) -> str:
     return f"{scheme}://{shown}{rest[at:]}"
 
 
-class _Status(enum.Enum):
-    OK = "ok"
-    SKIPPED = "skipped"  # breaker open: the network was not touched
-    FAILED = "failed"  # counted and fed to the breaker
-
-
 class RemoteTier:
-    """Chunk records in a Valkey/Redis server shared by every engine with the same namespace.
+    """Chunk records in a Valkey/Redis server or cluster shared by every engine with the same
+    namespace.
 
-    Thread-safe (redis-py's pool hands each thread its own connection). Never raises for a slow,
-    dead or refusing store after construction; construction raises `StartupError` only when the
-    server answers but rejects the credentials. Reads time out after `timeout_ms`, writes after
-    `write_timeout_ms` (default max(timeout_ms, 1000)). `clock` drives the breaker built when
-    none is given (failures=5, probe_s=5.0, the config defaults).
+    Thread-safe. Never raises for a slow, dead or refusing store after construction;
+    construction raises `StartupError` when the server answers but rejects the credentials, or
+    when one record (`payload_bytes` + header) is over the server's `proto-max-bulk-len`.
+    Presence checks time out after `timeout_ms`; a record read after `timeout_ms`, a write after
+    `write_timeout_ms`, each plus the record's bytes at `timeout_gbps`. Without `breakers` the
+    per-shard breakers take the config defaults (failures=5, probe_s=5.0) on `clock`.
     """
 
     name = "remote"
+    # the store cannot pin, so a lookup's batched presence check is its whole answer
+    pins = False
 
     def __init__(
         self,
@@ -111,7 +95,14 @@ class RemoteTier:
         ttl_s: int = 0,
         timeout_ms: int = 100,
         write_timeout_ms: int | None = None,
-        breaker: CircuitBreaker | None = None,
+        timeout_gbps: float = _DEFAULT_TIMEOUT_GBPS,
+        payload_bytes: int | None = None,
+        read_from: str = "primary",
+        tls_ca_file: str | None = None,
+        tls_cert_file: str | None = None,
+        tls_key_file: str | None = None,
+        tls_insecure: bool = False,
+        breakers: ShardBreakers | None = None,
         max_connections: int = 16,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -131,31 +122,54 @@ class RemoteTier:
                 f"write_timeout_ms={write_timeout_ms!r} must be >= timeout_ms={timeout_ms!r}; "
                 f"leave it unset for {_DEFAULT_WRITE_TIMEOUT_MS}"
             )
+        if not timeout_gbps > 0:
+            raise ValueError(f"timeout_gbps={timeout_gbps!r} must be > 0; use 0.1 (the default)")
+        if payload_bytes is not None and payload_bytes <= 0:
+            raise ValueError(f"payload_bytes={payload_bytes!r} must be > 0 (one chunk's bytes)")
+        if read_from not in ("primary", "replica"):
+            raise ValueError(f"read_from={read_from!r} is not 'primary' or 'replica'")
         if max_connections <= 0:
             raise ValueError(f"max_connections={max_connections!r} must be > 0; use 16")
+        try:
+            endpoint = remote_endpoint.parse(url)
+        except ValueError as e:
+            raise ConfigError(
+                f"remote_url={shown!r} is not a usable remote URL: {e}; "
+                f"{remote_endpoint.URL_FORMS}"
+            ) from None
+        record_bytes = record.HEADER_BYTES + (payload_bytes or 0)
+        transfer_s = record_bytes / (timeout_gbps * 1e9) if payload_bytes else 0.0
+        self.timeouts = Timeouts(
+            presence_s=timeout_ms / 1000.0,
+            read_s=timeout_ms / 1000.0 + transfer_s,
+            write_s=write_timeout_ms / 1000.0 + transfer_s,
+        )
         self._url = shown
         self._ns = namespace
         self._prefix = b"kvtier:" + namespace.hex().encode("ascii") + b":"
         self._m = metrics
         self._ttl = ttl_s
-        self._timeout_s = timeout_ms / 1000.0
-        self._write_timeout_s = write_timeout_ms / 1000.0
-        self._breaker = breaker if breaker is not None else CircuitBreaker(5, 5.0, clock)
+        self._breakers = breakers if breakers is not None else ShardBreakers(5, 5.0, clock)
         self._lock = threading.Lock()
+        self._local = threading.local()
         self._resident = 0
         self._closed = False
-        self._rejections_logged: set[str] = set()
-        self._redis = redis.Redis(
-            connection_pool=self._pool(url, username, password, max_connections, self._timeout_s)
+        self._logged: set[str] = set()
+        self._epoch = -1
+        self._transport = self._connect(
+            url,
+            endpoint,
+            username=username,
+            password=password,
+            read_from_replica=read_from == "replica",
+            tls=(tls_ca_file, tls_cert_file, tls_key_file, tls_insecure),
+            max_connections=max_connections,
+            clock=clock,
         )
-        self._writer = redis.Redis(
-            connection_pool=self._pool(
-                url, username, password, max_connections, self._write_timeout_s
-            )
-        )
-        self._m.breaker(self.name).set(1 if self._breaker.is_open else 0)
+        self._publish_breakers()
         self._publish()
-        self._check_server()
+        reachable = self._check_server()
+        self.max_value_bytes = self._value_limit(reachable, payload_bytes)
 
     @classmethod
     def from_config(
@@ -164,9 +178,11 @@ class RemoteTier:
         namespace: bytes,
         metrics: Metrics,
         *,
+        payload_bytes: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> RemoteTier:
-        """The remote tier `config` describes (`remote_*` and `breaker_*` fields)."""
+        """The remote tier `config` describes (`remote_*` and `breaker_*` fields), for records
+        of `payload_bytes` (one chunk; sizes the timeouts and the startup size check)."""
         if config.remote_url is None:
             raise ConfigError(
                 "remote_url is not set, so there is no remote tier to build; "
@@ -180,58 +196,100 @@ class RemoteTier:
             password=config.remote_password,
             ttl_s=config.remote_ttl_s,
             timeout_ms=config.remote_timeout_ms,
-            breaker=CircuitBreaker(config.breaker_failures, config.breaker_probe_s, clock),
+            write_timeout_ms=config.remote_write_timeout_ms,
+            timeout_gbps=config.remote_timeout_gbps,
+            payload_bytes=payload_bytes,
+            read_from=config.remote_read_from,
+            tls_ca_file=config.remote_tls_ca_file,
+            tls_cert_file=config.remote_tls_cert_file,
+            tls_key_file=config.remote_tls_key_file,
+            tls_insecure=config.remote_tls_insecure,
+            breakers=ShardBreakers(config.breaker_failures, config.breaker_probe_s, clock),
             clock=clock,
         )
 
     # ---- Tier protocol -------------------------------------------------------------------
 
     def contains(self, key: bytes) -> bool:
-        """True if the server holds a value under `key` (EXISTS; no payload read)."""
-        self._check_open()
-        rkey = self._rkey(key)
-        status, found = self._run(lambda: self._redis.exists(rkey), write=False)
-        return status is _Status.OK and bool(found)
+        """True if the store holds a value under `key` (EXISTS; no payload read)."""
+        return self.contains_many([key])[0]
 
     def get(self, key: bytes) -> memoryview | None:
-        """The verified payload of `key`, or None on a miss, a failure or an open breaker."""
+        """The verified payload of `key` (a fresh buffer), or None on a miss, a failure or an
+        open breaker."""
         self._check_open()
         rkey = self._rkey(key)
-        status, data = self._run(lambda: self._redis.get(rkey), write=False)
-        if status is not _Status.OK or data is None:
+        data = self._call(rkey, lambda: self._transport.get(rkey), write=False)
+        if data is None:
             return None
         return self._verified(key, rkey, data)
 
+    def read_into(self, key: bytes, dst: torch.Tensor) -> bool:
+        """Read `key` straight into this thread's record buffer, verify it there and copy the
+        payload into uint8 `dst` (any device; exactly one payload long). False on a miss."""
+        self._check_open()
+        if dst.dtype != torch.uint8:
+            raise ValueError(f"read_into needs a uint8 dst tensor, got {dst.dtype}")
+        rkey = self._rkey(key)
+        n = dst.numel()
+        buf = self._buffer("read", record.HEADER_BYTES + n)
+        got = self._call(rkey, lambda: self._transport.get_into(rkey, buf), write=False)
+        if got is None:
+            return False
+        payload = self._verified(key, rkey, buf[:got], expected_length=n)
+        if payload is None:
+            return False
+        src = np.frombuffer(payload, dtype=np.uint8)
+        if dst.device.type == "cpu":
+            dst.numpy()[:] = src
+        else:
+            dst.copy_(torch.from_numpy(src), non_blocking=False)
+        return True
+
     def put(self, key: bytes, payload: bytes | memoryview) -> bool:
-        """SET the record (EX ttl_s when > 0); False, counted, when skipped or failed."""
+        """SET the record (EX ttl_s when > 0); False, counted, when refused, skipped or failed.
+
+        Header and payload are laid into this thread's record buffer, reused put after put,
+        and sent as one value: no fresh buffer to fault in per record."""
         self._check_open()
         rkey = self._rkey(key)
-        header = record.encode_header(self._ns, key, payload)
-
-        def write() -> list[object]:
-            value = b"".join((header, payload))
-            pipe = self._writer.pipeline(transaction=False)
-            # EXISTS rides along so a rewrite of a held chunk is not counted twice in residency
-            pipe.exists(rkey)
-            pipe.set(rkey, value, ex=self._ttl if self._ttl > 0 else None)
-            return pipe.execute()
-
-        status, replies = self._run(write, write=True)
-        if status is _Status.SKIPPED:
+        view = memoryview(payload).cast("B")
+        total = record.HEADER_BYTES + view.nbytes
+        if total > self.max_value_bytes:
+            # the server would drop the connection mid-value; never an outage of the store
+            self._m.dropped_write(self.name, "too_large").inc()
+            self._log_once(
+                "too_large",
+                "kvtier: remote tier %s refuses a %d-byte record: over the server's "
+                "proto-max-bulk-len=%d; counted as dropped_writes{reason=too_large}",
+                self._url,
+                total,
+                self.max_value_bytes,
+            )
+            return False
+        shard = self._shard(rkey)
+        if not self._breakers[shard].allow():
             self._m.dropped_write(self.name, "breaker_open").inc()
             return False
-        if status is not _Status.OK or replies is None:
+        header = record.encode_header(self._ns, key, view)
+        buf = self._buffer("write", total)
+        buf[: record.HEADER_BYTES] = header
+        buf[record.HEADER_BYTES :] = view
+        try:
+            existed = self._transport.put(rkey, buf, self._ttl)
+        except StoreError as e:
+            self._failed(e, write=True)
             return False
-        if not replies[0]:
+        self._succeeded(shard)
+        if not existed:
             with self._lock:
-                self._resident += len(header) + memoryview(payload).nbytes
+                self._resident += total
                 self._publish_locked()
         return True
 
     def lease(self, lease_id: str, keys: Sequence[bytes], counted: bool = True) -> int:
-        """Redis cannot pin, so this only counts: the leading run of `keys` present now.
-
-        A counted chunk may still vanish before the load (see the module docstring)."""
+        """Redis cannot pin, so this only counts: the leading run of `keys` present now (one
+        batch). `TierStack` never calls it (`pins` is False)."""
         return self.lookup_prefix(keys)
 
     def release(self, lease_id: str) -> None:
@@ -246,37 +304,27 @@ class RemoteTier:
             return self._resident
 
     def close(self) -> None:
-        """Drop every pooled connection; the tier is unusable afterwards."""
+        """Drop every connection; the tier is unusable afterwards."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        for client in (self._redis, self._writer):
-            client.close()
-            client.connection_pool.disconnect()
+        self._transport.close()
 
     # ---- batched extras ------------------------------------------------------------------
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """`contains` for a batch, from one pipeline of EXISTS (all False when unreachable)."""
+        """`contains` for a batch: one EXISTS batch, one round trip per shard, shards at once.
+        Keys on a shard whose breaker is open read False without touching the network."""
         self._check_open()
         if not keys:
             return []
         rkeys = [self._rkey(k) for k in keys]
-
-        def exists_all() -> list[object]:
-            pipe = self._redis.pipeline(transaction=False)
-            for rkey in rkeys:
-                pipe.exists(rkey)
-            return pipe.execute()
-
-        status, found = self._run(exists_all, write=False)
-        if status is not _Status.OK or found is None:
-            return [False] * len(keys)
-        return [bool(hit) for hit in found]
+        replies = self._batch(rkeys, self._transport.exists, write=False)
+        return [r is True for r in replies]
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:
-        """Number of leading `keys` the server holds, from one pipeline of EXISTS."""
+        """Number of leading `keys` the store holds, from one batch of EXISTS."""
         n = 0
         for hit in self.contains_many(keys):
             if not hit:
@@ -285,30 +333,34 @@ class RemoteTier:
         return n
 
     def get_many(self, keys: Sequence[bytes]) -> list[memoryview | None]:
-        """Verified payloads of `keys` (None per miss), read with one MGET round trip."""
+        """Verified payloads of `keys` (None per miss), one batch of GETs: one round trip per
+        shard, shards at once."""
         self._check_open()
         if not keys:
             return []
         rkeys = [self._rkey(k) for k in keys]
-        status, values = self._run(lambda: self._redis.mget(rkeys), write=False)
-        if status is not _Status.OK or values is None:
-            return [None] * len(keys)
+        replies = self._batch(rkeys, self._transport.get_many, write=False)
         out: list[memoryview | None] = []
-        for key, rkey, data in zip(keys, rkeys, values, strict=True):
-            out.append(None if data is None else self._verified(key, rkey, data))
+        for key, rkey, data in zip(keys, rkeys, replies, strict=True):
+            ok = isinstance(data, bytes | bytearray | memoryview)
+            out.append(self._verified(key, rkey, data) if ok else None)  # type: ignore[arg-type]
         return out
 
     # ---- introspection -------------------------------------------------------------------
 
     @property
-    def breaker(self) -> CircuitBreaker:
-        """The breaker guarding this tier."""
-        return self._breaker
+    def breaker(self) -> ShardBreakers:
+        """The per-shard breakers guarding this tier (`is_open` while any shard is shed)."""
+        return self._breakers
 
     @property
     def url(self) -> str:
         """The server URL with any password masked (safe to log)."""
         return self._url
+
+    def shard_of(self, key: bytes) -> str:
+        """The shard (owner address) chunk `key` lives on, as this tier knows the topology."""
+        return self._transport.shard_of(self._rkey(key))
 
     def redis_key(self, key: bytes) -> bytes:
         """The server-side key of chunk `key` (`kvtier:<namespace hex>:<key hex>`)."""
@@ -317,135 +369,246 @@ class RemoteTier:
     def __repr__(self) -> str:
         return (
             f"RemoteTier(url={self._url!r}, namespace={self._ns.hex()}, "
-            f"breaker={self._breaker.state.value})"
+            f"breaker={self._breakers.state.value})"
         )
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _pool(
+    def _connect(
         self,
         url: str,
+        endpoint: remote_endpoint.RemoteEndpoint,
+        *,
         username: str | None,
         password: str | None,
+        read_from_replica: bool,
+        tls: tuple[str | None, str | None, str | None, bool],
         max_connections: int,
-        socket_timeout_s: float,
-    ) -> redis.BlockingConnectionPool:
+        clock: Callable[[], float],
+    ) -> Transport:
+        # explicit credentials win over the URL's userinfo
+        username = username if username is not None else endpoint.username
+        password = password if password is not None else endpoint.password
+        if endpoint.unix:
+            from kvtier.store.remote_socket import SocketTransport
+
+            try:
+                return SocketTransport(
+                    url,
+                    self.timeouts,
+                    username=username,
+                    password=password,
+                    max_connections=max_connections,
+                )
+            except ValueError as e:
+                # the parser's message may quote parts of the URL; name only the masked URL
+                raise ConfigError(
+                    f"remote_url={self._url!r} is not a usable Redis URL ({type(e).__name__}); "
+                    f"{remote_endpoint.URL_FORMS}"
+                ) from None
+        from kvtier.store.remote_glide import GlideTransport
+
+        ca, cert, key, insecure = tls
         try:
-            pool = redis.BlockingConnectionPool.from_url(
-                url,
-                max_connections=max_connections,
-                # waiting for a free pooled connection is bounded like any other call
-                timeout=self._timeout_s,
-                socket_timeout=socket_timeout_s,
-                # reaching the server is quick or not at all, for reads and writes alike
-                socket_connect_timeout=self._timeout_s,
-                # one attempt per call: retries would multiply the time spent on a dead store
-                retry=Retry(NoBackoff(), 0),
-                health_check_interval=0,
-                # no extra handshake round trip per connection (a managed-cluster feature)
-                maint_notifications_config=MaintNotificationsConfig(enabled=False),
+            return GlideTransport(
+                endpoint,
+                self.timeouts,
+                username=username,
+                password=password,
+                read_from_replica=read_from_replica,
+                tls_ca_file=ca,
+                tls_cert_file=cert,
+                tls_key_file=key,
+                tls_insecure=insecure,
+                clock=clock,
             )
         except ValueError as e:
-            # the parser's message may quote parts of the URL; name only the masked URL
-            raise ConfigError(
-                f"remote_url={self._url!r} is not a usable Redis URL ({type(e).__name__}); "
-                "use redis://host:6379/0, rediss://host:6380/0 or unix:///path/to/redis.sock"
-            ) from None
-        # explicit credentials win over the URL's userinfo
-        if username is not None:
-            pool.connection_kwargs["username"] = username
-        if password is not None:
-            pool.connection_kwargs["password"] = password
-        return pool
+            raise StartupError(f"remote tier {self._url}: {e}") from None
 
-    def _check_server(self) -> None:
-        """PING once: bad credentials stop startup; an unreachable store opens the breaker."""
+    def _check_server(self) -> bool:
+        """PING every shard once: bad credentials stop startup; an unreachable store opens the
+        breakers. Whether the store answered."""
         try:
-            self._redis.ping()
-        except (
-            redis.exceptions.AuthenticationError,
-            redis.exceptions.AuthorizationError,
-            redis.exceptions.NoPermissionError,
-        ) as e:
+            self._transport.check()
+        except CredentialsRefused as e:
             self.close()
             raise StartupError(
-                f"remote tier {self._url} refused the credentials ({type(e).__name__}: {e}); "
+                f"remote tier {self._url} refused the credentials ({e}); "
                 "set remote_username/remote_password (or the URL's user:password) to an "
                 "account the server accepts"
             ) from None
-        except _NET_ERRORS as e:
+        except StoreError as e:
+            if not e.outage:
+                self._rejected(e, write=False)
+                return True
             # degrade, never break: serve without the remote until a probe finds it
-            self._report(self._breaker.trip(), e, at_startup=True)
-            return
-        self._report(self._breaker.success(), None)
+            for shard in self._transport.shards():
+                self._report(shard, self._breakers[shard].trip(), e, at_startup=True)
+            return False
+        for shard in self._transport.shards():
+            self._report(shard, self._breakers[shard].success(), None)
+        return True
 
-    def _run(self, fn: Callable[[], _T], *, write: bool) -> tuple[_Status, _T | None]:
-        """`fn()` behind the breaker; network failures are counted and fed to it."""
-        if not self._breaker.allow():
-            return _Status.SKIPPED, None
+    def _value_limit(self, reachable: bool, payload_bytes: int | None) -> int:
+        """The server's `proto-max-bulk-len`; a chunk record over it stops startup by name."""
+        limit = self._transport.max_value_bytes() if reachable else None
+        if limit is None:
+            limit = _DEFAULT_MAX_VALUE
+            if reachable:
+                log.info(
+                    "kvtier: remote tier %s does not report proto-max-bulk-len (CONFIG "
+                    "refused); assuming the default %d bytes",
+                    self._url,
+                    limit,
+                )
+        if payload_bytes is not None and record.HEADER_BYTES + payload_bytes > limit:
+            self.close()
+            raise StartupError(
+                f"remote tier {self._url}: one chunk record is "
+                f"{record.HEADER_BYTES + payload_bytes} bytes ({payload_bytes} payload + "
+                f"{record.HEADER_BYTES} header), over the server's proto-max-bulk-len={limit}; "
+                "lower chunk_size or raise proto-max-bulk-len on every server "
+                "(CONFIG SET proto-max-bulk-len <bytes>)"
+            )
+        return limit
+
+    def _call(self, rkey: bytes, fn: Callable[[], _T], *, write: bool) -> _T | None:
+        """`fn()` behind the key's shard breaker; None when skipped or failed (counted)."""
+        shard = self._shard(rkey)
+        if not self._breakers[shard].allow():
+            return None
         try:
             value = fn()
-        except _NET_ERRORS as e:
-            reason = "timeout" if isinstance(e, _TIMEOUTS) else "connection"
-            self._m.store_failure(self.name, reason if write else f"read_{reason}").inc()
-            log.debug("kvtier: remote tier %s call failed: %s", self._url, _describe(e))
-            self._report(self._breaker.failure(), e)
-            return _Status.FAILED, None
-        except redis.exceptions.ResponseError as e:
+        except StoreError as e:
+            if e.reason == "too_large" and not write:
+                # a value longer than this layout's record cannot be its chunk
+                self._m.verify_failure(self.name, "length_mismatch").inc()
+                self._succeeded(shard)
+                return None
+            self._failed(e, write)
+            return None
+        self._succeeded(shard)
+        return value
+
+    def _batch(
+        self,
+        rkeys: list[bytes],
+        send: Callable[[Sequence[bytes]], Sequence[object]],
+        *,
+        write: bool,
+    ) -> list[object]:
+        """`send` the keys whose shard's breaker allows it, as one batch; a reply per key (None
+        where skipped or failed). Each shard's outcome feeds its breaker once."""
+        shards = [self._shard(r) for r in rkeys]
+        allowed = {s: self._breakers[s].allow() for s in dict.fromkeys(shards)}
+        idx = [i for i, s in enumerate(shards) if allowed[s]]
+        out: list[object] = [None] * len(rkeys)
+        if not idx:
+            return out
+        replies = send([rkeys[i] for i in idx])
+        errors: dict[str, StoreError] = {}
+        for i, reply in zip(idx, replies, strict=True):
+            if isinstance(reply, StoreError):
+                errors.setdefault(shards[i], reply)
+            else:
+                out[i] = reply
+        for shard in dict.fromkeys(shards[i] for i in idx):
+            if shard in errors:
+                self._failed(errors[shard], write)
+            else:
+                self._succeeded(shard)
+        return out
+
+    def _succeeded(self, shard: str) -> None:
+        self._report(shard, self._breakers[shard].success(), None)
+
+    def _failed(self, e: StoreError, write: bool) -> None:
+        if not e.outage:
             self._rejected(e, write)
             # the server answered in time; that is what the breaker guards
-            self._report(self._breaker.success(), None)
-            return _Status.FAILED, None
-        self._report(self._breaker.success(), None)
-        return _Status.OK, value
+            self._succeeded(e.shard)
+            return
+        self._m.store_failure(self.name, e.reason if write else f"read_{e.reason}").inc()
+        log.debug("kvtier: remote tier %s call failed: %s", self._url, e)
+        self._report(e.shard, self._breakers[e.shard].failure(), e)
 
-    def _rejected(self, e: redis.exceptions.ResponseError, write: bool) -> None:
-        reason = next((r for cls, r in _REJECT_REASONS if isinstance(e, cls)), "rejected")
-        self._m.store_failure(self.name, reason if write else f"read_{reason}").inc()
-        with self._lock:
-            first = reason not in self._rejections_logged
-            self._rejections_logged.add(reason)
-        # once per reason: a full store refuses every write, and the counter carries the rate
-        log.log(
-            logging.WARNING if first else logging.DEBUG,
+    def _rejected(self, e: StoreError, write: bool) -> None:
+        reason = e.reason if write else f"read_{e.reason}"
+        self._m.store_failure(self.name, reason).inc()
+        self._log_once(
+            reason,
             "kvtier: remote tier %s refused a %s (%s); counted as store_failures{reason=%s}",
             self._url,
             "write" if write else "read",
-            _describe(e),
-            reason if write else f"read_{reason}",
+            e,
+            reason,
         )
 
+    def _log_once(self, what: str, msg: str, *args: object) -> None:
+        # once per reason: a full store refuses every write, and the counter carries the rate
+        with self._lock:
+            first = what not in self._logged
+            self._logged.add(what)
+        log.log(logging.WARNING if first else logging.DEBUG, msg, *args)
+
     def _report(
-        self, transition: Transition | None, cause: BaseException | None, at_startup: bool = False
+        self,
+        shard: str,
+        transition: Transition | None,
+        cause: BaseException | None,
+        at_startup: bool = False,
     ) -> None:
         if transition is None:
             return
-        gauge = self._m.breaker(self.name)
+        self._publish_breakers()
         if transition is Transition.OPENED:
-            gauge.set(1)
             why = (
                 "is unreachable at startup"
                 if at_startup
-                else f"failed {self._breaker.failures} calls in a row"
+                else f"failed {self._breakers.failures} calls in a row"
             )
             log.warning(
-                "kvtier: remote tier %s %s (%s); circuit breaker open: remote reads miss and "
-                "writes are dropped, probing again every %.1fs",
+                "kvtier: remote tier %s shard %s %s (%s); circuit breaker open: its reads miss "
+                "and writes are dropped, probing again every %.1fs",
                 self._url,
+                shard,
                 why,
-                _describe(cause),
-                self._breaker.probe_s,
+                cause if cause is not None else "no error",
+                self._breakers.probe_s,
             )
         elif transition is Transition.REOPENED:
-            gauge.set(1)
-            log.debug("kvtier: remote tier %s probe failed: %s", self._url, _describe(cause))
+            log.debug("kvtier: remote tier %s shard %s probe failed: %s", self._url, shard, cause)
         else:
-            gauge.set(0)
-            log.info("kvtier: remote tier %s answers again; circuit breaker closed", self._url)
+            log.info(
+                "kvtier: remote tier %s shard %s answers again; circuit breaker closed",
+                self._url,
+                shard,
+            )
+            # after an outage the owners may have changed (a replica promoted)
+            self._transport.refresh()
 
-    def _verified(self, key: bytes, rkey: bytes, data: bytes) -> memoryview | None:
+    def _shard(self, rkey: bytes) -> str:
+        """The shard of `rkey`; republishes the breakers when the topology changed."""
+        if self._transport.epoch != self._epoch:
+            self._publish_breakers()
+        return self._transport.shard_of(rkey)
+
+    def _publish_breakers(self) -> None:
+        # a shard the topology no longer has (a failed-over master) is no longer shed: no key
+        # maps to it, so its open breaker would never be probed closed
+        self._epoch = self._transport.epoch
+        self._breakers.retain(set(self._transport.shards()))
+        self._m.breaker(self.name).set(len(self._breakers.open_shards()))
+
+    def _verified(
+        self,
+        key: bytes,
+        rkey: bytes,
+        data: bytes | bytearray | memoryview,
+        expected_length: int | None = None,
+    ) -> memoryview | None:
         try:
-            return record.verify(data, self._ns, key)
+            return record.verify(data, self._ns, key, expected_length)
         except record.RecordError as e:
             self._m.verify_failure(self.name, e.reason).inc()
             log.warning(
@@ -455,12 +618,20 @@ class RemoteTier:
             )
             # best effort: content-addressed chunks make a racing rewrite harmless (it is
             # simply written again later)
-            status, deleted = self._run(lambda: self._redis.delete(rkey), write=True)
-            if status is _Status.OK and deleted:
+            n = len(data)
+            if self._call(rkey, lambda: self._transport.delete(rkey), write=True):
                 with self._lock:
-                    self._resident = max(0, self._resident - len(data))
+                    self._resident = max(0, self._resident - n)
                     self._publish_locked()
             return None
+
+    def _buffer(self, kind: str, size: int) -> memoryview:
+        """This thread's reusable `kind` buffer, at least `size` bytes, viewed at `size`."""
+        buf: bytearray | None = getattr(self._local, kind, None)
+        if buf is None or len(buf) < size:
+            buf = bytearray(size)
+            setattr(self._local, kind, buf)
+        return memoryview(buf)[:size]
 
     def _rkey(self, key: bytes) -> bytes:
         if len(key) != record.KEY_BYTES:
@@ -477,10 +648,3 @@ class RemoteTier:
 
     def _publish_locked(self) -> None:
         self._m.residency(self.name).set(self._resident)
-
-
-def _describe(e: BaseException | None) -> str:
-    """`Type: message` of a redis-py error (its messages carry host and port, never secrets)."""
-    if e is None:
-        return "no error"
-    return f"{type(e).__name__}: {e}"

@@ -131,10 +131,12 @@ class TierStack:
         chunk in the tier that holds it so it cannot be evicted before the load, and touch the
         counted run tail-first in every chain-aware tier (a probe without a lease does not)."""
         if lease_id is None:
+            # presence per lower tier comes in one batch (one round trip per remote shard)
+            known: dict[int, dict[bytes, bool]] = {}
             n = 0
-            for key in keys:
-                if self.holder(key) is None:
-                    break
+            while n < len(keys) and (
+                self._memory.contains(keys[n]) or self._lower_holder(keys, n, known) is not None
+            ):
                 n += 1
             return n
         # memory always takes the lease (empty if it holds nothing), so each lookup lease is
@@ -169,12 +171,12 @@ class TierStack:
         if self._memory.lease(lease_id, [key]) > 0:
             return True
         for i, t in enumerate(self._lower, start=1):
-            known = presence.get(i)
-            if known is None or key not in known:
-                rest = keys[idx:]
-                known = presence[i] = dict(zip(rest, t.contains_many(rest), strict=True))
-            if not known[key]:
+            if not self._present(i, t, keys, idx, presence):
                 continue
+            if not getattr(t, "pins", True):
+                # a tier that cannot pin (remote): its batched presence check is the answer,
+                # and there is nothing to release later
+                return True
             touched.add(i)
             # the lease is the final presence check: a chunk evicted since contains() is not
             # counted, so nothing counted can vanish before the load; memory already counts
@@ -182,6 +184,31 @@ class TierStack:
             if _leased(t.lease(lease_id, [key], counted=False)):
                 return True
         return False
+
+    def _present(
+        self,
+        i: int,
+        tier: Tier,
+        keys: Sequence[bytes],
+        idx: int,
+        presence: dict[int, dict[bytes, bool]],
+    ) -> bool:
+        """Whether lower tier `i` holds `keys[idx]`, asking it once for the whole rest of the
+        keys the first time a key needs it (a remote tier answers a batch in one round trip)."""
+        known = presence.get(i)
+        if known is None or keys[idx] not in known:
+            rest = keys[idx:]
+            known = presence[i] = dict(zip(rest, tier.contains_many(rest), strict=True))
+        return known[keys[idx]]
+
+    def _lower_holder(
+        self, keys: Sequence[bytes], idx: int, presence: dict[int, dict[bytes, bool]]
+    ) -> int | None:
+        """Index (from 1) of the highest lower tier holding `keys[idx]`, or None."""
+        for i, t in enumerate(self._lower, start=1):
+            if self._present(i, t, keys, idx, presence):
+                return i
+        return None
 
     def release(self, lease_id: str) -> None:
         """Release a lookup's lease in every tier that holds it; an unknown id is a counted
@@ -202,6 +229,16 @@ class TierStack:
 
     # ---- reads ---------------------------------------------------------------------------
 
+    def read_view(self, key: bytes) -> torch.Tensor | None:
+        """A zero-copy, verified view of `key`'s payload in memory when a lease pins it there
+        (valid while that lease lasts); None otherwise: `read_into` a buffer instead."""
+        if not self._memory.is_leased(key):
+            return None
+        view = self._memory.view(key)
+        if view is not None:
+            self._m.tier_hit(self._memory.name).inc()
+        return view
+
     def read_into(self, key: bytes, dst: torch.Tensor, parent: bytes = NO_PARENT) -> str | None:
         """Fill `dst` from the highest tier holding a verified copy; the serving tier's name,
         or None on a miss. A lower-tier hit is promoted into memory as the chunk after
@@ -211,6 +248,14 @@ class TierStack:
             self._m.tier_hit(self._memory.name).inc()
             return self._memory.name
         for t in self._lower:
+            reader = getattr(t, "read_into", None)
+            if reader is not None and flat.device.type == "cpu":
+                # the tier reads and verifies into its own reusable buffer, then into dst
+                if not reader(key, flat):
+                    continue
+                self._m.tier_hit(t.name).inc()
+                self._memory.put(key, flat, parent)
+                return t.name
             payload = t.get(key)
             if payload is None:
                 continue

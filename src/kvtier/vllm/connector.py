@@ -171,8 +171,21 @@ class KVTierConnector(KVConnectorBase_V1):
             )
         else:
             self._worker = WorkerSide(
-                vllm_config, self.config, self.run_dir, model_id, self.block_size
+                vllm_config, self.config, self.run_dir, model_id, self.block_size, kv_cache_config
             )
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """The cross-layer layout (one contiguous page per block for all layers: one copy per
+        block), unless the config's preferred_kv_layout says otherwise; none on CPU, whose
+        attention reads LBHNC only."""
+        from vllm.platforms import current_platform
+
+        ktc = vllm_config.kv_transfer_config
+        config = KVTierConfig.load((ktc.kv_connector_extra_config if ktc else None) or {})
+        if current_platform.is_cpu() or not config.preferred_kv_layout:
+            return None
+        return config.preferred_kv_layout
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -198,6 +211,12 @@ class KVTierConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.clear()
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Cancel in-flight saves of the step's preempted requests before their blocks are
+        reused (saves run off the forward path)."""
+        if self._worker is not None:
+            self._worker.handle_preemptions(kv_connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Queue this step's loads on the rank's load lane (asynchronous)."""
         if self._worker is not None:
@@ -218,7 +237,8 @@ class KVTierConnector(KVConnectorBase_V1):
         return
 
     def wait_for_save(self) -> None:
-        """Pack this step's finished chunks into the tier (after the forward wrote them)."""
+        """Queue this step's finished chunks for the save lane; returns without waiting for
+        their copies (they report through get_finished / the worker metadata)."""
         if self._worker is not None:
             self._worker.worker.wait_for_save(self._worker.meta)
 

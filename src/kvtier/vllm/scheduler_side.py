@@ -136,6 +136,8 @@ class SchedulerSide:
         if view is None:
             view = self.views[request.request_id] = VLLMRequestView(request)
         n = self.core.get_num_new_matched_tokens(view, num_computed_tokens)
+        if n is None:
+            return None, False  # not known yet: vLLM keeps it waiting and asks next step
         # loads run on each rank's load lane: the request parks in WAITING_FOR_REMOTE_KVS
         return (n, True) if n > 0 else (0, False)
 
@@ -186,7 +188,7 @@ class SchedulerSide:
             n = out.num_scheduled_tokens.get(req_id, 0)
             scheduled.append(StepRequest(view, computed + n))
             prefill += _prefill_tokens(view, computed, n)
-        meta = self.core.build_meta(scheduled)
+        meta = self.core.build_meta(scheduled, out.preempted_req_ids or ())
         if self._vllm_frees:
             meta.delayed_free = [r for r in meta.delayed_free if r not in self._vllm_frees]
             self._vllm_frees.clear()

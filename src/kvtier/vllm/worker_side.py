@@ -14,6 +14,7 @@ from kvtier.config import KVTierConfig
 from kvtier.metrics import Metrics
 from kvtier.offload import messages
 from kvtier.offload.messages import OffloadMeta, WorkerReport
+from kvtier.offload.pages import KVCacheDescription
 from kvtier.offload.worker import OffloadWorker
 from kvtier.topology import resolve
 from kvtier.vllm.metadata import KVTierConnectorMetadata
@@ -21,8 +22,47 @@ from kvtier.vllm.rundir import lookup_endpoint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 __all__ = ["WorkerSide"]
+
+
+# every layout vLLM 0.32 may resolve whose pages kvtier moves whole (LHBNC is refused)
+LAYOUT_FIX = (
+    "set VLLM_KV_CACHE_LAYOUT to LBHNC, LBNHC, BLHNC or BLNHC (block pages contiguous), or "
+    "let kvtier request its preferred_kv_layout"
+)
+
+
+def ranks_on_host(vllm_config: VllmConfig) -> int:
+    """Workers of every replica that run on this host (they share its RAM)."""
+    pc = vllm_config.parallel_config
+    local = int(getattr(pc, "local_world_size", pc.world_size))
+    return local * max(1, int(getattr(pc, "data_parallel_size_local", 1) or 1))
+
+
+def kv_description(
+    kv_caches: dict[str, torch.Tensor],
+    vllm_config: VllmConfig,
+    kv_cache_config: KVCacheConfig | None,
+    block_size: int,
+) -> KVCacheDescription:
+    """What vLLM resolved, as kvtier's page description: per-layer `[B, H, N, C]` views (kernel
+    blocks on dim 0 when the kernel block is smaller), the manager block count, the layout."""
+    layout = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(
+        vllm_config.cache_config, "kv_cache_layout", None
+    )
+    if kv_cache_config is not None:
+        num_blocks = int(kv_cache_config.num_blocks)
+    else:
+        num_blocks = int(next(iter(kv_caches.values())).shape[0])
+    return KVCacheDescription(
+        tensors=kv_caches,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        layout=str(layout or "unresolved"),
+        layout_fix=LAYOUT_FIX,
+    )
 
 
 def _replica_rank(vllm_config: VllmConfig) -> int:
@@ -43,8 +83,11 @@ class WorkerSide:
         run_dir: Path,
         model_id: str,
         block_size: int,
+        kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         topo = resolve(vllm_config, rank=_replica_rank(vllm_config))
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
         self.rank = topo.rank
         self.block_size = block_size
         self.registry = CollectorRegistry()
@@ -57,13 +100,23 @@ class WorkerSide:
             model_id=model_id,
             metrics=self.metrics,
             lookup_endpoint=lookup_endpoint(config, topo.rank, run_dir, base_port),
+            ranks_on_host=ranks_on_host(vllm_config),
         )
         self.meta = OffloadMeta()
         self.report = WorkerReport(rank=topo.rank)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Build the rank's layout, codec, tiers and lookup server over vLLM's KV tensors."""
-        self.worker.register_kv_caches(kv_caches, self.block_size)
+        """Build the rank's pages, codec, tiers and lookup server over vLLM's KV views."""
+        desc = kv_description(kv_caches, self.vllm_config, self.kv_cache_config, self.block_size)
+        self.worker.register_kv_caches(desc)
+
+    def handle_preemptions(self, meta: KVConnectorMetadata) -> None:
+        """Cancel the in-flight saves of requests whose blocks vLLM takes back this step
+        (called with the step's metadata before it is bound)."""
+        if isinstance(meta, KVTierConnectorMetadata) and meta.data:
+            preempted = messages.decode_meta(meta.data).preempted
+            if preempted:
+                self.worker.handle_preemptions(preempted)
 
     def bind(self, meta: KVConnectorMetadata) -> None:
         """Decode this step's OffloadMeta."""

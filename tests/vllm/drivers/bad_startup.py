@@ -1,7 +1,8 @@
 """Start `vllm.LLM` with KVTierConnector under a config that must not start.
 
 A wrong topology or layout must stop startup (never serve a write-only tier). Prints whether
-the engine came up and the exception chain. Args (JSON): model, tp, extra.
+the engine came up and the exception chain. Args (JSON): model, tp, extra, and `codec_fault`
+(the codec writes no block; needs VLLM_ENABLE_V1_MULTIPROCESSING=0 so the worker is in process).
 """
 
 from __future__ import annotations
@@ -12,6 +13,11 @@ from tests.vllm.drivers.common import args, emit, exception_chain, kv_transfer_c
 def main() -> None:
     a = args()
     from vllm import LLM
+
+    if a.get("codec_fault"):
+        from kvtier.offload.codec import PageCodec
+
+        PageCodec.scatter = lambda self, src, block_ids: 0  # type: ignore[method-assign]
 
     try:
         llm = LLM(

@@ -2,7 +2,8 @@
 
 Pass 1 completes every prompt, `POST /reset_prefix_cache` (VLLM_SERVER_DEV_MODE=1) empties
 vLLM's prefix cache, pass 2 repeats them; then `/metrics` is read once vLLM has counted every
-prompt. Prints texts, cached tokens, the cache counters and the server's kvtier log lines.
+prompt. Prints texts and token ids, cached tokens, the cache counters, the whole /metrics page
+and the server's kvtier log lines.
 Args (JSON): model, extra, and optionally n, base_len, max_tokens, startup_timeout_s.
 """
 
@@ -161,11 +162,17 @@ def main() -> None:
                     "max_tokens": a.get("max_tokens", 16),
                     "temperature": 0.0,
                     "ignore_eos": True,
+                    "return_token_ids": True,
                 }
                 r = http("POST", f"{base}/v1/completions", body)
                 details = (r.get("usage") or {}).get("prompt_tokens_details") or {}
+                choice = r["choices"][0]
                 out.append(
-                    {"text": r["choices"][0]["text"], "cached": details.get("cached_tokens", 0)}
+                    {
+                        "text": choice["text"],
+                        "token_ids": choice.get("token_ids"),
+                        "cached": details.get("cached_tokens", 0),
+                    }
                 )
             return out
 

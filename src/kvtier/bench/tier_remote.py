@@ -1,0 +1,191 @@
+"""`kvtier bench tier` remote rows: RemoteTier put / read GB/s for 1, 4 and 32 MiB chunks on one
+server and on a 3-shard cluster, each next to the raw client library moving the same bytes.
+
+The raw reference is valkey-glide, the client the tier uses and the fastest reader installed
+here: `set` of the whole record, `get` into a reused buffer. redis-py's numbers for the same
+bytes ride along in each row's detail (`redis_py_gbps`), so the client choice stays measured.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import numpy as np
+import redis
+import torch
+from glide_sync import (
+    GlideClient,
+    GlideClientConfiguration,
+    GlideClusterClient,
+    GlideClusterClientConfiguration,
+    NodeAddress,
+)
+from redis.cluster import ClusterNode, RedisCluster
+
+from kvtier import remote_endpoint
+from kvtier.bench.redis_local import LocalCluster, LocalRedis
+from kvtier.bench.table import Report, Target
+from kvtier.bench.tier import STORE_RATIO_TARGET, Progress, _gbps_row, _interleave, _Keys
+from kvtier.keys import digest16
+from kvtier.metrics import Metrics
+from kvtier.store import record
+from kvtier.store.remote import RemoteTier
+
+SIZES_MIB = (1, 4, 32)
+REMOTE_RATIO_TARGET = STORE_RATIO_TARGET
+# keys each method cycles through: the server holds a few records per method, not one per rep
+_KEYS_PER_METHOD = 3
+_TIMEOUT_MS = 5000  # a loaded 2-core box must not turn a slow rep into a failure
+_MIB = 1 << 20
+
+
+def bench_remote(report: Report, quick: bool, say: Progress) -> None:
+    """Add the remote rows: one server, then a 3-shard cluster (no replicas)."""
+    setups: tuple[tuple[str, str, Callable[[], AbstractContextManager[Any]]], ...] = (
+        ("server", "one server", LocalRedis),
+        ("cluster", "3-shard cluster", lambda: LocalCluster(masters=3, replicas=0)),
+    )
+    note = report.note(
+        "loopback Redis 7, no persistence; tier put = RemoteTier.put (checksum, header + payload "
+        "laid into a reused buffer, one SET); tier get = RemoteTier.read_into (GET into a reused "
+        "buffer, verified there, copied into the destination tensor); raw = valkey-glide set of "
+        "the same record bytes / get into a reused buffer, interleaved rep by rep; "
+        "detail.redis_py_gbps = redis-py (pure-Python parser; RedisCluster on the cluster) "
+        "moving the same bytes in the same run"
+    )
+    reps = (2, 3) if quick else (8, 30)  # (32 MiB, smaller) repetitions after one warm-up
+    for tag, label, start in setups:
+        say(f"remote tier: starting a throwaway {label} on loopback")
+        with start() as store:
+            for mib in SIZES_MIB:
+                n = reps[0] if mib >= 32 else reps[1]
+                say(f"remote tier ({label}): put + get of {mib} MiB chunks, {n} rounds")
+                puts, gets = _measure(store.url, mib * _MIB, n, tag)
+                for op, samples in (("put", puts), ("get", gets)):
+                    row = _gbps_row(
+                        report,
+                        f"remote.{tag}.{op}.{mib}mib",
+                        f"remote {op}, {label}, {mib} MiB {note}",
+                        mib * _MIB,
+                        samples["tier"],
+                        samples["raw"],
+                        Target("ratio", ">=", REMOTE_RATIO_TARGET),
+                    )
+                    note = ""
+                    rpy_s = float(np.median(samples["redis_py"]))
+                    row.detail["redis_py_gbps"] = mib * _MIB / rpy_s / 1e9
+
+
+def _measure(url: str, size: int, reps: int, tag: str) -> tuple[dict[str, list[float]], ...]:
+    """Seconds per rep of (puts, gets) for the tier, raw glide and raw redis-py."""
+    metrics = Metrics(0)
+    ns = digest16("kvtier.bench.tier.remote", (tag, size))
+    tier = RemoteTier(
+        url, ns, metrics, payload_bytes=size, timeout_ms=_TIMEOUT_MS, write_timeout_ms=_TIMEOUT_MS
+    )
+    glide = _glide(url)
+    rpy = _redis_py(url)
+    payload = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    value = record.encode(ns, bytes(16), memoryview(payload))  # the same bytes the tier sends
+    dst = torch.zeros(size, dtype=torch.uint8)
+    buf = memoryview(bytearray(len(value)))
+    keys = {m: _cycle(f"{tag}.{m}.{size}") for m in ("tier", "raw", "redis_py")}
+    tier_keys: list[bytes] = []
+    try:
+
+        def tier_put() -> float:
+            key = next(keys["tier"])
+            t = time.perf_counter()
+            ok = tier.put(key, memoryview(payload))
+            dt = time.perf_counter() - t
+            if not ok:
+                raise RuntimeError(f"remote tier refused a {size}-byte put; see its log")
+            tier_keys.append(key)
+            return dt
+
+        def raw_put(client: Any, name: str) -> Callable[[], float]:
+            def put() -> float:
+                key = next(keys[name])
+                t = time.perf_counter()
+                client.set(key, value)
+                return time.perf_counter() - t
+
+            return put
+
+        puts = _interleave(
+            {"tier": tier_put, "raw": raw_put(glide, "raw"), "redis_py": raw_put(rpy, "redis_py")},
+            1,
+            reps + 1,
+        )
+        stored = {m: [next(keys[m]) for _ in range(_KEYS_PER_METHOD)] for m in ("raw", "redis_py")}
+        turn = iter(range(1 << 30))
+
+        def tier_get() -> float:
+            key = tier_keys[-1 - next(turn) % _KEYS_PER_METHOD]
+            t = time.perf_counter()
+            ok = tier.read_into(key, dst)
+            dt = time.perf_counter() - t
+            if not ok:
+                raise RuntimeError("remote tier missed a chunk it stored; see its log")
+            return dt
+
+        def glide_get() -> float:
+            key = stored["raw"][next(turn) % _KEYS_PER_METHOD]
+            t = time.perf_counter()
+            got = glide.get(key, buffer=buf)
+            dt = time.perf_counter() - t
+            if got is None:
+                raise RuntimeError("glide missed a value it stored")
+            return dt
+
+        def rpy_get() -> float:
+            key = stored["redis_py"][next(turn) % _KEYS_PER_METHOD]
+            t = time.perf_counter()
+            got = rpy.get(key)
+            dt = time.perf_counter() - t
+            if got is None:
+                raise RuntimeError("redis-py missed a value it stored")
+            return dt
+
+        gets = _interleave({"tier": tier_get, "raw": glide_get, "redis_py": rpy_get}, 1, reps + 1)
+        # a bench of wrong bytes would prove nothing
+        if not (tier.read_into(tier_keys[-1], dst) and np.array_equal(dst.numpy(), payload)):
+            raise RuntimeError("remote tier read back other bytes than were stored")
+    finally:
+        tier.close()
+        glide.close()
+        rpy.close()
+    return puts, gets
+
+
+def _cycle(tag: str) -> Iterator[bytes]:
+    keys = _Keys(tag)
+    ring = [keys.next() for _ in range(_KEYS_PER_METHOD)]
+    i = 0
+    while True:
+        yield ring[i % len(ring)]
+        i += 1
+
+
+def _glide(url: str) -> GlideClient | GlideClusterClient:
+    endpoint = remote_endpoint.parse(url)
+    nodes = [NodeAddress(h, p) for h, p in endpoint.seeds]
+    if endpoint.cluster:
+        return GlideClusterClient.create(
+            GlideClusterClientConfiguration(nodes, request_timeout=_TIMEOUT_MS)
+        )
+    return GlideClient.create(GlideClientConfiguration(nodes, request_timeout=_TIMEOUT_MS))
+
+
+def _redis_py(url: str) -> redis.Redis | RedisCluster:
+    endpoint = remote_endpoint.parse(url)
+    if endpoint.cluster:
+        return RedisCluster(
+            startup_nodes=[ClusterNode(h, p) for h, p in endpoint.seeds],
+            socket_timeout=_TIMEOUT_MS / 1e3,
+        )
+    host, port = endpoint.seeds[0]
+    return redis.Redis(host=host, port=port, socket_timeout=_TIMEOUT_MS / 1e3)

@@ -1,0 +1,83 @@
+"""A worker lane: one daemon thread that runs a rank's transfer jobs in order, bound to the
+rank's KV device (and, on CUDA, to a side stream of its own)."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
+
+from kvtier.offload.device import DeviceOps, Lane
+
+log = logging.getLogger("kvtier")
+
+T = TypeVar("T")
+Job = Callable[[Lane], object]
+
+
+class WorkLane:
+    """Jobs run one at a time on a daemon thread, so a stuck job never blocks process exit."""
+
+    def __init__(self, name: str, ops: DeviceOps) -> None:
+        self.name = name
+        self._ops = ops
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._ready = threading.Event()
+        self._failed: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Start the thread; raise what binding it to the device raised."""
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"lane {self.name} did not start within {timeout_s} s")
+        if self._failed is not None:
+            raise self._failed
+
+    def submit(self, job: Job) -> None:
+        """Queue `job(lane)`; it must report its own outcome (the lane only logs a crash)."""
+        self._jobs.put(job)
+
+    def call(self, fn: Callable[[Lane], T], timeout_s: float) -> T:
+        """Run `fn(lane)` on the lane and return its result (or raise what it raised)."""
+        fut: Future[T] = Future()
+
+        def job(lane: Lane) -> None:
+            try:
+                fut.set_result(fn(lane))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller, never swallowed
+                fut.set_exception(e)
+
+        self.submit(job)
+        return fut.result(timeout=timeout_s)
+
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Stop after the queued jobs; False if the thread is still busy after `timeout_s`."""
+        if not self._thread.is_alive():
+            return True
+        self._jobs.put(None)
+        self._thread.join(timeout=timeout_s)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        try:
+            self._ops.bind_thread()
+            lane = self._ops.lane()
+        except BaseException as e:  # noqa: BLE001 - re-raised by start() in the owner's thread
+            self._failed = e
+            self._ready.set()
+            return
+        self._ready.set()
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                job(lane)
+            except Exception:
+                # jobs report their outcome themselves; one that raised anyway is a bug, and
+                # the lane must live on for the jobs behind it
+                log.exception("kvtier: %s job raised", self.name)

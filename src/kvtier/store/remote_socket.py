@@ -1,0 +1,186 @@
+"""The remote tier's transport to a server on a local socket (`unix://`), over redis-py.
+
+valkey-glide speaks TCP only; a same-host server on a socket goes through redis-py's pools, one
+for reads and presence, one for writes, each with its own socket timeout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.maint_notifications import MaintNotificationsConfig
+from redis.retry import Retry
+
+from kvtier.store.remote_transport import CredentialsRefused, StoreError, Timeouts
+
+# The store did not answer in time or the connection broke. AuthenticationError is a
+# ConnectionError in redis-py: after startup a credential change is one more outage.
+_NET_ERRORS: tuple[type[BaseException], ...] = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    redis.exceptions.InvalidResponse,
+    TimeoutError,
+    OSError,
+)
+_T = TypeVar("_T")
+_TIMEOUTS: tuple[type[BaseException], ...] = (redis.exceptions.TimeoutError, TimeoutError)
+_REJECT_REASONS: tuple[tuple[type[redis.exceptions.ResponseError], str], ...] = (
+    (redis.exceptions.OutOfMemoryError, "oom"),
+    (redis.exceptions.ReadOnlyError, "read_only"),
+    (redis.exceptions.NoPermissionError, "no_permission"),
+)
+_AUTH_ERRORS: tuple[type[BaseException], ...] = (
+    redis.exceptions.AuthenticationError,
+    redis.exceptions.AuthorizationError,
+    redis.exceptions.NoPermissionError,
+)
+
+
+class SocketTransport:
+    """A Valkey/Redis server on a unix socket; one shard, named by the socket path."""
+
+    def __init__(
+        self,
+        url: str,
+        timeouts: Timeouts,
+        *,
+        username: str | None,
+        password: str | None,
+        max_connections: int = 16,
+    ) -> None:
+        self._shard = url.partition("?")[0]
+        self._timeouts = timeouts
+        self._redis = redis.Redis(
+            connection_pool=_pool(url, username, password, max_connections, timeouts, False)
+        )
+        self._writer = redis.Redis(
+            connection_pool=_pool(url, username, password, max_connections, timeouts, True)
+        )
+
+    @property
+    def epoch(self) -> int:
+        return 0
+
+    def shard_of(self, rkey: bytes) -> str:
+        return self._shard
+
+    def shards(self) -> list[str]:
+        return [self._shard]
+
+    def refresh(self) -> None:
+        """One server: nothing to re-read."""
+
+    def check(self) -> None:
+        try:
+            self._redis.ping()
+        except _AUTH_ERRORS as e:
+            raise CredentialsRefused(f"{type(e).__name__}: {e}") from None
+        except (*_NET_ERRORS, redis.exceptions.ResponseError) as e:
+            raise self._error(e) from None
+
+    def max_value_bytes(self) -> int | None:
+        try:
+            reply = self._redis.config_get("proto-max-bulk-len")
+        except (*_NET_ERRORS, redis.exceptions.ResponseError):
+            return None
+        value = reply.get("proto-max-bulk-len") if isinstance(reply, dict) else None
+        return None if value is None else int(value)
+
+    def exists(self, rkeys: Sequence[bytes]) -> list[bool | StoreError]:
+        def call() -> list[object]:
+            pipe = self._redis.pipeline(transaction=False)
+            for rkey in rkeys:
+                pipe.exists(rkey)
+            return pipe.execute()
+
+        replies = self._batch(call, len(rkeys))
+        return [r if isinstance(r, StoreError) else bool(r) for r in replies]
+
+    def get(self, rkey: bytes) -> bytes | None:
+        data = self._call(lambda: self._redis.get(rkey))
+        return None if data is None else bytes(data)
+
+    def get_into(self, rkey: bytes, buf: memoryview) -> int | None:
+        data = self.get(rkey)
+        if data is None:
+            return None
+        if len(data) > buf.nbytes:
+            raise StoreError(
+                "too_large", False, self._shard, f"{len(data)} bytes, room for {buf.nbytes}"
+            )
+        buf[: len(data)] = data
+        return len(data)
+
+    def get_many(self, rkeys: Sequence[bytes]) -> list[bytes | None | StoreError]:
+        return self._batch(lambda: self._redis.mget(rkeys), len(rkeys))  # type: ignore[return-value]
+
+    def put(self, rkey: bytes, value: memoryview, ttl_s: int) -> bool:
+        def call() -> list[object]:
+            pipe = self._writer.pipeline(transaction=False)
+            pipe.exists(rkey)
+            pipe.set(rkey, value, ex=ttl_s if ttl_s > 0 else None)
+            return pipe.execute()
+
+        replies = self._call(call)
+        return bool(replies[0])
+
+    def delete(self, rkey: bytes) -> bool:
+        return bool(self._call(lambda: self._writer.delete(rkey)))
+
+    def close(self) -> None:
+        for client in (self._redis, self._writer):
+            client.close()
+            client.connection_pool.disconnect()
+
+    def _call(self, fn: Callable[[], _T]) -> _T:
+        try:
+            return fn()
+        except (*_NET_ERRORS, redis.exceptions.ResponseError) as e:
+            raise self._error(e) from None
+
+    def _batch(self, fn: Callable[[], Sequence[object]], n: int) -> list[object]:
+        try:
+            return list(fn())
+        except (*_NET_ERRORS, redis.exceptions.ResponseError) as e:
+            error = self._error(e)
+            return [error] * n
+
+    def _error(self, e: BaseException) -> StoreError:
+        if isinstance(e, redis.exceptions.ResponseError):
+            reason = next((r for cls, r in _REJECT_REASONS if isinstance(e, cls)), "rejected")
+            return StoreError(reason, False, self._shard, f"{type(e).__name__}: {e}")
+        reason = "timeout" if isinstance(e, _TIMEOUTS) else "connection"
+        return StoreError(reason, True, self._shard, f"{type(e).__name__}: {e}")
+
+
+def _pool(
+    url: str,
+    username: str | None,
+    password: str | None,
+    max_connections: int,
+    timeouts: Timeouts,
+    write: bool,
+) -> redis.BlockingConnectionPool:
+    pool = redis.BlockingConnectionPool.from_url(
+        url,
+        max_connections=max_connections,
+        # waiting for a free pooled connection is bounded like any other call
+        timeout=timeouts.presence_s,
+        # Python bounds a whole sendall by the socket timeout, so writes get the write timeout
+        socket_timeout=timeouts.write_s if write else timeouts.read_s,
+        socket_connect_timeout=timeouts.presence_s,
+        # one attempt per call: retries would multiply the time spent on a dead store
+        retry=Retry(NoBackoff(), 0),
+        health_check_interval=0,
+        # no extra handshake round trip per connection (a managed-cluster feature)
+        maint_notifications_config=MaintNotificationsConfig(enabled=False),
+    )
+    # explicit credentials win over the URL's userinfo
+    if username is not None:
+        pool.connection_kwargs["username"] = username
+    if password is not None:
+        pool.connection_kwargs["password"] = password
+    return pool

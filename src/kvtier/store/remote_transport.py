@@ -1,0 +1,95 @@
+"""What the remote tier asks of a Valkey/Redis client library, in kvtier's own terms.
+
+A transport speaks to one server or one cluster. It raises (or returns, per key in a batch) only
+`StoreError`, so the tier never sees a library's exception types; each error names the shard it
+came from, so the tier's breakers work per shard. Batches are one round trip per shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class StoreError(Exception):
+    """A call the store did not complete. `outage` errors (timeouts, broken or refused
+    connections) feed the shard's breaker; the others are prompt refusals by a live server."""
+
+    def __init__(self, reason: str, outage: bool, shard: str, detail: str) -> None:
+        super().__init__(f"{reason} on {shard}: {detail}")
+        self.reason = reason
+        self.outage = outage
+        self.shard = shard
+
+
+class CredentialsRefused(Exception):
+    """The store answered but rejected the credentials (raised only by `Transport.check`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Seconds a call may take: presence checks, one record read, one record write."""
+
+    presence_s: float
+    read_s: float
+    write_s: float
+
+
+class Transport(Protocol):
+    """One server or cluster, addressed by full server-side keys."""
+
+    @property
+    def epoch(self) -> int:
+        """A number that changes whenever the known topology (shard owners) does."""
+        ...
+
+    def shard_of(self, rkey: bytes) -> str:
+        """The shard (owner address) a key lives on, as the transport knows the topology."""
+        ...
+
+    def shards(self) -> list[str]:
+        """Every shard of the current topology."""
+        ...
+
+    def check(self) -> None:
+        """PING every shard once; raises CredentialsRefused or StoreError."""
+        ...
+
+    def max_value_bytes(self) -> int | None:
+        """The smallest `proto-max-bulk-len` over the shards; None when the server does not
+        say (CONFIG refused)."""
+        ...
+
+    def exists(self, rkeys: Sequence[bytes]) -> list[bool | StoreError]:
+        """Presence of each key, one batch (one round trip per shard)."""
+        ...
+
+    def get(self, rkey: bytes) -> bytes | None:
+        """The value of `rkey` or None; raises StoreError."""
+        ...
+
+    def get_into(self, rkey: bytes, buf: memoryview) -> int | None:
+        """Read the value of `rkey` into `buf`; its length, or None on a miss. A value longer
+        than `buf` raises StoreError(reason='too_large', outage=False)."""
+        ...
+
+    def get_many(self, rkeys: Sequence[bytes]) -> list[bytes | None | StoreError]:
+        """Values of `rkeys`, one batch (one round trip per shard, shards in parallel)."""
+        ...
+
+    def put(self, rkey: bytes, value: memoryview, ttl_s: int) -> bool:
+        """SET `rkey` (EX `ttl_s` when > 0); whether the key existed before. Raises StoreError."""
+        ...
+
+    def delete(self, rkey: bytes) -> bool:
+        """DEL `rkey`; whether it existed. Raises StoreError."""
+        ...
+
+    def refresh(self) -> None:
+        """Re-read the topology (after an outage or a redirect); a no-op on one server."""
+        ...
+
+    def close(self) -> None:
+        """Drop every connection."""
+        ...

@@ -1,0 +1,35 @@
+"""Fixtures shared across test directories: one `vllm serve` with KVTierConnector per session
+(two passes, so the tier served a hit before /metrics was read), for the tests that hold
+kvtier or the native server against vLLM."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.vllm.conftest import DRIVERS, TIER, _run
+from tests.vllm.conftest import tiny_vllm_model as tiny_vllm_model  # fixtures, visible everywhere
+from tests.vllm.conftest import vllm_env as vllm_env
+from tests.vllm.conftest import vllm_python as vllm_python
+from tests.vllm.drivers.common import RESULT_PREFIX
+
+SERVE_ARGS: dict[str, Any] = {"extra": TIER}
+
+
+@pytest.fixture(scope="session")
+def vllm_served(
+    vllm_python: Path,
+    vllm_env: dict[str, str],
+    tiny_vllm_model: Path,
+) -> dict:
+    """The result of tests/vllm/drivers/serve.py on the tiny bf16 model: both passes (texts,
+    token ids, cached tokens), the cache counters and the whole /metrics page."""
+    args = json.dumps({"model": str(tiny_vllm_model), **SERVE_ARGS})
+    code, out, err = _run([str(vllm_python), str(DRIVERS / "serve.py"), args], vllm_env, 280)
+    lines = [x for x in out.splitlines() if x.startswith(RESULT_PREFIX)]
+    if code != 0 or len(lines) != 1:
+        raise AssertionError(f"serve driver exited {code}\n{err[-6000:]}")
+    return json.loads(lines[0][len(RESULT_PREFIX) :])

@@ -1,0 +1,257 @@
+"""Real clients against a real `kvtier serve` (TP=1 and TP=2, one server each for the module):
+`vllm bench serve` (openai and openai-chat backends, random and prefix_repetition datasets),
+aiperf 0.13 (chat and completions, streaming and not) and the official `openai` SDK for every
+sampling and output field. Each asserts every request succeeded and the client's token counts
+equal the server's counters."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.native.cli_server import Served, clean_env, kvtier_serve
+from tests.vllm.conftest import DRIVERS, REPO, _run
+from tests.vllm.drivers.common import RESULT_PREFIX
+
+# a server start per TP size plus client start-up: room beyond the default per-test timeout
+pytestmark = pytest.mark.timeout(600)
+
+AIPERF_SETUP = REPO / "scripts" / "setup-aiperf-env.sh"
+AIPERF = REPO / ".venv-aiperf" / "bin" / "aiperf"
+CONFIG = "chunk_size: 64\nmemory_bytes: 64MiB\nload_gate: false\nlookup_timeout_ms: 5000\n"
+PROMPT = "Kasumi ronetavi pelo dazu. Fori make nosa teli wage buho yani doru sepa."
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def served(
+    request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Served]:
+    """One `kvtier serve` per TP size for the whole module (offload on, 64-token chunks)."""
+    with kvtier_serve(tiny_model, tmp_path_factory.mktemp("clients"), tp=request.param,
+                      config=CONFIG) as srv:  # fmt: skip
+        yield srv
+
+
+def delta(srv: Served, before: dict[str, float]) -> dict[str, float]:
+    after = srv.counters()
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+
+
+# ---- vllm bench serve -------------------------------------------------------------------------
+
+BENCH = {
+    "openai-random": ["--backend", "openai", "--dataset-name", "random",
+                      "--random-input-len", "96", "--random-output-len", "6"],
+    "openai-chat-random": ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+                           "--dataset-name", "random", "--random-input-len", "96",
+                           "--random-output-len", "6"],
+    "openai-prefix-repetition": ["--backend", "openai", "--dataset-name", "prefix_repetition",
+                                 "--prefix-repetition-prefix-len", "128",
+                                 "--prefix-repetition-suffix-len", "16",
+                                 "--prefix-repetition-num-prefixes", "2",
+                                 "--prefix-repetition-output-len", "6"],
+    "openai-chat-prefix-repetition": ["--backend", "openai-chat",
+                                      "--endpoint", "/v1/chat/completions",
+                                      "--dataset-name", "prefix_repetition",
+                                      "--prefix-repetition-prefix-len", "128",
+                                      "--prefix-repetition-suffix-len", "16",
+                                      "--prefix-repetition-num-prefixes", "2",
+                                      "--prefix-repetition-output-len", "6"],
+}  # fmt: skip
+
+
+def test_vllm_bench_serve_both_backends_and_datasets_succeed_with_the_servers_counts(
+    served: Served, vllm_python: Path, vllm_env: dict[str, str]
+):
+    common = ["--base-url", served.base, "--model", "tiny", "--tokenizer", str(served.model_dir),
+              "--num-prompts", "8", "--ignore-eos", "--temperature", "0",
+              "--max-concurrency", "4", "--disable-tqdm", "--seed", "3"]  # fmt: skip
+    jobs = [{"name": name, "argv": [*common, *argv]} for name, argv in BENCH.items()]
+    args = json.dumps({"base_url": served.base, "jobs": jobs})
+    code, out, err = _run([str(vllm_python), str(DRIVERS / "bench_serve.py"), args], vllm_env, 280)
+    lines = [x for x in out.splitlines() if x.startswith(RESULT_PREFIX)]
+    assert code == 0 and len(lines) == 1, err[-4000:]
+    runs = json.loads(lines[0][len(RESULT_PREFIX) :])["runs"]
+    assert [r["name"] for r in runs] == list(BENCH)
+    for r in runs:
+        assert r["completed"] == 8 and r["failed"] == 0, (r["name"], r["errors"], r["stdout_tail"])
+        assert r["total_output_tokens"] == 8 * 6, r["name"]
+        # the client's counts are the server's usage, and the usage is what /metrics counted
+        assert r["server"]["vllm:prompt_tokens_total"] == r["total_input_tokens"], r["name"]
+        assert r["server"]["vllm:generation_tokens_total"] == r["total_output_tokens"], r["name"]
+        assert r["server"]["vllm:request_success_total"] == 8, r["name"]
+
+
+# ---- aiperf -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def aiperf() -> Path:
+    """`.venv-aiperf`'s aiperf CLI, built by scripts/setup-aiperf-env.sh when missing or stale."""
+    proc = subprocess.run(["bash", str(AIPERF_SETUP)], cwd=REPO, capture_output=True, text=True,
+                          timeout=1800, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return AIPERF
+
+
+AIPERF_RUNS = [("chat", True), ("chat", False), ("completions", True), ("completions", False)]
+
+
+def test_aiperf_chat_and_completions_streaming_and_not_succeed_with_the_servers_counts(
+    served: Served, aiperf: Path, tmp_path: Path
+):
+    # the four runs go at once (each is mostly aiperf's own start-up), so the server's counters
+    # are held against their sum; each run's own requests must all have succeeded
+    before = served.counters()
+    # a local tokenizer directory: any hub call (there should be none) fails at once on loopback
+    env = {**clean_env(), "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    procs = []
+    for endpoint, streaming in AIPERF_RUNS:
+        out = tmp_path / f"{endpoint}-{'stream' if streaming else 'plain'}"
+        cmd = [str(aiperf), "profile", "--model", "tiny", "--url", served.base,
+               "--endpoint-type", endpoint, "--tokenizer", str(served.model_dir),
+               "--request-count", "6", "--concurrency", "2", "--isl", "48", "--osl", "5",
+               "--extra-inputs", "ignore_eos:true", "--use-server-token-count",
+               "--random-seed", "1", "--artifact-dir", str(out), "--no-server-metrics",
+               "--ui-type", "none", *(["--streaming"] if streaming else [])]  # fmt: skip
+        procs.append((out, subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                                            stderr=subprocess.STDOUT, text=True, env=env)))
+    prompt = completion = 0.0
+    for out, proc in procs:
+        log, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, (out.name, log[-4000:])
+        doc = json.loads((out / "profile_export_aiperf.json").read_text())
+        assert doc["request_count"]["avg"] == 6, (out.name, doc.get("error_summary"))
+        assert not doc.get("error_summary"), (out.name, doc["error_summary"])
+        assert doc["total_usage_completion_tokens"]["avg"] == 6 * 5, out.name
+        prompt += doc["total_usage_prompt_tokens"]["avg"]
+        completion += doc["total_usage_completion_tokens"]["avg"]
+    d = delta(served, before)
+    assert d["vllm:request_success_total"] == 6 * len(AIPERF_RUNS)
+    assert d["vllm:prompt_tokens_total"] == prompt
+    assert d["vllm:generation_tokens_total"] == completion
+
+
+# ---- the openai SDK, every field --------------------------------------------------------------
+
+
+def test_openai_sdk_every_field(served: Served):
+    client = openai.OpenAI(base_url=f"{served.base}/v1", api_key="none", max_retries=0)
+    before = served.counters()
+    usage = {"prompt": 0, "completion": 0, "requests": 0}
+
+    def count(resp: Any, per_prompt: int = 1) -> Any:
+        # the server prefills a prompt once per sequence it generates for it
+        usage["prompt"] += resp.usage.prompt_tokens * per_prompt
+        usage["completion"] += resp.usage.completion_tokens
+        usage["requests"] += per_prompt * max(1, len(resp.choices) // per_prompt)
+        return resp
+
+    def complete(per_prompt: int = 1, **kw: Any) -> Any:
+        kw.setdefault("max_tokens", 6)
+        extra = {k: kw.pop(k) for k in ("top_k", "min_p", "repetition_penalty", "ignore_eos",
+                                       "min_tokens", "return_token_ids",
+                                       "include_stop_str_in_output") if k in kw}  # fmt: skip
+        resp = client.completions.create(model="tiny", extra_body=extra, **kw)
+        return count(resp, per_prompt)
+
+    greedy = complete(prompt=PROMPT, temperature=0, return_token_ids=True, ignore_eos=True)
+    ids = greedy.choices[0].token_ids
+    text = greedy.choices[0].text
+    # stop: the text ends before the stop string, finish_reason says stop, stop_reason names it
+    stop = text.strip()[2:4]
+    stopped = complete(prompt=PROMPT, temperature=0, stop=[stop], ignore_eos=True)
+    assert stopped.choices[0].text == text[: text.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+    kept = complete(prompt=PROMPT, temperature=0, stop=stop, include_stop_str_in_output=True,
+                    ignore_eos=True)  # fmt: skip
+    assert kept.choices[0].text == text[: text.index(stop) + len(stop)]
+    # n and best_of: n choices, indices 0..n-1, seeded children differ
+    many = complete(3, prompt=PROMPT, n=3, seed=5, temperature=1.0, logprobs=0, ignore_eos=True)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert len({c.text for c in many.choices}) > 1
+    best = complete(3, prompt=PROMPT, n=1, best_of=3, seed=5, temperature=1.0, logprobs=0,
+                    ignore_eos=True)  # fmt: skip
+    cumulative = [sum(c.logprobs.token_logprobs) for c in many.choices]
+    assert math.isclose(sum(best.choices[0].logprobs.token_logprobs), max(cumulative),
+                        rel_tol=1e-5)  # fmt: skip
+    # logprobs: the greedy token is the likeliest, 2 alternatives each
+    lp = complete(prompt=PROMPT, temperature=0, logprobs=2, ignore_eos=True).choices[0].logprobs
+    assert len(lp.tokens) == 6 and all(len(t) >= 2 for t in lp.top_logprobs)
+    pairs = zip(lp.token_logprobs, lp.top_logprobs, strict=True)
+    assert all(math.isclose(v, max(t.values())) for v, t in pairs)
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == text
+    # echo: the prompt comes first
+    echo = complete(prompt=PROMPT, temperature=0, echo=True, ignore_eos=True)
+    assert echo.choices[0].text == PROMPT + text
+    # logit_bias forces a token; penalties, top_k, min_p change nothing structural
+    forced = complete(prompt=PROMPT, temperature=0, logit_bias={"42": 100}, ignore_eos=True,
+                      return_token_ids=True)  # fmt: skip
+    assert forced.choices[0].token_ids == [42] * 6
+    varied = complete(prompt=PROMPT, temperature=0.8, top_p=0.9, top_k=5, min_p=0.05, seed=1,
+                      presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2,
+                      ignore_eos=True, min_tokens=2)  # fmt: skip
+    assert varied.usage.completion_tokens == 6
+    rep = complete(prompt=PROMPT, temperature=0, frequency_penalty=2.0, ignore_eos=True,
+                   return_token_ids=True, max_tokens=12)  # fmt: skip
+    assert len(rep.choices[0].token_ids) == 12 and rep.choices[0].token_ids[0] == ids[0]
+    # batched prompts: one choice per prompt, in order, as separate requests would give
+    batch = complete(prompt=[PROMPT, "ka ro mi"], temperature=0, ignore_eos=True)
+    assert [c.index for c in batch.choices] == [0, 1] and batch.choices[0].text == text
+    # streaming with usage: deltas add up, a usage chunk closes it
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    usage["prompt"] += chunks[-1].usage.prompt_tokens
+    usage["completion"] += chunks[-1].usage.completion_tokens
+    usage["requests"] += 1
+    assert ids == greedy.choices[0].token_ids
+
+    # chat: the template, logprobs, stop, n, streaming
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = count(client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=6, temperature=0, logprobs=True,
+        top_logprobs=2, extra_body={"ignore_eos": True},
+    ))  # fmt: skip
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
+    assert len(chat.choices[0].logprobs.content) == 6
+    assert all(len(e.top_logprobs) == 2 for e in chat.choices[0].logprobs.content)
+    chat_n = count(client.chat.completions.create(
+        model="tiny", messages=messages, max_completion_tokens=4, n=2, seed=3,
+        stop=["\n"], extra_body={"ignore_eos": True},
+    ), per_prompt=2)  # fmt: skip
+    assert [c.index for c in chat_n.choices] == [0, 1]
+    stream = list(client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    ))  # fmt: skip
+    content = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert content == chat.choices[0].message.content
+    usage["prompt"] += stream[-1].usage.prompt_tokens
+    usage["completion"] += stream[-1].usage.completion_tokens
+    usage["requests"] += 1
+
+    # errors come back as the SDK's typed errors with OpenAI's body
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="tiny", prompt="hi", temperature=3)
+    assert bad.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="hi")
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="tiny", input="hi")
+
+    # every token the SDK was told about is one the server counted (n>1 prompts count per
+    # sequence on the server, once per prompt in usage: vLLM's accounting)
+    d = delta(served, before)
+    assert d["vllm:generation_tokens_total"] == usage["completion"]
+    assert d["vllm:prompt_tokens_total"] == usage["prompt"]
+    assert d["vllm:request_success_total"] == usage["requests"]

@@ -1,0 +1,224 @@
+"""OffloadWorker on a vLLM-shaped KV cache: the whole save/load path and the self-test run under
+the device-separation harness; saves leave `wait_for_save`; preemption cancels in-flight saves;
+the self-test stops startup when the codec cannot move a block; lanes bind the rank's device."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from kvtier.config import KVTierConfig
+from kvtier.errors import ConfigError, StartupError
+from kvtier.metrics import Metrics
+from kvtier.offload.codec import PageCodec
+from kvtier.offload.device import CudaOps, Lane
+from kvtier.offload.messages import ChunkRef, LoadOp, OffloadMeta, SaveOp
+from kvtier.offload.pages import KVCacheDescription, manager_view
+from kvtier.offload.selftest import SELF_TEST_KEY
+from kvtier.offload.worker import PREEMPTED, OffloadWorker
+from tests.offload.separation import DeviceSeparation, TaggedOps
+from tests.offload.vllm_views import build, gqa
+
+NB, BS, CHUNK = 12, 16, 32
+KEY_A, KEY_B = b"a" * 16, b"b" * 16
+WAIT_S = 30.0
+
+
+class GatedOps(TaggedOps):
+    """Save-lane copies wait for `gate` (a test hook on the device, not in the worker)."""
+
+    def __init__(self, mode: DeviceSeparation) -> None:
+        super().__init__(mode)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.waiting = threading.Event()
+
+    def lane(self) -> Lane:
+        ops = self
+        inner = super().lane()
+
+        class _Gated:
+            def active(self):  # type: ignore[no-untyped-def]
+                return inner.active()
+
+            def after(self, fence: object | None) -> None:
+                inner.after(fence)
+
+            def finish(self) -> None:
+                if threading.current_thread().name.startswith("kvtier-save"):
+                    ops.waiting.set()
+                    assert ops.gate.wait(WAIT_S), "gate never opened"
+                inner.finish()
+
+        return _Gated()
+
+
+def config(**kw: object) -> KVTierConfig:
+    return KVTierConfig.from_dict({"memory_bytes": "8MiB", "chunk_size": CHUNK, **kw})
+
+
+@pytest.fixture
+def rig() -> Iterator[tuple[OffloadWorker, GatedOps, dict[str, torch.Tensor]]]:
+    mode = DeviceSeparation()
+    ops = GatedOps(mode)
+    raw, views = build(gqa(block_size=BS), NB, "LBNHC")
+    g = torch.Generator().manual_seed(5)
+    raw.copy_(torch.randint(-60, 60, raw.shape, generator=g, dtype=torch.int8))
+    mode.tag(raw)
+    worker = OffloadWorker(
+        config(),
+        rank=0,
+        world=1,
+        model_id="m",
+        metrics=Metrics(rank=0, registry=CollectorRegistry()),
+        lookup_endpoint=None,
+        ops=ops,
+    )
+    with mode:
+        worker.register_kv_caches(KVCacheDescription(views, NB, BS, "LBNHC"))
+        yield worker, ops, views
+    worker.close()
+
+
+def blocks(views: dict[str, torch.Tensor], ids: list[int]) -> list[torch.Tensor]:
+    # host copies through an explicit copy: the harness refuses device bytes in host ops
+    out = []
+    for v in views.values():
+        rows = manager_view(v, NB)
+        for b in ids:
+            host = torch.empty(rows[b].shape, dtype=rows[b].dtype)
+            host.copy_(rows[b])
+            out.append(host.view(torch.uint8))  # bytes: random bits make NaNs
+    return out
+
+
+def save(worker: OffloadWorker, req: str, key: bytes, ids: list[int]) -> None:
+    op = SaveOp(f"{req}#sv", req, [ChunkRef(key, ids)], CHUNK)
+    worker.wait_for_save(OffloadMeta(saves=[op]))
+
+
+def test_save_then_load_moves_real_blocks_under_the_harness(rig) -> None:  # type: ignore[no-untyped-def]
+    worker, ops, views = rig
+    assert worker.stack is not None
+    # the self-test left its chunk for the scheduler's lookup, and every block as it was
+    assert worker.stack.memory.contains(SELF_TEST_KEY)
+    want = blocks(views, [3, 4])
+    save(worker, "r1", KEY_A, [3, 4])
+    assert worker.wait_idle(WAIT_S)
+    report = worker.take_report()
+    assert [(r.ok, r.nbytes) for r in report.results] == [(True, worker.codec.chunk_bytes)]
+    assert worker.stack.lookup([KEY_A], "lk1") == 1
+    load = LoadOp("r2#ld", "r2", "lk1", [ChunkRef(KEY_A, [9, 8])], CHUNK)
+    worker.start_load_kv(OffloadMeta(loads=[load]))
+    assert worker.wait_idle(WAIT_S)
+    report = worker.take_report()
+    assert report.finished_recving == ["r2"] and report.results[0].ok
+    assert all(torch.equal(a, b) for a, b in zip(blocks(views, [9, 8]), want, strict=True))
+    # both lanes bound the device in their own thread (CUDA: set_device there)
+    assert {"kvtier-load-0", "kvtier-save-0"} <= set(ops.bound)
+    assert ops.mode.checked > 100
+
+
+def test_wait_for_save_returns_while_the_copy_is_still_gated(rig) -> None:  # type: ignore[no-untyped-def]
+    worker, ops, views = rig
+    ops.gate.clear()
+    save(worker, "r1", KEY_A, [3, 4])
+    assert ops.waiting.wait(WAIT_S)
+    # the next step runs: its report has no save yet, and a load goes through meanwhile
+    assert worker.take_report().results == []
+    assert worker.stack.lookup([SELF_TEST_KEY], "lk") == 1
+    load = LoadOp("r2#ld", "r2", "lk", [ChunkRef(SELF_TEST_KEY, [10, 11])], CHUNK)
+    worker.start_load_kv(OffloadMeta(loads=[load], delayed_free=["r1"]))
+    deadline = threading.Event()
+    for _ in range(300):
+        report = worker.take_report()
+        if report.finished_recving:
+            break
+        deadline.wait(0.01)
+    assert report.finished_recving == ["r2"]
+    # r1's blocks stay held while its save is in flight
+    assert "r1" not in report.finished_sending
+    ops.gate.set()
+    assert worker.wait_idle(WAIT_S)
+    report = worker.take_report()
+    assert [r.ok for r in report.results] == [True] and report.finished_sending == ["r1"]
+    assert worker.stack.memory.contains(KEY_A)
+
+
+def test_preemption_during_an_in_flight_save_commits_nothing(rig) -> None:  # type: ignore[no-untyped-def]
+    worker, ops, views = rig
+    ops.gate.clear()
+    save(worker, "r1", KEY_A, [3, 4])
+    assert ops.waiting.wait(WAIT_S)
+    worker.handle_preemptions({"r1"})
+    # the host reuses the blocks at once
+    for v in views.values():
+        manager_view(v, NB)[3].zero_()
+    ops.gate.set()
+    assert worker.wait_idle(WAIT_S)
+    report = worker.take_report()
+    assert [(r.ok, r.reason) for r in report.results] == [(False, PREEMPTED)]
+    assert not worker.stack.memory.contains(KEY_A)
+    # a save that had committed before the preemption keeps its chunk
+    save(worker, "r3", KEY_B, [5, 6])
+    assert worker.wait_idle(WAIT_S)
+    worker.handle_preemptions({"r3"})
+    assert worker.take_report().results[0].ok and worker.stack.memory.contains(KEY_B)
+
+
+@pytest.mark.parametrize("fault", ["drop", "raise"])
+def test_the_self_test_stops_startup_when_the_codec_cannot_move_a_block(
+    fault: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(self: PageCodec, src: torch.Tensor, block_ids: list[int]) -> int:
+        if fault == "raise":
+            raise RuntimeError("injected codec fault")
+        return 0
+
+    monkeypatch.setattr(PageCodec, "scatter", broken)
+    mode = DeviceSeparation()
+    raw, views = build(gqa(block_size=BS), NB, "BLHNC")
+    mode.tag(raw)
+    worker = OffloadWorker(
+        config(),
+        rank=1,
+        world=2,
+        model_id="m",
+        metrics=Metrics(rank=1, registry=CollectorRegistry()),
+        lookup_endpoint=None,
+        ops=TaggedOps(mode),
+    )
+    match = r"kvtier\[rank 1/2\]: self-test failed on device cpu, KV layout BLHNC"
+    with mode, pytest.raises(StartupError, match=match):
+        worker.register_kv_caches(KVCacheDescription(views, NB, BS, "BLHNC"))
+    assert worker.stack is None  # closed: nothing half-built serves
+
+
+def test_cuda_lanes_bind_the_ranks_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(d))
+    ops = CudaOps(torch.device("cuda", 3))
+    t = threading.Thread(target=ops.bind_thread)
+    t.start()
+    t.join()
+    assert calls == [torch.device("cuda", 3)]
+
+
+def test_a_tier_over_the_hosts_ram_is_refused_before_anything_is_allocated() -> None:
+    raw, views = build(gqa(block_size=BS), NB, "LBHNC")
+    worker = OffloadWorker(
+        KVTierConfig.from_dict({"memory_bytes": "1TiB", "chunk_size": CHUNK}),
+        rank=0,
+        world=8,
+        model_id="m",
+        metrics=Metrics(rank=0, registry=CollectorRegistry()),
+        lookup_endpoint=None,
+        ranks_on_host=8,
+    )
+    with pytest.raises(ConfigError, match=r"memory_bytes=1TiB per rank x 8 rank\(s\)"):
+        worker.register_kv_caches(KVCacheDescription(views, NB, BS, "LBHNC"))
+    assert worker.stack is None

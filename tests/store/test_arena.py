@@ -1,0 +1,84 @@
+"""The memory tier's host arena is exactly the size asked (torch's pinned allocator would round
+it up to a power of two), is page-locked by registering it, and is refused by name when the
+ranks of a host would take more of its RAM than is safe."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kvtier.errors import ConfigError
+from kvtier.store import arena
+from kvtier.store.arena import HostArena, check_host_memory
+
+GiB = 1 << 30
+
+
+class FakeCudart:
+    def __init__(self) -> None:
+        self.registered: list[tuple[int, int]] = []
+        self.unregistered: list[int] = []
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        self.registered.append((ptr, size))
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        self.unregistered.append(ptr)
+        return 0
+
+
+def test_the_arena_is_exactly_the_size_asked_and_registered_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    n = 3 * (1 << 20) + 4097  # far from a power of two
+    a = HostArena(n, pin=True)
+    ptr = a.tensor.data_ptr()
+    assert a.tensor.numel() == n and a.tensor.untyped_storage().nbytes() == n
+    assert cudart.registered == [(ptr, n)]
+    a.close()
+    assert cudart.unregistered == [ptr] and a.tensor.numel() == 0
+
+
+def test_a_failed_registration_names_memory_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    cudart = FakeCudart()
+    cudart.cudaHostRegister = lambda ptr, size, flags: 2  # type: ignore[method-assign]
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    with pytest.raises(ConfigError, match=r"memory_bytes: CUDA could not page-lock.*ulimit -l"):
+        HostArena(1 << 20, pin=True)
+
+
+def test_an_arena_the_host_cannot_allocate_names_memory_bytes() -> None:
+    with pytest.raises(ConfigError, match=r"memory_bytes: could not allocate a host arena"):
+        HostArena(1 << 62, pin=False)
+
+
+def test_ranks_over_70_percent_of_ram_are_refused_with_the_fix() -> None:
+    with pytest.raises(ConfigError, match=r"memory_bytes=24GiB per rank x 4 rank\(s\)") as e:
+        check_host_memory(24 * GiB, 4, "kvtier[rank 0/4]", ram_bytes=128 * GiB)
+    assert "75% of the host's 128GiB RAM" in str(e.value)
+    assert "lower memory_bytes to at most 22.4GiB per rank" in str(e.value)
+
+
+def test_over_40_percent_warns_and_below_is_silent(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        check_host_memory(16 * GiB, 4, "kvtier[rank 2/4]", ram_bytes=128 * GiB)
+        assert "kvtier[rank 2/4]: memory_bytes=16GiB per rank x 4" in caplog.text
+        caplog.clear()
+        check_host_memory(8 * GiB, 4, "kvtier[rank 2/4]", ram_bytes=128 * GiB)
+        assert caplog.text == ""
+
+
+def test_the_cgroup_limit_counts_as_the_hosts_ram(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    limit = tmp_path / "memory.max"
+    limit.write_text(f"{4 * GiB}\n")
+    monkeypatch.setattr(arena, "_CGROUP_LIMITS", (str(limit),))
+    assert arena.host_ram_bytes() <= 4 * GiB
+    with pytest.raises(ConfigError, match="of the host's 4GiB RAM"):
+        check_host_memory(3 * GiB, 1, "kvtier[rank 0/1]")
