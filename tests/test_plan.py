@@ -13,6 +13,7 @@ import typer
 from click.testing import Result
 from typer.testing import CliRunner
 
+from kvtier.cachemodel.reuse import percentile, reuse_distances
 from kvtier.errors import ConfigError, LayoutError
 from kvtier.plan import (
     ABOVE_TIER,
@@ -23,12 +24,10 @@ from kvtier.plan import (
     PlanResult,
     SyntheticWorkload,
     parse_trace,
-    percentile,
     plan,
     plan_command,
     read_trace,
-    reuse_distances,
-    reuse_profile,
+    trace_reuse_profile,
     window_verdict,
 )
 from kvtier.plan_presets import PRESETS, preset, preset_names
@@ -313,18 +312,15 @@ def test_hand_trace_reuse_distances_and_reusable_bytes(tmp_path: Path) -> None:
     assert r.verdict.kind == INSIDE
     assert r.warnings == ()
 
-    # ceilings in trace blocks: HBM of 1 block keeps only the head; a 4-block tier serves
-    # block 2 of t=1 and blocks 1, 2 of t=3 (block 3's distance 5 exceeds it)
+    # ceilings in trace blocks (full blocks only: t=2's 80 tokens store none, t=3 stores 1 2 3):
+    # usable 2 + 2 + 0 + 3; the 1-block HBM keeps block 1, hit by t=1 and t=3; a 4-block tier
+    # holds all four blocks stored, so it serves block 2 of t=1 and blocks 2, 3 of t=3
     c = r.ceilings
     assert c is not None
     assert (c.hbm_blocks, c.tier_blocks) == (1, 4)
-    assert (c.hbm.prompt_tokens, c.hbm.hit_tokens) == (11, 1)
-    assert (c.hbm_tier.hbm_hit_tokens, c.hbm_tier.external_hit_tokens) == (1, 3)
-    assert c.infinite.hit_tokens == 5
-    # the simulator and the stack distances agree: HBM hits = reuses below the pool, tier hits
-    # = reuses inside the window
-    assert c.hbm.hit_tokens == p.below_pool
-    assert c.hbm_tier.external_hit_tokens == p.inside
+    assert (c.usable_blocks, c.hbm_hit_blocks) == (7, 2)
+    assert (c.kvtier.served, c.optimum.served, c.infinite.served) == (3, 3, 3)
+    assert c.kvtier.rate == pytest.approx(3 / 5)
 
 
 def test_hand_trace_bad_verdicts(tmp_path: Path) -> None:
@@ -381,7 +377,7 @@ def test_reuse_profile_with_an_empty_window_counts_everything_past_the_pool() ->
         [json.dumps({"input_length": 10, "hash_ids": h}) for h in ([1], [2], [1])],
         block_tokens=10,
     )
-    p = reuse_profile(trace, hbm_pool_tokens=10, tier_tokens=5)
+    p = trace_reuse_profile(trace, hbm_pool_tokens=10, tier_tokens=5)
     assert p.distances == (20,)
     assert (p.below_pool, p.inside, p.above_tier) == (0, 0, 1)
 
@@ -450,6 +446,7 @@ def test_cli_json_trace_and_config_path(tmp_path: Path) -> None:
     result = invoke(
         "--model", str(model_dir), "--hbm-tokens", "100", "--tier-bytes", str(400 * LLAMA_BPT),
         "--trace", str(trace), "--trace-block", "100", "--store-gbps", "2", "--json",
+        "--png", str(tmp_path / "curve.png"),
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
@@ -459,15 +456,26 @@ def test_cli_json_trace_and_config_path(tmp_path: Path) -> None:
     assert doc["reuse_profile"]["p90_tokens"] == 500
     assert doc["reusable_bytes"] == 300 * LLAMA_BPT
     assert doc["working_set_fill_s"] == pytest.approx(300 * LLAMA_BPT / 2e9)
-    assert doc["ceilings"]["hbm_tier"]["external_hit_tokens"] == 3
+    assert doc["ceilings"]["kvtier"]["served_chunks"] == 3
+    # the curve: kvtier never above the optimum, the optimum never above the infinite tier
+    curve = doc["hit_curve"]
+    assert [p["fraction_of_working_set"] for p in curve][-1] == 1.0
+    for point in curve:
+        rates = [point[k]["rate"] for k in ("kvtier", "optimum", "infinite")]
+        assert rates[0] <= rates[1] + 1e-9 and rates[1] <= rates[2] + 1e-9
+    assert curve[-1]["optimum"]["rate"] == curve[-1]["infinite"]["rate"]
+    png = Path(doc["hit_curve_png"])
+    assert png == tmp_path / "curve.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert doc["workload"]["requests"] == 4
     assert doc["workload"]["prompt_tokens"] == 1030
 
     table = invoke(
         "--model", str(model_dir / "config.json"), "--hbm-tokens", "200",
         "--tier-bytes", str(400 * LLAMA_BPT), "--trace", str(trace), "--trace-block", "100",
+        "--png", str(tmp_path / "table.png"),
     )  # fmt: skip
     assert table.exit_code == 0, table.output
+    assert f"hit curve: {tmp_path / 'table.png'}" in table.stdout
     assert "reuses in HBM / window / above tier" in table.stdout
     assert "3 / 1 / 1" in table.stdout
     assert "WARNING: HBM already hits" in table.stdout
@@ -603,10 +611,10 @@ def test_missing_config_fields_are_named(tmp_path: Path) -> None:
 def test_trace_errors_name_the_line_and_the_flag(tmp_path: Path) -> None:
     good = json.dumps({"input_length": 10, "hash_ids": [1]})
     cases = [
-        ([good, "{not json"], "line 2 is not JSON"),
-        ([json.dumps({"input_length": 10, "hash_ids": []})], "line 1 needs 'hash_ids'"),
-        ([json.dumps({"hash_ids": [1]})], "line 1 needs 'input_length'"),
-        ([json.dumps({"input_length": 1000, "hash_ids": [1]})], "set --trace-block"),
+        ([good, "{not json"], "t.jsonl:2: not JSON"),
+        ([json.dumps({"input_length": 10, "hash_ids": []})], "t.jsonl:1: 'hash_ids' must be"),
+        ([json.dumps({"hash_ids": [1]})], "t.jsonl:1: 'input_length' must be an integer"),
+        ([json.dumps({"input_length": 1000, "hash_ids": [1]})], r"block size \(--trace-block"),
         ([""], "has no requests"),
     ]
     for lines, needle in cases:
@@ -630,4 +638,5 @@ def test_trace_errors_name_the_line_and_the_flag(tmp_path: Path) -> None:
         "--trace", str(path), "--trace-block", "16",
     )  # fmt: skip
     assert small_block.exit_code == 2
-    assert "line 1 has input_length 300 but only 3 hash ids of 16 tokens" in small_block.stderr
+    want = "trace.jsonl:1: input_length 300 needs more than its 3 hash ids of 16"
+    assert want in small_block.stderr

@@ -161,6 +161,40 @@ def bench_tier(
     table.print_report(doc)
 
 
+@bench_app.command("cache")
+def bench_cache(
+    quick: bool = typer.Option(False, "--quick", help="Tier sizes 10% and 30% only."),
+    trace: Path = typer.Option(
+        Path("../shared/data/mooncake-synthetic-trace.jsonl"),
+        "--trace",
+        help="Mooncake JSONL trace for the trace rows (read in place, never copied).",
+    ),
+    no_trace: bool = typer.Option(False, "--no-trace", help="Leave the trace rows out."),
+    json_path: Path | None = typer.Option(
+        None, "--json", help="Where to write the JSON results (default: runs/bench-cache.json)."
+    ),
+) -> None:
+    """Tier hits of kvtier's policy, today's previous policy, the offline optimum and the
+    infinite tier, per workload, tier size and HBM in front: ratios to the optimum."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from kvtier.bench import cache
+    from kvtier.errors import KVTierError
+
+    progress = Console(stderr=True)
+    try:
+        doc = cache.run(
+            quick=quick,
+            trace=None if no_trace else trace,
+            json_path=json_path,
+            progress=lambda msg: progress.print(f"[dim]{escape(msg)}[/dim]"),
+        )
+    except KVTierError as e:
+        raise _fail(str(e)) from None
+    cache.print_table(doc)
+
+
 @bench_app.command("e2e")
 def bench_e2e(
     model_dir: Path | None = typer.Option(

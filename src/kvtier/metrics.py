@@ -58,6 +58,7 @@ class _Families:
     tier_capacity_bytes: Gauge
     evictions: Counter
     store_failures: Counter
+    tier_full: Counter
     dropped_writes: Counter
     rejected_frames: Counter
     breaker_open: Gauge
@@ -102,6 +103,12 @@ def _build(reg: CollectorRegistry) -> _Families:
         tier_capacity_bytes=g("tier_capacity_bytes", "Byte budget per tier.", "tier"),
         evictions=c("evictions", "Chunks evicted per tier.", "tier"),
         store_failures=c("store_failures", "Tier writes that failed, by reason.", "tier", "reason"),
+        tier_full=c(
+            "tier_full",
+            "Writes that found the tier's filesystem full; the tier lowered its budget, "
+            "evicted and retried.",
+            "tier",
+        ),
         dropped_writes=c(
             "dropped_writes", "Write-behind chunks dropped, by reason.", "tier", "reason"
         ),
@@ -199,6 +206,9 @@ class Metrics:
 
     def store_failure(self, tier: str, reason: str) -> Counter:
         return self.f.store_failures.labels(str(self.rank), tier, reason)
+
+    def tier_full(self, tier: str) -> Counter:
+        return self.f.tier_full.labels(str(self.rank), tier)
 
     def dropped_write(self, tier: str, reason: str) -> Counter:
         return self.f.dropped_writes.labels(str(self.rank), tier, reason)

@@ -12,15 +12,20 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import typer
 
-from kvtier.bench import ceiling as ceiling_sim
 from kvtier.bench import workload as bench_workload
+from kvtier.cachemodel.curve import CurvePoint, hit_curve, plot_curve
+from kvtier.cachemodel.optimum import infinite_leading, optimal_leading
+from kvtier.cachemodel.predict import TierHits, predict, tally
+from kvtier.cachemodel.reuse import ReuseProfile, reuse_profile
+from kvtier.cachemodel.stream import Request, from_trace, hbm_floors, working_set
+from kvtier.cachemodel.trace import TraceRow, parse_trace_rows, read_trace_rows
 from kvtier.config import parse_size
 from kvtier.errors import ConfigError, KVTierError, LayoutError
 from kvtier.layout import KVGeometry, bytes_per_token_from_hf, normalize_dtype
@@ -108,20 +113,10 @@ class SyntheticWorkload:
 
 
 @dataclass(frozen=True, slots=True)
-class TraceRequest:
-    """One Mooncake trace row: the prompt's block hash ids and its lengths."""
-
-    hash_ids: tuple[int, ...]
-    input_length: int
-    output_length: int = 0
-    timestamp: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class Trace:
     """A Mooncake-format request trace whose hash ids name `block_tokens`-token blocks."""
 
-    requests: tuple[TraceRequest, ...]
+    requests: tuple[TraceRow, ...]
     block_tokens: int = 512
     source: str = ""
 
@@ -132,6 +127,11 @@ class Trace:
                 f"--trace {self.source or '(inline)'} has no requests; give a Mooncake JSONL "
                 "file with one {hash_ids, input_length, output_length, timestamp} row per line"
             )
+
+    @property
+    def chunk_requests(self) -> list[Request]:
+        """The requests as the tier sees them, one chunk per trace block."""
+        return from_trace(self.requests, self.block_tokens)
 
     @property
     def num_blocks(self) -> int:
@@ -167,197 +167,26 @@ Workload = SyntheticWorkload | Trace
 
 
 def parse_trace(lines: Iterable[str], block_tokens: int = 512, source: str = "") -> Trace:
-    """A Trace from Mooncake JSONL lines (blank lines skipped). Rows replay in timestamp order
-    when every row has one (stable for ties), else in file order."""
+    """A Trace from Mooncake JSONL lines, read by the one trace reader
+    (`kvtier.cachemodel.trace`: timestamp order, output length 1 by default, no empty rows)."""
     _check_int("--trace-block", block_tokens, 1)
-    where = f"--trace {source}" if source else "--trace"
-    rows: list[TraceRequest] = []
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(
-                f"{where}: line {lineno} is not JSON ({exc.msg}); each line must be one Mooncake "
-                'object such as {"hash_ids": [0, 1], "input_length": 1000}'
-            ) from exc
-        rows.append(_trace_row(row, lineno, where, block_tokens))
-    if rows and all(r.timestamp is not None for r in rows):
-        rows.sort(key=lambda r: r.timestamp)  # type: ignore[arg-type, return-value]
+    rows = parse_trace_rows(lines, source=source or "--trace", block_tokens=block_tokens)
     return Trace(tuple(rows), block_tokens, source)
 
 
 def read_trace(path: str | Path, block_tokens: int = 512) -> Trace:
-    """Read a Mooncake JSONL trace file (`hash_ids`, `input_length`, `output_length`,
-    `timestamp` ms); ConfigError names the line and the fix."""
-    p = Path(path)
-    if not p.is_file():
+    """Read a Mooncake JSONL trace file; ConfigError names the line and the fix."""
+    _check_int("--trace-block", block_tokens, 1)
+    if not Path(path).is_file():
         raise ConfigError(f"--trace {str(path)!r} is not a file; pass a Mooncake JSONL trace path")
-    with p.open(encoding="utf-8") as fh:
-        return parse_trace(fh, block_tokens, str(path))
+    rows = read_trace_rows(path, block_tokens=block_tokens)
+    return Trace(tuple(rows), block_tokens, str(path))
 
 
-def _trace_row(row: object, lineno: int, where: str, block_tokens: int) -> TraceRequest:
-    if not isinstance(row, dict):
-        raise ConfigError(f"{where}: line {lineno} is a JSON {type(row).__name__}, not an object")
-    ids = row.get("hash_ids")
-    if (
-        not isinstance(ids, list)
-        or not ids
-        or any(isinstance(h, bool) or not isinstance(h, int) for h in ids)
-    ):
-        raise ConfigError(
-            f"{where}: line {lineno} needs 'hash_ids', a non-empty list of integers (got {ids!r})"
-        )
-    length = row.get("input_length")
-    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-        raise ConfigError(
-            f"{where}: line {lineno} needs 'input_length', an integer >= 1 (got {length!r})"
-        )
-    if length > len(ids) * block_tokens:
-        raise ConfigError(
-            f"{where}: line {lineno} has input_length {length} but only {len(ids)} hash ids of "
-            f"{block_tokens} tokens ({len(ids) * block_tokens}); set --trace-block to the "
-            "trace's block size (Mooncake traces use 512)"
-        )
-    out = row.get("output_length", 0)
-    if isinstance(out, bool) or not isinstance(out, int) or out < 0:
-        raise ConfigError(f"{where}: line {lineno}: output_length {out!r} must be an integer >= 0")
-    ts = row.get("timestamp")
-    if ts is not None and (isinstance(ts, bool) or not isinstance(ts, int | float)):
-        raise ConfigError(f"{where}: line {lineno}: timestamp {ts!r} must be a number (ms)")
-    return TraceRequest(tuple(ids), length, out, None if ts is None else float(ts))
-
-
-# ------------------------------------------------------------------------------- reuse distance
-
-
-def reuse_distances(requests: Sequence[Sequence[Hashable]]) -> list[int]:
-    """Exact LRU reuse distance, in blocks, of every block use that has an earlier use.
-
-    The distance of a block in request r is 1 + the distinct blocks used after its previous use
-    and before r: the smallest LRU that still holds it when r looks it up. Each request touches
-    its blocks last-to-first, so its head is the most recent (engines evict tails first, as
-    `kvtier.bench.ceiling` does); a block repeated inside one request counts once. O(N log N)
-    through a Fenwick tree over use times, holding one mark per block at its latest use.
-    """
-    total = sum(len(r) for r in requests)
-    tree = [0] * (total + 1)
-
-    def add(i: int, v: int) -> None:
-        i += 1
-        while i <= total:
-            tree[i] += v
-            i += i & -i
-
-    def marks_before(i: int) -> int:
-        s = 0
-        while i > 0:
-            s += tree[i]
-            i -= i & -i
-        return s
-
-    last: dict[Hashable, int] = {}
-    out: list[int] = []
-    t = 0
-    for req in requests:
-        blocks = list(dict.fromkeys(req))
-        seen = marks_before(t)  # every block used so far has exactly one mark before t
-        for key in blocks:
-            p = last.get(key)
-            if p is not None:
-                out.append(seen - marks_before(p + 1) + 1)
-        for key in reversed(blocks):
-            p = last.get(key)
-            if p is not None:
-                add(p, -1)
-            add(t, 1)
-            last[key] = t
-            t += 1
-    return out
-
-
-def percentile(sorted_values: Sequence[int], p: float) -> int:
-    """Nearest-rank percentile: the smallest value with at least p% of the values at or below it."""
-    if not sorted_values:
-        raise ConfigError("percentile of no values; the trace has no reuse")
-    if not 0 < p <= 100:
-        raise ConfigError(f"percentile p={p} must be in (0, 100]")
-    return sorted_values[max(1, math.ceil(p / 100 * len(sorted_values))) - 1]
-
-
-@dataclass(frozen=True, slots=True)
-class ReuseProfile:
-    """Reuse statistics of a trace in tokens (blocks x block size), against an HBM pool and a
-    tier: how many reuses each of them can serve."""
-
-    block_tokens: int
-    block_uses: int
-    distinct_blocks: int
-    reusable_blocks: int
-    distances: tuple[int, ...]  # tokens, sorted
-    below_pool: int
-    inside: int
-    above_tier: int
-
-    @property
-    def reuses(self) -> int:
-        """Block uses that had an earlier use."""
-        return len(self.distances)
-
-    @property
-    def median(self) -> int | None:
-        """Median reuse distance in tokens (None without reuse)."""
-        return percentile(self.distances, 50) if self.distances else None
-
-    @property
-    def p90(self) -> int | None:
-        """90th-percentile reuse distance in tokens (None without reuse)."""
-        return percentile(self.distances, 90) if self.distances else None
-
-    @property
-    def reusable_tokens(self) -> int:
-        """Tokens of the blocks used at least twice."""
-        return self.reusable_blocks * self.block_tokens
-
-    def to_json(self) -> dict[str, Any]:
-        """Counts and percentiles as plain JSON (not the distances themselves)."""
-        return {
-            "block_tokens": self.block_tokens,
-            "block_uses": self.block_uses,
-            "distinct_blocks": self.distinct_blocks,
-            "reusable_blocks": self.reusable_blocks,
-            "reuses": self.reuses,
-            "median_tokens": self.median,
-            "p90_tokens": self.p90,
-            "below_pool": self.below_pool,
-            "inside": self.inside,
-            "above_tier": self.above_tier,
-        }
-
-
-def reuse_profile(trace: Trace, hbm_pool_tokens: int, tier_tokens: int) -> ReuseProfile:
-    """Exact reuse distances of `trace` and how many fall below the pool, inside the window and
-    above the tier."""
+def trace_reuse_profile(trace: Trace, hbm_pool_tokens: int, tier_tokens: int) -> ReuseProfile:
+    """Reuse distances of the trace's blocks against the pool and the tier."""
     requests = [r.hash_ids for r in trace.requests]
-    dist = sorted(d * trace.block_tokens for d in reuse_distances(requests))
-    uses: dict[int, int] = {}
-    for req in requests:
-        for h in dict.fromkeys(req):
-            uses[h] = uses.get(h, 0) + 1
-    below = sum(1 for d in dist if d <= hbm_pool_tokens)
-    above = sum(1 for d in dist if d > max(tier_tokens, hbm_pool_tokens))
-    return ReuseProfile(
-        block_tokens=trace.block_tokens,
-        block_uses=sum(uses.values()),
-        distinct_blocks=len(uses),
-        reusable_blocks=sum(1 for n in uses.values() if n >= 2),
-        distances=tuple(dist),
-        below_pool=below,
-        inside=len(dist) - below - above,
-        above_tier=above,
-    )
+    return reuse_profile(requests, trace.block_tokens, hbm_pool_tokens, tier_tokens)
 
 
 # ------------------------------------------------------------------------------------- verdict
@@ -420,22 +249,35 @@ def window_verdict(
 
 @dataclass(frozen=True, slots=True)
 class TraceCeilings:
-    """Hit ceilings of a trace, simulated over whole trace blocks by `kvtier.bench.ceiling`."""
+    """What each cache serves of a trace, one chunk per trace block (`kvtier.cachemodel`): the
+    HBM pool alone (an LRU, tail first), and behind it the real tier driven as the engine does,
+    the offline optimum at the tier's capacity (Belady) and an infinite tier (cold misses only).
+    Tier rates are of the blocks the HBM missed."""
 
-    hbm: ceiling_sim.Ceiling
-    hbm_tier: ceiling_sim.Ceiling
-    infinite: ceiling_sim.Ceiling
+    usable_blocks: int  # blocks a hit could cover, summed over requests
+    hbm_hit_blocks: int
+    kvtier: TierHits
+    optimum: TierHits
+    infinite: TierHits
     hbm_blocks: int
     tier_blocks: int
 
+    @property
+    def hbm_rate(self) -> float:
+        """HBM hits over usable blocks."""
+        return self.hbm_hit_blocks / self.usable_blocks if self.usable_blocks else 0.0
+
     def to_json(self) -> dict[str, Any]:
-        """The three ceilings as plain JSON."""
+        """The ceilings as plain JSON."""
         return {
             "unit": "trace blocks",
             "hbm_blocks": self.hbm_blocks,
             "tier_blocks": self.tier_blocks,
-            "hbm": self.hbm.to_json(),
-            "hbm_tier": self.hbm_tier.to_json(),
+            "usable_blocks": self.usable_blocks,
+            "hbm_hit_blocks": self.hbm_hit_blocks,
+            "hbm_rate": self.hbm_rate,
+            "kvtier": self.kvtier.to_json(),
+            "optimum": self.optimum.to_json(),
             "infinite": self.infinite.to_json(),
         }
 
@@ -443,40 +285,53 @@ class TraceCeilings:
 def trace_ceilings(
     trace: Trace, hbm_pool_tokens: int, tier_tokens: int
 ) -> tuple[TraceCeilings | None, str]:
-    """HBM-alone, HBM+tier and infinite ceilings of `trace` (or None and why not), with a note.
-
-    Each hash id becomes one token and the simulator runs with block and chunk size 1, so the
-    pool and the tier count whole trace blocks and a request's last block never hits (its last
-    token is always computed). Mooncake hash ids already chain their prefixes, so this replays
-    the same sharing as the full token stream at 1/block_tokens of the cost.
-    """
+    """HBM-alone hits, and the kvtier, optimal and infinite tier behind it (or None and why
+    not), with a note. Mooncake hash ids chain their prefixes, so one chunk per block replays
+    the same sharing as the full token stream at 1/block_tokens of the cost."""
     if trace.num_blocks > MAX_SIM_BLOCKS:
         return None, (
             f"not simulated: {trace.num_blocks:,} trace blocks exceed {MAX_SIM_BLOCKS:,} (the "
             "pure-Python replay would take minutes); cut the trace, e.g. with head -n"
         )
-    prompts = [r.hash_ids for r in trace.requests]
+    requests = trace.chunk_requests
     hbm_blocks = hbm_pool_tokens // trace.block_tokens
     tier_blocks = tier_tokens // trace.block_tokens
+    floors = hbm_floors(requests, hbm_blocks)
     result = TraceCeilings(
-        hbm=ceiling_sim.simulate(prompts, block_size=1, hbm_blocks=hbm_blocks, name="hbm"),
-        hbm_tier=ceiling_sim.simulate(
-            prompts,
-            block_size=1,
-            hbm_blocks=hbm_blocks,
-            chunk_size=1,
-            tier_chunks=tier_blocks,
-            name="hbm+tier",
-        ),
-        infinite=ceiling_sim.infinite_ceiling(prompts, 1),
+        usable_blocks=sum(r.usable for r in requests),
+        hbm_hit_blocks=sum(floors),
+        kvtier=predict(requests, tier_blocks, floors),
+        optimum=tally(requests, floors, optimal_leading(requests, tier_blocks)),
+        infinite=tally(requests, floors, infinite_leading(requests)),
         hbm_blocks=hbm_blocks,
         tier_blocks=tier_blocks,
     )
     note = (
-        f"LRU over whole {trace.block_tokens}-token trace blocks: HBM {hbm_blocks:,} blocks, "
-        f"tier {tier_blocks:,} blocks; a request's last block never hits"
+        f"whole {trace.block_tokens}-token trace blocks: HBM {hbm_blocks:,} blocks (LRU), tier "
+        f"{tier_blocks:,} blocks; tier rates are of the blocks the HBM missed, a request's last "
+        "token never hits"
     )
     return result, note
+
+
+def trace_curve(
+    trace: Trace, hbm_pool_tokens: int, tier_tokens: int, png: str | Path | None
+) -> tuple[list[CurvePoint], Path | None]:
+    """Tier hits against tier capacity behind the HBM pool (kvtier, optimum, infinite), drawn
+    as a PNG at `png` when given, the tier of `tier_tokens` marked."""
+    if trace.num_blocks > MAX_SIM_BLOCKS:
+        raise ConfigError(
+            f"--trace has {trace.num_blocks:,} blocks, more than the {MAX_SIM_BLOCKS:,} a hit "
+            "curve replays; cut the trace, e.g. with head -n"
+        )
+    requests = trace.chunk_requests
+    points = hit_curve(requests, hbm_pool_tokens // trace.block_tokens)
+    if png is None:
+        return points, None
+    name = Path(trace.source).name if trace.source else "trace"
+    title = f"{name}: tier hits behind an HBM pool of {hbm_pool_tokens:,} tokens"
+    mark = min(1.0, tier_tokens // trace.block_tokens / max(1, working_set(requests)))
+    return points, plot_curve(points, png, title, mark)
 
 
 # ----------------------------------------------------------------------------------------- plan
@@ -660,7 +515,7 @@ def plan(
             "with kvtier bench e2e"
         )
     elif isinstance(workload, Trace):
-        profile = reuse_profile(workload, hbm_pool, tier_tokens)
+        profile = trace_reuse_profile(workload, hbm_pool, tier_tokens)
         distance, p90 = profile.median, profile.p90
         reusable = profile.reusable_tokens
         ceilings, note = trace_ceilings(workload, hbm_pool, tier_tokens)
@@ -779,8 +634,8 @@ def _secs(s: float) -> str:
     return f"{s:,.1f}" if s >= 10 else f"{s:.3g}"
 
 
-def _pct(c: ceiling_sim.Ceiling) -> str:
-    return f"{100 * c.hit_rate:.2f}%"
+def _pct(rate: float) -> str:
+    return f"{100 * rate:.2f}%"
 
 
 def report_rows(r: PlanResult) -> list[tuple[str, str, str]]:
@@ -854,9 +709,10 @@ def report_rows(r: PlanResult) -> list[tuple[str, str, str]]:
     else:
         c = r.ceilings
         rows += [
-            ("hit ceiling, HBM alone", _pct(c.hbm), ""),
-            ("hit ceiling, HBM + tier", _pct(c.hbm_tier), ""),
-            ("hit ceiling, infinite cache", _pct(c.infinite), ""),
+            ("HBM hits (LRU pool alone)", _pct(c.hbm_rate), "of usable blocks"),
+            ("tier hits, kvtier (real tier, predicted)", _pct(c.kvtier.rate), "of HBM misses"),
+            ("tier hits, offline optimum (Belady)", _pct(c.optimum.rate), "of HBM misses"),
+            ("tier hits, infinite tier", _pct(c.infinite.rate), "of HBM misses"),
         ]
     return rows
 
@@ -924,9 +780,14 @@ def plan_command(
         False, "--include-mtp", help="Count MTP/nextn layers (speculative decoding on)."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    png: Path = typer.Option(
+        Path("runs/plan-trace.png"),
+        "--png",
+        help="With --trace: where to draw tier hits vs tier capacity (kvtier, optimum, infinite).",
+    ),
 ) -> None:
     """Bytes per token, pool and tier in tokens, the reuse window verdict, fill time, break-even
-    bandwidth and (for a trace) hit ceilings."""
+    bandwidth and (for a trace) hit ceilings and a PNG of tier hits against tier capacity."""
     try:
         config = load_model_config(model)
         workload = _workload(prefixes, prefix_len, tail_len, concurrency, trace, trace_block)
@@ -945,15 +806,25 @@ def plan_command(
             index_dtype=index_dtype,
             include_mtp=include_mtp,
         )
+        curve: list[CurvePoint] = []
+        drawn = None
+        if isinstance(workload, Trace):
+            curve, drawn = trace_curve(workload, result.hbm_pool_tokens, result.tier_tokens, png)
     except KVTierError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from exc
     if as_json:
-        typer.echo(json.dumps(result.to_json(), indent=2))
+        doc = result.to_json()
+        if curve:
+            doc["hit_curve"] = [p.to_json() for p in curve]
+            doc["hit_curve_png"] = str(drawn)
+        typer.echo(json.dumps(doc, indent=2))
         for w in result.warnings:
             typer.echo(f"WARNING: {w}", err=True)
     else:
         print_report(result)
+        if drawn is not None:
+            typer.echo(f"hit curve: {drawn}")
 
 
 def _workload(

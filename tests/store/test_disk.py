@@ -1,18 +1,23 @@
-"""DiskTier: verified record files, atomic writes, restart reuse, LRU by bytes, disk full."""
+"""DiskTier: verified record files, atomic writes, restart reuse, chain-aware eviction by bytes,
+budgets the filesystem can hold, and a full filesystem that evicts instead of freezing."""
 
 from __future__ import annotations
 
 import errno
 import os
+import subprocess
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from kvtier.config import KVTierConfig
+from kvtier.errors import StartupError
 from kvtier.metrics import Metrics
 from kvtier.store import record
 from kvtier.store.disk import DiskTier
+from kvtier.store.factory import build_stack
 
 Key = Callable[[int], bytes]
 Payload = Callable[[int, int], bytes]
@@ -163,13 +168,14 @@ def test_restart_with_smaller_cap_evicts_oldest_first(
     assert len(_files(second)) == 2
 
 
-def test_lru_eviction_by_bytes_respects_max_bytes(
+def test_eviction_by_bytes_follows_lookups_and_respects_max_bytes(
     tmp_path, namespace, metrics, make_key: Key, make_payload: Payload
 ):
     tier = DiskTier(tmp_path, 3 * RECORD, namespace, metrics)
     for i in range(3):
         assert tier.put(make_key(i), make_payload(i, SIZE))
-    assert tier.get(make_key(0)) is not None  # 0 becomes most recently used; 1 is now oldest
+    assert tier.get(make_key(1)) is not None  # a read is no reference: 0 is still the oldest
+    tier.touch([make_key(0)])  # a lookup used 0: 1 is now the oldest
     assert tier.put(make_key(3), make_payload(3, SIZE))
 
     assert [tier.contains(make_key(i)) for i in range(4)] == [True, False, True, True]
@@ -178,11 +184,12 @@ def test_lru_eviction_by_bytes_respects_max_bytes(
     assert sum(p.stat().st_size for p in _files(tier)) == 3 * RECORD
     assert metrics.value("evictions_total", tier="disk") == 1
 
-    # a bigger record makes room for itself by evicting as many as it needs
+    # a bigger record makes room for itself by evicting as many as it needs, those seen once
+    # first: 0, used by a lookup, stays
     big = 2 * SIZE
     assert tier.put(make_key(9), make_payload(9, big))
     assert tier.residency_bytes() <= 3 * RECORD
-    assert tier.contains(make_key(9)) and tier.contains(make_key(3))
+    assert tier.contains(make_key(9)) and tier.contains(make_key(0))
     assert metrics.value("evictions_total", tier="disk") == 3
 
 
@@ -219,8 +226,23 @@ def test_record_larger_than_the_tier_is_refused(tmp_path, namespace, metrics, ma
     assert _files(tier) == []
 
 
-@pytest.mark.parametrize(("err", "reason"), [(errno.ENOSPC, "enospc"), (errno.EIO, "io_error")])
-def test_full_disk_is_counted_and_survived(
+def test_a_parent_is_evicted_after_its_children(
+    tmp_path, namespace, metrics, make_key: Key, make_payload: Payload
+):
+    tier = DiskTier(tmp_path, 3 * RECORD, namespace, metrics)
+    head, mid, tail, other = (make_key(i) for i in range(4))
+    # deepest first, as the write-behind of a save delivers them
+    for key, parent in ((tail, mid), (mid, head), (head, b"")):
+        assert tier.put(key, make_payload(0, SIZE), parent=parent)
+    assert tier.put(other, make_payload(3, SIZE))
+    assert [tier.contains(k) for k in (head, mid, tail, other)] == [True, True, False, True]
+    # re-storing the leaf never makes its room by evicting its own parent, the oldest leaf
+    assert tier.put(tail, make_payload(2, SIZE), parent=mid)
+    assert [tier.contains(k) for k in (head, mid, tail, other)] == [True, True, True, False]
+
+
+@pytest.mark.parametrize(("err", "reason"), [(errno.EIO, "io_error")])
+def test_failed_write_is_counted_and_survived(
     tmp_path, namespace, metrics, monkeypatch, err, reason, make_key: Key, make_payload: Payload
 ):
     tier = DiskTier(tmp_path, 10 * RECORD, namespace, metrics)
@@ -331,3 +353,130 @@ def test_bad_arguments_raise_clear_errors(tmp_path, namespace, metrics):
     tier.close()
     with pytest.raises(RuntimeError, match="closed"):
         tier.get(bytes(16))
+
+
+# ---- budgets the filesystem can hold, and a full filesystem ----------------------------------
+
+FS_BYTES = 4 << 20
+BIG = 64 << 10  # payload of the small-filesystem tests
+BIG_RECORD = record.HEADER_BYTES + BIG
+
+
+def _emulate_small_fs(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
+    """Where no tmpfs can be mounted: writes under `root` fail with ENOSPC past FS_BYTES and
+    statvfs reports that size, as a 4 MiB filesystem would."""
+    real_write, real_statvfs = os.write, os.statvfs
+
+    def used() -> int:
+        return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+    def write(fd: int, data) -> int:
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(root)):
+            if used() + memoryview(data).nbytes > FS_BYTES:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    def statvfs(path):
+        st = real_statvfs(path)
+        if not str(path).startswith(str(root)):
+            return st
+        free = max(0, FS_BYTES - used()) // 4096
+        blocks = FS_BYTES // 4096
+        return os.statvfs_result((4096, 4096, blocks, free, free, *tuple(st)[5:]))
+
+    monkeypatch.setattr(os, "write", write)
+    monkeypatch.setattr(os, "statvfs", statvfs)
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A 4 MiB filesystem: a real tmpfs where this process may mount one (root), else the
+    emulation above."""
+    root = tmp_path / "small-fs"
+    root.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={FS_BYTES}", "tmpfs", str(root)]
+    try:
+        subprocess.run(mount, check=True, capture_output=True, timeout=30)
+    except (OSError, subprocess.CalledProcessError):
+        _emulate_small_fs(monkeypatch, root)
+        yield root
+        return
+    try:
+        yield root
+    finally:
+        subprocess.run(["umount", str(root)], check=True, timeout=30)
+
+
+def test_a_budget_larger_than_the_filesystem_is_a_startup_error(small_fs, namespace, metrics):
+    with pytest.raises(StartupError) as err:
+        DiskTier(small_fs, 64 << 20, namespace, metrics)
+    msg = str(err.value)
+    assert f"disk_bytes={64 << 20}" in msg and repr(str(small_fs)) in msg
+    assert "set disk_bytes to at most" in msg
+    # a budget the filesystem can hold starts
+    DiskTier(small_fs, FS_BYTES // 2, namespace, metrics).close()
+
+
+def test_a_budget_below_one_chunk_is_a_startup_error(tmp_path, namespace, metrics):
+    slot = 4096
+    config = KVTierConfig(memory_bytes=4 * slot, disk_bytes=100, disk_dir=str(tmp_path))
+    want = rf"disk_bytes=100 .* one chunk record of {slot + record.HEADER_BYTES} bytes"
+    with pytest.raises(StartupError, match=want):
+        build_stack(config, namespace, slot, metrics)
+    config = KVTierConfig(
+        memory_bytes=4 * slot, disk_bytes=slot + record.HEADER_BYTES, disk_dir=str(tmp_path)
+    )
+    build_stack(config, namespace, slot, metrics).close()
+
+
+def test_a_full_filesystem_evicts_and_keeps_storing(
+    small_fs, namespace, metrics, make_key: Key, make_payload: Payload
+):
+    budget = 3 * FS_BYTES // 4
+    tier = DiskTier(small_fs, budget, namespace, metrics)
+    # something else fills half the filesystem after the tier started
+    (small_fs / "other.bin").write_bytes(bytes(FS_BYTES // 2))
+    # ten prompts of four chunks, each chain written deepest-first as a save delivers it
+    keys = [make_key(i) for i in range(40)]
+    for head in range(0, len(keys), 4):
+        for i in range(head + 3, head - 1, -1):
+            parent = keys[i - 1] if i > head else b""
+            assert tier.put(keys[i], make_payload(i, BIG), parent=parent)
+    assert metrics.value("tier_full_total", tier="disk") >= 1
+    assert metrics.value("store_failures_total", tier="disk", reason="enospc") == 0
+    # the budget came down to what the filesystem held, and the gauge says so
+    assert tier.budget_bytes < budget
+    assert metrics.value("tier_capacity_bytes", tier="disk") == tier.budget_bytes
+    assert tier.residency_bytes() <= tier.budget_bytes
+    assert metrics.value("evictions_total", tier="disk") >= 1
+    held = [i for i, k in enumerate(keys) if tier.contains(k)]
+    assert held and set(range(36, 40)) <= set(held)  # the newest prompt, whole
+    for i in held:
+        # prefix-closed: every chunk held has its predecessor held
+        assert i % 4 == 0 or i - 1 in held
+        assert bytes(tier.get(keys[i]) or b"") == make_payload(i, BIG)
+    assert not list(small_fs.rglob("*.tmp"))
+    # the other files go: the budget follows the room back up, never past disk_bytes
+    lowered = tier.budget_bytes
+    (small_fs / "other.bin").unlink()
+    assert tier.put(make_key(99), make_payload(99, BIG))
+    assert lowered < tier.budget_bytes <= budget
+    assert metrics.value("tier_capacity_bytes", tier="disk") == tier.budget_bytes
+    tier.close()
+
+
+def test_an_enospc_the_filesystem_does_not_explain_evicts_nothing(
+    tmp_path, namespace, metrics, monkeypatch, make_key: Key, make_payload: Payload
+):
+    # a quota or an injected error: the filesystem has room, so evicting would buy nothing
+    tier = DiskTier(tmp_path, 10 * RECORD, namespace, metrics)
+    assert tier.put(make_key(0), make_payload(0, SIZE))
+
+    def failing_write(fd: int, data) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "write", failing_write)
+    assert tier.put(make_key(1), make_payload(1, SIZE)) is False
+    assert metrics.value("store_failures_total", tier="disk", reason="enospc") == 1
+    assert metrics.value("tier_full_total", tier="disk") == 0
+    assert tier.contains(make_key(0)) and tier.budget_bytes == 10 * RECORD

@@ -1,4 +1,4 @@
-"""MemoryTier: slots, SLRU eviction, leases, verified reads, reserve/commit, threads."""
+"""MemoryTier: slots, chain-aware eviction, leases, verified reads, reserve/commit, threads."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def test_layout_and_gauges(metrics: Metrics):
     [
         ({"slot_bytes": 0}, "slot_bytes must be > 0"),
         ({"namespace": b"short"}, "namespace must be 16 bytes, got 5"),
-        ({"protected_fraction": 1.5}, r"protected_fraction=1.5 must lie in \[0, 1\]"),
+        ({"ghost_fraction": 1.5}, r"ghost_fraction=1.5 must lie in \[0, 1\]"),
     ],
 )
 def test_bad_construction(metrics: Metrics, kwargs: dict, match: str):
@@ -142,14 +142,42 @@ def test_read_into_checks_dst(metrics: Metrics):
     assert not tier.contains(key_of(0))
 
 
-def test_lookup_prefix_counts_leading_keys_and_promotes_them(metrics: Metrics):
-    tier = _tier(metrics, 4, protected_fraction=0.5)
+def test_lookup_prefix_counts_leading_keys_and_touches_them(metrics: Metrics):
+    tier = _tier(metrics, 4)
     keys = [key_of(i) for i in range(4)]
     for k in keys[:2] + keys[3:]:
         assert tier.put(k, payload_of(0, 8))
     assert tier.lookup_prefix(keys) == 2
     assert tier.lookup_prefix([keys[2], keys[0]]) == 0
-    assert tier.stats().protected == 2 and tier.stats().probation == 1
+    assert tier.stats().frequent == 2 and tier.stats().recent == 1
+
+
+def test_reads_leave_recency_alone_and_lookups_refresh_the_run(metrics: Metrics):
+    tier = _tier(metrics, 3)
+    a, b, c, d = (key_of(i) for i in range(4))
+    for k in (a, b, c):
+        assert tier.put(k, payload_of(0, 8))
+    assert tier.get(a) is not None  # a load reading a: no reference, a is still the oldest
+    assert tier.put(d, payload_of(3, 8))
+    assert not tier.contains(a)
+    tier.touch([b])  # a lookup used b: c is now the oldest
+    assert tier.put(a, payload_of(0, 8))
+    assert tier.contains(b) and not tier.contains(c)
+
+
+def test_a_parent_outlives_its_children_whatever_its_age(metrics: Metrics):
+    tier = _tier(metrics, 3)
+    head, mid, tail, other = (key_of(i) for i in range(4))
+    # committed deepest-first, as a save does: the head is written last
+    for key, parent in ((tail, mid), (mid, head), (head, b"")):
+        view = tier.reserve(key)
+        assert view is not None
+        tier.commit(key, 8, parent=parent)
+    assert tier.put(other, payload_of(3, 8))  # evicts the chain's leaf, never its head
+    assert tier.contains(head) and tier.contains(mid) and not tier.contains(tail)
+    # re-saving the leaf never makes its room by evicting its own parent, the oldest leaf
+    assert tier.put(tail, payload_of(2, 8), parent=mid)
+    assert tier.contains(mid) and tier.contains(tail) and not tier.contains(other)
 
 
 # ---- verification ----------------------------------------------------------------------------
@@ -235,7 +263,7 @@ def test_lease_counts_leading_keys_and_pins_every_present_one(metrics: Metrics):
         assert tier.put(k, payload_of(0, 8))
     assert tier.lease("L", [a, b, c]) == 1  # b is missing: one leading key, a and c pinned
     assert tier.put(b, payload_of(1, 8))  # the last free slot
-    assert tier.put(d, payload_of(3, 8))  # probation LRU order a, c, b: a and c are pinned
+    assert tier.put(d, payload_of(3, 8))  # recent order a, c, b: a and c are pinned
     assert tier.contains(a) and tier.contains(c) and tier.contains(d)
     assert not tier.contains(b)
 
@@ -398,26 +426,53 @@ def test_concurrent_writers_and_readers_never_see_wrong_bytes(metrics: Metrics):
 
 # ---- the model -------------------------------------------------------------------------------
 
+# A forest over KEYS: each key's parent in its chain (None: a head). Chains are root-to-node paths.
 KEYS = [key_of(i) for i in range(7)]
+PARENT = {0: None, 1: 0, 2: 1, 3: 2, 4: 0, 5: None, 6: 5}
+PARENT_KEY = {KEYS[i]: (KEYS[p] if p is not None else b"") for i, p in PARENT.items()}
+
+
+def _chain(i: int) -> list[bytes]:
+    path = []
+    node: int | None = i
+    while node is not None:
+        path.append(KEYS[node])
+        node = PARENT[node]
+    return path[::-1]
+
+
+CHAINS = [_chain(i) for i in range(len(KEYS))]
 IDS = ["l0", "l1", "l2", "l3"]
 SLOTS = 4
-PROTECTED = 0.5  # 2 protected places
+GHOSTS = 0.5  # 2 ghosts per list
 TTL = 10.0
 MAX_LEASES = 3
 
 
 class Model:
-    """SLRU with leases in plain Python: what the tier must do, step by step."""
+    """Chain-aware ARC with leases in plain Python lists: what the tier must do, step by step.
+
+    Lists are ordered oldest first; a victim is the first key of the list ARC picks (then of the
+    other) that no resident key names as its parent and no lease holds."""
 
     def __init__(self) -> None:
         self.now = 0.0
-        self.cap = int(PROTECTED * SLOTS)
-        self.prob: OrderedDict[bytes, None] = OrderedDict()
-        self.prot: OrderedDict[bytes, None] = OrderedDict()
+        self.clock = 0
+        self.last_walk = 0
+        self.lists: tuple[list[bytes], list[bytes]] = ([], [])  # recent, frequent
+        self.ghosts: tuple[list[bytes], list[bytes]] = ([], [])
+        self.target = 0.0
+        self.parent: dict[bytes, bytes] = {}
+        self.gen: dict[bytes, int] = {}
         self.data: dict[bytes, bytes] = {}
         self.leases: OrderedDict[str, tuple[float, list[bytes]]] = OrderedDict()
         self.evictions = self.all_pinned = 0
         self.released = self.expired = self.doubles = 0
+        self.evicted_with_children = 0
+
+    def tick(self) -> int:
+        self.clock += 1
+        return self.clock
 
     def pinned(self) -> set[bytes]:
         return {k for _, keys in self.leases.values() for k in keys}
@@ -427,48 +482,99 @@ class Model:
             self.leases.popitem(last=False)
             self.expired += 1
 
-    def hit(self, key: bytes) -> None:
-        if key in self.prot:
-            self.prot.move_to_end(key)
-            return
-        del self.prob[key]
-        self.prot[key] = None
-        while len(self.prot) > self.cap:
-            self.prob[self.prot.popitem(last=False)[0]] = None
+    def children(self, key: bytes) -> list[bytes]:
+        return [k for k in self.data if self.parent.get(k) == key]
 
-    def touch(self, key: bytes) -> None:
-        (self.prot if key in self.prot else self.prob).move_to_end(key)
+    def which(self, key: bytes) -> int:
+        return 0 if key in self.lists[0] else 1
 
-    def allocate(self) -> bool:
+    def reference(self, key: bytes, gen: int) -> None:
+        self.lists[self.which(key)].remove(key)
+        self.lists[1].append(key)
+        self.gen[key] = gen
+
+    def link(self, key: bytes, parent: bytes) -> None:
+        if parent and key in self.data and key not in self.parent:
+            self.parent[key] = parent
+
+    def touch(self, keys: list[bytes]) -> None:
+        prev = b""
+        for k in keys:
+            self.link(k, prev)
+            prev = k
+        gen = self.tick()
+        for k in reversed(keys):
+            if k in self.data:
+                self.reference(k, gen)
+
+    def adapt(self, direction: int) -> None:
+        b1, b2 = len(self.ghosts[0]), len(self.ghosts[1])
+        if direction > 0:
+            self.target = min(SLOTS, self.target + (max(1.0, b2 / b1) if b1 else 1.0))
+        else:
+            self.target = max(0.0, self.target - (max(1.0, b1 / b2) if b2 else 1.0))
+
+    def admit(self, key: bytes, payload: bytes, parent: bytes) -> None:
+        where = 0
+        for w, direction in ((0, +1), (1, -1)):
+            if key in self.ghosts[w]:
+                self.adapt(direction)
+                self.ghosts[w].remove(key)
+                where = 1
+        self.data[key] = payload
+        self.lists[where].append(key)
+        self.gen[key] = self.tick()
+        if parent:
+            self.parent[key] = parent
+        # the chain above a new chunk is used by the save that wrote it, up to where the
+        # previous such walk reached
+        up = self.parent.get(key)
+        if up is not None and up in self.data:
+            gen = self.tick()
+            while up is not None and up in self.data and self.gen[up] != self.last_walk:
+                self.reference(up, gen)
+                up = self.parent.get(up)
+            self.last_walk = gen
+
+    def allocate(self, parent: bytes = b"") -> bool:
         if len(self.data) < SLOTS:
             return True
-        pinned = self.pinned()
-        for seg in (self.prob, self.prot):
-            for k in seg:
-                if k not in pinned:
-                    del seg[k]
-                    del self.data[k]
+        # the slot for a child never comes from its parent
+        pinned = self.pinned() | {parent}
+        over = len(self.lists[0]) > self.target or not self.lists[1]
+        for w in (0, 1) if over else (1, 0):
+            for k in self.lists[w]:
+                if k not in pinned and not self.children(k):
+                    self.lists[w].remove(k)
+                    del self.data[k], self.gen[k]
+                    self.parent.pop(k, None)
+                    self.ghosts[w].append(k)
+                    del self.ghosts[w][: -int(GHOSTS * SLOTS)]
                     self.evictions += 1
                     return True
         self.all_pinned += 1
         return False
 
-    def put(self, key: bytes, payload: bytes) -> bool:
+    def put(self, key: bytes, payload: bytes, parent: bytes) -> bool:
         self.expire()
         if key in self.data:
-            self.touch(key)
+            self.link(key, parent)
+            self.touch([key])
             return True
-        if not self.allocate():
+        if not self.allocate(parent):
             return False
-        self.data[key] = payload
-        self.prob[key] = None
+        self.admit(key, payload, parent)
         return True
 
     def get(self, key: bytes) -> bytes | None:
-        if key not in self.data:
-            return None
-        self.hit(key)
-        return self.data[key]
+        return self.data.get(key)
+
+    def lookup_prefix(self, keys: list[bytes]) -> int:
+        n = 0
+        while n < len(keys) and keys[n] in self.data:
+            n += 1
+        self.touch(keys[:n])
+        return n
 
     def lease(self, lid: str, keys: list[bytes]) -> int:
         present = [k for k in keys if k in self.data]
@@ -495,7 +601,8 @@ class Model:
 
 
 class MemoryTierMachine(RuleBasedStateMachine):
-    """The tier and the model take the same steps and must agree after every one."""
+    """The tier and the model take the same steps and must agree after every one; no step
+    evicts a chunk that a resident chunk names as its parent."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -508,26 +615,41 @@ class MemoryTierMachine(RuleBasedStateMachine):
             self.m,
             lease_ttl_s=TTL,
             max_leases=MAX_LEASES,
-            protected_fraction=PROTECTED,
+            ghost_fraction=GHOSTS,
             clock=lambda: self.model.now,
             pin_memory=False,
         )
+        self.before: set[bytes] = set()
+
+    def _resident(self) -> set[bytes]:
+        return {k for k in KEYS if self.tier.contains(k)}
 
     @rule(key=st.sampled_from(KEYS), payload=st.binary(max_size=SLOT))
     def put(self, key: bytes, payload: bytes) -> None:
-        assert self.tier.put(key, payload) == self.model.put(key, payload)
+        parent = PARENT_KEY[key]
+        assert self.tier.put(key, payload, parent) == self.model.put(key, payload, parent)
 
-    @rule(key=st.sampled_from(KEYS), payload=st.binary(min_size=1, max_size=SLOT))
-    def reserve_commit(self, key: bytes, payload: bytes) -> None:
-        view = self.tier.reserve(key)
-        stored = self.model.put(key, payload)
-        if view is None:
-            # resident already (refreshed) or no slot: the model agrees on which
-            assert self.tier.contains(key) == stored
+    @rule(
+        key=st.sampled_from(KEYS),
+        payload=st.binary(min_size=1, max_size=SLOT),
+        at_reserve=st.booleans(),
+    )
+    def reserve_commit(self, key: bytes, payload: bytes, at_reserve: bool) -> None:
+        parent = PARENT_KEY[key]
+        view = self.tier.reserve(key, parent) if at_reserve else self.tier.reserve(key)
+        m = self.model
+        m.expire()
+        if key in m.data:
+            m.touch([key])
+            assert view is None
             return
-        assert stored
+        assert (view is not None) == m.allocate(parent if at_reserve else b"")
+        if view is None:
+            return
         view[: len(payload)].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-        self.tier.commit(key, len(payload))
+        self.tier.commit(key, len(payload), parent=b"" if at_reserve else parent)
+        m.admit(key, payload, parent)
+        assert self.tier.parent_of(key) == parent
 
     @rule(key=st.sampled_from(KEYS))
     def reserve_abort(self, key: bytes) -> None:
@@ -535,7 +657,7 @@ class MemoryTierMachine(RuleBasedStateMachine):
         m = self.model
         m.expire()
         if key in m.data:
-            m.touch(key)
+            m.touch([key])
             assert view is None
             return
         assert (view is not None) == m.allocate()
@@ -554,12 +676,9 @@ class MemoryTierMachine(RuleBasedStateMachine):
         if want is not None:
             assert bytes(dst.numpy()) == want
 
-    @rule(keys=st.lists(st.sampled_from(KEYS), max_size=4))
-    def lookup_prefix(self, keys: list[bytes]) -> None:
-        n = 0
-        while n < len(keys) and self.model.get(keys[n]) is not None:
-            n += 1
-        assert self.tier.lookup_prefix(keys) == n
+    @rule(chain=st.sampled_from(CHAINS))
+    def lookup_prefix(self, chain: list[bytes]) -> None:
+        assert self.tier.lookup_prefix(chain) == self.model.lookup_prefix(chain)
 
     @rule(lid=st.sampled_from(IDS), keys=st.lists(st.sampled_from(KEYS), max_size=4))
     def lease(self, lid: str, keys: list[bytes]) -> None:
@@ -584,10 +703,16 @@ class MemoryTierMachine(RuleBasedStateMachine):
     @invariant()
     def agrees_with_model(self) -> None:
         m, tier = self.model, self.tier
-        assert {k for k in KEYS if tier.contains(k)} == set(m.data)
+        resident = self._resident()
+        assert resident == set(m.data)
+        # an eviction takes leaves only: no chunk resident across the step names an evicted
+        # key as its parent (a child written after its parent left is a new orphan, not this)
+        gone = self.before - resident
+        assert not {k for k in resident & self.before if PARENT_KEY[k] in gone}
+        self.before = resident
         s = tier.stats()
         assert s.free + s.used == SLOTS and s.reserved == 0 and s.quarantined == 0
-        assert (s.used, s.probation, s.protected) == (len(m.data), len(m.prob), len(m.prot))
+        assert (s.used, s.recent, s.frequent) == (len(m.data), len(m.lists[0]), len(m.lists[1]))
         # never two keys in one slot
         assert len(set(tier._index.values())) == len(tier._index)
         # a leased key is never evicted

@@ -403,3 +403,48 @@ def test_lower_tier_presence_is_asked_in_one_batch(
     finally:
         remote.gate.set()
         s.close()
+
+
+# ---- chains ----------------------------------------------------------------------------------
+
+
+def test_a_leased_lookup_touches_the_run_in_every_tier_a_probe_does_not(
+    namespace: bytes, metrics: Metrics, tmp_path: Path, make_key: Key, make_payload: Payload
+):
+    disk = DiskTier(tmp_path, 3 * (SIZE + 64), namespace, metrics)
+    stack = TierStack(_memory(namespace, metrics, 3), [disk], metrics, queue_depth=16)
+    try:
+        run = [make_key(i) for i in range(2)]
+        later = make_key(9)
+        for k in (*run, later):
+            assert stack.put(k, make_payload(0, SIZE))
+        assert stack.flush(WAIT_S)
+        assert stack.lookup(run, None) == 2  # a probe: no reference
+        assert stack.memory.stats().frequent == 0
+        assert stack.lookup(run, "req-1") == 2
+        stack.release("req-1")
+        # the run is referenced in both tiers: a new chunk evicts `later`, seen once, instead
+        assert stack.put(make_key(10), make_payload(0, SIZE))
+        assert stack.flush(WAIT_S)
+        for tier in (stack.memory, disk):
+            assert tier.contains(run[0]) and tier.contains(run[1]) and not tier.contains(later)
+    finally:
+        stack.close()
+
+
+def test_parents_travel_with_commits_promotions_and_write_behind(
+    stack: TierStack, disk: DiskTier, make_key: Key, make_payload: Payload
+):
+    head, tail = make_key(0), make_key(1)
+    for key, parent in ((tail, head), (head, b"")):  # deepest first
+        view = stack.reserve(key, parent)
+        assert view is not None
+        view.copy_(torch.frombuffer(bytearray(make_payload(0, SIZE)), dtype=torch.uint8))
+        stack.commit(key)
+    assert stack.flush(WAIT_S)
+    assert stack.memory.parent_of(tail) == head
+    assert disk._policy.parent_of(tail) == head
+    promoted = make_key(2)
+    assert disk.put(promoted, make_payload(2, SIZE))
+    assert stack.read_into(promoted, _dst(), parent=tail) == "disk"
+    assert stack.memory.parent_of(promoted) == tail

@@ -1,11 +1,12 @@
 """Cache-hit ceilings simulated on the exact requests sent, in send order.
 
-Three bounds, each as hit tokens over prompt tokens:
+Three numbers, each as hit tokens over prompt tokens:
 
-* HBM alone: an LRU of `hbm_blocks` blocks of `block_size` tokens named by chained prefix hashes
-  (the OFF arm's prediction);
-* HBM + tier: the same HBM in front of an LRU of `tier_chunks` chunks of `chunk_size` tokens that
-  every request writes its full prompt chunks into (the ON arm's prediction);
+* HBM alone: an LRU of `hbm_blocks` blocks of `block_size` tokens named by chained prefix hashes,
+  each prompt touched tail first (the OFF arm's prediction: the engine's own prefix cache);
+* HBM + tier: the same HBM in front of the offline-optimal tier of `tier_chunks` chunks of
+  `chunk_size` tokens (Belady over the prompts' chunk chains, `kvtier.cachemodel.optimum`): no
+  tier policy of that size serves more of its own chunks;
 * infinite: every block ever computed stays (a hard upper bound on any arm).
 
 The rules follow the engine and kvtier: a hit never covers the last prompt token (it is computed
@@ -22,10 +23,11 @@ request still warms the caches.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from kvtier.cachemodel.optimum import optimal_leading
+from kvtier.cachemodel.stream import ChainIds, ChainLRU, from_prompts
 from kvtier.errors import ConfigError
 
 
@@ -74,56 +76,6 @@ class Ceiling:
         }
 
 
-class _LRU:
-    """Keys in recency order (least recent first), at most `capacity` of them (None: unbounded)."""
-
-    def __init__(self, capacity: int | None) -> None:
-        self.capacity = capacity
-        self._keys: OrderedDict[int, None] = OrderedDict()
-
-    def __contains__(self, key: int) -> bool:
-        return key in self._keys
-
-    def touch_chain(self, keys: Sequence[int]) -> None:
-        """Insert or refresh a prefix chain tail first, so its head is the most recent and is
-        evicted last (losing a head loses the whole chain; the engine frees tails first too)."""
-        if self.capacity == 0:
-            return
-        for key in reversed(keys):
-            self._keys[key] = None
-            self._keys.move_to_end(key)
-            if self.capacity is not None and len(self._keys) > self.capacity:
-                self._keys.popitem(last=False)
-
-    def leading(self, keys: Sequence[int]) -> int:
-        """How many of `keys`, from the first, are present."""
-        n = 0
-        for key in keys:
-            if key not in self._keys:
-                break
-            n += 1
-        return n
-
-
-class _Chains:
-    """Exact chained prefix ids: a unit (block or chunk) is named by its parent's id and its own
-    tokens, interned to a small int, so equal ids mean equal prefixes with no hash collisions."""
-
-    def __init__(self, unit: int) -> None:
-        self.unit = unit
-        self._ids: dict[tuple[int, tuple[int, ...]], int] = {}
-
-    def of(self, prompt: Sequence[int]) -> list[int]:
-        out = []
-        parent = -1
-        u = self.unit
-        for i in range(len(prompt) // u):
-            key = (parent, tuple(prompt[i * u : (i + 1) * u]))
-            parent = self._ids.setdefault(key, len(self._ids))
-            out.append(parent)
-        return out
-
-
 def simulate(
     prompts: Iterable[Sequence[int]],
     *,
@@ -137,7 +89,7 @@ def simulate(
     counted: Iterable[bool] | None = None,
 ) -> Ceiling:
     """Replay `prompts` in order through an HBM LRU (`hbm_blocks` None: unbounded) and, when
-    `chunk_size` and `tier_chunks` are given, a chunk tier behind it.
+    `chunk_size` and `tier_chunks` are given, the offline-optimal chunk tier behind it.
 
     `outputs` (one id sequence per prompt) puts each request's generated blocks in HBM too;
     `counted` (one flag per prompt) counts only the flagged requests in the totals."""
@@ -157,10 +109,8 @@ def simulate(
             raise ConfigError(
                 f"chunk_size={chunk_size} is not a multiple of block_size={block_size}"
             )
-    hbm, blocks = _LRU(hbm_blocks), _Chains(block_size)
-    tier, chunks = _LRU(tier_chunks), _Chains(chunk_size or block_size)
-    requests = prompt_tokens = hbm_hits = ext_hits = 0
-    stream = list(prompts)
+    hbm, blocks = ChainLRU(hbm_blocks), ChainIds(block_size)
+    stream = [list(p) for p in prompts]
     outs: list[Sequence[int] | None] = [None] * len(stream) if outputs is None else list(outputs)
     flags = [True] * len(stream) if counted is None else list(counted)
     if len(outs) != len(stream) or len(flags) != len(stream):
@@ -168,27 +118,29 @@ def simulate(
             f"{len(outs)} outputs and {len(flags)} counted flags for {len(stream)} prompts; "
             "give exactly one of each per prompt"
         )
-    seen = 0
-    for prompt, output, count in zip(stream, outs, flags, strict=True):
+    for i, prompt in enumerate(stream):
+        if not prompt:
+            raise ConfigError(f"request {i} has an empty prompt; every prompt needs tokens")
+    # the tier's leading chunks at each lookup, under the offline optimum
+    leads = [0] * len(stream)
+    if use_tier:
+        assert chunk_size is not None
+        leads = optimal_leading(from_prompts(stream, chunk_size), tier_chunks)
+    requests = prompt_tokens = hbm_hits = ext_hits = 0
+    for prompt, output, count, lead in zip(stream, outs, flags, leads, strict=True):
         n = len(prompt)
-        if n == 0:
-            raise ConfigError(f"request {seen} has an empty prompt; every prompt needs tokens")
-        seen += 1
         block_ids = blocks.of(prompt)
         # the last token is always computed: only blocks inside the first n - 1 tokens can hit
         h = hbm.leading(block_ids[: (n - 1) // block_size]) * block_size
         ext = 0
         if use_tier:
             assert chunk_size is not None
-            chunk_ids = chunks.of(prompt)
-            end = min(tier.leading(chunk_ids) * chunk_size, n - 1)
+            end = min(lead * chunk_size, n - 1)
             if end > h and end - h >= min_load_tokens:
                 ext = end - h
-            # every full prompt chunk is in the tier afterwards (read, or saved once computed)
-            tier.touch_chain(chunk_ids)
         if output:
             # the last generated token is sampled, never fed back: its KV is not computed
-            block_ids = blocks.of(list(prompt) + list(output[:-1]))
+            block_ids = blocks.of(prompt + list(output[:-1]))
         hbm.touch_chain(block_ids)
         if count:
             requests += 1
@@ -228,7 +180,7 @@ def tier_ceiling(
     outputs: Iterable[Sequence[int]] | None = None,
     counted: Iterable[bool] | None = None,
 ) -> Ceiling:
-    """(b) The HBM pool in front of a tier of `tier_chunks` chunks."""
+    """(b) The HBM pool in front of the offline-optimal tier of `tier_chunks` chunks."""
     return simulate(
         prompts,
         block_size=block_size,

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.cachemodel.trace import TraceRow, read_trace_rows
 from kvtier.errors import ConfigError
 
 # Token ids below this are the tiny model's special tokens (<s>, </s>, <unk>); never sent.
@@ -289,61 +290,11 @@ def sent_prompts(
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class TraceRow:
-    """One Mooncake trace row: arrival in ms, lengths in tokens and the prompt's block hash ids."""
-
-    timestamp_ms: float
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-
 def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRow]:
-    """Rows of a Mooncake JSONL trace (`timestamp`, `input_length`, `output_length`,
-    `hash_ids`), the first `limit` of them; a malformed row raises naming its line."""
-    src = Path(path)
-    if not src.is_file():
-        raise ConfigError(f"trace {str(src)!r} is not a file; pass a Mooncake JSONL trace")
-    rows: list[TraceRow] = []
-    with src.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if limit is not None and len(rows) >= limit:
-                break
-            if not line.strip():
-                continue
-            rows.append(_trace_row(line, f"{src}:{lineno}"))
-    if not rows:
-        raise ConfigError(f"trace {str(src)!r} has no rows")
-    return rows
-
-
-def _trace_row(line: str, where: str) -> TraceRow:
-    try:
-        doc = json.loads(line)
-        ts = float(doc.get("timestamp", 0))
-        n_in = doc["input_length"]
-        n_out = doc.get("output_length", 1)
-        ids = doc["hash_ids"]
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise ConfigError(
-            f"{where}: not a Mooncake row ({type(exc).__name__}: {exc}); each line needs "
-            "input_length and hash_ids (and timestamp in ms, output_length)"
-        ) from None
-    bad_int = [
-        (k, v)
-        for k, v in (("input_length", n_in), ("output_length", n_out))
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1
-    ]
-    if bad_int:
-        raise ConfigError(f"{where}: {bad_int[0][0]}={bad_int[0][1]!r} must be an integer >= 1")
-    if not isinstance(ids, list) or not all(
-        isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids
-    ):
-        raise ConfigError(f"{where}: hash_ids must be a list of integers >= 0")
-    if not math.isfinite(ts) or ts < 0:
-        raise ConfigError(f"{where}: timestamp={ts!r} must be a finite number of ms >= 0")
-    return TraceRow(ts, n_in, n_out, tuple(ids))
+    """Rows of a Mooncake JSONL trace in replay order, the first `limit` of them (the one
+    reader, `kvtier.cachemodel.trace`, decides every edge case); a bad row raises naming its
+    line."""
+    return read_trace_rows(path, limit=limit)
 
 
 def trace_requests(

@@ -10,10 +10,13 @@ import msgspec
 
 
 class ChunkRef(msgspec.Struct, frozen=True, array_like=True):
-    """One chunk: its 16-byte key and `chunk_size // block_size` block ids (-1 = skip)."""
+    """One chunk: its 16-byte key, `chunk_size // block_size` block ids (-1 = skip) and the key
+    of the chunk before it in the prompt (b"" for the first), which the tiers keep so they can
+    evict leaves before their parents."""
 
     key: bytes
     block_ids: list[int]
+    parent: bytes = b""
 
 
 class LoadOp(msgspec.Struct, frozen=True):

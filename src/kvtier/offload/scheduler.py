@@ -311,7 +311,7 @@ class OffloadScheduler:
                 # below the floor: shared HBM blocks; past the claim: not ours to write
                 inside = load.hbm <= token < load.end
                 ids.append(load.block_ids[token // self.block_size] if inside else -1)
-            chunks.append(ChunkRef(st.keys[c], ids))
+            chunks.append(ChunkRef(st.keys[c], ids, _parent(st.keys, c)))
         load.op_id = f"{st.req_id}#ld{next(self._nonce)}"
         self._quorum.open(load.op_id)
         self._ops[load.op_id] = (st.req_id, "load")
@@ -335,7 +335,8 @@ class OffloadScheduler:
         chunks = []
         for c in range(st.emitted // self.chunk, aligned // self.chunk):
             b0 = c * self.blocks_per_chunk
-            chunks.append(ChunkRef(st.keys[c], list(blocks[b0 : b0 + self.blocks_per_chunk])))
+            chunk_blocks = list(blocks[b0 : b0 + self.blocks_per_chunk])
+            chunks.append(ChunkRef(st.keys[c], chunk_blocks, _parent(st.keys, c)))
         op_id = f"{st.req_id}#sv{next(self._nonce)}"
         self._quorum.open(op_id)
         self._ops[op_id] = (st.req_id, "save")
@@ -499,3 +500,8 @@ class OffloadScheduler:
         if count:
             self._m.skipped_load(reason).inc()
         st.load = None
+
+
+def _parent(keys: Sequence[bytes], c: int) -> bytes:
+    """The key of the chunk before chunk `c` (b"" for the first)."""
+    return keys[c - 1] if c else b""

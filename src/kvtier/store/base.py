@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 class Tier(Protocol):
@@ -47,4 +47,19 @@ class Tier(Protocol):
 
     def close(self) -> None:
         """Release resources; the tier is unusable afterwards."""
+        ...
+
+
+@runtime_checkable
+class ChainTier(Tier, Protocol):
+    """A tier that keeps chains prefix-closed: it learns each chunk's parent when it is stored
+    and is told which runs lookups used, so it can evict leaves first (memory, disk)."""
+
+    def put(self, key: bytes, payload: bytes | memoryview, parent: bytes = b"") -> bool:
+        """Store `payload` under `key`, the chunk after `parent` (b"": a head or not known)."""
+        ...
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """A lookup used the run `keys` (leading chunks in chain order): reference them
+        tail-first."""
         ...

@@ -1,7 +1,14 @@
-"""Local-disk tier: one verified record file per chunk, bounded by bytes with LRU eviction.
+"""Local-disk tier: one verified record file per chunk, bounded by bytes, evicted by the same
+chain-aware `ChainPolicy` as the memory tier (weighted by file bytes).
 
 Layout: `<dir>/<namespace hex>/<key hex[:2]>/<key hex>.kvr`, so namespaces sharing a directory
-stay apart and a restarted engine finds its own records again.
+stay apart and a restarted engine finds its own records again (their chain links are learned
+again from the first lookups that touch them).
+
+The budget is checked against the filesystem at startup; if the filesystem still fills up (other
+files, other ranks), a write that hits ENOSPC on a filesystem that really lacks the room lowers
+the budget by what is missing, evicts that much and retries, so the tier keeps storing instead
+of failing every write; the budget follows the room back up as it returns.
 """
 
 from __future__ import annotations
@@ -12,14 +19,17 @@ import os
 import re
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.config import format_size
+from kvtier.errors import StartupError
 from kvtier.metrics import Metrics
 from kvtier.store import record
 from kvtier.store.lease import LeaseTable
+from kvtier.store.policy import NO_PARENT, ChainPolicy
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +38,8 @@ _SHARD_NAME = re.compile(r"^[0-9a-f]{2}$")
 _TMP_SUFFIX = ".tmp"
 # a full disk and an exhausted quota are the same event to an operator
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# ENOSPC retries per write: each one lowers the budget and evicts what the filesystem lacks
+_NO_SPACE_RETRIES = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +53,8 @@ class ScanResult:
 
 
 class DiskTier:
-    """Chunk records as files under one namespace directory, LRU-evicted to stay under a byte cap.
+    """Chunk records as files under one namespace directory, evicted leaves-first to stay under a
+    byte cap that the filesystem can really hold.
 
     Thread-safe: the stack's write-behind thread writes while the engine thread reads.
     """
@@ -66,21 +79,25 @@ class DiskTier:
                 f"namespace must be {record.NAMESPACE_BYTES} bytes, got {len(namespace)}"
             )
         self._ns = namespace
-        self._max = max_bytes
+        self._limit = max_bytes  # disk_bytes, as configured
+        self._max = max_bytes  # the budget in force: lower while the filesystem is full
         self._m = metrics
         self._root = Path(directory) / namespace.hex()
         self._root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Condition(threading.RLock())
-        # key -> file bytes (header + payload), least recently used first
-        self._index: OrderedDict[bytes, int] = OrderedDict()
+        self._index: dict[bytes, int] = {}  # key -> file bytes (header + payload)
+        self._policy = ChainPolicy(max_bytes)
         self._bytes = 0
         # bytes promised to writes in flight, so concurrent puts cannot overshoot the cap
         self._reserved = 0
         self._inflight: set[bytes] = set()
+        # parents of writes in flight: room for a child is never made by evicting its parent
+        self._writing: Counter[bytes] = Counter()
         self._leases = LeaseTable(metrics, lease_ttl_s, max_leases, clock)
         self._closed = False
         self._m.capacity(self.name).set(max_bytes)
         self.scan = self._scan()
+        self._check_filesystem(directory)
         with self._lock:
             self._evict_to(self._max)
             self._publish()
@@ -103,7 +120,6 @@ class DiskTier:
             self._check_open()
             if key not in self._index:
                 return None
-            self._index.move_to_end(key)
         path = self._path(key)
         try:
             buf, ino = _read_file(path)
@@ -121,13 +137,14 @@ class DiskTier:
             self._drop_bad(key, ino, e.reason)
             return None
 
-    def put(self, key: bytes, payload: bytes | memoryview) -> bool:
-        """Write `payload` atomically (temp file + rename); False (counted) when it cannot."""
+    def put(self, key: bytes, payload: bytes | memoryview, parent: bytes = NO_PARENT) -> bool:
+        """Write `payload` atomically (temp file + rename) as the chunk after `parent`; False
+        (counted) when it cannot."""
         with self._lock:
             self._check_open()
             if key in self._index:
                 # keys are content hashes inside the namespace: the file already holds these bytes
-                self._index.move_to_end(key)
+                self._resident_again(key, parent)
                 return True
         # checksum outside the lock: hashing a 32 MiB chunk must not stall readers
         header = record.encode_header(self._ns, key, payload)
@@ -137,14 +154,18 @@ class DiskTier:
             # one writer per key; a second put waits for the first and then sees its outcome
             self._lock.wait_for(lambda: key not in self._inflight)
             if key in self._index:
-                self._index.move_to_end(key)
+                self._resident_again(key, parent)
                 return True
+            if self._max < self._limit:
+                self._regrow()
             if size > self._max:
                 self._m.store_failure(self.name, "too_large").inc()
                 return False
+            self._writing[parent] += 1
             self._evict_to(self._max - size - self._reserved)
             if self._bytes + self._reserved + size > self._max:
                 # what is left is leased by lookups; shedding this write is the bounded choice
+                self._done_writing(parent)
                 self._m.store_failure(self.name, "full").inc()
                 return False
             self._reserved += size
@@ -152,22 +173,24 @@ class DiskTier:
         path = self._path(key)
         ok = False
         try:
-            tmp = self._write_temp(path, header, payload)
-            with self._lock:
+            for attempt in range(_NO_SPACE_RETRIES + 1):
                 try:
-                    os.replace(tmp, path)
-                except OSError:
-                    _remove(tmp)
-                    raise
-                self._index[key] = size
-                self._bytes += size
-                ok = True
-        except OSError as e:
-            reason = "enospc" if e.errno in _NO_SPACE else "io_error"
-            log.warning("kvtier: disk tier could not store %s (%s): %s", path.name, reason, e)
-            self._m.store_failure(self.name, reason).inc()
+                    self._write(key, path, header, payload, size, parent)
+                    ok = True
+                    break
+                except OSError as e:
+                    full = e.errno in _NO_SPACE
+                    if full and attempt < _NO_SPACE_RETRIES and self._make_room(size):
+                        continue
+                    reason = "enospc" if full else "io_error"
+                    log.warning(
+                        "kvtier: disk tier could not store %s (%s): %s", path.name, reason, e
+                    )
+                    self._m.store_failure(self.name, reason).inc()
+                    break
         finally:
             with self._lock:
+                self._done_writing(parent)
                 self._reserved -= size
                 self._inflight.discard(key)
                 self._publish()
@@ -201,20 +224,35 @@ class DiskTier:
         with self._lock:
             self._closed = True
             self._index.clear()
+            self._policy.clear()
             self._bytes = 0
             self._publish()
 
     # ---- extras shared with MemoryTier ---------------------------------------------------
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:
-        """Number of leading `keys` this tier holds."""
+        """Number of leading `keys` this tier holds; the run counted is touched tail-first."""
         with self._lock:
             n = 0
             for k in keys:
                 if k not in self._index:
                     break
                 n += 1
+            self._policy.touch(keys[:n])
             return n
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """A lookup used the run `keys` (leading chunks in chain order): reference the resident
+        ones tail-first and learn their chain links."""
+        with self._lock:
+            self._check_open()
+            self._policy.touch(keys)
+
+    @property
+    def budget_bytes(self) -> int:
+        """The byte cap in force: `max_bytes`, or lower once the filesystem filled up."""
+        with self._lock:
+            return self._max
 
     def __len__(self) -> int:
         with self._lock:
@@ -265,22 +303,121 @@ class DiskTier:
                 # a concurrent evict + rewrite put a good file there since our read
                 return
             self._bytes -= self._index.pop(key)
+            self._policy.remove(key)
             _remove(path)
             self._publish()
 
+    def _resident_again(self, key: bytes, parent: bytes) -> None:
+        """A write of a chunk the tier holds is a use of it."""
+        self._policy.link(key, parent)
+        self._policy.touch([key])
+
+    def _write(
+        self,
+        key: bytes,
+        path: Path,
+        header: bytes,
+        payload: bytes | memoryview,
+        size: int,
+        parent: bytes,
+    ) -> None:
+        """One attempt: temp file, rename, index. OSError leaves nothing behind."""
+        tmp = self._write_temp(path, header, payload)
+        with self._lock:
+            try:
+                os.replace(tmp, path)
+            except OSError:
+                _remove(tmp)
+                raise
+            self._index[key] = size
+            self._bytes += size
+            self._policy.insert(key, size, parent)
+
+    def _make_room(self, size: int) -> bool:
+        """A write hit ENOSPC. When the filesystem really lacks the room (statvfs), lower the
+        budget by what is missing and evict that much, so this write and the next ones fit;
+        False when the filesystem has room (a quota, a transient error) or nothing of ours can
+        go, and the write is lost (counted by the caller)."""
+        free, block = self._fs_space()
+        need = size + block - free
+        if need <= 0:
+            return False
+        with self._lock:
+            self._m.tier_full(self.name).inc()
+            budget = max(size, min(self._max, self._bytes + self._reserved - need))
+            if budget < self._max:
+                log.warning(
+                    "kvtier: disk tier %s: the filesystem is full with %s held (disk_bytes=%s); "
+                    "budget lowered to %s while it stays full, evicting to make room",
+                    self._root,
+                    format_size(self._bytes),
+                    format_size(self._limit),
+                    format_size(budget),
+                )
+                self._set_budget(budget)
+            before = self._bytes
+            self._evict_to(self._max - self._reserved)
+            return self._bytes < before
+
+    def _regrow(self) -> None:
+        """A budget lowered by a full filesystem follows the room that comes back."""
+        free, block = self._fs_space()
+        room = min(self._limit, self._bytes + self._reserved + free - block)
+        if room > self._max:
+            log.info(
+                "kvtier: disk tier %s: room is back on the filesystem; budget %s (disk_bytes=%s)",
+                self._root,
+                format_size(room),
+                format_size(self._limit),
+            )
+            self._set_budget(room)
+
+    def _set_budget(self, budget: int) -> None:
+        self._max = budget
+        self._m.capacity(self.name).set(budget)
+
+    def _fs_space(self) -> tuple[int, int]:
+        """Bytes free to this process on the tier's filesystem, and its block size."""
+        st = os.statvfs(self._root)
+        return st.f_bavail * st.f_frsize, st.f_frsize
+
     def _evict_to(self, budget: int) -> None:
-        """Evict least recently used unleased files until resident bytes <= budget."""
+        """Evict unleased leaves, least recently used first, until resident bytes <= budget."""
         if self._bytes <= budget:
             return
         self._leases.expire()
-        for key in list(self._index):
-            if self._bytes <= budget:
-                break
-            if self._leases.is_pinned(key):
-                continue
+        while self._bytes > budget:
+            key = self._policy.victim(self._evictable)
+            if key is None:
+                return
+            self._policy.evict(key)
             self._bytes -= self._index.pop(key)
             _remove(self._path(key))
             self._m.eviction(self.name).inc()
+
+    def _evictable(self, key: bytes) -> bool:
+        return not self._leases.is_pinned(key) and key not in self._writing
+
+    def _done_writing(self, parent: bytes) -> None:
+        left = self._writing[parent] - 1
+        if left:
+            self._writing[parent] = left
+        else:
+            del self._writing[parent]
+
+    def _check_filesystem(self, directory: str | Path) -> None:
+        """A budget the filesystem can never hold is a startup error, not a tier that fills
+        the disk and then fails every write."""
+        free, _ = self._fs_space()
+        room = free + self._bytes
+        if self._max > room:
+            raise StartupError(
+                f"disk_bytes={self._max} ({format_size(self._max)}) is more than the filesystem "
+                f"of disk_dir={str(directory)!r} can hold: {format_size(free)}"
+                f" free plus {format_size(self._bytes)} of this tier's records; set disk_bytes to "
+                f"at most {room} ({format_size(room)}), free space there, or point disk_dir at a "
+                "larger filesystem"
+            )
 
     def _publish(self) -> None:
         self._m.residency(self.name).set(self._bytes)
@@ -308,6 +445,7 @@ class DiskTier:
         for _, key, size in found:
             self._index[key] = size
             self._bytes += size
+            self._policy.insert(key, size)
         if ignored:
             log.warning(
                 "kvtier: disk tier ignored %d unexpected entries in %s", ignored, self._root

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvtier import remote_endpoint
-from kvtier.config import KVTierConfig, mask_url
+from kvtier.config import KVTierConfig, format_size, mask_url
 from kvtier.errors import StartupError
 from kvtier.metrics import Metrics
 from kvtier.store.base import Tier
@@ -33,6 +33,16 @@ def build_stack(
     lower: list[Tier] = []
     if config.disk_bytes > 0:
         from kvtier.store.disk import DiskTier
+        from kvtier.store.record import HEADER_BYTES
+
+        record_bytes = slot_bytes + HEADER_BYTES
+        if config.disk_bytes < record_bytes:
+            raise StartupError(
+                f"disk_bytes={config.disk_bytes} ({format_size(config.disk_bytes)}) cannot hold "
+                f"one chunk record of {record_bytes} bytes ({slot_bytes} of KV for "
+                f"chunk_size={config.chunk_size} plus a {HEADER_BYTES}-byte header); raise "
+                f"disk_bytes to at least {record_bytes}, or set disk_bytes=0 for no disk tier"
+            )
 
         try:
             lower.append(

@@ -1,5 +1,6 @@
 """The host-memory tier: one preallocated (pinned where CUDA is present) uint8 buffer cut into
-fixed slots, one chunk per slot, evicted by segmented LRU and verified by xxh3 on every read.
+fixed slots, one chunk per slot, evicted by the chain-aware `ChainPolicy` (leaves first, chains
+touched tail-first) and verified by xxh3 on every read.
 """
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections import OrderedDict
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ import torch
 from kvtier.metrics import Metrics
 from kvtier.store.arena import HostArena
 from kvtier.store.lease import LeaseTable
+from kvtier.store.policy import GHOST_FRACTION, NO_PARENT, ChainPolicy
 from kvtier.store.record import KEY_BYTES, NAMESPACE_BYTES, checksum
 
 TIER = "memory"
@@ -33,13 +35,15 @@ class MemoryTierStats:
     used: int
     reserved: int
     quarantined: int
-    probation: int
-    protected: int
+    recent: int  # resident chunks referenced once since admission
+    frequent: int  # resident chunks referenced again
     leases: int = 0
 
 
 class MemoryTier:
-    """Chunks in fixed slots of one host buffer, with SLRU eviction, leases and verified reads.
+    """Chunks in fixed slots of one host buffer, with chain-aware eviction, leases and verified
+    reads. Recency comes from `touch` (a lookup's matched run) and from commits; reads do not
+    change it, so a load that reads a run upward cannot leave its head the oldest entry.
 
     Thread-safe: one lock guards the metadata; large copies run outside it on slots that no one
     can evict or reuse meanwhile (private to a writer, or pinned by an in-flight read).
@@ -56,7 +60,7 @@ class MemoryTier:
         *,
         lease_ttl_s: float = 30.0,
         max_leases: int = 65536,
-        protected_fraction: float = 0.8,
+        ghost_fraction: float = GHOST_FRACTION,
         verify_reads: bool = True,
         clock: Callable[[], float] = time.monotonic,
         pin_memory: bool | None = None,
@@ -73,10 +77,6 @@ class MemoryTier:
         if len(namespace) != NAMESPACE_BYTES:
             raise ValueError(
                 f"memory tier namespace must be {NAMESPACE_BYTES} bytes, got {len(namespace)}"
-            )
-        if not 0.0 <= protected_fraction <= 1.0:
-            raise ValueError(
-                f"protected_fraction={protected_fraction} must lie in [0, 1]; 0.8 is usual"
             )
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         if pin and not torch.cuda.is_available():
@@ -97,7 +97,7 @@ class MemoryTier:
         self._np = self._buf.numpy()
         self._lock = threading.Lock()
         self._leases = LeaseTable(metrics, lease_ttl_s, max_leases, clock)
-        self._protected_cap = int(protected_fraction * num_slots)
+        self._policy = ChainPolicy(num_slots, ghost_fraction=ghost_fraction)
 
         # stack of free slot numbers; slot 0 is handed out first
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
@@ -106,10 +106,10 @@ class MemoryTier:
         self._sum = [0] * num_slots
         # reads copying outside the lock; a slot with readers is neither evicted nor reused
         self._readers = [0] * num_slots
-        # LRU first, MRU last
-        self._probation: OrderedDict[bytes, None] = OrderedDict()
-        self._protected: OrderedDict[bytes, None] = OrderedDict()
         self._reserved: dict[bytes, int] = {}  # key -> slot being written through reserve()
+        self._reserved_parent: dict[bytes, bytes] = {}  # key -> parent given to reserve()
+        # parents of chunks being written: a slot for a child never comes from its parent
+        self._writing: Counter[bytes] = Counter()
         # slots of entries dropped as corrupt while a lease or a reader could still see them
         self._quarantine: dict[int, bytes] = {}
         self._closed = False
@@ -137,16 +137,29 @@ class MemoryTier:
             return [k in self._index for k in keys]
 
     def lookup_prefix(self, keys: Iterable[bytes]) -> int:
-        """How many leading `keys` are resident; each one counted is a hit for SLRU."""
-        n = 0
+        """How many leading `keys` are resident; the run counted is touched tail-first."""
+        keys = list(keys)
         with self._lock:
             self._check_open()
+            n = 0
             for key in keys:
                 if key not in self._index:
                     break
-                self._hit(key)
                 n += 1
+            self._policy.touch(keys[:n])
         return n
+
+    def parent_of(self, key: bytes) -> bytes:
+        """The parent chunk key the tier knows for resident `key` (NO_PARENT if none)."""
+        with self._lock:
+            return self._policy.parent_of(key)
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """A lookup used the run `keys` (leading chunks in chain order): reference the resident
+        ones tail-first and learn their chain links."""
+        with self._lock:
+            self._check_open()
+            self._policy.touch(keys)
 
     def get(self, key: bytes) -> bytes | None:
         """A verified copy of the payload of `key`, or None on a miss or a checksum mismatch."""
@@ -220,11 +233,12 @@ class MemoryTier:
 
     # ---- writes --------------------------------------------------------------------------------
 
-    def put(self, key: bytes, payload: Payload) -> bool:
-        """Copy `payload` (at most slot_bytes) into a slot under `key`.
+    def put(self, key: bytes, payload: Payload, parent: bytes = NO_PARENT) -> bool:
+        """Copy `payload` (at most slot_bytes) into a slot under `key`, the chunk after `parent`
+        in its chain (NO_PARENT: a head, or not known).
 
-        True when stored or already resident (recency refreshed, not rewritten); False, counted
-        as store failure `all_pinned`, when every slot is leased or being read."""
+        True when stored or already resident (referenced, not rewritten); False, counted as
+        store failure `all_pinned`, when every slot is leased or being read."""
         _check_key(key)
         src, n = _source(payload)
         if n > self.slot_bytes:
@@ -236,11 +250,14 @@ class MemoryTier:
             self._check_open()
             self._leases.expire()
             if key in self._index:
-                self._touch(key)
+                self._policy.link(key, parent)
+                self._policy.touch([key])
                 return True
+            self._writing[parent] += 1
             slot = self._allocate()
-        if slot < 0:
-            return False
+            if slot < 0:
+                self._done_writing(parent)
+                return False
         try:
             off = slot * self.slot_bytes
             if n:
@@ -249,35 +266,44 @@ class MemoryTier:
         except BaseException:
             with self._lock:
                 self._free.append(slot)
+                self._done_writing(parent)
             raise
         with self._lock:
+            self._done_writing(parent)
             self._check_open()
-            self._publish(key, slot, n, want)
+            self._publish(key, slot, n, want, parent)
         return True
 
-    def reserve(self, key: bytes) -> torch.Tensor | None:
-        """A writable uint8 slot view for `key`; `commit(key)` publishes it, `abort(key)` frees it.
+    def reserve(self, key: bytes, parent: bytes = NO_PARENT) -> torch.Tensor | None:
+        """A writable uint8 slot view for `key`, the chunk after `parent`; `commit(key)`
+        publishes it, `abort(key)` frees it. The slot is never `parent`'s, and `parent` stays
+        until the commit or abort.
 
-        None when `key` is already resident (recency refreshed) or reserved, or when every slot
-        is pinned (counted as store failure `all_pinned`); `contains(key)` tells them apart."""
+        None when `key` is already resident (referenced) or reserved, or when every slot is
+        pinned (counted as store failure `all_pinned`); `contains(key)` tells them apart."""
         _check_key(key)
         with self._lock:
             self._check_open()
             self._leases.expire()
             if key in self._index:
-                self._touch(key)
+                self._policy.touch([key])
                 return None
             if key in self._reserved:
                 return None
+            self._writing[parent] += 1
             slot = self._allocate()
             if slot < 0:
+                self._done_writing(parent)
                 return None
             self._reserved[key] = slot
+            self._reserved_parent[key] = parent
         off = slot * self.slot_bytes
         return self._buf[off : off + self.slot_bytes]
 
-    def commit(self, key: bytes, nbytes: int | None = None) -> None:
-        """Publish the slot reserved for `key`, holding its first `nbytes` (default: all)."""
+    def commit(self, key: bytes, nbytes: int | None = None, parent: bytes = NO_PARENT) -> None:
+        """Publish the slot reserved for `key`, holding its first `nbytes` (default: all), as
+        the chunk after `parent` in its chain (default: the parent given to `reserve`). Commit
+        a save's chunks deepest-first: each parent then arrives already holding its children."""
         n = self.slot_bytes if nbytes is None else nbytes
         if not 0 <= n <= self.slot_bytes:
             raise ValueError(f"commit nbytes={nbytes} must lie in [0, {self.slot_bytes}]")
@@ -292,7 +318,9 @@ class MemoryTier:
             self._check_open()
             if self._reserved.pop(key, None) != slot:
                 raise ValueError("commit(key) raced an abort(key) of the same reservation")
-            self._publish(key, slot, n, want)
+            reserved_parent = self._reserved_parent.pop(key)
+            self._done_writing(reserved_parent)
+            self._publish(key, slot, n, want, parent or reserved_parent)
 
     def abort(self, key: bytes) -> None:
         """Give back the slot reserved for `key` without publishing anything."""
@@ -301,6 +329,7 @@ class MemoryTier:
             slot = self._reserved.pop(key, None)
             if slot is None:
                 raise ValueError("abort(key) of a key that is not reserved")
+            self._done_writing(self._reserved_parent.pop(key))
             self._free.append(slot)
 
     # ---- leases --------------------------------------------------------------------------------
@@ -351,8 +380,8 @@ class MemoryTier:
                 used=len(self._index),
                 reserved=len(self._reserved),
                 quarantined=len(self._quarantine),
-                probation=len(self._probation),
-                protected=len(self._protected),
+                recent=self._policy.recent_count,
+                frequent=self._policy.frequent_count,
                 leases=len(self._leases),
             )
 
@@ -361,9 +390,10 @@ class MemoryTier:
         with self._lock:
             self._closed = True
             self._index.clear()
-            self._probation.clear()
-            self._protected.clear()
+            self._policy.clear()
             self._reserved.clear()
+            self._reserved_parent.clear()
+            self._writing.clear()
             self._quarantine.clear()
             self._free.clear()
             self._arena.close()
@@ -385,14 +415,13 @@ class MemoryTier:
         return checksum(self.namespace, key, memoryview(self._np[off : off + n]))
 
     def _begin_read(self, key: bytes) -> tuple[int, int, int]:
-        """Pin the slot of `key` against reuse and count a hit; (-1, 0, 0) on a miss. No lock."""
+        """Pin the slot of `key` against reuse; (-1, 0, 0) on a miss. No lock."""
         with self._lock:
             self._check_open()
             slot = self._index.get(key)
             if slot is None:
                 return -1, 0, 0
             self._readers[slot] += 1
-            self._hit(key)
             return slot, self._length[slot], self._sum[slot]
 
     def _end_read(self, key: bytes, slot: int, bad: bool) -> None:
@@ -406,26 +435,19 @@ class MemoryTier:
             if slot in self._quarantine:
                 self._reclaim()
 
-    def _hit(self, key: bytes) -> None:
-        """SLRU hit: probation -> protected MRU; protected overflow -> probation MRU."""
-        if key in self._protected:
-            self._protected.move_to_end(key)
-            return
-        del self._probation[key]
-        self._protected[key] = None
-        while len(self._protected) > self._protected_cap:
-            demoted, _ = self._protected.popitem(last=False)
-            self._probation[demoted] = None
-
-    def _touch(self, key: bytes) -> None:
-        """Re-put of a resident key: MRU of its own segment (a write is not a read hit)."""
-        if key in self._protected:
-            self._protected.move_to_end(key)
-        else:
-            self._probation.move_to_end(key)
-
     def _evictable(self, key: bytes) -> bool:
-        return not self._leases.is_pinned(key) and self._readers[self._index[key]] == 0
+        return (
+            not self._leases.is_pinned(key)
+            and self._readers[self._index[key]] == 0
+            and key not in self._writing
+        )
+
+    def _done_writing(self, parent: bytes) -> None:
+        left = self._writing[parent] - 1
+        if left:
+            self._writing[parent] = left
+        else:
+            del self._writing[parent]
 
     def _allocate(self) -> int:
         """A private slot: free, reclaimed or evicted; -1 (counted) when every slot is pinned."""
@@ -433,35 +455,32 @@ class MemoryTier:
             self._reclaim()
         if self._free:
             return self._free.pop()
-        for segment in (self._probation, self._protected):
-            for key in segment:
-                if self._evictable(key):
-                    slot = self._index[key]
-                    self._unlink(key)
-                    self._evictions.inc()
-                    return slot
-        self._all_pinned.inc()
-        return -1
+        key = self._policy.victim(self._evictable)
+        if key is None:
+            self._all_pinned.inc()
+            return -1
+        slot = self._index.pop(key)
+        self._policy.evict(key)
+        self._residency.set(len(self._index) * self.slot_bytes)
+        self._evictions.inc()
+        return slot
 
-    def _publish(self, key: bytes, slot: int, n: int, want: int) -> None:
+    def _publish(self, key: bytes, slot: int, n: int, want: int, parent: bytes) -> None:
         if key in self._index:
             # another writer published the same key while this copy ran; keep theirs
             self._free.append(slot)
-            self._touch(key)
+            self._policy.touch([key])
             return
         self._index[key] = slot
         self._length[slot] = n
         self._sum[slot] = want
-        self._probation[key] = None
+        self._policy.insert(key, 1, parent)
         self._residency.set(len(self._index) * self.slot_bytes)
 
     def _unlink(self, key: bytes) -> None:
-        """Forget a resident key (its slot is the caller's to free or reuse)."""
+        """Forget a resident key without a ghost (its slot is the caller's to free or reuse)."""
         del self._index[key]
-        if key in self._protected:
-            del self._protected[key]
-        else:
-            del self._probation[key]
+        self._policy.remove(key)
         self._residency.set(len(self._index) * self.slot_bytes)
 
     def _reclaim(self) -> None:

@@ -1,8 +1,10 @@
 """TierStack: the memory tier written synchronously, lower tiers written behind, reads top-down.
 
-A lookup counts the longest prefix held across tiers and leases each counted chunk where it
-lives; a read fills the caller's tensor from the highest tier holding a verified copy and
-promotes lower-tier hits into memory.
+A lookup counts the longest prefix held across tiers, leases each counted chunk where it lives
+and touches the matched run tail-first in every chain-aware tier (memory, disk), so the chunks
+below the HBM floor stay as fresh as the ones loaded; a read fills the caller's tensor from the
+highest tier holding a verified copy and promotes lower-tier hits into memory. Writes carry each
+chunk's parent key down to every tier, which evicts leaves first.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import numpy as np
 import torch
 
 from kvtier.metrics import Metrics
-from kvtier.store.base import Tier
+from kvtier.store.base import ChainTier, Tier
+from kvtier.store.policy import NO_PARENT
 
 if TYPE_CHECKING:
     from kvtier.store.memory import MemoryTier
@@ -36,6 +39,7 @@ class _Job:
 
     key: bytes
     lease_id: str
+    parent: bytes = NO_PARENT
 
 
 _STOP = object()
@@ -65,6 +69,10 @@ class TierStack:
             raise ValueError(f"tier names must be distinct, got {names}")
         self._memory = memory
         self._lower: tuple[Tier, ...] = tuple(lower)
+        # tiers told which runs lookups used; a tier without touch() keeps its own order
+        self._chained: tuple[ChainTier, ...] = tuple(
+            t for t in (memory, *self._lower) if isinstance(t, ChainTier)
+        )
         self._m = metrics
         self._queue: queue.Queue[_Job | object] = queue.Queue(maxsize=queue_depth)
         self._depth = metrics.queue(_WRITE_BEHIND)
@@ -120,7 +128,8 @@ class TierStack:
 
     def lookup(self, keys: Sequence[bytes], lease_id: str | None = None) -> int:
         """Longest prefix of `keys` that some tier holds; with `lease_id`, lease each counted
-        chunk in the tier that holds it so it cannot be evicted before the load."""
+        chunk in the tier that holds it so it cannot be evicted before the load, and touch the
+        counted run tail-first in every chain-aware tier (a probe without a lease does not)."""
         if lease_id is None:
             # presence per lower tier comes in one batch (one round trip per remote shard)
             known: dict[int, dict[bytes, bool]] = {}
@@ -142,6 +151,10 @@ class TierStack:
         if not keys:
             self._memory.lease(lease_id, [])
         self._remember_lease(lease_id, touched)
+        if n:
+            run = keys[:n]
+            for t in self._chained:
+                t.touch(run)
         return n
 
     def _lease_one(
@@ -226,9 +239,10 @@ class TierStack:
             self._m.tier_hit(self._memory.name).inc()
         return view
 
-    def read_into(self, key: bytes, dst: torch.Tensor) -> str | None:
+    def read_into(self, key: bytes, dst: torch.Tensor, parent: bytes = NO_PARENT) -> str | None:
         """Fill `dst` from the highest tier holding a verified copy; the serving tier's name,
-        or None on a miss. A lower-tier hit is promoted into memory."""
+        or None on a miss. A lower-tier hit is promoted into memory as the chunk after
+        `parent`. Reads change no recency: the lookup that leased them touched the run."""
         flat = _flat_bytes(dst)
         if self._memory.read_into(key, flat):
             self._m.tier_hit(self._memory.name).inc()
@@ -240,7 +254,7 @@ class TierStack:
                 if not reader(key, flat):
                     continue
                 self._m.tier_hit(t.name).inc()
-                self._memory.put(key, flat)
+                self._memory.put(key, flat, parent)
                 return t.name
             payload = t.get(key)
             if payload is None:
@@ -253,38 +267,43 @@ class TierStack:
             _copy_into(flat, src)
             self._m.tier_hit(t.name).inc()
             # promotion is best effort: a full memory tier still served this read
-            self._memory.put(key, payload)
+            self._memory.put(key, payload, parent)
             return t.name
         return None
 
     # ---- writes --------------------------------------------------------------------------
 
-    def put(self, key: bytes, payload: bytes | memoryview | torch.Tensor) -> bool:
-        """Store in memory now and queue the lower-tier writes; False if memory refused it."""
+    def put(
+        self, key: bytes, payload: bytes | memoryview | torch.Tensor, parent: bytes = NO_PARENT
+    ) -> bool:
+        """Store in memory now, as the chunk after `parent`, and queue the lower-tier writes;
+        False if memory refused it."""
         self._check_open()
-        if not self._memory.put(key, payload):
+        if not self._memory.put(key, payload, parent):
             self._drop_all(key, "memory_full")
             return False
-        self._write_behind(key)
+        self._write_behind(key, parent)
         return True
 
-    def reserve(self, key: bytes) -> torch.Tensor | None:
-        """A memory slot to fill in place for `key`; `commit` or `abort` it afterwards."""
+    def reserve(self, key: bytes, parent: bytes = NO_PARENT) -> torch.Tensor | None:
+        """A memory slot to fill in place for `key`, the chunk after `parent` (which the slot
+        never evicts); `commit` or `abort` it afterwards."""
         self._check_open()
-        return self._memory.reserve(key)
+        return self._memory.reserve(key, parent)
 
-    def commit(self, key: bytes, nbytes: int | None = None) -> None:
-        """Publish the slot reserved for `key` (its first `nbytes`, default all) and queue the
-        lower-tier writes."""
+    def commit(self, key: bytes, nbytes: int | None = None, parent: bytes = NO_PARENT) -> None:
+        """Publish the slot reserved for `key` (its first `nbytes`, default all) as the chunk
+        after `parent`, and queue the lower-tier writes. A save commits its chunks deepest
+        first, so every tier sees each parent arrive already holding its children."""
         self._check_open()
-        self._memory.commit(key, nbytes)
-        self._write_behind(key)
+        self._memory.commit(key, nbytes, parent)
+        self._write_behind(key, parent or self._memory.parent_of(key))
 
     def abort(self, key: bytes) -> None:
         """Give back a reserved slot without publishing it."""
         self._memory.abort(key)
 
-    def _write_behind(self, key: bytes) -> None:
+    def _write_behind(self, key: bytes, parent: bytes) -> None:
         if not self._lower:
             return
         lease_id = f"kvtier.write_behind.{next(self._seq)}"
@@ -295,7 +314,7 @@ class TierStack:
             return
         with self._cond:
             try:
-                self._queue.put_nowait(_Job(key, lease_id))
+                self._queue.put_nowait(_Job(key, lease_id, parent))
             except queue.Full:
                 enqueued = False
             else:
@@ -344,7 +363,11 @@ class TierStack:
                     self._m.dropped_write(t.name, "not_in_memory").inc()
                     continue
                 # a False return was counted by the tier itself
-                t.put(job.key, memoryview(_flat_bytes(view).numpy()))
+                data = memoryview(_flat_bytes(view).numpy())
+                if isinstance(t, ChainTier):
+                    t.put(job.key, data, parent=job.parent)
+                else:
+                    t.put(job.key, data)
             except Exception:
                 # a broken tier must not kill the thread that feeds every lower tier
                 log.exception("kvtier: write-behind to %s tier failed", t.name)

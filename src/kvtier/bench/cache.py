@@ -1,0 +1,261 @@
+"""`kvtier bench cache`: what the tier's replacement policy serves under capacity pressure,
+printed as ratios to the offline optimum, in one run.
+
+Every row replays one request stream (prefix pools with Zipf and uniform popularity, chat
+sessions, round-robin conversations, the Mooncake synthetic trace) at one tier capacity (a
+fraction of the stream's working set: its distinct chunks), with the tier alone or behind an HBM
+prefix cache of 5% of the working set. Per row: the offline optimum (Belady) and the infinite
+tier from `kvtier.cachemodel`, kvtier's real tier driven as the engine drives it, and the policy
+kvtier shipped before (segmented LRU, modelled in `kvtier.cachemodel.legacy`). Rates are tier
+hits over the chunks the HBM missed.
+
+Targets: sessions behind HBM at a 30% tier reach 0.55 of the optimum, and no row loses more
+than 2 points to the old policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from kvtier.bench.table import MISS, PASS, Report, Row, Target, report_console, write_json
+from kvtier.cachemodel import workloads
+from kvtier.cachemodel.legacy import legacy_predict
+from kvtier.cachemodel.optimum import infinite_leading, optimal_leading
+from kvtier.cachemodel.predict import predict, tally
+from kvtier.cachemodel.stream import Request, from_trace, hbm_floors, working_set
+from kvtier.cachemodel.trace import MOONCAKE_BLOCK, read_trace_rows
+from kvtier.errors import ConfigError
+
+DEFAULT_TRACE = Path("../shared/data/mooncake-synthetic-trace.jsonl")
+DEFAULT_JSON = Path("runs/bench-cache.json")
+
+HBM_FRACTIONS = (0.0, 0.05)
+CAPACITIES = (0.1, 0.3, 0.5, 1.0)
+QUICK_CAPACITIES = (0.1, 0.3)
+
+SESSIONS = "sessions"
+TARGET_HBM, TARGET_TIER, TARGET_RATIO = 0.05, 0.3, 0.55
+MAX_LOSS_POINTS = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """A named request stream and where it came from."""
+
+    name: str
+    describe: str
+    build: Callable[[], list[Request]]
+
+
+def default_workloads(trace: Path | None) -> list[Workload]:
+    """The table's streams; the Mooncake row needs `trace` (None leaves it out)."""
+    out = [
+        Workload(
+            "zipf pool",
+            "200 prefixes of 4-16 chunks, Zipf(1.0) popularity, 1 one-off tail chunk, 8000 reqs",
+            lambda: workloads.prefix_pool(zipf=1.0),
+        ),
+        Workload(
+            "uniform pool",
+            "200 prefixes of 4-16 chunks, uniform popularity, 1 one-off tail chunk, 8000 reqs",
+            lambda: workloads.prefix_pool(),
+        ),
+        Workload(
+            SESSIONS,
+            "1500 chat sessions over 2000 s, 8 turns on average, 4 shared system prompts, think "
+            "5 s or (30%) 1000 s",
+            lambda: workloads.sessions(),
+        ),
+        Workload(
+            "round-robin turns",
+            "100 conversations x 8 turns, every turn t before any t+1 (bench run multi_turn)",
+            lambda: workloads.round_robin(),
+        ),
+    ]
+    if trace is not None:
+        out.append(
+            Workload(
+                "mooncake trace",
+                f"{trace.name}, one chunk per {MOONCAKE_BLOCK}-token block",
+                lambda: from_trace(read_trace_rows(trace), MOONCAKE_BLOCK),
+            )
+        )
+    return out
+
+
+def run(
+    *,
+    quick: bool = False,
+    trace: Path | None = DEFAULT_TRACE,
+    json_path: Path | None = None,
+    progress: Callable[[str], None] = lambda _: None,
+    workload_list: Sequence[Workload] | None = None,
+) -> dict[str, Any]:
+    """Run the table, write its JSON document and return it."""
+    if trace is not None and not trace.is_file():
+        raise ConfigError(
+            f"--trace {str(trace)!r} is not a file; pass the Mooncake synthetic trace "
+            f"(default {DEFAULT_TRACE}) or --no-trace to leave its rows out"
+        )
+    capacities = QUICK_CAPACITIES if quick else CAPACITIES
+    report = Report(
+        bench="cache",
+        title="kvtier bench cache: tier hits under capacity pressure, as ratios to the optimum",
+    )
+    rows: list[dict[str, Any]] = []
+    for w in workload_list if workload_list is not None else default_workloads(trace):
+        requests = w.build()
+        ws = working_set(requests)
+        progress(f"{w.name}: {len(requests):,} requests, working set {ws:,} chunks")
+        for hbm_f in HBM_FRACTIONS:
+            floors = hbm_floors(requests, round(hbm_f * ws))
+            infinite = tally(requests, floors, infinite_leading(requests))
+            for cap_f in capacities:
+                cap = max(1, round(cap_f * ws))
+                opt = tally(requests, floors, optimal_leading(requests, cap))
+                kv = predict(requests, cap, floors)
+                old = legacy_predict(requests, cap, floors)
+                rows.append(
+                    {
+                        "workload": w.name,
+                        "hbm_fraction": hbm_f,
+                        "tier_fraction": cap_f,
+                        "tier_chunks": cap,
+                        "optimum": 100 * opt.rate,
+                        "infinite": 100 * infinite.rate,
+                        "kvtier": 100 * kv.rate,
+                        "today": 100 * old.rate,
+                        "missed_chunks": kv.missed,
+                    }
+                )
+                _add_row(report, rows[-1])
+        report.meta.setdefault("workloads", {})[w.name] = {
+            "describe": w.describe,
+            "requests": len(requests),
+            "working_set_chunks": ws,
+        }
+    _add_target(report, rows)
+    report.meta["table"] = rows
+    report.footnotes.extend(
+        [
+            "rates are tier hits over the chunks the HBM missed (all chunks for the tier alone); "
+            "tier and HBM sizes are fractions of each stream's distinct chunks",
+            "optimum: Belady over the stream, a deeper chunk first on ties (prefix-closed, exact "
+            "for the tier alone; behind HBM the reference point); infinite: cold misses only",
+            "kvtier: a rank's TierStack over the real MemoryTier, driven as scheduler and worker "
+            "do (lookup touches the run, saves commit deepest-first under their parents); today: "
+            "the previous segmented LRU as the previous engine drove it",
+        ]
+    )
+    doc = report.to_json()
+    write_json(json_path or DEFAULT_JSON, doc)
+    return doc
+
+
+def _ratio(value: float, optimum: float) -> float | None:
+    return value / optimum if optimum > 0 else None
+
+
+def _label(r: dict[str, Any]) -> str:
+    hbm = f"HBM {100 * r['hbm_fraction']:.0f}%" if r["hbm_fraction"] else "tier alone"
+    return f"{r['workload']}, {hbm}, tier {100 * r['tier_fraction']:.0f}%"
+
+
+def _add_row(report: Report, r: dict[str, Any]) -> None:
+    slug = f"{r['workload'].replace(' ', '_')}.hbm{r['hbm_fraction']:g}.tier{r['tier_fraction']:g}"
+    report.add(
+        Row(
+            id=slug,
+            label=_label(r),
+            value=r["kvtier"],
+            unit="%",
+            raw=r["optimum"] if r["optimum"] > 0 else None,
+            target=Target("value", ">=", r["today"] - MAX_LOSS_POINTS),
+            detail={"today": r["today"], "infinite": r["infinite"], "optimum": r["optimum"]},
+        )
+    )
+
+
+def _add_target(report: Report, rows: Sequence[dict[str, Any]]) -> None:
+    for r in rows:
+        if (r["workload"], r["hbm_fraction"], r["tier_fraction"]) == (
+            SESSIONS,
+            TARGET_HBM,
+            TARGET_TIER,
+        ):
+            ratio = _ratio(r["kvtier"], r["optimum"])
+            report.add(
+                Row(
+                    id="target.sessions_ratio_to_optimum",
+                    label=f"{_label(r)}: kvtier / optimum",
+                    value=0.0 if ratio is None else ratio,
+                    unit="x",
+                    target=Target("value", ">=", TARGET_RATIO),
+                    detail={"today": _ratio(r["today"], r["optimum"]) or 0.0},
+                )
+            )
+
+
+def print_table(doc: dict[str, Any], console: Console | None = None) -> None:
+    """The table with today's policy as a column, then the targets."""
+    table = Table(title=doc["title"], title_justify="left")
+    for name, justify in (
+        ("workload", "left"),
+        ("HBM", "right"),
+        ("tier", "right"),
+        ("optimum", "right"),
+        ("infinite", "right"),
+        ("kvtier", "right"),
+        ("/opt", "right"),
+        ("today", "right"),
+        ("/opt", "right"),
+        ("Δ pts", "right"),
+        ("result", "left"),
+    ):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for r in doc["meta"]["table"]:
+        k, t, o = r["kvtier"], r["today"], r["optimum"]
+        ok = k >= t - MAX_LOSS_POINTS
+        table.add_row(
+            r["workload"],
+            f"{100 * r['hbm_fraction']:.0f}%",
+            f"{100 * r['tier_fraction']:.0f}%",
+            f"{o:.1f}%",
+            f"{r['infinite']:.1f}%",
+            f"{k:.1f}%",
+            _fmt_ratio(_ratio(k, o)),
+            f"{t:.1f}%",
+            _fmt_ratio(_ratio(t, o)),
+            f"{k - t:+.1f}",
+            Text(PASS, style="bold green") if ok else Text(MISS, style="bold red"),
+        )
+    out = console or report_console()
+    out.print(table)
+    for i, note in enumerate(doc["footnotes"], start=1):
+        out.print(Text(f"[{i}] {note}", style="dim"))
+    for row in doc["rows"]:
+        if row["id"].startswith("target."):
+            verdict = PASS if row["pass"] else MISS
+            out.print(
+                f"target: {row['label']} = {row['value']:.2f} (today "
+                f"{row['detail']['today']:.2f}), {row['target']}: {verdict}"
+            )
+    losses = [r for r in doc["rows"] if not r["id"].startswith("target.") and not r["pass"]]
+    out.print(
+        f"target: no row more than {MAX_LOSS_POINTS:g} points below today's policy: "
+        f"{PASS if not losses else MISS}"
+        + (f" ({', '.join(r['label'] for r in losses)})" if losses else "")
+    )
+    s = doc["summary"]
+    out.print(f"targets met: {s['passed']} of {s['targets']}")
+
+
+def _fmt_ratio(r: float | None) -> str:
+    return "—" if r is None else f"{r:.2f}"

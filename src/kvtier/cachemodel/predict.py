@@ -1,0 +1,211 @@
+"""Predictions made by driving the project's real tier classes the way the engine drives them,
+and the accounting every tool shares: chunks the HBM missed, and how many of those a tier served.
+
+Per request, as `OffloadScheduler` and `OffloadWorker` do: the HBM floor is known; when a load
+could pay (at least `min_load` chunks past the floor) the scheduler looks the chain up under a
+lease, which touches the matched run; the load reads the chunks above the floor; the lease is
+released; the prompt's full chunks past the lookup hit that the tier lacks are then saved,
+deepest first, each under its parent. A lookup the scheduler skips saves from chunk 0.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kvtier.cachemodel.stream import Request
+from kvtier.metrics import Metrics
+from kvtier.store.disk import DiskTier
+from kvtier.store.memory import MemoryTier
+from kvtier.store.record import HEADER_BYTES
+from kvtier.store.stack import TierStack
+
+# the payload of a modelled chunk: the policy is what is measured, not the copies
+_PAYLOAD = 16
+_NAMESPACE = bytes(16)
+
+MEMORY = "memory"
+DISK = "disk"
+
+
+@dataclass(frozen=True, slots=True)
+class TierHits:
+    """Chunks a tier served over a stream, next to what the HBM left for it."""
+
+    requests: int
+    usable: int  # leading chunks a hit could cover, summed over requests
+    hbm: int  # of those, the HBM's
+    served: int  # of the rest, the tier's
+
+    @property
+    def missed(self) -> int:
+        """Usable chunks the HBM did not hold."""
+        return self.usable - self.hbm
+
+    @property
+    def rate(self) -> float:
+        """Tier hits over the chunks the HBM missed (0.0 when it missed none)."""
+        return self.served / self.missed if self.missed else 0.0
+
+    def to_json(self) -> dict[str, object]:
+        """Counts and the rate as plain JSON."""
+        return {
+            "requests": self.requests,
+            "usable_chunks": self.usable,
+            "hbm_chunks": self.hbm,
+            "served_chunks": self.served,
+            "rate": self.rate,
+        }
+
+
+def looks_up(request: Request, floor: int, min_load: int = 1) -> bool:
+    """Whether the scheduler asks the tier at all: a full hit could beat HBM by a load."""
+    return request.usable - floor >= min_load
+
+
+def served(request: Request, floor: int, leading: int, min_load: int = 1) -> int:
+    """Chunks a lookup that found `leading` chunks loads above the HBM floor."""
+    end = min(leading, request.usable)
+    return end - floor if end - floor >= min_load and looks_up(request, floor, min_load) else 0
+
+
+def tally(
+    requests: Sequence[Request], floors: Sequence[int], leads: Sequence[int], min_load: int = 1
+) -> TierHits:
+    """The stream's totals given each request's HBM floor and tier leading run."""
+    return TierHits(
+        len(requests),
+        sum(r.usable for r in requests),
+        sum(floors),
+        sum(served(r, h, n, min_load) for r, h, n in zip(requests, floors, leads, strict=True)),
+    )
+
+
+def key_of(chunk: int) -> bytes:
+    """The 16-byte key a modelled chunk id is stored under."""
+    return chunk.to_bytes(16, "little")
+
+
+class _Port(Protocol):
+    """What the engine flow needs of a rank's tiers."""
+
+    def lookup(self, keys: list[bytes], lease_id: str) -> int: ...
+    def read(self, key: bytes, parent: bytes) -> None: ...
+    def release(self, lease_id: str) -> None: ...
+    def holds(self, key: bytes) -> bool: ...
+    def save(self, key: bytes, parent: bytes) -> None: ...
+
+
+class _StackPort:
+    """A rank's TierStack, called as the worker calls it (reserve and commit, read_into)."""
+
+    def __init__(self, stack: TierStack) -> None:
+        self.stack = stack
+        self._dst = torch.empty(_PAYLOAD, dtype=torch.uint8)
+
+    def lookup(self, keys: list[bytes], lease_id: str) -> int:
+        return self.stack.lookup(keys, lease_id)
+
+    def read(self, key: bytes, parent: bytes) -> None:
+        self.stack.read_into(key, self._dst, parent)
+
+    def release(self, lease_id: str) -> None:
+        self.stack.release(lease_id)
+
+    def holds(self, key: bytes) -> bool:
+        return self.stack.memory.contains(key)
+
+    def save(self, key: bytes, parent: bytes) -> None:
+        if self.stack.reserve(key, parent) is not None:
+            self.stack.commit(key, _PAYLOAD)
+
+
+class _DiskPort:
+    """A DiskTier alone, called as the stack calls its lower tiers."""
+
+    def __init__(self, disk: DiskTier) -> None:
+        self.disk = disk
+        self._payload = bytes(_PAYLOAD)
+
+    def lookup(self, keys: list[bytes], lease_id: str) -> int:
+        n = self.disk.lease(lease_id, keys)
+        self.disk.touch(keys[:n])
+        return n
+
+    def read(self, key: bytes, parent: bytes) -> None:
+        self.disk.get(key)
+
+    def release(self, lease_id: str) -> None:
+        self.disk.release(lease_id)
+
+    def holds(self, key: bytes) -> bool:
+        return self.disk.contains(key)
+
+    def save(self, key: bytes, parent: bytes) -> None:
+        self.disk.put(key, self._payload, parent=parent)
+
+
+def drive(
+    port: _Port, requests: Sequence[Request], floors: Sequence[int], min_load: int
+) -> list[int]:
+    """Run the engine flow over `port`; each request's lookup result (0 when skipped)."""
+    leads = []
+    for i, (r, h) in enumerate(zip(requests, floors, strict=True)):
+        keys = [key_of(c) for c in r.chunks]
+        start = n = 0
+        if looks_up(r, h, min_load):
+            lease = f"r{i}"
+            n = start = port.lookup(keys, lease)
+            if served(r, h, n, min_load):
+                for c in range(h, min(n, r.usable)):
+                    port.read(keys[c], keys[c - 1] if c else b"")
+            port.release(lease)
+        for c in range(len(keys) - 1, start - 1, -1):
+            if not port.holds(keys[c]):
+                port.save(keys[c], keys[c - 1] if c else b"")
+        leads.append(n)
+    return leads
+
+
+def predict(
+    requests: Sequence[Request],
+    capacity: int,
+    floors: Sequence[int],
+    *,
+    tier: str = MEMORY,
+    min_load: int = 1,
+) -> TierHits:
+    """Tier hits of the real `tier` ("memory": a rank's TierStack over a MemoryTier; "disk": a
+    DiskTier in a temporary directory) of `capacity` chunks, driven as the engine drives it."""
+    if capacity < 1:
+        return tally(requests, floors, [0] * len(requests), min_load)
+    metrics = Metrics()
+    if tier == MEMORY:
+        memory = MemoryTier(
+            _PAYLOAD,
+            capacity * _PAYLOAD,
+            _NAMESPACE,
+            metrics,
+            max_leases=4,
+            verify_reads=False,
+            pin_memory=False,
+        )
+        stack = TierStack(memory, (), metrics)
+        try:
+            leads = drive(_StackPort(stack), requests, floors, min_load)
+        finally:
+            stack.close()
+    elif tier == DISK:
+        with tempfile.TemporaryDirectory(prefix="kvtier-cachemodel-") as root:
+            disk = DiskTier(root, capacity * (HEADER_BYTES + _PAYLOAD), _NAMESPACE, metrics)
+            try:
+                leads = drive(_DiskPort(disk), requests, floors, min_load)
+            finally:
+                disk.close()
+    else:
+        raise ValueError(f"tier={tier!r} is not {MEMORY!r} or {DISK!r}")
+    return tally(requests, floors, leads, min_load)

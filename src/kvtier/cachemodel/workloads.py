@@ -1,0 +1,115 @@
+"""Seeded chunk-level request streams for `kvtier bench cache`: prefix pools (Zipf or uniform
+popularity, a one-off tail per request), chat sessions with think times, and round-robin
+conversations (the turn order of `kvtier bench run --workload multi_turn`).
+
+Each prompt ends inside a partial chunk (the user's last words), so every full chunk can hit.
+Ids are fresh integers per new chunk, so equal ids are equal prefixes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterator
+
+from kvtier.cachemodel.stream import Request
+from kvtier.errors import ConfigError
+
+
+def _ids() -> Iterator[int]:
+    return itertools.count(1)
+
+
+def _request(chunks: list[int]) -> Request:
+    return Request(tuple(chunks), len(chunks))
+
+
+def prefix_pool(
+    n_prefixes: int = 200,
+    prefix_chunks: tuple[int, int] = (4, 16),
+    n_requests: int = 8000,
+    *,
+    tail_chunks: int = 1,
+    zipf: float | None = None,
+    seed: int = 0,
+) -> list[Request]:
+    """Requests on one of `n_prefixes` shared prefixes (uniform, or Zipf with exponent `zipf`),
+    each followed by `tail_chunks` chunks of its own (a cache-bust suffix)."""
+    if n_prefixes < 1 or n_requests < 1 or tail_chunks < 0:
+        raise ConfigError("prefix_pool needs n_prefixes >= 1, n_requests >= 1, tail_chunks >= 0")
+    rng = random.Random(seed)
+    ids = _ids()
+    prefixes = [[next(ids) for _ in range(rng.randint(*prefix_chunks))] for _ in range(n_prefixes)]
+    weights = None if zipf is None else [1 / (i + 1) ** zipf for i in range(n_prefixes)]
+    out = []
+    for _ in range(n_requests):
+        pick = rng.choices(range(n_prefixes), weights=weights)[0]
+        out.append(_request(prefixes[pick] + [next(ids) for _ in range(tail_chunks)]))
+    return out
+
+
+def sessions(
+    n_sessions: int = 1500,
+    span_s: float = 2000.0,
+    *,
+    mean_turns: float = 8.0,
+    quick_s: float = 5.0,
+    slow_s: float = 1000.0,
+    p_slow: float = 0.3,
+    first_chunks: tuple[int, int] = (2, 8),
+    turn_chunks: tuple[int, int] = (1, 3),
+    system_prompts: int = 4,
+    system_chunks: int = 2,
+    seed: int = 0,
+) -> list[Request]:
+    """Chat sessions starting uniformly over `span_s` seconds, each opening with one of
+    `system_prompts` shared system prompts; a turn adds the answer and the next question to the
+    history. Between turns the user thinks `quick_s` on average, or `slow_s` with probability
+    `p_slow` (a coffee break): quick turns find their history in HBM, slow ones need the tier."""
+    if n_sessions < 1 or mean_turns < 1:
+        raise ConfigError("sessions needs n_sessions >= 1 and mean_turns >= 1")
+    rng = random.Random(seed)
+    ids = _ids()
+    systems = [[next(ids) for _ in range(system_chunks)] for _ in range(system_prompts)]
+    events: list[tuple[float, int, int, list[int]]] = []
+    for s in range(n_sessions):
+        t = rng.uniform(0.0, span_s)
+        turns = 1
+        while rng.random() > 1.0 / mean_turns:
+            turns += 1
+        history = list(rng.choice(systems)) + [next(ids) for _ in range(rng.randint(*first_chunks))]
+        for turn in range(turns):
+            if turn:
+                history = history + [next(ids) for _ in range(rng.randint(*turn_chunks))]
+            events.append((t, s, turn, history))
+            t += rng.expovariate(1.0 / (slow_s if rng.random() < p_slow else quick_s))
+    events.sort(key=lambda e: (e[0], e[1], e[2]))
+    return [_request(e[3]) for e in events]
+
+
+def round_robin(
+    n_conversations: int = 100,
+    turns: int = 8,
+    *,
+    first_chunks: int = 4,
+    turn_chunks: int = 2,
+    shuffle: bool = False,
+    seed: int = 0,
+) -> list[Request]:
+    """Conversations taking turns in rounds, every conversation's turn t before any turn t + 1
+    (in a fixed order, or shuffled per round): a loop longer than the cache once they grow."""
+    if n_conversations < 1 or turns < 1:
+        raise ConfigError("round_robin needs n_conversations >= 1 and turns >= 1")
+    rng = random.Random(seed)
+    ids = _ids()
+    histories = [[next(ids) for _ in range(first_chunks)] for _ in range(n_conversations)]
+    out = []
+    for turn in range(turns):
+        order = list(range(n_conversations))
+        if shuffle:
+            rng.shuffle(order)
+        for c in order:
+            if turn:
+                histories[c] = histories[c] + [next(ids) for _ in range(turn_chunks)]
+            out.append(_request(histories[c]))
+    return out
