@@ -380,7 +380,8 @@ class OffloadWorker:
         stack = self.stack
         if stack.memory.contains(ref.key):
             return "resident"
-        slot = stack.reserve(ref.key)
+        # the parent link keeps the chain prefix-closed: a chunk's slot never comes from its parent
+        slot = stack.reserve(ref.key, ref.parent)
         if slot is None:
             return "resident" if stack.memory.contains(ref.key) else "no_slot"
         staging = self._save_staging
@@ -483,7 +484,7 @@ class OffloadWorker:
             if src is None:
                 src = self._load_staging if self._load_staging is not None else self._load_buf
                 assert src is not None
-                tier = self.stack.read_into(ref.key, src)
+                tier = self.stack.read_into(ref.key, src, ref.parent)
             if tier is None:
                 return None
             with p.lock:
