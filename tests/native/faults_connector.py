@@ -41,7 +41,7 @@ class FaultyLoadWorkerHalf(WorkerHalf):
     doomed: set[bytes]
     fired: threading.Event
     release: threading.Event
-    _read_into: Callable[[bytes, torch.Tensor], str | None]
+    _read_into: Callable[..., str | None]
     _read_view: Callable[[bytes], torch.Tensor | None]
 
     def arm(self, fault: str, fail_loads: int) -> None:
@@ -72,9 +72,9 @@ class FaultyLoadWorkerHalf(WorkerHalf):
                 self.fail_loads -= 1
         super().start_load_kv()
 
-    def _faulty_read(self, key: bytes, dst: torch.Tensor) -> str | None:
+    def _faulty_read(self, key: bytes, dst: torch.Tensor, *rest: bytes) -> str | None:
         self._maybe_fail(key)
-        return self._read_into(key, dst)
+        return self._read_into(key, dst, *rest)
 
     def _faulty_view(self, key: bytes) -> torch.Tensor | None:
         self._maybe_fail(key)

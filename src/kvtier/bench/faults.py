@@ -162,7 +162,12 @@ FAULTS: dict[str, Fault] = {
             "disk_tmpfs",
             "filesystem genuinely full (8 MiB tmpfs)",
             "disk",
-            ("ranks:store_failures{tier=disk}", "ranks:evictions{tier=disk}"),
+            # a full filesystem shrinks the tier's budget and evicts (tier_full on ENOSPC)
+            (
+                "ranks:store_failures{tier=disk}",
+                "ranks:tier_full{tier=disk}",
+                "ranks:evictions{tier=disk}",
+            ),
         ),
         Fault(
             "namespace_collision",
@@ -226,9 +231,9 @@ class FaultWorkerHalf(WorkerHalf):
                 self.doomed.discard(key)
                 raise RuntimeError(f"injected: rank {self.rank}'s load lane failed mid-load")
 
-        def faulty_read(key: bytes, dst: Any) -> str | None:
+        def faulty_read(key: bytes, dst: Any, *rest: Any) -> str | None:
             fail_doomed(key)
-            return read_into(key, dst)
+            return read_into(key, dst, *rest)
 
         def faulty_view(key: bytes) -> Any:
             fail_doomed(key)
