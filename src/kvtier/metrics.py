@@ -154,6 +154,12 @@ def counter_labels() -> dict[str, tuple[str, ...]]:
     }
 
 
+def gauge_labels() -> dict[str, tuple[str, ...]]:
+    """Every kvtier gauge's name and label names (declared by hosts before their first set)."""
+    fams = _build(CollectorRegistry())
+    return {g._name: tuple(g._labelnames) for g in vars(fams).values() if isinstance(g, Gauge)}
+
+
 class Metrics:
     """The kvtier metrics of one rank. Attributes are rank-bound children; methods add labels."""
 

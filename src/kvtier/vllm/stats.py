@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetric,
 )
 
-from kvtier.metrics import counter_labels, families
+from kvtier.metrics import counter_labels, families, gauge_labels
 from kvtier.topology import resolve
 
 __all__ = ["KVTierPromMetrics", "KVTierStats", "StatsDelta"]
@@ -130,7 +130,8 @@ def _doc(name: str) -> str:
 
 class KVTierPromMetrics(KVConnectorPromMetrics):
     """Replays `KVTierStats` onto `kvtier_*` families in vLLM's frontend process; every kvtier
-    counter family is on /metrics from startup, per-rank ones at 0 (absent means not kvtier)."""
+    counter and gauge family is on /metrics from startup, per-rank counters at 0 (absent means
+    not kvtier)."""
 
     def __init__(
         self,
@@ -148,6 +149,10 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             for engine in per_engine_labelvalues.values():
                 for rank in ranks:
                     metric.labels(*engine, rank).inc(0)
+        # gauges (breaker open, residency, ...) are declared too: an alert on one must find
+        # the family even on an engine whose tiers never set it
+        for name, names in gauge_labels().items():
+            self._family(name, dict.fromkeys(names, ""), counter=False)
 
     def _family(
         self, sample: str, labels: dict[str, str], counter: bool
