@@ -20,13 +20,16 @@ class ChunkRef(msgspec.Struct, frozen=True, array_like=True):
 
 
 class LoadOp(msgspec.Struct, frozen=True):
-    """Read chunks from the tier into KV blocks; `tokens` is what the load claims."""
+    """Read chunks from the tier into KV blocks; `tokens` is what the load claims. A `sync`
+    load is finished inside `start_load_kv`, before the step's forward reads its blocks, and
+    reports no finished_recving (its request is running, not parked)."""
 
     op_id: str
     req_id: str
     lookup_id: str
     chunks: list[ChunkRef]
     tokens: int
+    sync: bool = False
 
 
 class SaveOp(msgspec.Struct, frozen=True):

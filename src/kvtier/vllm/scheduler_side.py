@@ -19,6 +19,7 @@ from kvtier.offload.messages import WorkerReport
 from kvtier.offload.protocols import StepRequest
 from kvtier.offload.scheduler import OffloadScheduler
 from kvtier.offload.selftest import check_lookup
+from kvtier.offload.steps import STATS
 from kvtier.topology import Topology, resolve, validate_lookup_scope
 from kvtier.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
 from kvtier.vllm.request_view import VLLMRequestView
@@ -38,6 +39,7 @@ __all__ = ["SchedulerSide"]
 log = logging.getLogger("kvtier")
 
 _READY_TIMEOUT_S = 30.0
+_STATS_EVERY_S = 0.1
 
 
 def _bytes_per_token(kv_cache_config: KVCacheConfig | None, block_size: int) -> int | None:
@@ -114,6 +116,7 @@ class SchedulerSide:
         self._step_t0: float | None = None
         self._step_prefill = 0
         self._stats = StatsDelta()
+        self._stats_at = -_STATS_EVERY_S
         # set by every hook that may move a metric; the merged view is walked only then
         self._dirty = True
         log.info("%s; %s", config.describe(), topo.describe())
@@ -122,13 +125,23 @@ class SchedulerSide:
         """What changed in the merged kvtier metrics since the last call (None if nothing)."""
         if not self._dirty:
             return None
+        now = time.monotonic()
+        if now - self._stats_at < _STATS_EVERY_S and (self.views or self.core.has_pending_work()):
+            # a walk of every family costs a good share of a millisecond, and vLLM asks every
+            # step: while requests are live, at most one per interval (they make more steps
+            # come); the step that leaves the tier idle always hands the rest over
+            return None
         self._dirty = False
-        return self._stats.take(self.collector.collect())
+        self._stats_at = now
+        with self.core.clock.time(STATS):
+            return self._stats.take(self.collector.collect())
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """(tokens the tier loads asynchronously beyond vLLM's hit, load_async)."""
+        """(tokens the tier loads beyond vLLM's hit, load_async): a load predicted to take a
+        small share of a step runs inside the forward of the step that admits the request
+        (False), others on the ranks' load lanes while it waits in WAITING_FOR_REMOTE_KVS."""
         if not _offloadable(request):
             return 0, False
         self._dirty = True
@@ -138,8 +151,7 @@ class SchedulerSide:
         n = self.core.get_num_new_matched_tokens(view, num_computed_tokens)
         if n is None:
             return None, False  # not known yet: vLLM keeps it waiting and asks next step
-        # loads run on each rank's load lane: the request parks in WAITING_FOR_REMOTE_KVS
-        return (n, True) if n > 0 else (0, False)
+        return (n, self.core.load_is_async(request.request_id)) if n > 0 else (0, False)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

@@ -126,6 +126,7 @@ class WorkerSide:
                 "the scheduler and workers of one engine must all run KVTierConnector"
             )
         self.meta = messages.decode_meta(meta.data) if meta.data else OffloadMeta()
+        self.worker.begin_step()
 
     def clear(self) -> None:
         """Forget this step's OffloadMeta."""
