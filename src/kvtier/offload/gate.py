@@ -39,8 +39,8 @@ class Duration:
     def observe(self, seconds: float) -> None:
         if seconds <= 0:
             return
-        self.value = seconds if self.value is None else self.value + self.alpha * (
-            seconds - self.value
+        self.value = (
+            seconds if self.value is None else self.value + self.alpha * (seconds - self.value)
         )
         self.samples += 1
 
