@@ -34,6 +34,7 @@ from kvtier.keys import Namespace
 from kvtier.lookup import LookupServer
 from kvtier.metrics import Metrics, snapshot
 from kvtier.offload import messages
+from kvtier.offload.affinity import on_cpus
 from kvtier.offload.codec import PageCodec
 from kvtier.offload.device import DeviceOps, Lane, ops_for
 from kvtier.offload.lane import WorkLane
@@ -46,9 +47,9 @@ from kvtier.store.factory import build_stack
 from kvtier.store.stack import TierStack
 
 log = logging.getLogger("kvtier")
-# a rank's metrics ride along its reports; an idle rank refreshes them this often
+# a rank's metrics ride along its reports, a busy rank's at most this often (an idle rank's
+# with every report that has news), and an idle engine's steps refresh them this often
 _SNAPSHOT_EVERY_S = 1.0
-_SNAPSHOT_MIN_S = 0.1
 _GIB = 1 << 30
 DEADLINE = "deadline"  # load failure reason: the lane did not finish it within lease_ttl_s
 PREEMPTED = "preempted"  # save failure reason: its request's blocks were taken back first
@@ -94,10 +95,13 @@ class OffloadWorker:
         ranks_on_host: int = 1,
         clock: Callable[[], float] = time.monotonic,
         ops: DeviceOps | None = None,
+        service_cpus: frozenset[int] | None = None,
     ) -> None:
         """`clock` times the per-load deadline (`config.lease_ttl_s` after a load is queued);
         `ranks_on_host` sizes the host-RAM check (every rank of every replica on this host);
-        `ops` drives the KV device (default: the device the KV cache lives on)."""
+        `ops` drives the KV device (default: the device the KV cache lives on);
+        `service_cpus` are the CPUs its threads run on (None: those of the registering
+        thread), kept apart from a host's compute cores."""
         self.config = config
         self.rank = rank
         self.world = world
@@ -111,6 +115,7 @@ class OffloadWorker:
         self.pages: KVPages | None = None
         self.server: LookupServer | None = None
         self._ops = ops
+        self.service_cpus = service_cpus
         self._lock = threading.Lock()
         self._results: list[OpResult] = []
         self._recving: list[str] = []
@@ -162,20 +167,24 @@ class OffloadWorker:
             tenant=self.config.tenant,
         )
         check_host_memory(self.config.memory_bytes, self.ranks_on_host, self.tag)
-        self.stack = build_stack(self.config, ns.fingerprint, codec.chunk_bytes, self.metrics)
-        try:
-            self._start_lanes(ops, codec.chunk_bytes)
-            if self.config.self_test:
-                self._self_test(desc)
-        except BaseException:
-            self.close()
-            raise
-        if self.lookup_endpoint is not None:
-            self.server = LookupServer(self.rank, self.stack, self.lookup_endpoint, self.metrics)
-            self.server.start()
+        # every thread started here (write-behind, lanes, lookup server) inherits the CPUs
+        with on_cpus(self.service_cpus):
+            self.stack = build_stack(self.config, ns.fingerprint, codec.chunk_bytes, self.metrics)
+            try:
+                self._start_lanes(ops, codec.chunk_bytes)
+                if self.config.self_test:
+                    self._self_test(desc)
+            except BaseException:
+                self.close()
+                raise
+            if self.lookup_endpoint is not None:
+                self.server = LookupServer(
+                    self.rank, self.stack, self.lookup_endpoint, self.metrics
+                )
+                self.server.start()
         log.info(
             "%s: registered %d KV tensors (%s), %d B/chunk, namespace %s, tiers %s, "
-            "lookup server %s",
+            "lookup server %s, service threads on %s",
             self.tag,
             len(desc.tensors),
             pages.describe(),
@@ -183,6 +192,9 @@ class OffloadWorker:
             ns.hex,
             "+".join(self.stack.tiers),
             self.lookup_endpoint,
+            "the registering thread's CPUs"
+            if self.service_cpus is None
+            else f"CPUs {sorted(self.service_cpus)}",
         )
 
     def _start_lanes(self, ops: DeviceOps, chunk_bytes: int) -> None:
@@ -335,8 +347,9 @@ class OffloadWorker:
         return report
 
     def encode_report(self, report: WorkerReport) -> bytes:
-        """Wire bytes of `report` for the scheduler, with a snapshot of this rank's metrics when
-        anything changed (or once a second); b"" when there is nothing to say."""
+        """Wire bytes of `report` for the scheduler, with a snapshot of this rank's metrics once
+        a second, or when they changed and nothing is in flight; b"" when there is nothing to
+        say. Closes the rank's step: its time and its hooks' are observed here."""
         t0 = time.perf_counter()
         if self._step_t0 is not None:
             self.metrics.step_seconds.observe(t0 - self._step_t0)
@@ -346,10 +359,10 @@ class OffloadWorker:
         now = time.monotonic()
         since = now - self._last_snapshot
         fresh = self.metrics_dirty or not report.is_empty()
-        # a snapshot costs a walk of every family: at most one per _SNAPSHOT_MIN_S while
-        # operations are in flight (more steps follow them), always once the rank is idle
-        # (this report may be the last for a while)
-        if (fresh and (since >= _SNAPSHOT_MIN_S or self._is_idle())) or since >= _SNAPSHOT_EVERY_S:
+        # a snapshot walks every family (a millisecond with the step histograms): at most one
+        # per _SNAPSHOT_EVERY_S while operations are in flight (more steps follow them), and
+        # always once the rank is idle with news (this report may be the last for a while)
+        if since >= _SNAPSHOT_EVERY_S or (fresh and self._is_idle()):
             self.metrics_dirty = False
             report.metrics = snapshot(self.metrics.registry)
             self._last_snapshot = now

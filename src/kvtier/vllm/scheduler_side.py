@@ -39,7 +39,7 @@ __all__ = ["SchedulerSide"]
 log = logging.getLogger("kvtier")
 
 _READY_TIMEOUT_S = 30.0
-_STATS_EVERY_S = 0.1
+_STATS_EVERY_S = 1.0
 
 
 def _bytes_per_token(kv_cache_config: KVCacheConfig | None, block_size: int) -> int | None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from kvtier.config import KVTierConfig
 from kvtier.metrics import Metrics
 from kvtier.offload import messages
+from kvtier.offload.affinity import parse_cpu_list, spare_cpus
 from kvtier.offload.messages import OffloadMeta, WorkerReport
 from kvtier.offload.pages import KVCacheDescription
 from kvtier.offload.worker import OffloadWorker
@@ -65,6 +67,29 @@ def kv_description(
     )
 
 
+def service_cpus(bind: str | None, world: int) -> frozenset[int] | None:
+    """The CPUs no rank's compute threads are bound to, for kvtier's threads. vLLM's CPU
+    backend binds each rank's OpenMP threads (`VLLM_CPU_OMP_THREADS_BIND`, "0-3|4-7": one CPU
+    list per rank), and threads started later inherit the binding; with "auto" (or unset) a
+    single rank's are the CPUs it runs on now, and several ranks' are not known (None)."""
+    if bind and bind not in ("auto", "nobind", "all"):
+        compute: set[int] = set()
+        for part in bind.split("|"):
+            compute |= parse_cpu_list(part)
+        return spare_cpus(compute)
+    if bind == "nobind" or world > 1:
+        return None
+    return spare_cpus(os.sched_getaffinity(0))
+
+
+def _cpu_service_cpus(world: int) -> frozenset[int] | None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None  # GPU ranks bind no compute cores; their threads stay where they are
+    return service_cpus(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), world)
+
+
 def _replica_rank(vllm_config: VllmConfig) -> int:
     """This worker's rank within its replica (pp-major, as vLLM and kvtier.topology number it)."""
     from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
@@ -101,6 +126,7 @@ class WorkerSide:
             metrics=self.metrics,
             lookup_endpoint=lookup_endpoint(config, topo.rank, run_dir, base_port),
             ranks_on_host=ranks_on_host(vllm_config),
+            service_cpus=_cpu_service_cpus(topo.world),
         )
         self.meta = OffloadMeta()
         self.report = WorkerReport(rank=topo.rank)
