@@ -441,3 +441,13 @@ def test_sync_loads_of_one_step_share_its_budget():
     # a new step has the whole share again
     _admit(sched, "c", 3 * CHUNK + 4)
     assert not sched.load_is_async("c")
+
+
+def test_a_stack_with_lower_tiers_keeps_every_load_asynchronous():
+    # a read from disk or a remote store may block: it never runs inside the forward
+    sched, _, metrics = make(
+        hits=3, world=1, sync_load_fraction=1e9, remote_url="redis://127.0.0.1:6379/0"
+    )
+    sched.gate.observe_step(1.0)
+    _admit(sched, "a", 3 * CHUNK + 4)
+    assert sched.load_is_async("a")

@@ -131,6 +131,10 @@ class OffloadScheduler:
             config.prefill_tokens_per_s, load_tokens_per_s or seeds.get("memory"), seeds
         )
         self.min_load = config.effective_min_load_tokens
+        # a sync load blocks the forward for its whole read, with no deadline to abandon it:
+        # only a memory-only stack (no disk or remote I/O) serves one, until a lookup says
+        # which tier holds each chunk
+        self._sync_tier = "memory" if not (config.disk_bytes or config.remote_url) else None
         self.clock = HookClock(metrics)
         self._step = 0  # engine steps so far (build_meta calls)
         self._step_t0: float | None = None  # when the busy step in flight was built
@@ -220,11 +224,12 @@ class OffloadScheduler:
             self._lookup.release([lookup_id])
             return 0
         tokens = end - num_computed_tokens
-        sync = self.gate.runs_in_forward(
-            tokens, self.config.sync_load_fraction, self._sync_booked_s
+        tier = self._sync_tier
+        sync = tier is not None and self.gate.runs_in_forward(
+            tokens, self.config.sync_load_fraction, self._sync_booked_s, tier
         )
         if sync:
-            self._sync_booked_s += self.gate.transfer_seconds(tokens)
+            self._sync_booked_s += self.gate.transfer_seconds(tokens, tier)
         st.load = _Load(hbm=num_computed_tokens, end=end, lookup_id=lookup_id, sync=sync)
         return tokens
 
