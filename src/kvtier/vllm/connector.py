@@ -124,13 +124,6 @@ def _check_single_group(kv_cache_config: KVCacheConfig | None) -> None:
         )
 
 
-def _hit_source(config: KVTierConfig) -> CacheHitSource:
-    # a lookup does not say which tier holds a chunk; with lower tiers the source is unknown
-    if config.disk_bytes == 0 and config.remote_url is None:
-        return CacheHitSource.HOST
-    return CacheHitSource.EXTERNAL_UNSPECIFIED
-
-
 # ---- the connector ----------------------------------------------------------------------------
 
 
@@ -151,7 +144,6 @@ class KVTierConnector(KVConnectorBase_V1):
         self.config = KVTierConfig.load(ktc.kv_connector_extra_config or {})
         self.block_size = _block_size(vllm_config, self.config)
         _check_single_group(kv_cache_config)
-        self._cache_hit_source = _hit_source(self.config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if not self.config.enabled:
@@ -293,6 +285,14 @@ class KVTierConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             return 0, False
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """The tokens by the tier the lookup found them in (host, disk, external_unspecified)."""
+        if self._scheduler is None:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return self._scheduler.get_external_cache_hit_sources(request, num_external_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

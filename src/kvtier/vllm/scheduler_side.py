@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import KVTierConfig
 from kvtier.lookup import LookupClient
@@ -38,6 +39,7 @@ __all__ = ["SchedulerSide"]
 log = logging.getLogger("kvtier")
 
 _READY_TIMEOUT_S = 30.0
+_SOURCE_OF_TIER = {"memory": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 
 
 def _bytes_per_token(kv_cache_config: KVCacheConfig | None, block_size: int) -> int | None:
@@ -140,6 +142,16 @@ class SchedulerSide:
             return None, False  # not known yet: vLLM keeps it waiting and asks next step
         # loads run on each rank's load lane: the request parks in WAITING_FOR_REMOTE_KVS
         return (n, True) if n > 0 else (0, False)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """All of the request's external tokens under the deepest tier its lookup found the
+        run in (vLLM has no remote source: a shared store is external_unspecified)."""
+        if num_external_tokens <= 0:
+            return {}
+        tier = self.core.hit_tier(request.request_id)
+        return {_SOURCE_OF_TIER.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED): num_external_tokens}
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
