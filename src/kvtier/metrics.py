@@ -65,6 +65,7 @@ class _Families:
     queue_depth: Gauge
     lookup_scope: Gauge
     world_size: Gauge
+    load_failure_fails_request: Gauge
     lookup_seconds: Histogram
     load_seconds: Histogram
     save_seconds: Histogram
@@ -119,6 +120,11 @@ def _build(reg: CollectorRegistry) -> _Families:
             "lookup_scope", "1 for each rank the scheduler's lookup client asks.", "target"
         ),
         world_size=g("world_size", "Ranks of this engine replica (TP x PP)."),
+        load_failure_fails_request=g(
+            "load_failure_fails_request",
+            "1 when the host fails a request whose tier load failed instead of recomputing it "
+            "(vLLM: a MultiConnector parent without kv_load_failure_policy=recompute).",
+        ),
         lookup_seconds=h("lookup_seconds", "Lookup latency."),
         load_seconds=h("load_seconds", "Load latency."),
         save_seconds=h("save_seconds", "Save latency."),
@@ -227,6 +233,10 @@ class Metrics:
 
     def queue(self, name: str) -> Gauge:
         return self.f.queue_depth.labels(str(self.rank), name)
+
+    def set_load_failure_policy(self, fails_request: bool) -> None:
+        """Export whether a failed tier load fails its request on this host (doctor FAILs it)."""
+        self.f.load_failure_fails_request.labels(str(self.rank)).set(1 if fails_request else 0)
 
     def set_lookup_scope(self, ranks: Sequence[int], world: int) -> None:
         """Export which ranks the lookup client covers, so a cut scope is visible in /metrics."""

@@ -109,6 +109,8 @@ class SchedulerHalf:
         scope = validate_lookup_scope(config.lookup_scope, topo)
         endpoints = {r: _endpoint(config, r, run_dir) for r in scope}
         self.metrics.set_lookup_scope(scope, topo.world)
+        # the native engine always recomputes from a failed load's first bad block
+        self.metrics.set_load_failure_policy(False)
         self.client = LookupClient(
             endpoints,
             self.metrics,
