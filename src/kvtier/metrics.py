@@ -61,6 +61,7 @@ class _Families:
     tier_full: Counter
     dropped_writes: Counter
     rejected_frames: Counter
+    dropped_tier_changes: Counter
     breaker_open: Gauge
     queue_depth: Gauge
     lookup_scope: Gauge
@@ -114,6 +115,10 @@ def _build(reg: CollectorRegistry) -> _Families:
             "dropped_writes", "Write-behind chunks dropped, by reason.", "tier", "reason"
         ),
         rejected_frames=c("rejected_frames", "Malformed or oversized frames rejected.", "reason"),
+        dropped_tier_changes=c(
+            "dropped_tier_changes",
+            "Tier stores/evictions not reported as KV events (the rank's bounded buffer was full).",
+        ),
         breaker_open=g("breaker_open", "1 while a tier's circuit breaker is open.", "tier"),
         queue_depth=g("queue_depth", "Items waiting per queue.", "queue"),
         lookup_scope=g(
@@ -188,6 +193,7 @@ class Metrics:
         self.scheduler_lookup_seconds = f.scheduler_lookup_seconds.labels(r)
         self.load_seconds = f.load_seconds.labels(r)
         self.save_seconds = f.save_seconds.labels(r)
+        self.dropped_tier_changes = f.dropped_tier_changes.labels(r)
 
     def lookup_timeout(self, target: int) -> Counter:
         return self.f.lookup_timeouts.labels(str(self.rank), str(target))

@@ -318,7 +318,7 @@ class OffloadScheduler:
         self._quorum.open(load.op_id)
         self._ops[load.op_id] = (st.req_id, "load")
         log.debug("kvtier: load %s tokens [%d, %d)", load.op_id, load.hbm, load.end)
-        return LoadOp(load.op_id, st.req_id, load.lookup_id, chunks, load.end - load.hbm)
+        return LoadOp(load.op_id, st.req_id, load.lookup_id, chunks, load.end - load.hbm, first)
 
     def _emit_save(self, st: _Req, item: StepRequest) -> SaveOp | None:
         if st.load is not None:
@@ -343,7 +343,7 @@ class OffloadScheduler:
         self._quorum.open(op_id)
         self._ops[op_id] = (st.req_id, "save")
         st.saves[op_id] = (st.emitted, aligned)
-        op = SaveOp(op_id, st.req_id, chunks, aligned - st.emitted)
+        op = SaveOp(op_id, st.req_id, chunks, aligned - st.emitted, st.emitted // self.chunk)
         st.emitted = aligned
         return op
 

@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -69,6 +69,7 @@ class TierStack:
             raise ValueError(f"tier names must be distinct, got {names}")
         self._memory = memory
         self._lower: tuple[Tier, ...] = tuple(lower)
+        self._listener: Callable[[str, str, bytes], None] | None = None
         # tiers told which runs lookups used; a tier without touch() keeps its own order
         self._chained: tuple[ChainTier, ...] = tuple(
             t for t in (memory, *self._lower) if isinstance(t, ChainTier)
@@ -118,6 +119,14 @@ class TierStack:
             if t.contains(key):
                 return t.name
         return None
+
+    def listen(self, listener: Callable[[str, str, bytes], None]) -> None:
+        """Be told `(change, tier, key)` whenever a tier stores ("stored") or drops ("removed") a
+        chunk; a tier that cannot tell its evictions (remote) reports its stores only."""
+        self._listener = listener
+        for t in (self._memory, *self._lower):
+            if hasattr(t, "listener"):
+                t.listener = lambda change, key, name=t.name: listener(change, name, key)
 
     def pending_writes(self) -> int:
         """Write-behind jobs queued or in progress."""
@@ -380,9 +389,11 @@ class TierStack:
                 # a False return was counted by the tier itself
                 data = memoryview(_flat_bytes(view).numpy())
                 if isinstance(t, ChainTier):
-                    t.put(job.key, data, parent=job.parent)
+                    stored = t.put(job.key, data, parent=job.parent)
                 else:
-                    t.put(job.key, data)
+                    stored = t.put(job.key, data)
+                if stored and self._listener is not None and not hasattr(t, "listener"):
+                    self._listener("stored", t.name, job.key)
             except Exception:
                 # a broken tier must not kill the thread that feeds every lower tier
                 log.exception("kvtier: write-behind to %s tier failed", t.name)

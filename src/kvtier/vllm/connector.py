@@ -39,7 +39,10 @@ from kvtier.vllm.stats import KVTierPromMetrics, KVTierStats
 from kvtier.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
@@ -396,8 +399,12 @@ class KVTierConnector(KVConnectorBase_V1):
         """vLLM's cache reset (pause, sleep, weight update): a new namespace epoch makes every
         chunk stored before unreachable; the tiers free their space by eviction."""
         if self._scheduler is not None:
-            self._scheduler.core.reset()
+            self._scheduler.reset()
         return True
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """What kvtier's tiers stored and dropped, as vLLM KV-cache events (CPU / STORAGE)."""
+        return [] if self._scheduler is None else self._scheduler.take_events()
 
     @property
     def offload_scheduler(self) -> OffloadScheduler | None:

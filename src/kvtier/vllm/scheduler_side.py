@@ -21,6 +21,7 @@ from kvtier.offload.protocols import StepRequest
 from kvtier.offload.scheduler import OffloadScheduler
 from kvtier.offload.selftest import check_lookup
 from kvtier.topology import Topology, resolve, validate_lookup_scope
+from kvtier.vllm.events import KVEvents, kv_events_enabled
 from kvtier.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
 from kvtier.vllm.request_view import VLLMRequestView
 from kvtier.vllm.rundir import lookup_base_port, lookup_endpoint
@@ -28,6 +29,7 @@ from kvtier.vllm.stats import KVTierStats, StatsDelta
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -109,6 +111,10 @@ class SchedulerSide:
             self.client.close()
             raise
         self.scope = scope
+        # kept only when vLLM publishes KV events (routers learn what the tiers hold)
+        self.events: KVEvents | None = None
+        if kv_events_enabled(vllm_config):
+            self.events = KVEvents(block_size, config.chunk_size, self.metrics)
         self.views: dict[str, VLLMRequestView] = {}
         # requests with a load in flight: vLLM itself delays their frees until finished_recving
         self._loading: set[str] = set()
@@ -201,6 +207,11 @@ class SchedulerSide:
             scheduled.append(StepRequest(view, computed + n))
             prefill += _prefill_tokens(view, computed, n)
         meta = self.core.build_meta(scheduled, out.preempted_req_ids or ())
+        if self.events is not None:
+            for op in (*meta.saves, *meta.loads):
+                view = self.views.get(op.req_id)
+                if view is not None:
+                    self.events.learn(view, op.first_chunk, op.chunks)
         if self._vllm_frees:
             meta.delayed_free = [r for r in meta.delayed_free if r not in self._vllm_frees]
             self._vllm_frees.clear()
@@ -227,6 +238,8 @@ class SchedulerSide:
                 report = messages.decode_report(data)
                 if report.metrics:
                     self.collector.update(f"rank{report.rank}", report.metrics)
+                if report.changes and self.events is not None:
+                    self.events.changed(report.changes)
                 reports.append(report)
         self.core.process_reports(reports)
         for req_id in output.finished_recving or ():
@@ -246,6 +259,18 @@ class SchedulerSide:
                 self._vllm_frees.add(request.request_id)
             return False
         return delay
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """KV-cache events for what the tiers stored and dropped since the last step."""
+        return [] if self.events is None else self.events.take()
+
+    def reset(self) -> None:
+        """A new namespace epoch: every chunk stored before is unreachable, and routers are told
+        it left the tiers."""
+        self._dirty = True
+        self.core.reset()
+        if self.events is not None:
+            self.events.clear()
 
     def shutdown(self) -> None:
         """Close the lookup client."""
