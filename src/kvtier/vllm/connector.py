@@ -67,6 +67,15 @@ _RECOMPUTE = "recompute"
 # ---- helpers ------------------------------------------------------------------------------------
 
 
+def register_by_name(name: str, module: str, class_name: str) -> None:
+    """Make an out-of-tree connector known to vLLM by name: a MultiConnector's stats path
+    looks its children up by name only, and fails on one it does not know."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if name not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(name, module, class_name)
+
+
 def _ensure_logging() -> None:
     """vLLM configures only its own "vllm" logger; give "kvtier" an INFO handler on stderr in
     every process vLLM spawns, unless the application already configured logging."""
@@ -415,3 +424,6 @@ class KVTierConnector(KVConnectorBase_V1):
     def offload_worker(self) -> OffloadWorker | None:
         """This rank's OffloadWorker (worker role only), for diagnostics and tests."""
         return None if self._worker is None else self._worker.worker
+
+
+register_by_name("KVTierConnector", "kvtier.vllm.connector", "KVTierConnector")
