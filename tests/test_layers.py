@@ -33,7 +33,9 @@ FOUNDATION = frozenset(
         "remote_endpoint",
     }
 )
-TOOLS = frozenset({"cli", "bench", "plan", "plan_presets", "doctor", "demo", "cachemodel"})
+TOOLS = frozenset(
+    {"cli", "bench", "plan", "plan_presets", "doctor", "demo", "cachemodel", "config_docs"}
+)
 
 _BELOW_TOOLS = FOUNDATION | {"store", "lookup", "offload", "native", "vllm"}
 
