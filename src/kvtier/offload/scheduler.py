@@ -59,6 +59,7 @@ class _Req:
     saves: dict[str, tuple[int, int]] = field(default_factory=dict)
     finished: bool = False
     lookup: Any = None  # a lookup in flight (polled again at the next ask)
+    hit_tier: str = ""  # the deepest tier of the promised run (the hit's source)
     deferred: bool = False  # already counted as waiting behind another request's load
     epoch: int = 0  # the namespace epoch its keys belong to
 
@@ -201,6 +202,7 @@ class OffloadScheduler:
             self._lookup.release([lookup_id])
             return 0
         st.load = _Load(hbm=num_computed_tokens, end=end, lookup_id=lookup_id)
+        st.hit_tier = getattr(result, "tier", "")
         return end - num_computed_tokens
 
     def _cancel_lookup(self, st: _Req) -> None:
@@ -316,7 +318,7 @@ class OffloadScheduler:
         self._quorum.open(load.op_id)
         self._ops[load.op_id] = (st.req_id, "load")
         log.debug("kvtier: load %s tokens [%d, %d)", load.op_id, load.hbm, load.end)
-        return LoadOp(load.op_id, st.req_id, load.lookup_id, chunks, load.end - load.hbm)
+        return LoadOp(load.op_id, st.req_id, load.lookup_id, chunks, load.end - load.hbm, first)
 
     def _emit_save(self, st: _Req, item: StepRequest) -> SaveOp | None:
         if st.load is not None:
@@ -341,7 +343,7 @@ class OffloadScheduler:
         self._quorum.open(op_id)
         self._ops[op_id] = (st.req_id, "save")
         st.saves[op_id] = (st.emitted, aligned)
-        op = SaveOp(op_id, st.req_id, chunks, aligned - st.emitted)
+        op = SaveOp(op_id, st.req_id, chunks, aligned - st.emitted, st.emitted // self.chunk)
         st.emitted = aligned
         return op
 
@@ -467,6 +469,12 @@ class OffloadScheduler:
     def has_pending_work(self) -> bool:
         """True while any operation awaits its terminal or a load awaits dispatch."""
         return bool(self._ops) or any(st.load is not None for st in self._reqs.values())
+
+    def hit_tier(self, req_id: str) -> str:
+        """The tier the request's external hit comes from: the deepest tier of the run its
+        lookup found ("memory", "disk", "remote"; "" when unknown)."""
+        st = self._reqs.get(req_id)
+        return "" if st is None else st.hit_tier
 
     def pending_load(self, req_id: str) -> tuple[int, int] | None:
         """(floor, end) of the request's promised load, for hosts and tests."""

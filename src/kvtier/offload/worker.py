@@ -19,7 +19,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -34,7 +34,15 @@ from kvtier.offload import messages
 from kvtier.offload.codec import PageCodec
 from kvtier.offload.device import DeviceOps, Lane, ops_for
 from kvtier.offload.lane import WorkLane
-from kvtier.offload.messages import ChunkRef, LoadOp, OffloadMeta, OpResult, SaveOp, WorkerReport
+from kvtier.offload.messages import (
+    ChunkRef,
+    LoadOp,
+    OffloadMeta,
+    OpResult,
+    SaveOp,
+    TierChange,
+    WorkerReport,
+)
 from kvtier.offload.pages import KVCacheDescription, KVPages, describe_pages
 from kvtier.offload.selftest import SELF_TEST_KEY, codec_round_trip, fail_startup
 from kvtier.store.arena import check_host_memory
@@ -48,6 +56,8 @@ _GIB = 1 << 30
 DEADLINE = "deadline"  # load failure reason: the lane did not finish it within lease_ttl_s
 PREEMPTED = "preempted"  # save failure reason: its request's blocks were taken back first
 _SELF_TEST_TIMEOUT_S = 120.0
+# tier changes buffered between two reports (KV events); more are dropped and counted
+_MAX_CHANGES = 65536
 
 
 @dataclass(eq=False, slots=True)
@@ -89,10 +99,12 @@ class OffloadWorker:
         ranks_on_host: int = 1,
         clock: Callable[[], float] = time.monotonic,
         ops: DeviceOps | None = None,
+        report_changes: bool = False,
     ) -> None:
         """`clock` times the per-load deadline (`config.lease_ttl_s` after a load is queued);
         `ranks_on_host` sizes the host-RAM check (every rank of every replica on this host);
-        `ops` drives the KV device (default: the device the KV cache lives on)."""
+        `ops` drives the KV device (default: the device the KV cache lives on);
+        `report_changes` puts what the tiers store and drop into the reports (KV events)."""
         self.config = config
         self.rank = rank
         self.world = world
@@ -127,6 +139,8 @@ class OffloadWorker:
         self._load_staging: torch.Tensor | None = None
         self._save_staging: torch.Tensor | None = None
         self._selftest_ids = itertools.count()
+        self._report_changes = report_changes
+        self._changes: deque[TierChange] = deque()
 
     # ---- startup ------------------------------------------------------------------------------
 
@@ -153,6 +167,8 @@ class OffloadWorker:
         )
         check_host_memory(self.config.memory_bytes, self.ranks_on_host, self.tag)
         self.stack = build_stack(self.config, ns.fingerprint, codec.chunk_bytes, self.metrics)
+        if self._report_changes:
+            self.stack.listen(self._tier_changed)
         try:
             self._start_lanes(ops, codec.chunk_bytes)
             if self.config.self_test:
@@ -174,6 +190,15 @@ class OffloadWorker:
             "+".join(self.stack.tiers),
             self.lookup_endpoint,
         )
+
+    def _tier_changed(self, change: str, tier: str, key: bytes) -> None:
+        """A tier stored or dropped a chunk (called under that tier's lock: record only)."""
+        if key == SELF_TEST_KEY:
+            return
+        if len(self._changes) >= _MAX_CHANGES:
+            self.metrics.dropped_tier_changes.inc()
+            return
+        self._changes.append(TierChange(change, tier, key))
 
     def _start_lanes(self, ops: DeviceOps, chunk_bytes: int) -> None:
         self._load_staging = ops.staging(chunk_bytes)
@@ -291,12 +316,16 @@ class OffloadWorker:
                 if not self._inflight.get(req_id):
                     self._delayed.discard(req_id)
                     self._sending.append(req_id)
+            changes = []
+            while self._changes:
+                changes.append(self._changes.popleft())
             report = WorkerReport(
                 rank=self.rank,
                 results=self._results,
                 finished_sending=self._sending,
                 finished_recving=self._recving,
                 invalid_block_ids=self._invalid,
+                changes=changes,
             )
             self._results, self._sending, self._recving, self._invalid = [], [], [], []
         return report

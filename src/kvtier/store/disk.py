@@ -87,6 +87,8 @@ class DiskTier:
         self._lock = threading.Condition(threading.RLock())
         self._index: dict[bytes, int] = {}  # key -> file bytes (header + payload)
         self._policy = ChainPolicy(max_bytes)
+        # told ("stored" | "removed", key) on every change of what the tier holds
+        self.listener: Callable[[str, bytes], None] | None = None
         self._bytes = 0
         # bytes promised to writes in flight, so concurrent puts cannot overshoot the cap
         self._reserved = 0
@@ -306,6 +308,7 @@ class DiskTier:
             self._policy.remove(key)
             _remove(path)
             self._publish()
+            self._tell("removed", key)
 
     def _resident_again(self, key: bytes, parent: bytes) -> None:
         """A write of a chunk the tier holds is a use of it."""
@@ -332,6 +335,12 @@ class DiskTier:
             self._index[key] = size
             self._bytes += size
             self._policy.insert(key, size, parent)
+            self._tell("stored", key)
+
+    def _tell(self, change: str, key: bytes) -> None:
+        # under the tier's lock: a listener only records (KV events for routers)
+        if self.listener is not None:
+            self.listener(change, key)
 
     def _make_room(self, size: int) -> bool:
         """A write hit ENOSPC. When the filesystem really lacks the room (statvfs), lower the
@@ -394,6 +403,7 @@ class DiskTier:
             self._bytes -= self._index.pop(key)
             _remove(self._path(key))
             self._m.eviction(self.name).inc()
+            self._tell("removed", key)
 
     def _evictable(self, key: bytes) -> bool:
         return not self._leases.is_pinned(key) and key not in self._writing

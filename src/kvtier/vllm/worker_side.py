@@ -17,6 +17,7 @@ from kvtier.offload.messages import OffloadMeta, WorkerReport
 from kvtier.offload.pages import KVCacheDescription
 from kvtier.offload.worker import OffloadWorker
 from kvtier.topology import resolve
+from kvtier.vllm.events import kv_events_enabled
 from kvtier.vllm.metadata import KVTierConnectorMetadata
 from kvtier.vllm.rundir import lookup_base_port, lookup_endpoint
 
@@ -101,6 +102,8 @@ class WorkerSide:
             metrics=self.metrics,
             lookup_endpoint=lookup_endpoint(config, topo.rank, run_dir, base_port),
             ranks_on_host=ranks_on_host(vllm_config),
+            # rank 0 reports what its tiers hold for KV events (TP ranks mirror each other)
+            report_changes=topo.rank == 0 and kv_events_enabled(vllm_config),
         )
         self.meta = OffloadMeta()
         self.report = WorkerReport(rank=topo.rank)
