@@ -92,10 +92,15 @@ class OffloadScheduler:
         metrics: Metrics,
         load_tokens_per_s: float | None = None,
         bytes_per_token: int | None = None,
+        loads: bool = True,
+        saves: bool = True,
     ) -> None:
         """`bytes_per_token` (per rank) turns the config's read-bandwidth seeds into token rates
-        for the load gate; `load_tokens_per_s` overrides the seed outright."""
+        for the load gate; `load_tokens_per_s` overrides the seed outright. `loads=False` never
+        loads (a prefill producer), `saves=False` never saves (a decode consumer)."""
         self.config = config
+        self.loads = loads
+        self.saves = saves
         self.chunk = config.chunk_size
         if self.chunk % block_size:
             raise ValueError(
@@ -321,6 +326,8 @@ class OffloadScheduler:
         return LoadOp(load.op_id, st.req_id, load.lookup_id, chunks, load.end - load.hbm, first)
 
     def _emit_save(self, st: _Req, item: StepRequest) -> SaveOp | None:
+        if not self.saves:
+            return None
         if st.load is not None:
             return None  # its blocks are being filled by a load
         if st.epoch != self.epoch:

@@ -78,6 +78,7 @@ class SchedulerSide:
     ) -> None:
         # the scheduler is no rank; topology comes from parallel_config, never a guess of 1
         topo: Topology = resolve(vllm_config, rank=0)
+        role = str(vllm_config.kv_transfer_config.kv_role or "kv_both")
         scope = validate_lookup_scope(config.lookup_scope, topo)
         base_port = lookup_base_port(config, vllm_config, topo.dp_rank, topo.world)
         endpoints = {r: lookup_endpoint(config, r, run_dir, base_port) for r in scope}
@@ -106,6 +107,10 @@ class SchedulerSide:
                 world=topo.world,
                 metrics=self.metrics,
                 bytes_per_token=_bytes_per_token(kv_cache_config, block_size),
+                # prefill/decode hand-off through a shared tier: a producer only saves, a
+                # consumer only loads
+                loads=role != "kv_producer",
+                saves=role != "kv_consumer",
             )
         except BaseException:
             self.client.close()
@@ -124,7 +129,7 @@ class SchedulerSide:
         self._stats = StatsDelta()
         # set by every hook that may move a metric; the merged view is walked only then
         self._dirty = True
-        log.info("%s; %s", config.describe(), topo.describe())
+        log.info("%s; %s; kv_role=%s", config.describe(), topo.describe(), role)
 
     def take_stats(self) -> KVTierStats | None:
         """What changed in the merged kvtier metrics since the last call (None if nothing)."""
