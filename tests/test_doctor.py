@@ -88,6 +88,7 @@ class Fake:
         self.reg = CollectorRegistry()
         self.sched = Metrics("scheduler", self.reg)
         self.sched.set_lookup_scope(list(range(world)) if scope is None else scope, world)
+        self.sched.set_load_failure_policy(False)
         self.rank = {r: Metrics(r, self.reg) for r in (range(world) if ranks is None else ranks)}
         for m in self.rank.values():
             m.capacity("memory").set(64 << 20)
@@ -687,3 +688,13 @@ def test_real_server_with_a_corrupted_tier_fails_the_verify_check(model, prompts
     # the op that rank 1 could not read was recomputed; no rank counted it as retrieved, so the
     # identities still close: the verify check alone names the fault
     assert IDENTITIES not in fails
+
+
+def test_a_multiconnector_parent_that_fails_requests_on_load_errors_fails_its_check() -> None:
+    from kvtier.doctor import POLICY
+
+    fake = Fake().healthy()
+    fake.sched.set_load_failure_policy(True)
+    check = fake.diagnose(log=client_line([0, 1], 2), tp=2)[POLICY]
+    assert check.status is Status.FAIL
+    assert '"kv_load_failure_policy": "recompute" on the MultiConnector' in check.detail

@@ -112,6 +112,8 @@ SAVE_FAILURES = "save failures"
 STORE_FAILURES = "store failures"
 SKIPPED = "skipped loads"
 BREAKERS = "breakers"
+POLICY = "failed loads recompute"
+FAILS_REQUEST = "kvtier_load_failure_fails_request"
 
 CHECK_NAMES = (
     PRESENT,
@@ -130,6 +132,7 @@ CHECK_NAMES = (
     STORE_FAILURES,
     SKIPPED,
     BREAKERS,
+    POLICY,
 )
 
 
@@ -765,6 +768,22 @@ def _breakers(s: _Samples) -> Check:
     return Check(BREAKERS, Status.PASS, f"no breaker open ({len(state)} watched)", numbers)
 
 
+def _policy(s: _Samples) -> Check:
+    if not s.exported(FAILS_REQUEST):
+        return _absent(POLICY, FAILS_REQUEST)
+    fails = s.scheduler_value(FAILS_REQUEST)
+    if fails:
+        return Check(
+            POLICY,
+            Status.FAIL,
+            "a failed tier load fails its request: kvtier runs inside a MultiConnector whose "
+            'kv_load_failure_policy is not recompute; set "kv_load_failure_policy": '
+            '"recompute" on the MultiConnector (the top-level --kv-transfer-config)',
+            {"fails_request": fails},
+        )
+    return Check(POLICY, Status.PASS, "a failed tier load is recomputed", {"fails_request": 0})
+
+
 def diagnose(metrics_text: str, log_text: str | None, tp: int | None) -> list[Check]:
     """Every check on one /metrics scrape (and the startup log, when given).
 
@@ -816,6 +835,7 @@ def diagnose(metrics_text: str, log_text: str | None, tp: int | None) -> list[Ch
         _store_failures(s),
         _skipped(s),
         _breakers(s),
+        _policy(s),
     ]  # fmt: skip
 
 

@@ -83,10 +83,12 @@ class _Families:
     tier_full: Counter
     dropped_writes: Counter
     rejected_frames: Counter
+    dropped_tier_changes: Counter
     breaker_open: Gauge
     queue_depth: Gauge
     lookup_scope: Gauge
     world_size: Gauge
+    load_failure_fails_request: Gauge
     lookup_seconds: Histogram
     load_seconds: Histogram
     save_seconds: Histogram
@@ -141,12 +143,21 @@ def _build(reg: CollectorRegistry) -> _Families:
             "dropped_writes", "Write-behind chunks dropped, by reason.", "tier", "reason"
         ),
         rejected_frames=c("rejected_frames", "Malformed or oversized frames rejected.", "reason"),
+        dropped_tier_changes=c(
+            "dropped_tier_changes",
+            "Tier stores/evictions not reported as KV events (the rank's bounded buffer was full).",
+        ),
         breaker_open=g("breaker_open", "1 while a tier's circuit breaker is open.", "tier"),
         queue_depth=g("queue_depth", "Items waiting per queue.", "queue"),
         lookup_scope=g(
             "lookup_scope", "1 for each rank the scheduler's lookup client asks.", "target"
         ),
         world_size=g("world_size", "Ranks of this engine replica (TP x PP)."),
+        load_failure_fails_request=g(
+            "load_failure_fails_request",
+            "1 when the host fails a request whose tier load failed instead of recomputing it "
+            "(vLLM: a MultiConnector parent without kv_load_failure_policy=recompute).",
+        ),
         lookup_seconds=h("lookup_seconds", "Lookup latency."),
         load_seconds=h("load_seconds", "Load latency."),
         save_seconds=h("save_seconds", "Save latency."),
@@ -230,6 +241,7 @@ class Metrics:
         self.scheduler_lookup_seconds = f.scheduler_lookup_seconds.labels(r)
         self.load_seconds = f.load_seconds.labels(r)
         self.save_seconds = f.save_seconds.labels(r)
+        self.dropped_tier_changes = f.dropped_tier_changes.labels(r)
         self.step_seconds = f.step_seconds.labels(r)
         self.load_parked_steps = f.load_parked_steps.labels(r)
         self.sync_loads = f.sync_loads.labels(r)
@@ -281,6 +293,10 @@ class Metrics:
 
     def queue(self, name: str) -> Gauge:
         return self.f.queue_depth.labels(str(self.rank), name)
+
+    def set_load_failure_policy(self, fails_request: bool) -> None:
+        """Export whether a failed tier load fails its request on this host (doctor FAILs it)."""
+        self.f.load_failure_fails_request.labels(str(self.rank)).set(1 if fails_request else 0)
 
     def set_lookup_scope(self, ranks: Sequence[int], world: int) -> None:
         """Export which ranks the lookup client covers, so a cut scope is visible in /metrics."""

@@ -63,6 +63,19 @@ class LookupResult:
     per_rank: dict[int, int]
     timed_out: tuple[int, ...]
     errors: dict[int, str] = field(default_factory=dict)
+    # the deepest tier any rank serves the counted run from ("" when nothing is held)
+    tier: str = ""
+
+
+# tiers from the accelerator outwards: a run's source is the outermost tier it touches
+TIER_ORDER = ("memory", "disk", "remote")
+
+
+def deepest_tier(tiers: Iterable[str]) -> str:
+    """The outermost of `tiers` (an unknown name counts as outermost; "" as none)."""
+    rank = {t: i for i, t in enumerate(TIER_ORDER)}
+    named = [t for t in tiers if t]
+    return max(named, key=lambda t: rank.get(t, len(TIER_ORDER))) if named else ""
 
 
 @dataclass(eq=False, slots=True)
@@ -80,6 +93,7 @@ class PendingLookup:
     unsent: set[int]
     per_rank: dict[int, int] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
+    tiers: dict[int, str] = field(default_factory=dict)
     result: LookupResult | None = None
 
 
@@ -276,6 +290,7 @@ class LookupClient:
             per_rank=ordered,
             timed_out=tuple(missed),
             errors=p.errors,
+            tier=deepest_tier(p.tiers.values()) if hit else "",
         )
         self._m.lookup_hit_tokens.inc(p.result.hit_tokens)
         self._m.lookup_seconds.observe(time.perf_counter() - p.t0)
@@ -300,6 +315,7 @@ class LookupClient:
             p.per_rank[rank] = 0
         else:
             p.per_rank[rank] = msg.hit_chunks
+            p.tiers[rank] = msg.tier
         return True
 
     def release(self, lookup_ids: Iterable[str]) -> None:

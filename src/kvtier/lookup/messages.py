@@ -45,7 +45,9 @@ class LookupRequest(msgspec.Struct, tag="lookup", array_like=True, frozen=True):
 
 
 class LookupReply(msgspec.Struct, tag="reply", array_like=True, frozen=True):
-    """A rank's answer: `hit_chunks` leading chunks held; `error` set when it could not answer."""
+    """A rank's answer: `hit_chunks` leading chunks held; `error` set when it could not answer;
+    `tier` the deepest tier any of those chunks lives in ("memory", "disk", "remote"; "" when
+    none or unknown)."""
 
     version: int
     lookup_id: str
@@ -53,6 +55,7 @@ class LookupReply(msgspec.Struct, tag="reply", array_like=True, frozen=True):
     rank: int
     hit_chunks: NonNegative
     error: str | None = None
+    tier: str = ""
 
 
 class ReleaseRequest(msgspec.Struct, tag="release", array_like=True, frozen=True):

@@ -48,7 +48,9 @@ _inproc_ids = itertools.count()
 
 
 class LookupBackend(Protocol):
-    """What a server needs from a rank's store (the TierStack has exactly these methods)."""
+    """What a server needs from a rank's store (the TierStack has these methods, and also
+    `lookup_run(keys, lease_id)` returning `.chunks` and `.tier`, which the server prefers so
+    the reply can say which tier the run comes from)."""
 
     def lookup(self, keys: Sequence[bytes], lease_id: str | None) -> int:
         """Number of leading `keys` held; with `lease_id`, lease those chunks under it."""
@@ -215,10 +217,15 @@ class LookupServer:
 
     def _lookup(self, router: zmq.Socket, peer: bytes, req: LookupRequest) -> None:
         error: str | None = None
+        tier = ""
+        lease = req.lookup_id if req.lease else None
         try:
-            hit = operator.index(
-                self._backend.lookup(req.keys, req.lookup_id if req.lease else None)
-            )
+            run = getattr(self._backend, "lookup_run", None)
+            if run is not None:
+                answer = run(req.keys, lease)
+                hit, tier = operator.index(answer.chunks), str(answer.tier)
+            else:
+                hit = operator.index(self._backend.lookup(req.keys, lease))
         except Exception as e:  # a failing store costs hits, never the server (invariant 9)
             log.warning(
                 "kvtier: lookup %r failed on rank %d", req.lookup_id, self.rank, exc_info=True
@@ -229,7 +236,9 @@ class LookupServer:
                 error = f"backend returned {hit} hits for {len(req.keys)} keys"
                 log.error("kvtier: lookup %r on rank %d: %s", req.lookup_id, self.rank, error)
                 hit = 0
-        reply = LookupReply(PROTOCOL_VERSION, req.lookup_id, req.req, self.rank, hit, error)
+        reply = LookupReply(
+            PROTOCOL_VERSION, req.lookup_id, req.req, self.rank, hit, error, tier if hit else ""
+        )
         router.send_multipart((peer, self._codec.encode(reply)))
         self.served += 1
         self._m.lookups.inc()

@@ -109,6 +109,8 @@ class SchedulerHalf:
         scope = validate_lookup_scope(config.lookup_scope, topo)
         endpoints = {r: _endpoint(config, r, run_dir) for r in scope}
         self.metrics.set_lookup_scope(scope, topo.world)
+        # the native engine always recomputes from a failed load's first bad block
+        self.metrics.set_load_failure_policy(False)
         self.client = LookupClient(
             endpoints,
             self.metrics,
@@ -134,7 +136,6 @@ class SchedulerHalf:
             raise
         self.scope = scope
         self._step_t0: float | None = None
-        self._served_by: dict[str, str] = {}  # request -> tier of its finished load
         self._step_prefill = 0
         log.info("%s", config.describe())
 
@@ -181,19 +182,17 @@ class SchedulerHalf:
             if meta.metrics:
                 self.collector.update(f"rank{rank}", meta.metrics)
             reports.append(meta)
-        for outcome in self.core.process_reports(reports):
-            if outcome.ok:
-                self._served_by[outcome.req_id] = outcome.tier
+        self.core.process_reports(reports)
 
     def get_external_cache_hit_sources(
         self, request: ConnectorRequest, num_external_tokens: int
     ) -> dict[str, int]:
-        """The load's tokens under the tier that served it (vLLM's CacheHitSource names)."""
-        tier = self._served_by.pop(request.request_id, "")
+        """The load's tokens under the tier its lookup found the run in (vLLM's CacheHitSource
+        names)."""
+        tier = self.core.hit_tier(request.request_id)
         return {_SOURCE_OF_TIER.get(tier, UNSPECIFIED_SOURCE): num_external_tokens}
 
     def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> bool:
-        self._served_by.pop(request.request_id, None)
         return self.core.request_finished(request)
 
     def request_preempted(self, request: ConnectorRequest) -> None:

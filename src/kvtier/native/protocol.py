@@ -3,7 +3,7 @@
 
 Unknown fields are accepted and ignored (logged once per name), as vLLM does. Fields the native
 engine cannot honour are accepted at their neutral value and otherwise refused with a 400 that
-says why (`REFUSED`, listed in the README's endpoint table too).
+says why (`REFUSED`, listed in docs/native-server.md's endpoint table too).
 """
 
 from __future__ import annotations

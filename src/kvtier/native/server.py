@@ -36,7 +36,7 @@ __all__ = ["APIError", "EngineServer", "bind_socket"]
 
 log = logging.getLogger("kvtier.server")
 
-# served on 404 and in the README: what this server answers and what it refuses
+# served on 404 and in docs/native-server.md: what this server answers and what it refuses
 UNSUPPORTED_ROUTES = {
     "/v1/responses": "the Responses API is not implemented; use /v1/chat/completions",
     "/v1/embeddings": "the native engine serves generation only",

@@ -20,25 +20,29 @@ class ChunkRef(msgspec.Struct, frozen=True, array_like=True):
 
 
 class LoadOp(msgspec.Struct, frozen=True):
-    """Read chunks from the tier into KV blocks; `tokens` is what the load claims. A `sync`
-    load is finished inside `start_load_kv`, before the step's forward reads its blocks, and
-    reports no finished_recving (its request is running, not parked)."""
+    """Read chunks from the tier into KV blocks; `tokens` is what the load claims and
+    `first_chunk` the index of its first chunk in the prompt. A `sync` load is finished inside
+    `start_load_kv`, before the step's forward reads its blocks, and reports no
+    finished_recving (its request is running, not parked)."""
 
     op_id: str
     req_id: str
     lookup_id: str
     chunks: list[ChunkRef]
     tokens: int
+    first_chunk: int = 0
     sync: bool = False
 
 
 class SaveOp(msgspec.Struct, frozen=True):
-    """Pack KV blocks of whole prompt chunks into the tier."""
+    """Pack KV blocks of whole prompt chunks into the tier; `first_chunk` is the index of its
+    first chunk in the prompt."""
 
     op_id: str
     req_id: str
     chunks: list[ChunkRef]
     tokens: int
+    first_chunk: int = 0
 
 
 class OffloadMeta(msgspec.Struct):
@@ -71,6 +75,14 @@ class OpResult(msgspec.Struct, frozen=True, array_like=True):
     tier: str = ""
 
 
+class TierChange(msgspec.Struct, frozen=True, array_like=True):
+    """A chunk a rank's tier stored or dropped (`change` "stored" | "removed"), for KV events."""
+
+    change: str
+    tier: str
+    key: bytes
+
+
 class WorkerReport(msgspec.Struct):
     """What one rank finished since its last report."""
 
@@ -79,12 +91,18 @@ class WorkerReport(msgspec.Struct):
     finished_sending: list[str] = msgspec.field(default_factory=list)
     finished_recving: list[str] = msgspec.field(default_factory=list)
     invalid_block_ids: list[int] = msgspec.field(default_factory=list)
+    # what this rank's tiers stored and dropped (only when the host publishes KV events)
+    changes: list[TierChange] = msgspec.field(default_factory=list)
     # this rank's metrics (kvtier.metrics.snapshot), for the process that serves /metrics
     metrics: bytes = b""
 
     def is_empty(self) -> bool:
         return not (
-            self.results or self.finished_sending or self.finished_recving or self.invalid_block_ids
+            self.results
+            or self.finished_sending
+            or self.finished_recving
+            or self.invalid_block_ids
+            or self.changes
         )
 
 

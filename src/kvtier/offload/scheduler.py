@@ -62,6 +62,7 @@ class _Req:
     saves: dict[str, tuple[int, int]] = field(default_factory=dict)
     finished: bool = False
     lookup: Any = None  # a lookup in flight (polled again at the next ask)
+    hit_tier: str = ""  # the deepest tier of the promised run (the hit's source)
     deferred: bool = False  # already counted as waiting behind another request's load
     epoch: int = 0  # the namespace epoch its keys belong to
 
@@ -94,10 +95,15 @@ class OffloadScheduler:
         metrics: Metrics,
         load_tokens_per_s: float | None = None,
         bytes_per_token: int | None = None,
+        loads: bool = True,
+        saves: bool = True,
     ) -> None:
         """`bytes_per_token` (per rank) turns the config's read-bandwidth seeds into token rates
-        for the load gate; `load_tokens_per_s` overrides the seed outright."""
+        for the load gate; `load_tokens_per_s` overrides the seed outright. `loads=False` never
+        loads (a prefill producer), `saves=False` never saves (a decode consumer)."""
         self.config = config
+        self.loads = loads
+        self.saves = saves
         self.chunk = config.chunk_size
         if self.chunk % block_size:
             raise ValueError(
@@ -131,10 +137,8 @@ class OffloadScheduler:
             config.prefill_tokens_per_s, load_tokens_per_s or seeds.get("memory"), seeds
         )
         self.min_load = config.effective_min_load_tokens
-        # a sync load blocks the forward for its whole read, with no deadline to abandon it:
-        # only a memory-only stack (no disk or remote I/O) serves one, until a lookup says
-        # which tier holds each chunk
-        self._sync_tier = "memory" if not (config.disk_bytes or config.remote_url) else None
+        # the tier of a hit when the lookup names none: "memory" only where there is no other
+        self._sync_tier = "" if config.disk_bytes or config.remote_url else "memory"
         self.clock = HookClock(metrics)
         self._step = 0  # engine steps so far (build_meta calls)
         self._step_t0: float | None = None  # when the busy step in flight was built
@@ -224,8 +228,12 @@ class OffloadScheduler:
             self._lookup.release([lookup_id])
             return 0
         tokens = end - num_computed_tokens
-        tier = self._sync_tier
-        sync = tier is not None and self.gate.runs_in_forward(
+        st.hit_tier = getattr(result, "tier", "")
+        # a sync load blocks the forward for its whole read, with no deadline to abandon it:
+        # only runs every rank holds in host memory qualify (a lookup that names no tier: only
+        # a memory-only stack's)
+        tier = st.hit_tier or self._sync_tier
+        sync = tier == "memory" and self.gate.runs_in_forward(
             tokens, self.config.sync_load_fraction, self._sync_booked_s, tier
         )
         if sync:
@@ -367,10 +375,18 @@ class OffloadScheduler:
             load.end,
         )
         return LoadOp(
-            load.op_id, st.req_id, load.lookup_id, chunks, load.end - load.hbm, load.sync
+            load.op_id,
+            st.req_id,
+            load.lookup_id,
+            chunks,
+            load.end - load.hbm,
+            first,
+            sync=load.sync,
         )
 
     def _emit_save(self, st: _Req, item: StepRequest) -> SaveOp | None:
+        if not self.saves:
+            return None
         if st.load is not None:
             return None  # its blocks are being filled by a load
         if st.epoch != self.epoch:
@@ -393,7 +409,7 @@ class OffloadScheduler:
         self._quorum.open(op_id)
         self._ops[op_id] = (st.req_id, "save")
         st.saves[op_id] = (st.emitted, aligned)
-        op = SaveOp(op_id, st.req_id, chunks, aligned - st.emitted)
+        op = SaveOp(op_id, st.req_id, chunks, aligned - st.emitted, st.emitted // self.chunk)
         st.emitted = aligned
         return op
 
@@ -529,6 +545,12 @@ class OffloadScheduler:
     def has_pending_work(self) -> bool:
         """True while any operation awaits its terminal or a load awaits dispatch."""
         return bool(self._ops) or any(st.load is not None for st in self._reqs.values())
+
+    def hit_tier(self, req_id: str) -> str:
+        """The tier the request's external hit comes from: the deepest tier of the run its
+        lookup found ("memory", "disk", "remote"; "" when unknown)."""
+        st = self._reqs.get(req_id)
+        return "" if st is None else st.hit_tier
 
     def pending_load(self, req_id: str) -> tuple[int, int] | None:
         """(floor, end) of the request's promised load, for hosts and tests."""

@@ -18,11 +18,12 @@ reason `deadline`, and the lane writes no further block for it when it comes bac
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -38,7 +39,15 @@ from kvtier.offload.affinity import on_cpus
 from kvtier.offload.codec import PageCodec
 from kvtier.offload.device import DeviceOps, Lane, ops_for
 from kvtier.offload.lane import WorkLane
-from kvtier.offload.messages import ChunkRef, LoadOp, OffloadMeta, OpResult, SaveOp, WorkerReport
+from kvtier.offload.messages import (
+    ChunkRef,
+    LoadOp,
+    OffloadMeta,
+    OpResult,
+    SaveOp,
+    TierChange,
+    WorkerReport,
+)
 from kvtier.offload.pages import KVCacheDescription, KVPages, describe_pages
 from kvtier.offload.selftest import SELF_TEST_KEY, codec_round_trip, fail_startup
 from kvtier.offload.steps import LOAD, REPORT, SAVE, HookClock
@@ -54,6 +63,8 @@ _GIB = 1 << 30
 DEADLINE = "deadline"  # load failure reason: the lane did not finish it within lease_ttl_s
 PREEMPTED = "preempted"  # save failure reason: its request's blocks were taken back first
 _SELF_TEST_TIMEOUT_S = 120.0
+# tier changes buffered between two reports (KV events); more are dropped and counted
+_MAX_CHANGES = 65536
 
 
 @dataclass(eq=False, slots=True)
@@ -95,11 +106,13 @@ class OffloadWorker:
         ranks_on_host: int = 1,
         clock: Callable[[], float] = time.monotonic,
         ops: DeviceOps | None = None,
+        report_changes: bool = False,
         service_cpus: frozenset[int] | None = None,
     ) -> None:
         """`clock` times the per-load deadline (`config.lease_ttl_s` after a load is queued);
         `ranks_on_host` sizes the host-RAM check (every rank of every replica on this host);
         `ops` drives the KV device (default: the device the KV cache lives on);
+        `report_changes` puts what the tiers store and drop into the reports (KV events);
         `service_cpus` are the CPUs its threads run on (None: those of the registering
         thread), kept apart from a host's compute cores."""
         self.config = config
@@ -142,6 +155,8 @@ class OffloadWorker:
         self.clock = HookClock(metrics)
         self._step_t0: float | None = None
         self._selftest_ids = itertools.count()
+        self._report_changes = report_changes
+        self._changes: deque[TierChange] = deque()
 
     # ---- startup ------------------------------------------------------------------------------
 
@@ -167,9 +182,20 @@ class OffloadWorker:
             tenant=self.config.tenant,
         )
         check_host_memory(self.config.memory_bytes, self.ranks_on_host, self.tag)
+        # a replicated layout keeps one copy below memory for every rank: rank 0 writes it
+        shared = dataclasses.replace(ns, replicated=True) if desc.replicated else ns
         # every thread started here (write-behind, lanes, lookup server) inherits the CPUs
         with on_cpus(self.service_cpus):
-            self.stack = build_stack(self.config, ns.fingerprint, codec.chunk_bytes, self.metrics)
+            self.stack = build_stack(
+                self.config,
+                ns.fingerprint,
+                codec.chunk_bytes,
+                self.metrics,
+                lower_namespace=shared.fingerprint,
+                writes_lower=not desc.replicated or self.rank == 0,
+            )
+            if self._report_changes:
+                self.stack.listen(self._tier_changed)
             try:
                 self._start_lanes(ops, codec.chunk_bytes)
                 if self.config.self_test:
@@ -183,19 +209,31 @@ class OffloadWorker:
                 )
                 self.server.start()
         log.info(
-            "%s: registered %d KV tensors (%s), %d B/chunk, namespace %s, tiers %s, "
+            "%s: registered %d KV tensors (%s), %d B/chunk, namespace %s%s, tiers %s, "
             "lookup server %s, service threads on %s",
             self.tag,
             len(desc.tensors),
             pages.describe(),
             codec.chunk_bytes,
             ns.hex,
+            f" (replicated: lower tiers {shared.hex}, written by rank 0)"
+            if desc.replicated
+            else "",
             "+".join(self.stack.tiers),
             self.lookup_endpoint,
             "the registering thread's CPUs"
             if self.service_cpus is None
             else f"CPUs {sorted(self.service_cpus)}",
         )
+
+    def _tier_changed(self, change: str, tier: str, key: bytes) -> None:
+        """A tier stored or dropped a chunk (called under that tier's lock: record only)."""
+        if key == SELF_TEST_KEY:
+            return
+        if len(self._changes) >= _MAX_CHANGES:
+            self.metrics.dropped_tier_changes.inc()
+            return
+        self._changes.append(TierChange(change, tier, key))
 
     def _start_lanes(self, ops: DeviceOps, chunk_bytes: int) -> None:
         self._load_staging = ops.staging(chunk_bytes)
@@ -336,12 +374,16 @@ class OffloadWorker:
                 if not self._inflight.get(req_id):
                     self._delayed.discard(req_id)
                     self._sending.append(req_id)
+            changes = []
+            while self._changes:
+                changes.append(self._changes.popleft())
             report = WorkerReport(
                 rank=self.rank,
                 results=self._results,
                 finished_sending=self._sending,
                 finished_recving=self._recving,
                 invalid_block_ids=self._invalid,
+                changes=changes,
             )
             self._results, self._sending, self._recving, self._invalid = [], [], [], []
         return report

@@ -114,6 +114,8 @@ class MemoryTier:
         self._quarantine: dict[int, bytes] = {}
         self._closed = False
 
+        # told ("stored" | "removed", key) on every change of what the tier holds
+        self.listener: Callable[[str, bytes], None] | None = None
         self._residency = metrics.residency(TIER)
         self._evictions = metrics.eviction(TIER)
         self._all_pinned = metrics.store_failure(TIER, "all_pinned")
@@ -463,6 +465,7 @@ class MemoryTier:
         self._policy.evict(key)
         self._residency.set(len(self._index) * self.slot_bytes)
         self._evictions.inc()
+        self._tell("removed", key)
         return slot
 
     def _publish(self, key: bytes, slot: int, n: int, want: int, parent: bytes) -> None:
@@ -476,12 +479,19 @@ class MemoryTier:
         self._sum[slot] = want
         self._policy.insert(key, 1, parent)
         self._residency.set(len(self._index) * self.slot_bytes)
+        self._tell("stored", key)
 
     def _unlink(self, key: bytes) -> None:
         """Forget a resident key without a ghost (its slot is the caller's to free or reuse)."""
         del self._index[key]
         self._policy.remove(key)
         self._residency.set(len(self._index) * self.slot_bytes)
+        self._tell("removed", key)
+
+    def _tell(self, change: str, key: bytes) -> None:
+        # under the tier's lock: a listener only records (KV events for routers)
+        if self.listener is not None:
+            self.listener(change, key)
 
     def _reclaim(self) -> None:
         """Free quarantined slots that no lease or reader can still see."""

@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -57,7 +57,10 @@ class TierStack:
         *,
         queue_depth: int = 256,
         max_leases: int = 65536,
+        writes_lower: bool = True,
     ) -> None:
+        """`writes_lower=False`: the lower tiers are read only (another rank writes the records
+        of a replicated layout there)."""
         if metrics is None:
             raise ValueError("TierStack needs the rank's Metrics; pass metrics=Metrics(rank)")
         if queue_depth <= 0 or max_leases <= 0:
@@ -69,6 +72,8 @@ class TierStack:
             raise ValueError(f"tier names must be distinct, got {names}")
         self._memory = memory
         self._lower: tuple[Tier, ...] = tuple(lower)
+        self._listener: Callable[[str, str, bytes], None] | None = None
+        self._writes_lower = writes_lower
         # tiers told which runs lookups used; a tier without touch() keeps its own order
         self._chained: tuple[ChainTier, ...] = tuple(
             t for t in (memory, *self._lower) if isinstance(t, ChainTier)
@@ -119,6 +124,14 @@ class TierStack:
                 return t.name
         return None
 
+    def listen(self, listener: Callable[[str, str, bytes], None]) -> None:
+        """Be told `(change, tier, key)` whenever a tier stores ("stored") or drops ("removed") a
+        chunk; a tier that cannot tell its evictions (remote) reports its stores only."""
+        self._listener = listener
+        for t in (self._memory, *self._lower):
+            if hasattr(t, "listener"):
+                t.listener = lambda change, key, name=t.name: listener(change, name, key)
+
     def pending_writes(self) -> int:
         """Write-behind jobs queued or in progress."""
         with self._cond:
@@ -130,15 +143,22 @@ class TierStack:
         """Longest prefix of `keys` that some tier holds; with `lease_id`, lease each counted
         chunk in the tier that holds it so it cannot be evicted before the load, and touch the
         counted run tail-first in every chain-aware tier (a probe without a lease does not)."""
+        return self.lookup_run(keys, lease_id).chunks
+
+    def lookup_run(self, keys: Sequence[bytes], lease_id: str | None = None) -> LookupRun:
+        """`lookup`, and the deepest tier any counted chunk lives in (the run's source)."""
+        deepest = -1
         if lease_id is None:
             # presence per lower tier comes in one batch (one round trip per remote shard)
             known: dict[int, dict[bytes, bool]] = {}
             n = 0
-            while n < len(keys) and (
-                self._memory.contains(keys[n]) or self._lower_holder(keys, n, known) is not None
-            ):
+            while n < len(keys):
+                where = 0 if self._memory.contains(keys[n]) else self._lower_holder(keys, n, known)
+                if where is None:
+                    break
+                deepest = max(deepest, where)
                 n += 1
-            return n
+            return LookupRun(n, self._name_of(deepest))
         # memory always takes the lease (empty if it holds nothing), so each lookup lease is
         # counted released exactly once there and a second release as a double release
         touched: set[int] = {0}
@@ -146,7 +166,11 @@ class TierStack:
         # remote tier answers a whole batch in one round trip)
         presence: dict[int, dict[bytes, bool]] = {}
         n = 0
-        while n < len(keys) and self._lease_one(keys, n, lease_id, touched, presence):
+        while n < len(keys):
+            where = self._lease_one(keys, n, lease_id, touched, presence)
+            if where is None:
+                break
+            deepest = max(deepest, where)
             n += 1
         if not keys:
             self._memory.lease(lease_id, [])
@@ -155,7 +179,10 @@ class TierStack:
             run = keys[:n]
             for t in self._chained:
                 t.touch(run)
-        return n
+        return LookupRun(n, self._name_of(deepest))
+
+    def _name_of(self, index: int) -> str:
+        return self._all()[index].name if index >= 0 else ""
 
     def _lease_one(
         self,
@@ -164,26 +191,27 @@ class TierStack:
         lease_id: str,
         touched: set[int],
         presence: dict[int, dict[bytes, bool]],
-    ) -> bool:
-        """Lease `keys[idx]` in the highest tier holding it; False if no tier does."""
+    ) -> int | None:
+        """Lease `keys[idx]` in the highest tier holding it; that tier's index (0 = memory),
+        or None if no tier does."""
         key = keys[idx]
         # memory's lease doubles as its presence check (it pins only what it holds)
         if self._memory.lease(lease_id, [key]) > 0:
-            return True
+            return 0
         for i, t in enumerate(self._lower, start=1):
             if not self._present(i, t, keys, idx, presence):
                 continue
             if not getattr(t, "pins", True):
                 # a tier that cannot pin (remote): its batched presence check is the answer,
                 # and there is nothing to release later
-                return True
+                return i
             touched.add(i)
             # the lease is the final presence check: a chunk evicted since contains() is not
             # counted, so nothing counted can vanish before the load; memory already counts
             # this lookup's lease, so lower tiers hold it uncounted where they can
             if _leased(t.lease(lease_id, [key], counted=False)):
-                return True
-        return False
+                return i
+        return None
 
     def _present(
         self,
@@ -304,7 +332,7 @@ class TierStack:
         self._memory.abort(key)
 
     def _write_behind(self, key: bytes, parent: bytes) -> None:
-        if not self._lower:
+        if not self._lower or not self._writes_lower:
             return
         lease_id = f"kvtier.write_behind.{next(self._seq)}"
         if self._memory.lease(lease_id, [key], counted=False) == 0:
@@ -365,9 +393,11 @@ class TierStack:
                 # a False return was counted by the tier itself
                 data = memoryview(_flat_bytes(view).numpy())
                 if isinstance(t, ChainTier):
-                    t.put(job.key, data, parent=job.parent)
+                    stored = t.put(job.key, data, parent=job.parent)
                 else:
-                    t.put(job.key, data)
+                    stored = t.put(job.key, data)
+                if stored and self._listener is not None and not hasattr(t, "listener"):
+                    self._listener("stored", t.name, job.key)
             except Exception:
                 # a broken tier must not kill the thread that feeds every lower tier
                 log.exception("kvtier: write-behind to %s tier failed", t.name)
@@ -406,6 +436,14 @@ class TierStack:
 
     def _all(self) -> tuple[Tier, ...]:
         return (self._memory, *self._lower)
+
+
+@dataclass(frozen=True, slots=True)
+class LookupRun:
+    """A lookup's answer on one rank: leading chunks held, and the deepest tier among them."""
+
+    chunks: int
+    tier: str  # "" when nothing was held
 
 
 def _leased(result: int | None) -> bool:

@@ -39,7 +39,10 @@ from kvtier.vllm.stats import KVTierPromMetrics, KVTierStats
 from kvtier.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
@@ -62,6 +65,15 @@ _RECOMPUTE = "recompute"
 
 
 # ---- helpers ------------------------------------------------------------------------------------
+
+
+def register_by_name(name: str, module: str, class_name: str) -> None:
+    """Make an out-of-tree connector known to vLLM by name: a MultiConnector's stats path
+    looks its children up by name only, and fails on one it does not know."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if name not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(name, module, class_name)
 
 
 def _ensure_logging() -> None:
@@ -124,11 +136,60 @@ def _check_single_group(kv_cache_config: KVCacheConfig | None) -> None:
         )
 
 
-def _hit_source(config: KVTierConfig) -> CacheHitSource:
-    # a lookup does not say which tier holds a chunk; with lower tiers the source is unknown
-    if config.disk_bytes == 0 and config.remote_url is None:
-        return CacheHitSource.HOST
-    return CacheHitSource.EXTERNAL_UNSPECIFIED
+def _multiconnector_parent(vllm_config: VllmConfig) -> Any:
+    """The KVTransferConfig of the MultiConnector building this connector, or None.
+
+    vLLM hands a child a copy of the engine config holding only the child's own entry; the
+    parent's entry is visible to the MultiConnector being constructed (a caller frame) and, in a
+    worker, as the current config. vLLM's scheduler reads the parent's load-failure policy."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    frame = sys._getframe(1)
+    for _ in range(16):
+        if frame is None:
+            break
+        if isinstance(frame.f_locals.get("self"), MultiConnector):
+            ktc = getattr(frame.f_locals.get("vllm_config"), "kv_transfer_config", None)
+            if ktc is not None:
+                return ktc
+        frame = frame.f_back
+    from vllm.config import get_current_vllm_config_or_none
+
+    current = get_current_vllm_config_or_none()
+    ktc = getattr(current, "kv_transfer_config", None)
+    if ktc is not None and current is not vllm_config and ktc.kv_connector == "MultiConnector":
+        return ktc
+    return None
+
+
+def _settle_load_failure_policy(ktc: Any, parent: Any) -> bool:
+    """Make a failed tier load cost a recompute, never the request (invariant 9), or say
+    exactly why it cannot: True when vLLM will fail requests on a failed tier load."""
+    fix = f'"kv_load_failure_policy": "{_RECOMPUTE}"'
+    if parent is not None:
+        if parent.kv_load_failure_policy == _RECOMPUTE:
+            log.info("kvtier: inside a MultiConnector whose kv_load_failure_policy is recompute")
+            return False
+        log.error(
+            "kvtier: KVTierConnector runs inside a MultiConnector whose kv_load_failure_policy="
+            "%r: vLLM reads the MultiConnector's policy, so a failed tier load FAILS its request. "
+            "Set %s at the top level of the MultiConnector's --kv-transfer-config (next to "
+            '"kv_connector": "MultiConnector"); a child connector cannot change it',
+            parent.kv_load_failure_policy,
+            fix,
+        )
+        return True
+    if ktc.kv_load_failure_policy != _RECOMPUTE:
+        # vLLM reads the policy right after building the scheduler-side connector
+        log.warning(
+            "kvtier: kv_load_failure_policy=%r changed to %r: a failed tier load is recomputed "
+            "instead of failing the request (set %s in --kv-transfer-config to silence this)",
+            ktc.kv_load_failure_policy,
+            _RECOMPUTE,
+            fix,
+        )
+        ktc.kv_load_failure_policy = _RECOMPUTE
+    return False
 
 
 # ---- the connector ----------------------------------------------------------------------------
@@ -151,7 +212,6 @@ class KVTierConnector(KVConnectorBase_V1):
         self.config = KVTierConfig.load(ktc.kv_connector_extra_config or {})
         self.block_size = _block_size(vllm_config, self.config)
         _check_single_group(kv_cache_config)
-        self._cache_hit_source = _hit_source(self.config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if not self.config.enabled:
@@ -166,21 +226,11 @@ class KVTierConnector(KVConnectorBase_V1):
             stale = sweep_stale(self.config.lookup_dir, keep=self.run_dir)
             if stale:
                 log.info("kvtier: removed %d run dirs of engines that are gone", len(stale))
-            if ktc.kv_load_failure_policy != _RECOMPUTE:
-                # a failed tier load must cost a recompute, never the request (invariant 9);
-                # vLLM reads the policy right after building the scheduler-side connector
-                log.warning(
-                    "kvtier: kv_load_failure_policy=%r changed to %r: a failed tier load is "
-                    "recomputed instead of failing the request (set %r in "
-                    "--kv-transfer-config to silence this)",
-                    ktc.kv_load_failure_policy,
-                    _RECOMPUTE,
-                    f'"kv_load_failure_policy": "{_RECOMPUTE}"',
-                )
-                ktc.kv_load_failure_policy = _RECOMPUTE
+            fails_request = _settle_load_failure_policy(ktc, _multiconnector_parent(vllm_config))
             self._scheduler = SchedulerSide(
                 vllm_config, self.config, self.run_dir, model_id, self.block_size, kv_cache_config
             )
+            self._scheduler.metrics.set_load_failure_policy(fails_request)
         else:
             self._worker = WorkerSide(
                 vllm_config, self.config, self.run_dir, model_id, self.block_size, kv_cache_config
@@ -296,6 +346,14 @@ class KVTierConnector(KVConnectorBase_V1):
             return 0, False
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """The tokens by the tier the lookup found them in (host, disk, external_unspecified)."""
+        if self._scheduler is None:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return self._scheduler.get_external_cache_hit_sources(request, num_external_tokens)
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
@@ -352,8 +410,12 @@ class KVTierConnector(KVConnectorBase_V1):
         """vLLM's cache reset (pause, sleep, weight update): a new namespace epoch makes every
         chunk stored before unreachable; the tiers free their space by eviction."""
         if self._scheduler is not None:
-            self._scheduler.core.reset()
+            self._scheduler.reset()
         return True
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """What kvtier's tiers stored and dropped, as vLLM KV-cache events (CPU / STORAGE)."""
+        return [] if self._scheduler is None else self._scheduler.take_events()
 
     @property
     def offload_scheduler(self) -> OffloadScheduler | None:
@@ -364,3 +426,6 @@ class KVTierConnector(KVConnectorBase_V1):
     def offload_worker(self) -> OffloadWorker | None:
         """This rank's OffloadWorker (worker role only), for diagnostics and tests."""
         return None if self._worker is None else self._worker.worker
+
+
+register_by_name("KVTierConnector", "kvtier.vllm.connector", "KVTierConnector")

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import KVTierConfig
 from kvtier.lookup import LookupClient
@@ -21,6 +22,7 @@ from kvtier.offload.scheduler import OffloadScheduler
 from kvtier.offload.selftest import check_lookup
 from kvtier.offload.steps import STATS
 from kvtier.topology import Topology, resolve, validate_lookup_scope
+from kvtier.vllm.events import KVEvents, kv_events_enabled
 from kvtier.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
 from kvtier.vllm.request_view import VLLMRequestView
 from kvtier.vllm.rundir import lookup_base_port, lookup_endpoint
@@ -28,6 +30,7 @@ from kvtier.vllm.stats import KVTierStats, StatsDelta
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -39,6 +42,7 @@ __all__ = ["SchedulerSide"]
 log = logging.getLogger("kvtier")
 
 _READY_TIMEOUT_S = 30.0
+_SOURCE_OF_TIER = {"memory": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 _STATS_EVERY_S = 1.0
 
 
@@ -76,6 +80,7 @@ class SchedulerSide:
     ) -> None:
         # the scheduler is no rank; topology comes from parallel_config, never a guess of 1
         topo: Topology = resolve(vllm_config, rank=0)
+        role = str(vllm_config.kv_transfer_config.kv_role or "kv_both")
         scope = validate_lookup_scope(config.lookup_scope, topo)
         base_port = lookup_base_port(config, vllm_config, topo.dp_rank, topo.world)
         endpoints = {r: lookup_endpoint(config, r, run_dir, base_port) for r in scope}
@@ -104,11 +109,19 @@ class SchedulerSide:
                 world=topo.world,
                 metrics=self.metrics,
                 bytes_per_token=_bytes_per_token(kv_cache_config, block_size),
+                # prefill/decode hand-off through a shared tier: a producer only saves, a
+                # consumer only loads
+                loads=role != "kv_producer",
+                saves=role != "kv_consumer",
             )
         except BaseException:
             self.client.close()
             raise
         self.scope = scope
+        # kept only when vLLM publishes KV events (routers learn what the tiers hold)
+        self.events: KVEvents | None = None
+        if kv_events_enabled(vllm_config):
+            self.events = KVEvents(block_size, config.chunk_size, self.metrics)
         self.views: dict[str, VLLMRequestView] = {}
         # requests with a load in flight: vLLM itself delays their frees until finished_recving
         self._loading: set[str] = set()
@@ -119,7 +132,7 @@ class SchedulerSide:
         self._stats_at = -_STATS_EVERY_S
         # set by every hook that may move a metric; the merged view is walked only then
         self._dirty = True
-        log.info("%s; %s", config.describe(), topo.describe())
+        log.info("%s; %s; kv_role=%s", config.describe(), topo.describe(), role)
 
     def take_stats(self) -> KVTierStats | None:
         """What changed in the merged kvtier metrics since the last call (None if nothing)."""
@@ -152,6 +165,16 @@ class SchedulerSide:
         if n is None:
             return None, False  # not known yet: vLLM keeps it waiting and asks next step
         return (n, self.core.load_is_async(request.request_id)) if n > 0 else (0, False)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """All of the request's external tokens under the deepest tier its lookup found the
+        run in (vLLM has no remote source: a shared store is external_unspecified)."""
+        if num_external_tokens <= 0:
+            return {}
+        tier = self.core.hit_tier(request.request_id)
+        return {_SOURCE_OF_TIER.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED): num_external_tokens}
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -201,6 +224,11 @@ class SchedulerSide:
             scheduled.append(StepRequest(view, computed + n))
             prefill += _prefill_tokens(view, computed, n)
         meta = self.core.build_meta(scheduled, out.preempted_req_ids or ())
+        if self.events is not None:
+            for op in (*meta.saves, *meta.loads):
+                view = self.views.get(op.req_id)
+                if view is not None:
+                    self.events.learn(view, op.first_chunk, op.chunks)
         if self._vllm_frees:
             meta.delayed_free = [r for r in meta.delayed_free if r not in self._vllm_frees]
             self._vllm_frees.clear()
@@ -227,6 +255,8 @@ class SchedulerSide:
                 report = messages.decode_report(data)
                 if report.metrics:
                     self.collector.update(f"rank{report.rank}", report.metrics)
+                if report.changes and self.events is not None:
+                    self.events.changed(report.changes)
                 reports.append(report)
         self.core.process_reports(reports)
         for req_id in output.finished_recving or ():
@@ -246,6 +276,18 @@ class SchedulerSide:
                 self._vllm_frees.add(request.request_id)
             return False
         return delay
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """KV-cache events for what the tiers stored and dropped since the last step."""
+        return [] if self.events is None else self.events.take()
+
+    def reset(self) -> None:
+        """A new namespace epoch: every chunk stored before is unreachable, and routers are told
+        it left the tiers."""
+        self._dirty = True
+        self.core.reset()
+        if self.events is not None:
+            self.events.clear()
 
     def shutdown(self) -> None:
         """Close the lookup client."""

@@ -19,6 +19,7 @@ from kvtier.offload.messages import OffloadMeta, WorkerReport
 from kvtier.offload.pages import KVCacheDescription
 from kvtier.offload.worker import OffloadWorker
 from kvtier.topology import resolve
+from kvtier.vllm.events import kv_events_enabled
 from kvtier.vllm.metadata import KVTierConnectorMetadata
 from kvtier.vllm.rundir import lookup_base_port, lookup_endpoint
 
@@ -64,6 +65,7 @@ def kv_description(
         block_size=block_size,
         layout=str(layout or "unresolved"),
         layout_fix=LAYOUT_FIX,
+        replicated=replicated_across_tp(kv_cache_config, vllm_config),
     )
 
 
@@ -88,6 +90,18 @@ def _cpu_service_cpus(world: int) -> frozenset[int] | None:
     if not current_platform.is_cpu():
         return None  # GPU ranks bind no compute cores; their threads stay where they are
     return service_cpus(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), world)
+
+
+def replicated_across_tp(kv_cache_config: KVCacheConfig | None, vllm_config: VllmConfig) -> bool:
+    """Whether every TP rank holds the same KV bytes: each spec splits into one TP shard only
+    (`max_tp_shards == 1`: MLA latents, the DSA indexer) and there is more than one rank."""
+    if int(vllm_config.parallel_config.tensor_parallel_size) <= 1 or kv_cache_config is None:
+        return False
+    specs = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        specs.extend(getattr(spec, "kv_cache_specs", {}).values() or [spec])
+    return bool(specs) and all(getattr(s, "max_tp_shards", None) == 1 for s in specs)
 
 
 def _replica_rank(vllm_config: VllmConfig) -> int:
@@ -126,6 +140,8 @@ class WorkerSide:
             metrics=self.metrics,
             lookup_endpoint=lookup_endpoint(config, topo.rank, run_dir, base_port),
             ranks_on_host=ranks_on_host(vllm_config),
+            # rank 0 reports what its tiers hold for KV events (TP ranks mirror each other)
+            report_changes=topo.rank == 0 and kv_events_enabled(vllm_config),
             service_cpus=_cpu_service_cpus(topo.world),
         )
         self.meta = OffloadMeta()

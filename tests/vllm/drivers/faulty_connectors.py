@@ -16,6 +16,7 @@ import threading
 from typing import Any
 
 from kvtier.vllm import KVTierConnector
+from kvtier.vllm.connector import register_by_name
 
 log = logging.getLogger("kvtier")
 
@@ -66,3 +67,9 @@ class GatedKVTierConnector(KVTierConnector):
 
         log.info("test: holding loads %s", [op.op_id for op in meta.loads])
         threading.Thread(target=release, name="test-load-gate", daemon=True).start()
+
+
+# MultiConnector finds its children's stats classes by name
+register_by_name(
+    "CorruptingKVTierConnector", "tests.vllm.drivers.faulty_connectors", "CorruptingKVTierConnector"
+)

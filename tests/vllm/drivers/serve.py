@@ -4,7 +4,8 @@ Pass 1 completes every prompt, `POST /reset_prefix_cache` (VLLM_SERVER_DEV_MODE=
 vLLM's prefix cache, pass 2 repeats them; then `/metrics` is read once vLLM has counted every
 prompt. Prints texts and token ids, cached tokens, the cache counters, the whole /metrics page
 and the server's kvtier log lines.
-Args (JSON): model, extra, and optionally n, base_len, max_tokens, startup_timeout_s.
+Args (JSON): model, extra, and optionally n, base_len, max_tokens, startup_timeout_s, serve_args
+(extra `vllm serve` arguments).
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ def main() -> None:
         "--dtype", "bfloat16", "--max-model-len", "2048",
         "--enforce-eager", "--enable-prefix-caching", "--enable-prompt-tokens-details",
         "--kv-transfer-config", json.dumps(kv_transfer_config(a["extra"])),
+        *a.get("serve_args", []),
     ]  # fmt: skip
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
     # the OpenAI server needs the multiprocess engine client

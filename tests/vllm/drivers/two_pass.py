@@ -3,7 +3,7 @@
 Pass 1 stores every prompt's whole chunks in the tier; `reset_prefix_cache()` empties vLLM's
 own prefix cache; pass 2 must get its prefix from the tier. Prints greedy outputs of both
 passes, vLLM's cache counters per pass and kvtier's counters as vLLM's own Prometheus registry
-holds them (every rank, through the connector-stats path). Args (JSON): model, tp, extra,
+holds them (every rank, through the connector-stats path). Args (JSON): model, tp, pp, dp, extra,
 and optionally connector, module, n, base_len, max_tokens.
 """
 
@@ -50,6 +50,8 @@ def main() -> None:
         dtype="bfloat16",
         max_model_len=2048,
         tensor_parallel_size=a.get("tp", 1),
+        pipeline_parallel_size=a.get("pp", 1),
+        data_parallel_size=a.get("dp", 1),
         enforce_eager=True,
         enable_prefix_caching=True,
         seed=0,

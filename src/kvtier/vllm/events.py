@@ -1,0 +1,124 @@
+"""What kvtier's tiers hold, as vLLM KV-cache events, so KV-event routers (llm-d's precise
+prefix routing, Dynamo's KV router) learn the tier and do not route as if it were empty.
+
+A chunk is announced in vLLM's own terms: the vLLM block hashes of its blocks, the parent
+block's hash, its token ids and the block size, with the medium (`CPU` for host memory,
+`STORAGE` for disk and the shared store, the latter with locality `REMOTE`). Stores and drops
+come from rank 0's tiers (TP ranks mirror each other); the chunk's vLLM identity is recorded
+when the scheduler emits the save or load that brings it in, in a bounded table. Events are
+batched into the scheduler's step (vLLM publishes them with its own).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_STORAGE,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+from kvtier.metrics import Metrics
+from kvtier.offload.messages import ChunkRef, TierChange
+from kvtier.vllm.request_view import VLLMRequestView
+
+__all__ = ["KVEvents", "kv_events_enabled"]
+
+# tier -> (medium, locality) in vLLM's event vocabulary
+_MEDIA = {
+    "memory": (MEDIUM_CPU, "LOCAL"),
+    "disk": (MEDIUM_STORAGE, "LOCAL"),
+    "remote": (MEDIUM_STORAGE, "REMOTE"),
+}
+# chunks whose vLLM identity is kept (about 1 KiB each for 256-token chunks)
+MAX_CHUNKS = 32768
+
+
+@dataclass(slots=True)
+class _Chunk:
+    hashes: list[object]
+    parent: object | None
+    tokens: list[int]
+    tiers: set[str] = field(default_factory=set)
+
+
+def kv_events_enabled(vllm_config: Any) -> bool:
+    """Whether vLLM publishes KV-cache events (`--kv-events-config`)."""
+    cfg = getattr(vllm_config, "kv_events_config", None)
+    return bool(cfg is not None and getattr(cfg, "enable_kv_cache_events", False))
+
+
+class KVEvents:
+    """Turns rank 0's tier changes into BlockStored / BlockRemoved events, bounded."""
+
+    def __init__(self, block_size: int, chunk_size: int, metrics: Metrics) -> None:
+        self.block_size = block_size
+        self.chunk_size = chunk_size
+        self._per_chunk = chunk_size // block_size
+        self._m = metrics
+        self._chunks: OrderedDict[bytes, _Chunk] = OrderedDict()
+        self._events: list[KVCacheEvent] = []
+
+    def learn(self, view: VLLMRequestView, first_chunk: int, chunks: Sequence[ChunkRef]) -> None:
+        """Record the vLLM identity of `chunks` (chunk `first_chunk` on) of `view`'s prompt."""
+        hashes = getattr(view.request, "block_hashes", None) or ()
+        tokens = view.prompt_token_ids
+        k = self._per_chunk
+        for i, ref in enumerate(chunks):
+            c = first_chunk + i
+            if ref.key in self._chunks or len(hashes) < (c + 1) * k:
+                continue
+            blocks = [maybe_convert_block_hash(h) for h in hashes[c * k : (c + 1) * k]]
+            parent = maybe_convert_block_hash(hashes[c * k - 1]) if c else None
+            span = list(tokens[c * self.chunk_size : (c + 1) * self.chunk_size])
+            self._chunks[ref.key] = _Chunk(blocks, parent, span)
+            while len(self._chunks) > MAX_CHUNKS:
+                self._chunks.popitem(last=False)
+                self._m.dropped_tier_changes.inc()
+
+    def changed(self, changes: Sequence[TierChange]) -> None:
+        """Events for what rank 0's tiers stored and dropped since its last report."""
+        for ch in changes:
+            chunk = self._chunks.get(ch.key)
+            medium = _MEDIA.get(ch.tier)
+            if chunk is None or medium is None:
+                continue  # not a chunk this engine brought in (or a tier without a medium)
+            if ch.change == "stored":
+                chunk.tiers.add(ch.tier)
+                self._chunks.move_to_end(ch.key)
+                self._events.append(self._stored(chunk, *medium))
+            elif ch.tier in chunk.tiers:
+                chunk.tiers.discard(ch.tier)
+                self._events.append(BlockRemoved(chunk.hashes, medium[0], locality=medium[1]))
+
+    def clear(self) -> None:
+        """Every announced chunk leaves every tier (a cache reset made them unreachable)."""
+        for chunk in self._chunks.values():
+            for tier in sorted(chunk.tiers):
+                medium, locality = _MEDIA[tier]
+                self._events.append(BlockRemoved(chunk.hashes, medium, locality=locality))
+        self._chunks.clear()
+
+    def take(self) -> list[KVCacheEvent]:
+        """The events since the last call."""
+        out, self._events = self._events, []
+        return out
+
+    def _stored(self, chunk: _Chunk, medium: str, locality: str) -> BlockStored:
+        return BlockStored(
+            block_hashes=chunk.hashes,
+            parent_block_hash=chunk.parent,
+            token_ids=chunk.tokens,
+            block_size=self.block_size,
+            lora_id=None,
+            medium=medium,
+            lora_name=None,
+            locality=locality,
+        )
