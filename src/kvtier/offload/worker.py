@@ -35,7 +35,6 @@ from kvtier.keys import Namespace
 from kvtier.lookup import LookupServer
 from kvtier.metrics import Metrics, snapshot
 from kvtier.offload import messages
-from kvtier.offload.affinity import on_cpus
 from kvtier.offload.codec import PageCodec
 from kvtier.offload.device import DeviceOps, Lane, ops_for
 from kvtier.offload.lane import WorkLane
@@ -107,14 +106,11 @@ class OffloadWorker:
         clock: Callable[[], float] = time.monotonic,
         ops: DeviceOps | None = None,
         report_changes: bool = False,
-        service_cpus: frozenset[int] | None = None,
     ) -> None:
         """`clock` times the per-load deadline (`config.lease_ttl_s` after a load is queued);
         `ranks_on_host` sizes the host-RAM check (every rank of every replica on this host);
         `ops` drives the KV device (default: the device the KV cache lives on);
-        `report_changes` puts what the tiers store and drop into the reports (KV events);
-        `service_cpus` are the CPUs its threads run on (None: those of the registering
-        thread), kept apart from a host's compute cores."""
+        `report_changes` puts what the tiers store and drop into the reports (KV events)."""
         self.config = config
         self.rank = rank
         self.world = world
@@ -128,7 +124,6 @@ class OffloadWorker:
         self.pages: KVPages | None = None
         self.server: LookupServer | None = None
         self._ops = ops
-        self.service_cpus = service_cpus
         self._lock = threading.Lock()
         self._results: list[OpResult] = []
         self._recving: list[str] = []
@@ -184,33 +179,29 @@ class OffloadWorker:
         check_host_memory(self.config.memory_bytes, self.ranks_on_host, self.tag)
         # a replicated layout keeps one copy below memory for every rank: rank 0 writes it
         shared = dataclasses.replace(ns, replicated=True) if desc.replicated else ns
-        # every thread started here (write-behind, lanes, lookup server) inherits the CPUs
-        with on_cpus(self.service_cpus):
-            self.stack = build_stack(
-                self.config,
-                ns.fingerprint,
-                codec.chunk_bytes,
-                self.metrics,
-                lower_namespace=shared.fingerprint,
-                writes_lower=not desc.replicated or self.rank == 0,
-            )
-            if self._report_changes:
-                self.stack.listen(self._tier_changed)
-            try:
-                self._start_lanes(ops, codec.chunk_bytes)
-                if self.config.self_test:
-                    self._self_test(desc)
-            except BaseException:
-                self.close()
-                raise
-            if self.lookup_endpoint is not None:
-                self.server = LookupServer(
-                    self.rank, self.stack, self.lookup_endpoint, self.metrics
-                )
-                self.server.start()
+        self.stack = build_stack(
+            self.config,
+            ns.fingerprint,
+            codec.chunk_bytes,
+            self.metrics,
+            lower_namespace=shared.fingerprint,
+            writes_lower=not desc.replicated or self.rank == 0,
+        )
+        if self._report_changes:
+            self.stack.listen(self._tier_changed)
+        try:
+            self._start_lanes(ops, codec.chunk_bytes)
+            if self.config.self_test:
+                self._self_test(desc)
+        except BaseException:
+            self.close()
+            raise
+        if self.lookup_endpoint is not None:
+            self.server = LookupServer(self.rank, self.stack, self.lookup_endpoint, self.metrics)
+            self.server.start()
         log.info(
             "%s: registered %d KV tensors (%s), %d B/chunk, namespace %s%s, tiers %s, "
-            "lookup server %s, service threads on %s",
+            "lookup server %s",
             self.tag,
             len(desc.tensors),
             pages.describe(),
@@ -221,9 +212,6 @@ class OffloadWorker:
             else "",
             "+".join(self.stack.tiers),
             self.lookup_endpoint,
-            "the registering thread's CPUs"
-            if self.service_cpus is None
-            else f"CPUs {sorted(self.service_cpus)}",
         )
 
     def _tier_changed(self, change: str, tier: str, key: bytes) -> None:

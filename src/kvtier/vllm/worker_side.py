@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,7 +13,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from kvtier.config import KVTierConfig
 from kvtier.metrics import Metrics
 from kvtier.offload import messages
-from kvtier.offload.affinity import parse_cpu_list, spare_cpus
 from kvtier.offload.messages import OffloadMeta, WorkerReport
 from kvtier.offload.pages import KVCacheDescription
 from kvtier.offload.worker import OffloadWorker
@@ -69,29 +67,6 @@ def kv_description(
     )
 
 
-def service_cpus(bind: str | None, world: int) -> frozenset[int] | None:
-    """The CPUs no rank's compute threads are bound to, for kvtier's threads. vLLM's CPU
-    backend binds each rank's OpenMP threads (`VLLM_CPU_OMP_THREADS_BIND`, "0-3|4-7": one CPU
-    list per rank), and threads started later inherit the binding; with "auto" (or unset) a
-    single rank's are the CPUs it runs on now, and several ranks' are not known (None)."""
-    if bind and bind not in ("auto", "nobind", "all"):
-        compute: set[int] = set()
-        for part in bind.split("|"):
-            compute |= parse_cpu_list(part)
-        return spare_cpus(compute)
-    if bind == "nobind" or world > 1:
-        return None
-    return spare_cpus(os.sched_getaffinity(0))
-
-
-def _cpu_service_cpus(world: int) -> frozenset[int] | None:
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return None  # GPU ranks bind no compute cores; their threads stay where they are
-    return service_cpus(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"), world)
-
-
 def replicated_across_tp(kv_cache_config: KVCacheConfig | None, vllm_config: VllmConfig) -> bool:
     """Whether every TP rank holds the same KV bytes: each spec splits into one TP shard only
     (`max_tp_shards == 1`: MLA latents, the DSA indexer) and there is more than one rank."""
@@ -142,7 +117,6 @@ class WorkerSide:
             ranks_on_host=ranks_on_host(vllm_config),
             # rank 0 reports what its tiers hold for KV events (TP ranks mirror each other)
             report_changes=topo.rank == 0 and kv_events_enabled(vllm_config),
-            service_cpus=_cpu_service_cpus(topo.world),
         )
         self.meta = OffloadMeta()
         self.report = WorkerReport(rank=topo.rank)
