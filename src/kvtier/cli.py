@@ -113,7 +113,7 @@ def demo(
     tp: int = typer.Option(2, "--tp", help="tensor-parallel ranks of the native engine"),
 ) -> None:
     """The main job: TP=2 native engine with the memory tier, restore check, ON/OFF run."""
-    from kvtier.demo import run
+    from kvtier.bench.demo import run
 
     raise typer.Exit(run(tp=tp))
 

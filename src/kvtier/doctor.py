@@ -19,18 +19,32 @@ import httpx
 import typer
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.bench.analysis import (
+from kvtier.config import format_size
+from kvtier.scrape import (
+    CAPACITY,
     EXT_HITS,
     EXT_QUERIES,
+    FAILED_LOADS,
     HBM_HITS,
     HBM_QUERIES,
+    KV_USAGE,
+    LOADS,
     PROMPT_TOKENS,
     RETRIEVED,
+    RUNNING,
+    SCHEDULER,
+    SCOPE,
+    SKIPPED_LOADS,
+    STALL_SECONDS,
+    STALLED,
+    STORE_FAILED,
+    STORED,
+    WAITING,
+    WORLD_SIZE,
     Counters,
     MetricSet,
     identities,
 )
-from kvtier.config import format_size
 
 __all__ = [
     "CHECK_NAMES",
@@ -50,20 +64,6 @@ __all__ = [
 # lookups come back as misses because of it, so it fails the gate instead of warning.
 LOOKUP_TIMEOUT_FAIL_SHARE = 0.5
 
-SCHEDULER = "scheduler"
-STORED = "kvtier_stored_tokens_total"
-FAILED_LOADS = "kvtier_load_failures_total"
-LOADS = "kvtier_load_seconds_count"
-CAPACITY = "kvtier_tier_capacity_bytes"
-SCOPE = "kvtier_lookup_scope"
-WORLD = "kvtier_world_size"
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
-KV_USAGE = "vllm:kv_cache_usage_perc"
-STALLED = "kvtier_engine_stalled"
-STALL_SECONDS = "kvtier_engine_stall_seconds"
-STORE_FAILED = "kvtier_store_failures_total"
-SKIPPED_LOADS = "kvtier_skipped_loads_total"
 # store-failure reasons after which a tier takes no write until space or rights come back
 WRITE_REFUSED = ("enospc", "read_only", "no_permission")
 
@@ -296,8 +296,8 @@ def _scope(c: _Ctx) -> Check:
         return Check(
             SCOPE_CHECK,
             Status.FAIL,
-            f"no {WORLD}/{SCOPE} for rank=scheduler in /metrics: the scheduler built no lookup "
-            "client (a tier written and never read), or the server predates these metrics",
+            f"no {WORLD_SIZE}/{SCOPE} for rank=scheduler in /metrics: the scheduler built no "
+            "lookup client (a tier written and never read), or the server predates these metrics",
             numbers,
         )
     world = c.world_metric
@@ -800,7 +800,7 @@ def diagnose(metrics_text: str, log_text: str | None, tp: int | None) -> list[Ch
     present = _present(s)
     if present.status is Status.FAIL:
         return [present]
-    world_value = s.scheduler_value(WORLD)
+    world_value = s.scheduler_value(WORLD_SIZE)
     world_metric = int(world_value) if world_value is not None else None
     workers = s.worker_ranks()
     world = tp if tp is not None else world_metric

@@ -19,11 +19,10 @@ from typing import Any
 
 import typer
 
-from kvtier.bench import workload as bench_workload
 from kvtier.cachemodel.curve import CurvePoint, hit_curve, plot_curve
 from kvtier.cachemodel.optimum import infinite_leading, optimal_leading
 from kvtier.cachemodel.predict import TierHits, predict, tally
-from kvtier.cachemodel.reuse import ReuseProfile, reuse_profile
+from kvtier.cachemodel.reuse import ReuseProfile, pool_reuse_distance, reuse_profile
 from kvtier.cachemodel.stream import Request, from_trace, hbm_floors, working_set
 from kvtier.cachemodel.trace import TraceRow, parse_trace_rows, read_trace_rows
 from kvtier.config import parse_size
@@ -86,7 +85,7 @@ class SyntheticWorkload:
     def reuse_distance_tokens(self) -> int:
         """Round-robin reuse distance of a prefix (the whole pool, itself included) plus what the
         requests in flight hold."""
-        pool = bench_workload.reuse_distance(self.n_prefixes, self.prefix_len, self.tail_len)
+        pool = pool_reuse_distance(self.n_prefixes, self.prefix_len, self.tail_len)
         return pool + self.in_flight_tokens
 
     @property
