@@ -378,5 +378,32 @@ def model_init(
         typer.echo(f"  {path.name}  {path.stat().st_size} bytes")
 
 
+# top-level modules of the optional dependencies -> the extra that installs them
+EXTRA_OF = {
+    **dict.fromkeys(
+        ("fastapi", "starlette", "uvicorn", "pydantic", "jinja2", "safetensors", "tokenizers"),
+        "native",
+    ),
+    "matplotlib": "bench",
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The `kvtier` console script: `app`, with a missing optional dependency turned into an
+    error naming the extra that installs it (exit 2)."""
+    try:
+        app(argv)
+    except ModuleNotFoundError as e:
+        extra = EXTRA_OF.get((e.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        typer.echo(
+            f"error: this command needs {e.name}, which kvtier's {extra!r} extra installs: "
+            f"pip install 'kvtier[{extra}]'",
+            err=True,
+        )
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
-    app()
+    main()
