@@ -24,7 +24,7 @@ LAZY: dict[str, dict[str, tuple[str, str]]] = {
             "break-even",
         ),
         "doctor": (
-            "kvtier.doctor:doctor_command",
+            "kvtier.doctor.command:doctor_command",
             "Check a running kvtier server: PASS/FAIL/WARN per check; exit 1 on any FAIL, 2 if "
             "unread.",
         ),
