@@ -66,7 +66,7 @@ def _modules(*units: str) -> list[str]:
 def test_the_tier_and_the_core_tools_run_without_any_extra(tmp_path: Path) -> None:
     core = _modules(
         "config", "topology", "layout", "keys", "metrics", "errors", "identity",
-        "remote_endpoint", "store", "lookup", "offload", "cli", "plan", "plan_presets",
+        "remote_endpoint", "store", "lookup", "offload", "cli", "plan",
         "doctor", "scrape", "cachemodel", "config_docs",
     )  # fmt: skip
     code = f"""

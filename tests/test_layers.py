@@ -34,7 +34,7 @@ FOUNDATION = frozenset(
     }
 )
 TOOLS = frozenset(
-    {"cli", "bench", "plan", "plan_presets", "doctor", "scrape", "cachemodel", "config_docs"}
+    {"cli", "bench", "plan", "doctor", "scrape", "cachemodel", "config_docs"}
 )
 
 _BELOW_TOOLS = FOUNDATION | {"store", "lookup", "offload", "native", "vllm"}

@@ -19,7 +19,7 @@ from typer.core import TyperGroup
 LAZY: dict[str, dict[str, tuple[str, str]]] = {
     "kvtier": {
         "plan": (
-            "kvtier.plan:plan_command",
+            "kvtier.plan.command:plan_command",
             "Bytes per token, pool and tier in tokens, the reuse window verdict, fill time, "
             "break-even",
         ),
