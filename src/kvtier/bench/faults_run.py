@@ -2,6 +2,9 @@
 a fault is, the three phases (before, during, after) around its injection, clearing and
 recovery, and each phase's requests checked token for token against a reference without
 offload.
+
+Why one module over 500 lines: `FaultRun` is one engine's life under one fault, and its hooks
+(inject, clear, recover) read the phase state; what injects is `faults_inject`.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ against the same live server cannot hit the first run's whole prompts.
 
 Streams: a prefix pool, unique prompts (no reuse), multi-turn conversations whose turns extend
 the previous prompt, and a Mooncake-format trace replayed with one block of token ids per hash id.
+
+Why one module over 500 lines: every stream shares the marker, the bust suffix and the seeding,
+which is the point (the streams stay comparable); trace reading is `cachemodel.trace`.
 """
 
 from __future__ import annotations
