@@ -151,6 +151,7 @@ def _check_chunk_size(chunk_size: int) -> None:
 @dataclass(frozen=True, slots=True)
 class Namespace:
     """Where one rank's records live: model, layout, dtype, chunking, TP size and rank, tenant.
+    With `replicated`, the rank is left out: every rank of the replica reads the same records.
 
     The same chunk key under two namespaces never names the same record.
     """
@@ -162,6 +163,8 @@ class Namespace:
     tp_size: int
     tp_rank: int
     tenant: str = ""
+    # every TP rank holds the same bytes (MLA, the DSA indexer): one namespace for all ranks
+    replicated: bool = False
     _fingerprint: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -186,6 +189,9 @@ class Namespace:
                 f"Namespace.tp_rank {self.tp_rank!r} must be in [0, {self.tp_size}) "
                 f"for tp_size={self.tp_size}"
             )
+        # a replicated layout names the replica set instead of the rank, so it never shares a
+        # fingerprint with any per-rank namespace (whose last fields are rank and tenant)
+        rank: tuple[str | int, ...] = ("replicated",) if self.replicated else (self.tp_rank,)
         fp = digest16(
             _NAMESPACE_DOMAIN,
             (
@@ -194,7 +200,7 @@ class Namespace:
                 self.dtype,
                 self.chunk_size,
                 self.tp_size,
-                self.tp_rank,
+                *rank,
                 self.tenant,
             ),
         )

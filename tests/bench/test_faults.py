@@ -89,9 +89,15 @@ def test_missing_redis_server_fails_clearly(
     assert "redis-server" in result.output
 
 
-# ---- the rows of issue 10 (sampling_edges is the server's: it passes once its fix is in) ----
+# ---- the rows of issue 10 ------------------------------------------------------------------
 
-ISSUE_10_ROWS = ["hbm_pressure", "tp_rank_killed", "disk_tmpfs", "namespace_collision"]
+ISSUE_10_ROWS = [
+    "hbm_pressure",
+    "tp_rank_killed",
+    "disk_tmpfs",
+    "namespace_collision",
+    "sampling_edges",
+]
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +108,7 @@ def issue10(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
 
 def test_pressure_full_filesystem_and_collision_rows_read_nothing_lost(issue10) -> None:
-    for name in ("hbm_pressure", "disk_tmpfs", "namespace_collision"):
+    for name in ("hbm_pressure", "disk_tmpfs", "namespace_collision", "sampling_edges"):
         row = issue10[name]
         d = row["detail"]
         assert row["pass"] is True and d["nothing_lost"] == "yes", (name, d["errors"])

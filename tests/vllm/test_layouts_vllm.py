@@ -14,6 +14,8 @@ def test_rebuilt_views_equal_vllms_for_every_layout_and_split(
 ) -> None:
     result = run_driver("layouts", {}).result
     cases = result["cases"]
+    # MLA latents (one TP shard) are stored once below memory; GQA heads are per rank
+    assert result["replicated"] == {"mla_tp2": True, "mla_tp1": False, "gqa_tp2": False}
     # kvtier asks for the cross-layer layout off CPU (vLLM's CPU attention reads LBHNC only)
     assert result["required_layout"] == {
         "cpu": None,

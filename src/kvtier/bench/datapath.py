@@ -154,17 +154,11 @@ def _measure(
     resident = keys.next()
     _save_and_wait(worker, [ChunkRef(resident, next(blocks))], next(ops))
 
-    def raw_d2h() -> float:
+    def raw(to_host: bool) -> float:
         host, dev = next(hosts), next(devs)
+        dst, src = (host, dev) if to_host else (dev, host)
         t = time.perf_counter()
-        host.copy_(dev, non_blocking=pin)
-        _sync(device)
-        return time.perf_counter() - t
-
-    def raw_h2d() -> float:
-        host, dev = next(hosts), next(devs)
-        t = time.perf_counter()
-        dev.copy_(host, non_blocking=pin)
+        dst.copy_(src, non_blocking=pin)
         _sync(device)
         return time.perf_counter() - t
 
@@ -196,7 +190,13 @@ def _measure(
 
     try:
         times = _interleave(
-            {"save": save, "load": load, "d2h": raw_d2h, "h2d": raw_h2d, "step": step},
+            {
+                "save": save,
+                "load": load,
+                "d2h": lambda: raw(True),
+                "h2d": lambda: raw(False),
+                "step": step,
+            },
             warmup,
             warmup + reps,
         )

@@ -31,6 +31,8 @@ class KVCacheDescription:
     block_size: int
     layout: str
     layout_fix: str = "register per-layer views whose block pages are contiguous"
+    # every TP rank holds these same bytes (MLA, the DSA indexer): stored once below memory
+    replicated: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ reason `deadline`, and the lane writes no further block for it when it comes bac
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -166,7 +167,16 @@ class OffloadWorker:
             tenant=self.config.tenant,
         )
         check_host_memory(self.config.memory_bytes, self.ranks_on_host, self.tag)
-        self.stack = build_stack(self.config, ns.fingerprint, codec.chunk_bytes, self.metrics)
+        # a replicated layout keeps one copy below memory for every rank: rank 0 writes it
+        shared = dataclasses.replace(ns, replicated=True) if desc.replicated else ns
+        self.stack = build_stack(
+            self.config,
+            ns.fingerprint,
+            codec.chunk_bytes,
+            self.metrics,
+            lower_namespace=shared.fingerprint,
+            writes_lower=not desc.replicated or self.rank == 0,
+        )
         if self._report_changes:
             self.stack.listen(self._tier_changed)
         try:
@@ -180,13 +190,16 @@ class OffloadWorker:
             self.server = LookupServer(self.rank, self.stack, self.lookup_endpoint, self.metrics)
             self.server.start()
         log.info(
-            "%s: registered %d KV tensors (%s), %d B/chunk, namespace %s, tiers %s, "
+            "%s: registered %d KV tensors (%s), %d B/chunk, namespace %s%s, tiers %s, "
             "lookup server %s",
             self.tag,
             len(desc.tensors),
             pages.describe(),
             codec.chunk_bytes,
             ns.hex,
+            f" (replicated: lower tiers {shared.hex}, written by rank 0)"
+            if desc.replicated
+            else "",
             "+".join(self.stack.tiers),
             self.lookup_endpoint,
         )

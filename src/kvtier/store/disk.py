@@ -74,7 +74,10 @@ class DiskTier:
         lease_ttl_s: float = 30.0,
         max_leases: int = 65536,
         clock: Callable[[], float] = time.monotonic,
+        follower: bool = False,
     ) -> None:
+        """`follower`: another process (rank 0 of a replicated layout) owns the directory and
+        writes and evicts its records; this tier only reads them, finding new ones on disk."""
         if max_bytes <= 0:
             raise ValueError(f"disk tier max_bytes must be > 0, got {max_bytes}; set a disk size")
         if len(namespace) != record.NAMESPACE_BYTES:
@@ -100,35 +103,55 @@ class DiskTier:
         self._writing: Counter[bytes] = Counter()
         self._leases = LeaseTable(metrics, lease_ttl_s, max_leases, clock)
         self._closed = False
+        self.follower = follower
         self._m.capacity(self.name).set(max_bytes)
         self.scan = self._scan()
-        self._check_filesystem(directory)
-        with self._lock:
-            self._evict_to(self._max)
-            self._publish()
+        if not follower:
+            self._check_filesystem(directory)
+            with self._lock:
+                self._evict_to(self._max)
+                self._publish()
 
     # ---- Tier protocol -------------------------------------------------------------------
 
     def contains(self, key: bytes) -> bool:
-        """True if a record file for `key` is indexed (no read)."""
+        """True if a record file for `key` is indexed (no read; a follower also looks on disk
+        for records the owner wrote since)."""
         with self._lock:
-            return key in self._index
+            return key in self._index or self._adopt(key)
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """`contains` for a batch (a local index: no I/O)."""
+        """`contains` for a batch (a local index: no I/O, but a follower's stat of new files)."""
         with self._lock:
-            return [k in self._index for k in keys]
+            return [k in self._index or self._adopt(k) for k in keys]
+
+    def _adopt(self, key: bytes) -> bool:
+        """Follower: index a record file the owner wrote after this tier's scan."""
+        if not self.follower:
+            return False
+        try:
+            size = self._path(key).stat().st_size
+        except FileNotFoundError:
+            return False
+        self._index[key] = size
+        self._bytes += size
+        self._policy.insert(key, size)
+        return True
 
     def get(self, key: bytes) -> memoryview | None:
         """The verified payload of `key`, or None. A bad or unreadable file is deleted + counted."""
         with self._lock:
             self._check_open()
-            if key not in self._index:
+            if key not in self._index and not self._adopt(key):
                 return None
         path = self._path(key)
         try:
             buf, ino = _read_file(path)
         except FileNotFoundError:
+            if self.follower:
+                # the owner evicted it: a miss, not a bad record
+                self._forget(key)
+                return None
             self._drop_bad(key, None, "missing")
             return None
         except OSError as e:
@@ -145,6 +168,10 @@ class DiskTier:
     def put(self, key: bytes, payload: bytes | memoryview, parent: bytes = NO_PARENT) -> bool:
         """Write `payload` atomically (temp file + rename) as the chunk after `parent`; False
         (counted) when it cannot."""
+        if self.follower:
+            raise RuntimeError(
+                "put on a follower disk tier: only the owner of a replicated layout writes"
+            )
         with self._lock:
             self._check_open()
             if key in self._index:
@@ -312,6 +339,13 @@ class DiskTier:
             _remove(path)
             self._publish()
             self._tell("removed", key)
+
+    def _forget(self, key: bytes) -> None:
+        with self._lock:
+            if key in self._index:
+                self._bytes -= self._index.pop(key)
+                self._policy.remove(key)
+                self._publish()
 
     def _resident_again(self, key: bytes, parent: bytes) -> None:
         """A write of a chunk the tier holds is a use of it."""

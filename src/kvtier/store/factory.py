@@ -12,9 +12,20 @@ from kvtier.store.stack import TierStack
 
 
 def build_stack(
-    config: KVTierConfig, namespace: bytes, slot_bytes: int, metrics: Metrics
+    config: KVTierConfig,
+    namespace: bytes,
+    slot_bytes: int,
+    metrics: Metrics,
+    *,
+    lower_namespace: bytes | None = None,
+    writes_lower: bool = True,
 ) -> TierStack:
-    """The tiers of one rank; a tier that cannot be built stops startup with the cause."""
+    """The tiers of one rank; a tier that cannot be built stops startup with the cause.
+
+    A replicated layout (every TP rank holds the same bytes) passes `lower_namespace`, one for
+    all ranks, so the disk and remote tiers hold one copy; only rank 0 `writes_lower` (the
+    others read its records: a follower disk tier, the shared remote)."""
+    shared = namespace if lower_namespace is None else lower_namespace
     if config.memory_bytes < slot_bytes:
         raise StartupError(
             f"memory_bytes={config.memory_bytes} cannot hold one chunk of {slot_bytes} bytes "
@@ -49,10 +60,11 @@ def build_stack(
                 DiskTier(
                     config.disk_dir,
                     config.disk_bytes,
-                    namespace,
+                    shared,
                     metrics,
                     lease_ttl_s=config.lease_ttl_s,
                     max_leases=config.max_leases,
+                    follower=not writes_lower,
                 )
             )
         except OSError as e:
@@ -64,8 +76,10 @@ def build_stack(
         from kvtier.store.remote import RemoteTier
 
         _check_database(config)
-        lower.append(RemoteTier.from_config(config, namespace, metrics, payload_bytes=slot_bytes))
-    return TierStack(memory, lower, metrics, queue_depth=config.write_queue_depth)
+        lower.append(RemoteTier.from_config(config, shared, metrics, payload_bytes=slot_bytes))
+    return TierStack(
+        memory, lower, metrics, queue_depth=config.write_queue_depth, writes_lower=writes_lower
+    )
 
 
 def _check_database(config: KVTierConfig) -> None:

@@ -57,7 +57,10 @@ class TierStack:
         *,
         queue_depth: int = 256,
         max_leases: int = 65536,
+        writes_lower: bool = True,
     ) -> None:
+        """`writes_lower=False`: the lower tiers are read only (another rank writes the records
+        of a replicated layout there)."""
         if metrics is None:
             raise ValueError("TierStack needs the rank's Metrics; pass metrics=Metrics(rank)")
         if queue_depth <= 0 or max_leases <= 0:
@@ -70,6 +73,7 @@ class TierStack:
         self._memory = memory
         self._lower: tuple[Tier, ...] = tuple(lower)
         self._listener: Callable[[str, str, bytes], None] | None = None
+        self._writes_lower = writes_lower
         # tiers told which runs lookups used; a tier without touch() keeps its own order
         self._chained: tuple[ChainTier, ...] = tuple(
             t for t in (memory, *self._lower) if isinstance(t, ChainTier)
@@ -328,7 +332,7 @@ class TierStack:
         self._memory.abort(key)
 
     def _write_behind(self, key: bytes, parent: bytes) -> None:
-        if not self._lower:
+        if not self._lower or not self._writes_lower:
             return
         lease_id = f"kvtier.write_behind.{next(self._seq)}"
         if self._memory.lease(lease_id, [key], counted=False) == 0:

@@ -61,7 +61,20 @@ def kv_description(
         block_size=block_size,
         layout=str(layout or "unresolved"),
         layout_fix=LAYOUT_FIX,
+        replicated=replicated_across_tp(kv_cache_config, vllm_config),
     )
+
+
+def replicated_across_tp(kv_cache_config: KVCacheConfig | None, vllm_config: VllmConfig) -> bool:
+    """Whether every TP rank holds the same KV bytes: each spec splits into one TP shard only
+    (`max_tp_shards == 1`: MLA latents, the DSA indexer) and there is more than one rank."""
+    if int(vllm_config.parallel_config.tensor_parallel_size) <= 1 or kv_cache_config is None:
+        return False
+    specs = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        specs.extend(getattr(spec, "kv_cache_specs", {}).values() or [spec])
+    return bool(specs) and all(getattr(s, "max_tp_shards", None) == 1 for s in specs)
 
 
 def _replica_rank(vllm_config: VllmConfig) -> int:

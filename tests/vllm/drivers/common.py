@@ -99,3 +99,21 @@ def registry_totals(registry: Any, name: str) -> dict[str, float]:
                 key = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
                 out[key] = out.get(key, 0.0) + float(s.value)
     return out
+
+
+def make_llm(model: str, kv_transfer_config: dict[str, Any] | None, **kw: Any) -> Any:
+    """`vllm.LLM` on the tiny model the way every driver runs it (bf16, eager, prefix caching,
+    stats on, seed 0), with `kw` on top."""
+    from vllm import LLM
+
+    base: dict[str, Any] = {
+        "model": model,
+        "dtype": "bfloat16",
+        "max_model_len": 2048,
+        "enforce_eager": True,
+        "enable_prefix_caching": True,
+        "seed": 0,
+        "disable_log_stats": False,
+        "kv_transfer_config": kv_transfer_config,
+    }
+    return LLM(**{**base, **kw})

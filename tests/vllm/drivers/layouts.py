@@ -110,7 +110,34 @@ def main() -> None:
                     for v in theirs.values()
                 )
                 cases.append({"case": f"{layout}/{model}/x{split}", "same": same, "moved": moved})
-    emit({"cases": cases, "required_layout": required_layouts()})
+    emit({"cases": cases, "required_layout": required_layouts(), "replicated": replicated()})
+
+
+def replicated() -> dict[str, bool]:
+    """Which registrations kvtier stores once below memory at TP=2 (and never at TP=1)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MLAAttentionSpec,
+    )
+
+    from kvtier.vllm.worker_side import replicated_across_tp
+
+    def ask(spec: object, tp: int) -> bool:
+        kvc = KVCacheConfig(
+            num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)]
+        )
+        pc = SimpleNamespace(tensor_parallel_size=tp)
+        return replicated_across_tp(kvc, SimpleNamespace(parallel_config=pc))  # type: ignore[arg-type]
+
+    mla = MLAAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, max_tp_shards=1
+    )
+    gqa = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    return {"mla_tp2": ask(mla, 2), "mla_tp1": ask(mla, 1), "gqa_tp2": ask(gqa, 2)}
 
 
 def required_layouts() -> dict[str, str | None]:

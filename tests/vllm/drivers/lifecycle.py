@@ -25,6 +25,7 @@ from tests.vllm.drivers.common import (
     emit,
     kv_transfer_config,
     llm_metrics,
+    make_llm,
     make_prompts,
 )
 
@@ -81,22 +82,16 @@ def summarize(events: list[Any]) -> dict[str, Any]:
 
 def main() -> None:
     a = args()
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     prompts = make_prompts(6, 600, step=11, seed=3)  # two 256-token chunks each
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     extra = {**a["extra"], "disk_dir": a["disk_dir"], "disk_bytes": "64MiB"}
     subscriber = Subscriber(a["events_endpoint"])
-    llm = LLM(
-        model=a["model"],
-        dtype="bfloat16",
-        max_model_len=2048,
-        enforce_eager=True,
-        enable_prefix_caching=True,
-        seed=0,
-        disable_log_stats=False,
-        kv_transfer_config=kv_transfer_config(extra),
+    llm = make_llm(
+        a["model"],
+        kv_transfer_config(extra),
         kv_events_config={
             "enable_kv_cache_events": True,
             "publisher": "zmq",

@@ -7,13 +7,13 @@ Args (JSON): model, extra, example_dir, parent_policy ("recompute" | "fail").
 
 from __future__ import annotations
 
-from tests.vllm.drivers.common import args, emit, make_prompts, registry_totals
+from tests.vllm.drivers.common import args, emit, make_llm, make_prompts, registry_totals
 
 
 def main() -> None:
     a = args()
     from prometheus_client import REGISTRY
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     prompts = make_prompts(3, 600)
@@ -38,15 +38,9 @@ def main() -> None:
             ]
         },
     }
-    llm = LLM(
-        model=a["model"],
-        dtype="bfloat16",
-        max_model_len=2048,
-        enforce_eager=True,
-        enable_prefix_caching=True,
-        seed=0,
-        disable_log_stats=False,
-        kv_transfer_config=ktc,
+    llm = make_llm(
+        a["model"],
+        ktc,
     )
 
     def run() -> tuple[list[list[int]], list[str | None]]:

@@ -16,28 +16,23 @@ from tests.vllm.drivers.common import (
     emit,
     kv_transfer_config,
     llm_metrics,
+    make_llm,
     make_prompts,
 )
 
 
 def main() -> None:
     a = args()
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
     prompts = make_prompts(a.get("n", 3), a.get("base_len", 600))
     max_tokens = a.get("max_tokens", 24)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llm = LLM(
-        model=a["model"],
-        dtype="bfloat16",
-        max_model_len=2048,
-        enforce_eager=True,
-        enable_prefix_caching=True,
-        seed=0,
-        disable_log_stats=False,
-        kv_transfer_config=kv_transfer_config(a["extra"]),
+    llm = make_llm(
+        a["model"],
+        kv_transfer_config(a["extra"]),
     )
     out1 = [
         list(o.outputs[0].token_ids)
