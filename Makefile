@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch first, pinned to the CPU build, so no dependency drags in a CUDA wheel
 	$(BIN)/python -m pip install --quiet "torch==2.13.0+cpu" || $(BIN)/python -m pip install --quiet "torch==2.13.0"
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -e ".[native,bench,dev]"
 	touch $(STAMP)
 
 # Services the tests start themselves (a throwaway redis-server per test session).

@@ -26,7 +26,7 @@ if [[ "${1:-}" == "--prepare" ]]; then
     pins="$("$PYTHON" - "$ROOT/pyproject.toml" "${NEEDS[@]}" <<'PY'
 import re, sys, tomllib
 d = tomllib.load(open(sys.argv[1], "rb"))["project"]
-specs = d["dependencies"] + d["optional-dependencies"]["dev"]
+specs = d["dependencies"] + [s for extra in d["optional-dependencies"].values() for s in extra]
 pins = {re.split(r"[=<>!~ ]", s, maxsplit=1)[0].lower(): s for s in specs}
 print(" ".join(pins.get(n, n) for n in sys.argv[2:]))
 PY

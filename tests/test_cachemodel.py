@@ -18,6 +18,7 @@ from kvtier.cachemodel.curve import hit_curve
 from kvtier.cachemodel.legacy import legacy_predict
 from kvtier.cachemodel.optimum import infinite_leading, optimal_leading
 from kvtier.cachemodel.predict import DISK, MEMORY, predict, tally
+from kvtier.cachemodel.reuse import pool_reuse_distance
 from kvtier.cachemodel.stream import Request, from_trace, hbm_floors, working_set
 from kvtier.cachemodel.trace import TraceRow, parse_trace_rows, read_trace_rows
 from kvtier.errors import ConfigError
@@ -261,3 +262,7 @@ def test_the_curve_rises_to_the_infinite_tier_at_the_whole_working_set() -> None
     assert last.kvtier.served == last.optimum.served == last.infinite.served
     with pytest.raises(ConfigError, match=r"must lie in \(0, 1\]"):
         hit_curve(requests, 0, fractions=(1.5,))
+
+
+def test_reuse_distance_is_prefixes_times_prompt() -> None:
+    assert pool_reuse_distance(5, 256, 32) == 5 * 288

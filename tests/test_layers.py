@@ -34,7 +34,7 @@ FOUNDATION = frozenset(
     }
 )
 TOOLS = frozenset(
-    {"cli", "bench", "plan", "plan_presets", "doctor", "demo", "cachemodel", "config_docs"}
+    {"cli", "bench", "plan", "doctor", "scrape", "cachemodel", "config_docs"}
 )
 
 _BELOW_TOOLS = FOUNDATION | {"store", "lookup", "offload", "native", "vllm"}
@@ -52,23 +52,6 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
 
 # Units allowed to import kvtier.bench: the CLI that drives it and bench itself.
 BENCH_USERS = frozenset({"cli", "bench"})
-
-# Known violations of "no src module imports bench", to be removed by issue 14 (doctor and plan
-# read metrics and workloads through a small module of their own, demo drives one arm runner).
-# Each entry is (importing module, imported module). The set only shrinks: an entry that no
-# longer occurs fails the test too, so a fix has to delete it here.
-ALLOWED: frozenset[tuple[str, str]] = frozenset(
-    {
-        ("kvtier.doctor", "kvtier.bench.analysis"),
-        ("kvtier.plan", "kvtier.bench.workload"),
-        ("kvtier.demo", "kvtier.bench.analysis"),
-        ("kvtier.demo", "kvtier.bench.arms"),
-        ("kvtier.demo", "kvtier.bench.client"),
-        ("kvtier.demo", "kvtier.bench.e2e"),
-        ("kvtier.demo", "kvtier.bench.table"),
-        ("kvtier.demo", "kvtier.bench.workload"),
-    }
-)
 
 _LAZY_PATH = re.compile(r"^(kvtier(?:\.\w+)*):\w+$")
 
@@ -146,7 +129,7 @@ def all_imports(root: Path) -> list[Import]:
     return [imp for path in paths for imp in imports_of(root, path)]
 
 
-def violations(root: Path, allowed: frozenset[tuple[str, str]] = ALLOWED) -> list[str]:
+def violations(root: Path) -> list[str]:
     """Every import that breaks the contract, as readable lines; empty when the tree keeps it."""
     bad: list[str] = []
     for imp in all_imports(root):
@@ -156,7 +139,7 @@ def violations(root: Path, allowed: frozenset[tuple[str, str]] = ALLOWED) -> lis
             continue
         if dst != src and dst not in MAY_IMPORT[src]:
             bad.append(f"{imp}: {src} may import only {sorted(MAY_IMPORT[src])}")
-        if dst == "bench" and src not in BENCH_USERS and (imp.importer, imp.target) not in allowed:
+        if dst == "bench" and src not in BENCH_USERS:
             bad.append(f"{imp}: only {sorted(BENCH_USERS)} may import kvtier.bench")
     return bad
 
@@ -164,13 +147,6 @@ def violations(root: Path, allowed: frozenset[tuple[str, str]] = ALLOWED) -> lis
 def test_src_keeps_the_layer_contract() -> None:
     bad = violations(SRC)
     assert not bad, "layer contract broken:\n" + "\n".join(bad)
-
-
-def test_allowed_bench_imports_still_occur() -> None:
-    """The ALLOWED set only shrinks: a violation that was fixed must leave it."""
-    present = {(i.importer, i.target) for i in all_imports(SRC)}
-    stale = sorted(ALLOWED - present)
-    assert not stale, f"remove from ALLOWED, these imports are gone: {stale}"
 
 
 def test_every_module_has_a_layer() -> None:
@@ -204,7 +180,7 @@ _CLEAN = {
 
 
 def test_checker_passes_a_clean_tree(tmp_path: Path) -> None:
-    assert violations(_tree(tmp_path, _CLEAN), allowed=frozenset()) == []
+    assert violations(_tree(tmp_path, _CLEAN)) == []
 
 
 @pytest.mark.parametrize(
@@ -227,7 +203,7 @@ def test_checker_passes_a_clean_tree(tmp_path: Path) -> None:
     ],
 )
 def test_checker_fails_a_wrong_import(tmp_path: Path, rel: str, text: str, expected: str) -> None:
-    bad = violations(_tree(tmp_path, {**_CLEAN, rel: text}), allowed=frozenset())
+    bad = violations(_tree(tmp_path, {**_CLEAN, rel: text}))
     assert len(bad) == 1 and expected in bad[0], bad
     assert f"kvtier.{rel[:-3].replace('/', '.')}" in bad[0]
 

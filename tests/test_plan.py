@@ -30,7 +30,7 @@ from kvtier.plan import (
     trace_reuse_profile,
     window_verdict,
 )
-from kvtier.plan_presets import PRESETS, preset, preset_names
+from kvtier.plan.presets import PRESETS, preset, preset_names
 from tests.test_layout import DEEPSEEK_V3, GLM_5X, LLAMA_31_8B
 
 app = typer.Typer()

@@ -19,12 +19,12 @@ from typer.core import TyperGroup
 LAZY: dict[str, dict[str, tuple[str, str]]] = {
     "kvtier": {
         "plan": (
-            "kvtier.plan:plan_command",
+            "kvtier.plan.command:plan_command",
             "Bytes per token, pool and tier in tokens, the reuse window verdict, fill time, "
             "break-even",
         ),
         "doctor": (
-            "kvtier.doctor:doctor_command",
+            "kvtier.doctor.command:doctor_command",
             "Check a running kvtier server: PASS/FAIL/WARN per check; exit 1 on any FAIL, 2 if "
             "unread.",
         ),
@@ -113,7 +113,7 @@ def demo(
     tp: int = typer.Option(2, "--tp", help="tensor-parallel ranks of the native engine"),
 ) -> None:
     """The main job: TP=2 native engine with the memory tier, restore check, ON/OFF run."""
-    from kvtier.demo import run
+    from kvtier.bench.demo import run
 
     raise typer.Exit(run(tp=tp))
 
@@ -378,5 +378,32 @@ def model_init(
         typer.echo(f"  {path.name}  {path.stat().st_size} bytes")
 
 
+# top-level modules of the optional dependencies -> the extra that installs them
+EXTRA_OF = {
+    **dict.fromkeys(
+        ("fastapi", "starlette", "uvicorn", "pydantic", "jinja2", "safetensors", "tokenizers"),
+        "native",
+    ),
+    "matplotlib": "bench",
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The `kvtier` console script: `app`, with a missing optional dependency turned into an
+    error naming the extra that installs it (exit 2)."""
+    try:
+        app(argv)
+    except ModuleNotFoundError as e:
+        extra = EXTRA_OF.get((e.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        typer.echo(
+            f"error: this command needs {e.name}, which kvtier's {extra!r} extra installs: "
+            f"pip install 'kvtier[{extra}]'",
+            err=True,
+        )
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
-    app()
+    main()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvtier.bench.analysis import MetricSet
 from kvtier.bench.arms import ArmSpec, alternate
 from kvtier.bench.ceiling import hbm_ceiling, tier_ceiling
 from kvtier.bench.client import LoadOptions, Record, write_jsonl
@@ -24,6 +23,7 @@ from kvtier.bench.replay import (
 )
 from kvtier.bench.table import write_json
 from kvtier.bench.workload import MULTI_TURN, RequestSpec, sent_prompts, write_specs
+from kvtier.scrape import MetricSet
 
 BLOCK = 16
 HBM_BLOCKS = 6

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from typer.testing import CliRunner
 
-from kvtier.bench import faults
+from kvtier.bench import faults, faults_run
 from kvtier.errors import ConfigError, StartupError
 
 
@@ -40,7 +40,7 @@ def test_every_fault_row_reads_nothing_lost(doc: dict) -> None:
 def test_remote_hits_drop_while_down_and_resume_after_the_restart(doc: dict) -> None:
     d = next(r for r in doc["rows"] if r["id"] == "remote_restart")["detail"]
     full = d["hit_tokens_possible"]
-    assert full == faults.QUICK.prompts_per_phase * faults.CHUNKS_PER_PROMPT * faults.CHUNK
+    assert full == faults.QUICK.prompts_per_phase * faults_run.CHUNKS_PER_PROMPT * faults_run.CHUNK
     # a memory tier of 4 chunks: replays of 4 prompts x 4 chunks come from the remote
     assert d["hits_before"] >= full // 2
     assert d["hits_during"] < d["hits_before"]
@@ -79,7 +79,7 @@ def test_missing_redis_server_fails_clearly(
 ) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # nothing on PATH, redis-server included
     with pytest.raises(StartupError, match="redis-server"):
-        faults.RedisProcess(tmp_path / "redis")
+        faults.shared_store(tmp_path / "redis")
     app = typer.Typer()
     app.command()(faults.bench_faults_command)
     result = CliRunner().invoke(

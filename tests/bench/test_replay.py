@@ -18,7 +18,6 @@ import typer
 from typer.testing import CliRunner
 
 from kvtier.bench import analysis, replay
-from kvtier.bench.analysis import MetricSet
 from kvtier.bench.arms import ArmSpec, ServerProcess, alternate, free_port, parse_arm
 from kvtier.bench.client import STANDIN, LoadOptions, Record, run_load
 from kvtier.bench.replay import (
@@ -32,6 +31,7 @@ from kvtier.bench.report import PNGS, bench_report_command
 from kvtier.bench.workload import MULTI_TURN, TRACE, multi_turn, no_reuse, with_arrivals
 from kvtier.errors import ConfigError
 from kvtier.native.modelgen import init_model
+from kvtier.scrape import MetricSet
 
 VOCAB = 2048
 MOCK = str(Path(__file__).with_name("mock_openai.py"))

@@ -27,7 +27,6 @@ from kvtier.bench.workload import (
     poisson_arrivals,
     prefix_pool,
     read_specs,
-    reuse_distance,
     sent_prompts,
     trace_requests,
     with_arrivals,
@@ -91,10 +90,6 @@ def test_generators_reject_bad_input_by_name() -> None:
         no_reuse(4, 16, seed=-1, vocab=VOCAB)
     with pytest.raises(ConfigError, match="prompt_len=2"):
         no_reuse(4, 2, seed=0, vocab=VOCAB)
-
-
-def test_reuse_distance_is_prefixes_times_prompt() -> None:
-    assert reuse_distance(5, 256, 32) == 5 * 288
 
 
 def test_place_in_window_picks_smallest_pool_above_margin() -> None:

@@ -15,8 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from kvtier.bench.faults_inject import intercept_reads
 from kvtier.config import KVTierConfig
 from kvtier.native import Engine, EngineConfig
 from kvtier.native.connector import ConnectorContext, ConnectorRole
@@ -41,8 +40,6 @@ class FaultyLoadWorkerHalf(WorkerHalf):
     doomed: set[bytes]
     fired: threading.Event
     release: threading.Event
-    _read_into: Callable[..., str | None]
-    _read_view: Callable[[bytes], torch.Tensor | None]
 
     def arm(self, fault: str, fail_loads: int) -> None:
         """Set the fault up (the class is swapped in after the WorkerHalf was built)."""
@@ -58,12 +55,7 @@ class FaultyLoadWorkerHalf(WorkerHalf):
         super().register_kv_caches(kv_caches, block_size)
         stack = self.worker.stack
         assert stack is not None
-        self._read_into = stack.read_into
-        self._read_view = stack.read_view
-        # instance attributes shadow the methods for every caller, the load lane included (on
-        # the CPU it scatters from a leased slot's view, else reads into device staging)
-        stack.read_into = self._faulty_read  # type: ignore[method-assign]
-        stack.read_view = self._faulty_view  # type: ignore[method-assign]
+        intercept_reads(stack, self._maybe_fail)
 
     def start_load_kv(self) -> None:
         for op in self._meta.loads:
@@ -71,14 +63,6 @@ class FaultyLoadWorkerHalf(WorkerHalf):
                 self.doomed.add(op.chunks[1].key)
                 self.fail_loads -= 1
         super().start_load_kv()
-
-    def _faulty_read(self, key: bytes, dst: torch.Tensor, *rest: bytes) -> str | None:
-        self._maybe_fail(key)
-        return self._read_into(key, dst, *rest)
-
-    def _faulty_view(self, key: bytes) -> torch.Tensor | None:
-        self._maybe_fail(key)
-        return self._read_view(key)
 
     def _maybe_fail(self, key: bytes) -> None:
         if key in self.doomed:

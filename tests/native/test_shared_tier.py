@@ -20,14 +20,13 @@ from typing import Any
 
 import pytest
 
-from kvtier.bench.redis_local import LocalCluster
+from kvtier.bench.redis_local import LocalCluster, RedisServer
 from kvtier.native import Engine, EngineConfig
 from kvtier.store import record
 from kvtier.store.remote import RemoteTier
 from tests.native.conftest import GREEDY, make_prompts
 from tests.native.faults_connector import kvtier_engine, local_worker, rank_values
 from tests.redis_cluster import flush, redis_cluster  # noqa: F401
-from tests.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parents[2]
 RESULT_PREFIX = "KVTIER_RESULT "

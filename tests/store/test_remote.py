@@ -12,6 +12,8 @@ import pytest
 import redis
 import torch
 
+from kvtier.bench import redis_local
+from kvtier.bench.redis_local import RedisServer, RedisServerError
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, StartupError
 from kvtier.metrics import Metrics
@@ -20,8 +22,6 @@ from kvtier.store.breaker import ShardBreakers, State
 from kvtier.store.factory import build_stack
 from kvtier.store.remote import RemoteTier, mask_url
 from kvtier.store.remote_transport import Timeouts
-from tests import redis_server
-from tests.redis_server import RedisServer, RedisServerError
 
 from .conftest import FakeClock, key_of, payload_of
 
@@ -567,6 +567,6 @@ def test_two_stacks_share_chunks_through_the_remote_tier(
 
 
 def test_missing_redis_server_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(redis_server.shutil, "which", lambda name: None)
+    monkeypatch.setattr(redis_local.shutil, "which", lambda name: None)
     with pytest.raises(RedisServerError, match="apt-get install redis-server"):
         RedisServer()

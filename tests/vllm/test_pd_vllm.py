@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.redis_server import RedisServer
+from kvtier.bench.redis_local import RedisServer
 from tests.vllm.conftest import CHUNK, TIER, DriverRun, loadable_tokens, retrieved_lines
 
 

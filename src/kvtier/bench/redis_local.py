@@ -1,5 +1,6 @@
-"""Throwaway Valkey/Redis on loopback for benches and tests: one server, or a Redis Cluster of
-masters and replicas (`redis-server --cluster-enabled yes` + `redis-cli --cluster create`).
+"""Throwaway Valkey/Redis on loopback for benches and tests: one server (TCP or a unix socket,
+optional AUTH and ACL user, DEBUG on request), or a Redis Cluster of masters and replicas
+(`redis-server --cluster-enabled yes` + `redis-cli --cluster create`).
 
 Readiness is always a condition met within a deadline (PING answered, `cluster_state:ok` on
 every node, all nodes agreeing on the slot owners), never a blind sleep.
@@ -23,13 +24,18 @@ from redis.retry import Retry
 from kvtier.errors import StartupError
 
 _START_S = 15.0
+_PORT_ATTEMPTS = 5
 _INSTALL = "install it with `apt-get install redis-server` (Debian/Ubuntu; brings redis-cli)"
+
+
+class RedisServerError(StartupError):
+    """A local redis-server (or redis-cli) could not be found or started."""
 
 
 def _binary(name: str) -> str:
     path = shutil.which(name)
     if path is None:
-        raise StartupError(f"{name} is not on PATH; {_INSTALL}")
+        raise RedisServerError(f"{name} is not on PATH; {_INSTALL}")
     return path
 
 
@@ -54,7 +60,7 @@ def _free_port(cluster: bool) -> int:
         port = 20000 + port % 30000
         if _bindable(port) and _bindable(port + 10000):
             return port
-    raise StartupError("no free loopback port pair (port, port + 10000) for a cluster node")
+    raise RedisServerError("no free loopback port pair (port, port + 10000) for a cluster node")
 
 
 def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -66,45 +72,166 @@ def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
         time.sleep(0.02)
 
 
-class RedisNode:
-    """One `redis-server` on 127.0.0.1:<free port> in its own directory (no persistence)."""
+class RedisServer:
+    """One `redis-server` on 127.0.0.1:<free port>, or on a unix socket, in its own directory
+    (`root`, or a fresh temp directory), without persistence.
 
-    def __init__(self, root: Path, *, cluster: bool = False, node_timeout_ms: int = 1000) -> None:
+    `password` sets `requirepass` (the default user); `acl_user` adds an ACL user with every
+    permission and `acl_password`; `debug` enables DEBUG from local clients (DEBUG SLEEP);
+    `cluster` makes it a cluster node. `kill()` and `restart()` take the server away and bring
+    it back, empty, on the same address; `stop()` also removes its directory.
+    """
+
+    def __init__(
+        self,
+        root: Path | None = None,
+        *,
+        password: str | None = None,
+        acl_user: str | None = None,
+        acl_password: str | None = None,
+        unix: bool = False,
+        debug: bool = False,
+        cluster: bool = False,
+        node_timeout_ms: int = 1000,
+    ) -> None:
+        if (acl_user is None) != (acl_password is None):
+            raise ValueError("give acl_user and acl_password together, or neither")
+        if cluster and unix:
+            raise ValueError("a cluster node listens on TCP; drop unix=True")
         self._binary = _binary("redis-server")
-        self.port = _free_port(cluster)
-        self.dir = root / str(self.port)
-        self.dir.mkdir(parents=True)
+        self.password = password
+        self.acl_user = acl_user
+        self.acl_password = acl_password
+        self.unix = unix
+        self.debug = debug
         self.cluster = cluster
         self.node_timeout_ms = node_timeout_ms
-        self.proc: subprocess.Popen[bytes] | None = None
+        if root is None:
+            self.dir = Path(tempfile.mkdtemp(prefix="kvtier-redis-"))
+        else:
+            self.dir = root
+            root.mkdir(parents=True, exist_ok=True)
+        self.socket_path = self.dir / "redis.sock"
+        self.port = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    # ---- addresses -----------------------------------------------------------------------
 
     @property
     def addr(self) -> str:
         """`127.0.0.1:<port>`, the node's name in shard and topology terms."""
         return f"127.0.0.1:{self.port}"
 
-    def client(self, timeout_s: float = 5.0) -> redis.Redis:
-        """An admin client that never retries."""
-        return redis.Redis(
-            host="127.0.0.1",
-            port=self.port,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
-        )
+    @property
+    def url(self) -> str:
+        """The server's URL without credentials."""
+        if self.unix:
+            return f"unix://{self.socket_path}"
+        return f"redis://{self.addr}/0"
 
-    def start(self) -> None:
-        """Launch and wait for PING."""
+    def client(self, timeout_s: float = 5.0) -> redis.Redis:
+        """An admin client authenticated as the default user (for setup and inspection).
+
+        It never retries, so a timeout surfaces at once instead of hiding behind back-off."""
+        kwargs: dict[str, object] = {
+            "password": self.password,
+            "socket_timeout": timeout_s,
+            "socket_connect_timeout": timeout_s,
+            "retry": Retry(NoBackoff(), 0),
+        }
+        if self.unix:
+            return redis.Redis(unix_socket_path=str(self.socket_path), **kwargs)
+        return redis.Redis(host="127.0.0.1", port=self.port, **kwargs)
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> RedisServer:
+        """Start on a free port (or the socket) and wait for PING; keeps the port on restart."""
+        if self._proc is not None:
+            raise RedisServerError("redis-server is already running; stop() or kill() it first")
+        if self.unix or self.port:
+            self._launch()
+            return self
+        last: RedisServerError | None = None
+        # the free port can be taken by someone else between probing and binding
+        for _ in range(_PORT_ATTEMPTS):
+            self.port = _free_port(self.cluster)
+            try:
+                self._launch()
+                return self
+            except RedisServerError as e:
+                last = e
+        self.port = 0
+        raise RedisServerError(f"redis-server failed {_PORT_ATTEMPTS} times: {last}")
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash); the address is kept for `restart()`."""
+        proc = self._proc
+        if proc is None:
+            return
+        proc.kill()
+        proc.wait(timeout=_START_S)
+        self._proc = None
+
+    def restart(self) -> RedisServer:
+        """Start again on the same port or socket (empty: the server keeps no data)."""
+        self.kill()
+        return self.start()
+
+    def stop(self) -> None:
+        """Stop the server and remove its directory."""
+        proc = self._proc
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=_START_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=_START_S)
+            self._proc = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def flushall(self) -> None:
+        """Empty the store."""
+        admin = self.client()
+        try:
+            admin.flushall()
+        finally:
+            admin.close()
+
+    @property
+    def running(self) -> bool:
+        """True while the process is alive."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _config(self) -> str:
         lines = [
             "bind 127.0.0.1",
-            f"port {self.port}",
+            f"port {0 if self.unix else self.port}",
             f"dir {self.dir}",
             'save ""',
             "appendonly no",
             "daemonize no",
             f"logfile {self.dir / 'redis.log'}",
-            "enable-debug-command local",
         ]
+        if self.unix:
+            lines += [f"unixsocket {self.socket_path}", "unixsocketperm 700"]
+        if self.password is not None:
+            lines.append(f"requirepass {self.password}")
+        if self.acl_user is not None:
+            lines.append(f"user {self.acl_user} on >{self.acl_password} ~* &* +@all")
+        if self.debug:
+            lines.append("enable-debug-command local")
         if self.cluster:
             lines += [
                 "cluster-enabled yes",
@@ -113,65 +240,61 @@ class RedisNode:
                 # a cache: while one shard fails over, the others keep serving their slots
                 "cluster-require-full-coverage no",
             ]
+        return "\n".join(lines) + "\n"
+
+    def _launch(self) -> None:
         conf = self.dir / "redis.conf"
-        conf.write_text("\n".join(lines) + "\n", encoding="utf-8")
-        self.proc = subprocess.Popen(
+        conf.write_text(self._config(), encoding="utf-8")
+        proc = subprocess.Popen(
             [self._binary, str(conf)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        admin = self.client(timeout_s=0.2)
+        self._proc = proc
         try:
-            wait_for(lambda: self._pings(admin), _START_S, f"redis-server {self.addr} answering")
+            self._wait_ready(proc)
+        except RedisServerError:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=_START_S)
+            self._proc = None
+            raise
+
+    def _wait_ready(self, proc: subprocess.Popen[bytes]) -> None:
+        deadline = time.monotonic() + _START_S
+        client = self.client(timeout_s=0.2)
+        try:
+            while True:
+                try:
+                    ready = bool(client.ping())
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                    ready = False  # not listening yet (or still loading)
+                if ready:
+                    return
+                if time.monotonic() >= deadline:
+                    raise RedisServerError(
+                        f"redis-server at {self.url} did not answer PING within "
+                        f"{_START_S:g}s; see {self.dir / 'redis.log'}"
+                    )
+                # waiting on the process doubles as the pause and notices an early exit
+                try:
+                    code = proc.wait(timeout=0.02)
+                except subprocess.TimeoutExpired:
+                    continue
+                raise RedisServerError(
+                    f"redis-server at {self.url} exited with code {code} during start-up: "
+                    f"{self._log_tail()}"
+                )
         finally:
-            admin.close()
+            client.close()
 
-    def _pings(self, admin: redis.Redis) -> bool:
-        if self.proc is not None and self.proc.poll() is not None:
-            raise StartupError(
-                f"redis-server {self.addr} exited with code {self.proc.returncode}; see "
-                f"{self.dir / 'redis.log'}"
-            )
+    def _log_tail(self) -> str:
         try:
-            return bool(admin.ping())
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-            return False
-
-    def kill(self) -> None:
-        """SIGKILL (a crash)."""
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(timeout=_START_S)
-            self.proc = None
-
-    @property
-    def running(self) -> bool:
-        """True while the process is alive."""
-        return self.proc is not None and self.proc.poll() is None
-
-
-class LocalRedis:
-    """One server (`url` is `redis://`); a context manager that removes everything on exit."""
-
-    def __init__(self) -> None:
-        self._root = Path(tempfile.mkdtemp(prefix="kvtier-redis-"))
-        self.node = RedisNode(self._root)
-
-    @property
-    def url(self) -> str:
-        """The server's URL."""
-        return f"redis://{self.node.addr}/0"
-
-    def __enter__(self) -> LocalRedis:
-        self.node.start()
-        return self
-
-    def __exit__(
-        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.node.kill()
-        shutil.rmtree(self._root, ignore_errors=True)
+            lines = (self.dir / "redis.log").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return "(no log)"
+        return " | ".join(lines.splitlines()[-3:])
 
 
 class LocalCluster:
@@ -184,8 +307,10 @@ class LocalCluster:
         self._cli = _binary("redis-cli")
         self._root = Path(tempfile.mkdtemp(prefix="kvtier-cluster-"))
         self.nodes = [
-            RedisNode(self._root, cluster=True, node_timeout_ms=node_timeout_ms)
-            for _ in range(masters * (1 + replicas))
+            RedisServer(
+                self._root / f"node{i}", cluster=True, debug=True, node_timeout_ms=node_timeout_ms
+            )
+            for i in range(masters * (1 + replicas))
         ]
         self._masters = masters
         self._replicas = replicas
@@ -228,15 +353,15 @@ class LocalCluster:
 
     # ---- topology ------------------------------------------------------------------------
 
-    def node(self, addr: str) -> RedisNode:
+    def node(self, addr: str) -> RedisServer:
         """The node at `addr` (`127.0.0.1:<port>`)."""
         return next(n for n in self.nodes if n.addr == addr)
 
-    def live(self) -> list[RedisNode]:
+    def live(self) -> list[RedisServer]:
         """Nodes whose process runs."""
         return [n for n in self.nodes if n.running]
 
-    def slot_owners(self, via: RedisNode | None = None) -> dict[int, str]:
+    def slot_owners(self, via: RedisServer | None = None) -> dict[int, str]:
         """slot -> master address, as `via` (default: the first live node) sees it."""
         node = via or self.live()[0]
         admin = node.client()

@@ -40,10 +40,9 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from kvtier import __version__
+from kvtier import __version__, scrape
 from kvtier.bench import analysis
 from kvtier.bench.aiperf import AiperfRun, export_path, load_profile_export
-from kvtier.bench.analysis import Counters, MetricSet
 from kvtier.bench.arms import (
     ArmSpec,
     ServerConfig,
@@ -74,6 +73,7 @@ from kvtier.bench.workload import (
     write_specs,
 )
 from kvtier.errors import ConfigError, StartupError
+from kvtier.scrape import Counters, MetricSet
 
 Say = Callable[[str], None]
 
@@ -484,15 +484,15 @@ def _analyse_rep(
         windows[CUT] = analysis.summarize_window(records, r.started, r.finished, cut)
     before, after = r.metric_set("before"), r.metric_set("after")
     counters: dict[str, Counters | None] = {FULL: None, CUT: None}
-    idents: list[analysis.Identity] = []
-    client_server: list[analysis.Identity] = []
+    idents: list[scrape.Identity] = []
+    client_server: list[scrape.Identity] = []
     tp = None
     offload = arm_meta.get("offload")
     if before is not None and after is not None:
         counters[FULL] = c = Counters.of(after.delta(before))
         tp = (
             meta.get("tp")
-            or analysis.world_size(after)
+            or scrape.world_size(after)
             or _int_or_none(
                 flag_value(arm_meta.get("argv") or [], "--tp", "--tensor-parallel-size")
             )
@@ -500,8 +500,8 @@ def _analyse_rep(
         )
         if offload is None:
             offload = c.ext_queries > 0
-        idents = analysis.identities(
-            c, int(tp), bool(offload), has_retrieved=after.has(analysis.RETRIEVED)
+        idents = scrape.identities(
+            c, int(tp), bool(offload), has_retrieved=after.has(scrape.RETRIEVED)
         )
         client_server = analysis.client_server_checks(records, c)
         if cut > 0:
@@ -534,7 +534,7 @@ def _analyse_rep(
         "ceilings": {w: {k: c.to_json() for k, c in cs.items()} for w, cs in ceilings.items()},
         "identities": [i.to_json() for i in idents],
         "client_server": [i.to_json() for i in client_server],
-        "cache_config": {} if after is None else analysis.cache_config(after),
+        "cache_config": {} if after is None else scrape.cache_config(after),
         "series": {
             "buckets": [b.to_json() for b in analysis.time_series(records, r.started, bucket)],
             "residency": analysis.residency_series(samples, r.started),

@@ -18,14 +18,15 @@ import html
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
-from matplotlib.axes import Axes
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 from kvtier.bench.table import fmt, print_report, write_json
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 PNGS = (
     "ttft_over_time.png",
@@ -67,6 +68,10 @@ def _colors(names: Sequence[str]) -> dict[str, str]:
 
 
 def _figure(title: str, rows: int = 1, cols: int = 1) -> tuple[Figure, list[Axes]]:
+    # matplotlib (kvtier[bench]) loads with the first figure, not with every module importing this
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(9, 4.8 if rows == 1 else 7.5), dpi=_DPI)
     FigureCanvasAgg(fig)
     axes = [fig.add_subplot(rows, cols, i + 1) for i in range(rows * cols)]

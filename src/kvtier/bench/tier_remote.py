@@ -26,7 +26,7 @@ from glide_sync import (
 from redis.cluster import ClusterNode, RedisCluster
 
 from kvtier import remote_endpoint
-from kvtier.bench.redis_local import LocalCluster, LocalRedis
+from kvtier.bench.redis_local import LocalCluster, RedisServer
 from kvtier.bench.table import Report, Target
 from kvtier.bench.tier import STORE_RATIO_TARGET, Progress, _gbps_row, _interleave, _Keys
 from kvtier.keys import digest16
@@ -45,7 +45,7 @@ _MIB = 1 << 20
 def bench_remote(report: Report, quick: bool, say: Progress) -> None:
     """Add the remote rows: one server, then a 3-shard cluster (no replicas)."""
     setups: tuple[tuple[str, str, Callable[[], AbstractContextManager[Any]]], ...] = (
-        ("server", "one server", LocalRedis),
+        ("server", "one server", RedisServer),
         ("cluster", "3-shard cluster", lambda: LocalCluster(masters=3, replicas=0)),
     )
     note = report.note(

@@ -10,6 +10,9 @@ against the same live server cannot hit the first run's whole prompts.
 
 Streams: a prefix pool, unique prompts (no reuse), multi-turn conversations whose turns extend
 the previous prompt, and a Mooncake-format trace replayed with one block of token ids per hash id.
+
+Why one module over 500 lines: every stream shares the marker, the bust suffix and the seeding,
+which is the point (the streams stay comparable); trace reading is `cachemodel.trace`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.cachemodel.reuse import pool_reuse_distance
 from kvtier.cachemodel.trace import TraceRow, read_trace_rows
 from kvtier.errors import ConfigError
 
@@ -427,11 +431,6 @@ class Placement:
         return asdict(self)
 
 
-def reuse_distance(n_prefixes: int, prefix_len: int, tail_len: int) -> int:
-    """Distinct tokens between two uses of one prefix in a round-robin pool, itself included."""
-    return n_prefixes * (prefix_len + tail_len)
-
-
 def place_in_window(
     hbm_pool_tokens: int,
     tier_tokens: int,
@@ -464,7 +463,7 @@ def place_in_window(
     low = math.ceil(low_margin * hbm_pool_tokens)
     high = math.floor(tier_tokens / high_margin)
     n = max(min_prefixes, -(-low // per_prefix))
-    d = reuse_distance(n, prefix_len, tail_len)
+    d = pool_reuse_distance(n, prefix_len, tail_len)
     if d > high:
         raise ConfigError(
             f"no prefix pool fits the window: {n} prefixes x ({prefix_len} + {tail_len}) tokens "

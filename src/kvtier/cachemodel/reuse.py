@@ -58,6 +58,12 @@ def reuse_distances(requests: Sequence[Sequence[Hashable]]) -> list[int]:
     return out
 
 
+def pool_reuse_distance(n_prefixes: int, prefix_len: int, tail_len: int) -> int:
+    """Distinct tokens between two uses of one prefix in a round-robin pool of `n_prefixes`
+    prefixes, each request adding its own `tail_len`-token tail, the prefix itself included."""
+    return n_prefixes * (prefix_len + tail_len)
+
+
 def percentile(sorted_values: Sequence[int], p: float) -> int:
     """Nearest-rank percentile: the smallest value with at least p% of the values at or below it."""
     if not sorted_values:

@@ -5,7 +5,7 @@ chunks of a key list it holds; each server answers from its TierStack and leases
 counted under the lookup id. The answer is the minimum over ranks, with the limiting rank.
 """
 
-from kvtier.lookup.client import LookupClient, LookupResult, format_client_line
+from kvtier.lookup.client import LookupClient, format_client_line
 from kvtier.lookup.endpoints import IPC_PATH_MAX, endpoint_for, make_run_dir
 from kvtier.lookup.messages import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -19,6 +19,7 @@ from kvtier.lookup.messages import (
     Pong,
     ReleaseRequest,
 )
+from kvtier.lookup.result import LookupResult
 from kvtier.lookup.server import LookupBackend, LookupServer, serve_until
 
 __all__ = [

@@ -8,7 +8,6 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import zmq
 
@@ -20,7 +19,6 @@ from kvtier.lookup.messages import (
     MAX_LOOKUP_ID_CHARS,
     PROTOCOL_VERSION,
     REJECT_RANGE,
-    REJECT_WRONG_RANK,
     Codec,
     FrameError,
     LookupReply,
@@ -30,17 +28,14 @@ from kvtier.lookup.messages import (
     Pong,
     ReleaseRequest,
 )
+from kvtier.lookup.peers import Peers
+from kvtier.lookup.result import LookupResult, PendingLookup, deepest_tier
 from kvtier.metrics import Metrics
 
 log = logging.getLogger("kvtier")
 
 # Lookup ids per release message; keeps each frame far below the frame cap.
 _RELEASE_BATCH = 1024
-_RECONNECT_IVL_MS = 20
-_RECONNECT_IVL_MAX_MS = 500
-# Detects a silently vanished tcp peer (no RST); ipc peers are noticed by the kernel.
-_HEARTBEAT_IVL_MS = 1000
-_HEARTBEAT_TIMEOUT_MS = 3000
 
 
 def format_client_line(ranks: Iterable[int], world: int) -> str:
@@ -48,70 +43,8 @@ def format_client_line(ranks: Iterable[int], world: int) -> str:
     return f"kvtier: lookup client on ranks {sorted(ranks)} (world={world})"
 
 
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    """Minimum over ranks of the leading chunks held, and who limited it.
-
-    `limiting_rank` is the lowest-numbered rank holding the fewest chunks, or None when every
-    rank holds every key. A rank that timed out (or was skipped as down) or answered with an
-    error counts as 0; `timed_out` and `errors` say which and why.
-    """
-
-    hit_chunks: int
-    hit_tokens: int
-    limiting_rank: int | None
-    per_rank: dict[int, int]
-    timed_out: tuple[int, ...]
-    errors: dict[int, str] = field(default_factory=dict)
-    # the deepest tier any rank serves the counted run from ("" when nothing is held)
-    tier: str = ""
-
-
-# tiers from the accelerator outwards: a run's source is the outermost tier it touches
-TIER_ORDER = ("memory", "disk", "remote")
-
-
-def deepest_tier(tiers: Iterable[str]) -> str:
-    """The outermost of `tiers` (an unknown name counts as outermost; "" as none)."""
-    rank = {t: i for i, t in enumerate(TIER_ORDER)}
-    named = [t for t in tiers if t]
-    return max(named, key=lambda t: rank.get(t, len(TIER_ORDER))) if named else ""
-
-
-@dataclass(eq=False, slots=True)
-class PendingLookup:
-    """A lookup sent to the ranks and not yet settled (`LookupClient.begin` / `poll`)."""
-
-    lookup_id: str
-    req: int
-    n: int  # keys asked
-    t0: float  # perf_counter at send
-    deadline: float  # perf_counter
-    sent_at: float  # the client clock at send (for the peers' miss records)
-    targets: list[int]
-    pending: set[int]  # ranks sent to that have not answered
-    unsent: set[int]
-    per_rank: dict[int, int] = field(default_factory=dict)
-    errors: dict[int, str] = field(default_factory=dict)
-    tiers: dict[int, str] = field(default_factory=dict)
-    result: LookupResult | None = None
-
-
 def _no_other_reply(rank: int, msg: Message) -> bool:
     return False
-
-
-class _Peer:
-    """One rank's DEALER socket and its miss record (consecutive misses, next probe time)."""
-
-    __slots__ = ("endpoint", "misses", "rank", "retry_at", "sock")
-
-    def __init__(self, rank: int, endpoint: str, sock: zmq.Socket) -> None:
-        self.rank = rank
-        self.endpoint = endpoint
-        self.sock = sock
-        self.misses = 0
-        self.retry_at = 0.0
 
 
 class LookupClient:
@@ -166,24 +99,29 @@ class LookupClient:
         self.timeout_ms = timeout_ms
         self._m = metrics
         self._codec = Codec(max_frame_bytes)
-        self._ctx = context if context is not None else zmq.Context.instance()
         self._clock = clock
-        self._miss_limit = miss_limit
-        self._probe_s = probe_interval_s
         self._lock = threading.Lock()
         self._reqs = itertools.count(1)
-        self._poller = zmq.Poller()
-        self._peers: dict[int, _Peer] = {}
-        self._rank_of: dict[zmq.Socket, int] = {}
+        self._peers = Peers(
+            context if context is not None else zmq.Context.instance(),
+            metrics,
+            max_frame_bytes=self._codec.max_frame_bytes,
+            miss_limit=miss_limit,
+            probe_s=probe_interval_s,
+        )
         self._closed = False
         self._inflight: dict[int, PendingLookup] = {}  # request number -> lookup in flight
         # Diagnostics for tests and `kvtier doctor`; no metric family exists for them.
         self.stale_replies = 0
         self.dropped_releases: dict[int, int] = dict.fromkeys(self.ranks, 0)
-        self.socket_resets: dict[int, int] = dict.fromkeys(self.ranks, 0)
         for rank in self.ranks:
-            self._connect(rank, endpoints[rank])
+            self._peers.connect(rank, endpoints[rank])
         log.info(format_client_line(self.ranks, world))
+
+    @property
+    def socket_resets(self) -> dict[int, int]:
+        """Per rank, how often its socket was replaced after it went down (a diagnostic)."""
+        return self._peers.socket_resets
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -237,8 +175,9 @@ class LookupClient:
                     "raise the cap"
                 )
             now = self._clock()
-            targets = [p.rank for p in self._peers.values() if not self._is_down(p, now)]
-            sent, unsent = self._send_all(frame, [self._peers[r] for r in targets])
+            peers = self._peers.by_rank
+            targets = [p.rank for p in peers.values() if not self._peers.is_down(p, now)]
+            sent, unsent = self._peers.send_all(frame, [peers[r] for r in targets])
             p = PendingLookup(lookup_id, req, len(keys), t0, deadline, now, targets, sent, unsent)
             self._inflight[req] = p
         return p
@@ -273,13 +212,13 @@ class LookupClient:
             p.per_rank[rank] = 0
             self._m.lookup_timeout(rank).inc()
         for rank in p.targets:
-            peer = self._peers.get(rank)
+            peer = self._peers.by_rank.get(rank)
             if peer is None:
                 continue
             if rank in p.pending or rank in p.unsent:
-                self._missed(peer, p.sent_at)
+                self._peers.missed(peer, p.sent_at)
             else:
-                self._answered(peer)
+                self._peers.answered(peer)
         ordered = {r: p.per_rank[r] for r in self.ranks}
         hit = min(ordered.values())
         limiting = None if hit == p.n else next(r for r, h in ordered.items() if h == hit)
@@ -303,7 +242,7 @@ class LookupClient:
             return False
         p.pending.discard(rank)
         if msg.rank != rank:
-            self._wrong_rank(rank, msg.rank)
+            self._peers.wrong_rank(rank, msg.rank)
             p.errors[rank] = f"reply from rank {msg.rank} on rank {rank}'s endpoint"
             p.per_rank[rank] = 0
         elif msg.error is not None:
@@ -332,7 +271,7 @@ class LookupClient:
             for start in range(0, len(ids), _RELEASE_BATCH):
                 batch = ids[start : start + _RELEASE_BATCH]
                 frame = self._codec.encode(ReleaseRequest(PROTOCOL_VERSION, batch))
-                for rank, peer in self._peers.items():
+                for rank, peer in self._peers.by_rank.items():
                     try:
                         peer.sock.send(frame, zmq.NOBLOCK)
                     except zmq.Again:
@@ -367,17 +306,17 @@ class LookupClient:
                     return False
                 waiting.discard(rank)
                 if msg.rank != rank:
-                    self._wrong_rank(rank, msg.rank)
+                    self._peers.wrong_rank(rank, msg.rank)
                 else:
                     pongs[rank] = msg
                 return True
 
             frame = self._codec.encode(Ping(PROTOCOL_VERSION, nonce))
-            waiting, _ = self._send_all(frame, list(self._peers.values()))
+            waiting, _ = self._peers.send_all(frame, list(self._peers.by_rank.values()))
             self._gather(lambda: not waiting, deadline, accept)
             for rank, pong in pongs.items():
                 if pong is not None:
-                    self._answered(self._peers[rank])
+                    self._peers.answered(self._peers.by_rank[rank])
         return pongs
 
     def wait_ready(self, timeout_s: float = 10.0, probe_ms: int = 50) -> None:
@@ -389,7 +328,7 @@ class LookupClient:
                 return
             left_ms = (deadline - time.perf_counter()) * 1000.0
             if left_ms <= 0:
-                eps = {r: self._peers[r].endpoint for r in down}
+                eps = {r: self._peers.by_rank[r].endpoint for r in down}
                 raise StartupError(
                     f"lookup ranks {down} did not answer within {timeout_s}s at {eps}; "
                     "are their LookupServers started on these endpoints?"
@@ -413,11 +352,7 @@ class LookupClient:
             if self._closed:
                 return
             self._closed = True
-            for peer in self._peers.values():
-                self._poller.unregister(peer.sock)
-                peer.sock.close()
-            self._peers.clear()
-            self._rank_of.clear()
+            self._peers.close()
 
     def __enter__(self) -> LookupClient:
         return self
@@ -426,97 +361,6 @@ class LookupClient:
         self.close()
 
     # -- internals ----------------------------------------------------------------------------
-
-    def _connect(self, rank: int, endpoint: str) -> _Peer:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        # Queue only to live connections: a send to a dead rank fails at once instead of
-        # piling requests up for a server that may come back and lease them all.
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_IVL_MS)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_IVL_MAX_MS)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
-        sock.setsockopt(zmq.MAXMSGSIZE, self._codec.max_frame_bytes)
-        sock.connect(endpoint)
-        peer = self._peers[rank] = _Peer(rank, endpoint, sock)
-        self._rank_of[sock] = rank
-        self._poller.register(sock, zmq.POLLIN)
-        return peer
-
-    def _is_down(self, peer: _Peer, now: float) -> bool:
-        """Down ranks are skipped, except for one probe lookup per probe interval."""
-        return peer.misses >= self._miss_limit and now < peer.retry_at
-
-    def _missed(self, peer: _Peer, now: float) -> None:
-        peer.misses += 1
-        if peer.misses == 1:
-            log.warning("kvtier: lookup rank %d missed its deadline", peer.rank)
-        if peer.misses < self._miss_limit:
-            return
-        peer.retry_at = now + self._probe_s
-        if peer.misses == self._miss_limit:
-            log.warning(
-                "kvtier: lookup rank %d missed %d deadlines in a row: counting it as 0 without "
-                "waiting, probing every %.1fs",
-                peer.rank,
-                peer.misses,
-                self._probe_s,
-            )
-            # Whatever is queued for it (lookups a stuck server would still answer and lease)
-            # goes with the old socket; the new one connects afresh.
-            self._reset(peer)
-
-    def _answered(self, peer: _Peer) -> None:
-        if peer.misses:
-            log.info("kvtier: lookup rank %d answers again", peer.rank)
-            peer.misses = 0
-
-    def _wrong_rank(self, rank: int, got: int) -> None:
-        self._m.rejected_frame(REJECT_WRONG_RANK).inc()
-        log.error(
-            "kvtier: lookup endpoint of rank %d is served by rank %d; two ranks share an "
-            "endpoint (one run_dir per replica?)",
-            rank,
-            got,
-        )
-
-    def _reset(self, peer: _Peer) -> None:
-        """Replace a rank's socket, dropping whatever is queued on it (late replies included)."""
-        self._poller.unregister(peer.sock)
-        del self._rank_of[peer.sock]
-        peer.sock.close()
-        self.socket_resets[peer.rank] += 1
-        fresh = self._connect(peer.rank, peer.endpoint)
-        fresh.misses, fresh.retry_at = peer.misses, peer.retry_at
-
-    def _wait_writable(self, ranks: Iterable[int], timeout_ms: int) -> list[int]:
-        """Wait up to `timeout_ms` for any of `ranks` to be writable; returns the unwritable."""
-        with self._lock:
-            self._check_open()
-            socks = {self._peers[r].sock: r for r in ranks}
-            down = [r for s, r in socks.items() if not s.getsockopt(zmq.EVENTS) & zmq.POLLOUT]
-            if not down or timeout_ms <= 0:
-                return down
-            poller = zmq.Poller()
-            for r in down:
-                poller.register(self._peers[r].sock, zmq.POLLOUT)
-            ready = {socks[s] for s, _ in poller.poll(timeout_ms)}
-            return [r for r in down if r not in ready]
-
-    def _send_all(self, frame: bytes, peers: list[_Peer]) -> tuple[set[int], set[int]]:
-        """Send `frame` to `peers` without blocking; returns (sent, unsendable) ranks."""
-        pending: set[int] = set()
-        unsent: set[int] = set()
-        for peer in peers:
-            try:
-                peer.sock.send(frame, zmq.NOBLOCK)
-            except zmq.Again:
-                # No live connection, or a full queue behind a stuck server.
-                unsent.add(peer.rank)
-            else:
-                pending.add(peer.rank)
-        return pending, unsent
 
     def _gather(
         self, done: Callable[[], bool], deadline: float, accept: Callable[[int, Message], bool]
@@ -531,25 +375,25 @@ class LookupClient:
             left_ms = (deadline - time.perf_counter()) * 1000.0
             if left_ms <= 0:
                 return
-            for sock, _ in self._poller.poll(math.ceil(left_ms)):
-                rank = self._rank_of[sock]
-                while True:
-                    try:
-                        frame = sock.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    try:
-                        msg = self._codec.decode(frame)
-                    except FrameError as e:
-                        self._m.rejected_frame(e.reason).inc()
-                        log.warning("kvtier: lookup reply from rank %d rejected: %s", rank, e)
-                        continue
-                    if isinstance(msg, LookupReply):
-                        taken = self._accept_reply(rank, msg)
-                    else:
-                        taken = accept(rank, msg)
-                    if not taken:
-                        self.stale_replies += 1
+            for rank, frame in self._peers.received(math.ceil(left_ms)):
+                try:
+                    msg = self._codec.decode(frame)
+                except FrameError as e:
+                    self._m.rejected_frame(e.reason).inc()
+                    log.warning("kvtier: lookup reply from rank %d rejected: %s", rank, e)
+                    continue
+                if isinstance(msg, LookupReply):
+                    taken = self._accept_reply(rank, msg)
+                else:
+                    taken = accept(rank, msg)
+                if not taken:
+                    self.stale_replies += 1
+
+    def _wait_writable(self, ranks: Iterable[int], timeout_ms: int) -> list[int]:
+        """Wait up to `timeout_ms` for any of `ranks` to be writable; returns the unwritable."""
+        with self._lock:
+            self._check_open()
+            return self._peers.unwritable(ranks, timeout_ms)
 
     def _check_open(self) -> None:
         if self._closed:

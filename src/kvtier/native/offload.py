@@ -9,17 +9,14 @@ codec, lookup server); the scheduler half owns the `OffloadScheduler` and the al
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from prometheus_client import CollectorRegistry
 
 from kvtier.config import KVTierConfig
 from kvtier.identity import model_identity
-from kvtier.lookup import LookupClient, endpoint_for, make_run_dir
-from kvtier.metrics import MergedCollector, Metrics
+from kvtier.lookup import make_run_dir
 from kvtier.native.connector import (
     UNSPECIFIED_SOURCE,
     ConnectorContext,
@@ -33,10 +30,14 @@ from kvtier.offload import messages
 from kvtier.offload.messages import OffloadMeta
 from kvtier.offload.pages import KVCacheDescription
 from kvtier.offload.protocols import StepRequest
-from kvtier.offload.scheduler import OffloadScheduler
-from kvtier.offload.selftest import check_lookup
-from kvtier.offload.worker import OffloadWorker
-from kvtier.topology import Topology, resolve, validate_lookup_scope
+from kvtier.offload.wiring import (
+    OffloadSpec,
+    SchedulerWiring,
+    build_worker,
+    decode_step_meta,
+    encode_step_meta,
+)
+from kvtier.topology import resolve
 
 log = logging.getLogger("kvtier")
 
@@ -67,9 +68,12 @@ def build(role: ConnectorRole, context: ConnectorContext, **args: Any) -> Any:
     """Connector factory named by `connector_spec`."""
     config = KVTierConfig.from_dict(args["config"])
     topo = resolve({"tensor_parallel_size": context.tp_size}, rank=max(context.tp_rank, 0))
+    spec = OffloadSpec.derive(
+        config, args["model_id"], topo, run_dir=args["run_dir"], base_port=config.lookup_base_port
+    )
     if role is ConnectorRole.SCHEDULER:
-        return SchedulerHalf(context, config, topo, args["run_dir"], args["model_id"])
-    return WorkerHalf(context, config, topo, args["run_dir"], args["model_id"])
+        return SchedulerHalf(context, spec)
+    return WorkerHalf(context, spec)
 
 
 def _bytes_per_token(context: ConnectorContext) -> int:
@@ -78,66 +82,24 @@ def _bytes_per_token(context: ConnectorContext) -> int:
     return 2 * context.num_layers * context.num_kv_heads_per_rank * context.head_dim * itemsize
 
 
-def _endpoint(config: KVTierConfig, rank: int, run_dir: str) -> str:
-    return endpoint_for(
-        rank,
-        transport=config.lookup_transport,
-        run_dir=run_dir,
-        host=config.lookup_bind_host,
-        base_port=config.lookup_base_port,
-        allow_remote_bind=config.allow_remote_bind,
-    )
-
-
 class SchedulerHalf:
     """Engine-process half: lookups, load/save decisions, terminals, merged metrics."""
 
-    def __init__(
-        self,
-        context: ConnectorContext,
-        config: KVTierConfig,
-        topo: Topology,
-        run_dir: str,
-        model_id: str,
-    ) -> None:
-        self.config = config
+    def __init__(self, context: ConnectorContext, spec: OffloadSpec) -> None:
+        self.config = spec.config
         if context.max_model_len:
-            config.check_max_model_len(context.max_model_len)
-        self.registry = CollectorRegistry()
-        self.metrics = Metrics(rank="scheduler", registry=self.registry)
-        self.collector = MergedCollector(self.registry)
-        scope = validate_lookup_scope(config.lookup_scope, topo)
-        endpoints = {r: _endpoint(config, r, run_dir) for r in scope}
-        self.metrics.set_lookup_scope(scope, topo.world)
+            spec.config.check_max_model_len(context.max_model_len)
+        self.wiring = SchedulerWiring(
+            spec, block_size=context.block_size, bytes_per_token=_bytes_per_token(context)
+        )
+        self.metrics = self.wiring.metrics
+        self.collector = self.wiring.collector
+        self.client = self.wiring.client
+        self.core = self.wiring.core
+        self.scope = self.wiring.scope
         # the native engine always recomputes from a failed load's first bad block
         self.metrics.set_load_failure_policy(False)
-        self.client = LookupClient(
-            endpoints,
-            self.metrics,
-            chunk_size=config.chunk_size,
-            timeout_ms=config.lookup_timeout_ms,
-            world=topo.world,
-        )
-        try:
-            self.client.wait_ready(timeout_s=30.0)
-            if config.self_test:
-                check_lookup(self.client, scope)
-            self.core = OffloadScheduler(
-                config,
-                self.client,
-                model_id=model_id,
-                block_size=context.block_size,
-                world=topo.world,
-                metrics=self.metrics,
-                bytes_per_token=_bytes_per_token(context),
-            )
-        except BaseException:
-            self.client.close()
-            raise
-        self.scope = scope
-        self._step_t0: float | None = None
-        self._step_prefill = 0
-        log.info("%s", config.describe())
+        log.info("%s", spec.config.describe())
 
     # ---- vLLM-named hooks ---------------------------------------------------------------------
 
@@ -158,31 +120,19 @@ class SchedulerHalf:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMeta:
         scheduled = [StepRequest(s.seq, s.computed_after_step) for s in scheduler_output.scheduled]
         preempted = scheduler_output.preempted_req_ids
-        self._step_prefill = sum(
+        prefill = sum(
             min(s.computed_after_step, len(s.seq.prompt_token_ids)) - s.seq.num_computed_tokens
             for s in scheduler_output.scheduled
             if s.seq.num_computed_tokens < len(s.seq.prompt_token_ids)
         )
-        self._step_t0 = time.perf_counter()
-        return self.core.build_meta(scheduled, preempted)
+        return self.wiring.build_meta(scheduled, preempted, prefill)
 
     def encode_meta(self, meta: object) -> bytes:
         assert isinstance(meta, OffloadMeta)
-        return b"" if meta.is_empty() else messages.encode(meta)
+        return encode_step_meta(meta)
 
     def update_connector_output(self, output: ConnectorOutput) -> None:
-        if self._step_t0 is not None and self._step_prefill > 0:
-            self.core.observe_prefill(self._step_prefill, time.perf_counter() - self._step_t0)
-        self._step_t0 = None
-        reports = []
-        for rank, data in enumerate(output.worker_meta):
-            if not data:
-                continue
-            meta = messages.decode_report(data)
-            if meta.metrics:
-                self.collector.update(f"rank{rank}", meta.metrics)
-            reports.append(meta)
-        self.core.process_reports(reports)
+        self.wiring.step_reports(output.worker_meta)
 
     def get_external_cache_hit_sources(
         self, request: ConnectorRequest, num_external_tokens: int
@@ -199,36 +149,20 @@ class SchedulerHalf:
         self.core.request_preempted(request)
 
     def shutdown(self) -> None:
-        self.client.close()
+        self.wiring.close()
 
 
 class WorkerHalf:
     """Per-rank half: the rank's OffloadWorker behind the hook contract."""
 
-    def __init__(
-        self,
-        context: ConnectorContext,
-        config: KVTierConfig,
-        topo: Topology,
-        run_dir: str,
-        model_id: str,
-    ) -> None:
-        self.rank = topo.rank
+    def __init__(self, context: ConnectorContext, spec: OffloadSpec) -> None:
+        self.rank = spec.topo.rank
         self.context = context
-        self.registry = CollectorRegistry()
-        self.metrics = Metrics(rank=topo.rank, registry=self.registry)
-        self.worker = OffloadWorker(
-            config,
-            rank=topo.rank,
-            world=topo.world,
-            model_id=model_id,
-            metrics=self.metrics,
-            lookup_endpoint=_endpoint(config, topo.rank, run_dir),
-            # every TP rank of the native engine runs on this host
-            ranks_on_host=topo.world,
-        )
+        # every TP rank of the native engine runs on this host
+        self.worker = build_worker(spec, ranks_on_host=spec.topo.world)
+        self.metrics = self.worker.metrics
         self._meta = OffloadMeta()
-        self._report = messages.WorkerReport(rank=topo.rank)
+        self._report = messages.WorkerReport(rank=self.rank)
 
     def register_kv_caches(self, kv_caches: dict[str, Any], block_size: int) -> None:
         self.worker.register_kv_caches(
@@ -241,7 +175,7 @@ class WorkerHalf:
         )
 
     def decode_meta(self, data: bytes) -> OffloadMeta:
-        return messages.decode_meta(data) if data else OffloadMeta()
+        return decode_step_meta(data)
 
     def bind_connector_metadata(self, meta: object) -> None:
         assert isinstance(meta, OffloadMeta)

@@ -1,9 +1,7 @@
-"""The OpenAI endpoints' logic: a validated body becomes engine requests, their updates become
-OpenAI responses (vLLM's shapes), streamed as SSE or gathered.
-
-Parsing, validation and tokenization of a body run on a worker thread, so a 10 MiB prompt never
-blocks the event loop (and `/health` with it). A request asks for `n` (or `best_of`) sequences
-per prompt; each is its own engine request with the seed `seed + index`, as vLLM's children.
+"""The OpenAI endpoints' output side: the engine requests a body became (`openai_requests`, on
+a worker thread, so `/health` never waits behind a 10 MiB prompt) are submitted to the engine
+loop, and their updates become OpenAI responses (vLLM's shapes), streamed as SSE or gathered;
+`n` of `best_of` sequences are picked by cumulative logprob.
 """
 
 from __future__ import annotations
@@ -12,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,71 +21,42 @@ from starlette.concurrency import run_in_threadpool
 
 from kvtier.native.detokenizer import TextStream
 from kvtier.native.engine_loop import EngineFailure, EngineLoop, EngineUnavailable, SeqUpdate
+from kvtier.native.openai_requests import ModelInfo, Prompt, RequestBuilder, Seq
 from kvtier.native.protocol import (
     APIError,
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
     ChatCompletionLogProbsContent,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
     ChatMessage,
     CompletionLogProbs,
-    CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamResponse,
     DeltaMessage,
-    DetokenizeRequest,
-    DetokenizeResponse,
     PromptTokenUsageInfo,
-    TokenizeRequest,
-    TokenizeResponse,
     UsageInfo,
     error_body,
-    parse,
-    random_id,
 )
-from kvtier.native.sampling import SamplingParamError, SamplingParams, TokenLogprobs
+from kvtier.native.protocol_requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from kvtier.native.sampling import TokenLogprobs
 from kvtier.native.serve_metrics import ServeMetrics
-from kvtier.native.tokenizer import ChatTemplateError, Tokenizer
+from kvtier.native.tokenizer import Tokenizer
 
 log = logging.getLogger("kvtier.server")
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What request validation needs to know about the served model."""
-
-    name: str
-    max_model_len: int
-    vocab_size: int
-    room_hint: str = ""  # how to raise max_model_len, when the KV pool limits it
-
-
-@dataclass(frozen=True)
-class _Prompt:
-    ids: list[int]
-    text: str  # the prompt's text (decoded when it came as ids), for echo
-
-
-@dataclass(frozen=True)
-class _Seq:
-    """One engine request of an HTTP request: which choice it is, what it runs."""
-
-    index: int  # choice index in the response (prompt * num_sequences + sequence)
-    prompt: int  # which prompt of the batch
-    rid: str
-    params: SamplingParams
 
 
 @dataclass
 class _Choice:
     """The client's view of one sequence, filled from its updates."""
 
-    seq: _Seq
+    seq: Seq
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -182,160 +151,11 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.model = model
         self.clock = clock
-
-    # ---- preparation (worker thread) -----------------------------------------------------------
-
-    def _check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model.name:
-            raise APIError(
-                404, f"The model `{name}` does not exist; this server serves "
-                f"{self.model.name!r} (GET /v1/models)", "model",
-            )  # fmt: skip
-
-    def _need_tokenizer(self, what: str) -> Tokenizer:
-        if self.tokenizer is None:
-            raise APIError(400, f"the model directory has no tokenizer.json, so {what}", "prompt")
-        return self.tokenizer
-
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        tok = self._need_tokenizer("prompts must be token ids")
-        try:
-            return tok.encode(text, add_special_tokens=add_special_tokens)
-        except (TypeError, ValueError) as exc:
-            raise APIError(400, f"the prompt cannot be tokenized: {exc}", "prompt") from None
-
-    def _check_ids(self, ids: Sequence[int], param: str) -> None:
-        vocab = self.model.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise APIError(
-                400, f"{param} token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param
-            )
-
-    def _max_tokens(self, n_prompt: int, requested: int | None) -> int:
-        limit = self.model.max_model_len
-        if n_prompt >= limit:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {limit} tokens, and the prompt has "
-                f"{n_prompt} (prompt plus at least one generated token must fit); shorten the "
-                f"prompt{self.model.room_hint}",
-                "prompt",
-            )
-        if requested is None:
-            return limit - n_prompt
-        if n_prompt + requested > limit:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{n_prompt + requested} tokens ({n_prompt} in the prompt, {requested} in the "
-                f"completion); set max_tokens <= {limit - n_prompt}",
-                "max_tokens",
-            )
-        return requested
-
-    def _truncate(self, ids: list[int], keep: int | None) -> list[int]:
-        if keep is None or keep < 0 or len(ids) <= keep:
-            return ids  # -1: the model's limit (checked next), as vLLM
-        return ids[-keep:] if keep else []
-
-    def _params(self, req: Any, max_tokens: int, index: int) -> SamplingParams:
-        try:
-            params = req.sampling_params(max_tokens, index)
-        except SamplingParamError as exc:
-            raise APIError(400, str(exc), exc.param) from None
-        self._check_ids(params.stop_token_ids, "stop_token_ids")
-        self._check_ids(list(params.logit_bias), "logit_bias")
-        return params
-
-    def _seqs(
-        self, req: Any, prompts: list[_Prompt], max_tokens: list[int], tag: str
-    ) -> list[_Seq]:
-        base = req.request_id or random_id(tag)
-        per = req.num_sequences
-        out = []
-        for p, mt in enumerate(max_tokens):
-            for i in range(per):
-                index = p * per + i
-                rid = base if len(prompts) * per == 1 else f"{base}-{index}"
-                out.append(_Seq(index, p, rid, self._params(req, mt, i)))
-        return out
-
-    def prepare_completion(
-        self, body: bytes
-    ) -> tuple[CompletionRequest, list[_Prompt], list[_Seq]]:
-        """Parse, validate and tokenize a `/v1/completions` body."""
-        req = parse(CompletionRequest, body)
-        self._check_model(req.model)
-        prompts = []
-        limits = []
-        for p in req.prompts():
-            if isinstance(p, str):
-                ids = self._encode(p, req.add_special_tokens)
-                text = p
-            else:
-                self._check_ids(p, "prompt")
-                ids = list(p)
-                text = self.tokenizer.decode(ids) if self.tokenizer is not None else ""
-            ids = self._truncate(ids, req.truncate_prompt_tokens)
-            if not ids:
-                raise APIError(400, "the prompt has no tokens; send at least one", "prompt")
-            echo_only = bool(req.echo) and req.max_tokens == 0
-            limits.append(self._max_tokens(len(ids), 1 if echo_only else req.max_tokens))
-            prompts.append(_Prompt(ids, text))
-        return req, prompts, self._seqs(req, prompts, limits, "cmpl")
-
-    def _render_chat(
-        self,
-        messages: list[dict[str, Any]],
-        *,
-        add_generation_prompt: bool,
-        continue_final_message: bool,
-        chat_template: str | None,
-        kwargs: dict[str, Any] | None,
-        documents: list[dict[str, str]] | None = None,
-    ) -> str:
-        tok = self._need_tokenizer("chat requests cannot be served")
-        try:
-            text = tok.apply_chat_template(
-                messages,
-                add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template,
-                documents=documents,
-                **(kwargs or {}),
-            )
-        except ChatTemplateError as exc:
-            raise APIError(400, str(exc), "messages") from None
-        if continue_final_message and messages:
-            # the final message stays open: cut what the template put after its content
-            last = str(messages[-1].get("content") or "")
-            cut = text.rfind(last) if last else -1
-            if cut >= 0:
-                text = text[: cut + len(last)]
-        return text
-
-    def prepare_chat(self, body: bytes) -> tuple[ChatCompletionRequest, list[_Prompt], list[_Seq]]:
-        """Parse, validate, render the chat template and tokenize a chat body."""
-        req = parse(ChatCompletionRequest, body)
-        self._check_model(req.model)
-        text = self._render_chat(
-            req.conversation(),
-            add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message,
-            chat_template=req.chat_template,
-            kwargs=req.chat_template_kwargs,
-            documents=req.documents,
-        )
-        ids = self._truncate(self._encode(text, req.add_special_tokens), req.truncate_prompt_tokens)
-        limit = self._max_tokens(len(ids), req.requested_max_tokens)
-        prompts = [_Prompt(ids, text)]
-        return req, prompts, self._seqs(req, prompts, [limit], "chatcmpl")
+        self.requests = RequestBuilder(tokenizer, model)
 
     # ---- running (event loop) ------------------------------------------------------------------
 
-    def _submit(
-        self, req: Any, seqs: list[_Seq], prompts: list[_Prompt], arrival: float
-    ) -> _Gather:
+    def _submit(self, req: Any, seqs: list[Seq], prompts: list[Prompt], arrival: float) -> _Gather:
         reason = self.loop.health()
         if reason is not None:
             raise APIError(503, f"the engine cannot serve: {reason}")
@@ -359,7 +179,7 @@ class OpenAIServing:
         return gather
 
     async def _collect(
-        self, request: Request, gather: _Gather, seqs: list[_Seq]
+        self, request: Request, gather: _Gather, seqs: list[Seq]
     ) -> list[_Choice] | None:
         """Every sequence to its end; None when the client went away (all were aborted)."""
         choices = {s.index: _Choice(s) for s in seqs}
@@ -399,7 +219,7 @@ class OpenAIServing:
             out.extend(sorted(group, key=lambda c: -c.cumulative_logprob)[: req.n])
         return out
 
-    def _usage(self, prompts: list[_Prompt], choices: list[_Choice], echo_only: bool) -> UsageInfo:
+    def _usage(self, prompts: list[Prompt], choices: list[_Choice], echo_only: bool) -> UsageInfo:
         n_prompt = sum(len(p.ids) for p in prompts)
         completion = 0 if echo_only else sum(len(c.token_ids) for c in choices)
         first = {}
@@ -462,7 +282,7 @@ class OpenAIServing:
         """POST /v1/completions."""
         arrival = self.clock()
         body = await request.body()
-        req, prompts, seqs = await run_in_threadpool(self.prepare_completion, body)
+        req, prompts, seqs = await run_in_threadpool(self.requests.completion, body)
         gather = self._submit(req, seqs, prompts, arrival)
         rid = seqs[0].rid if len(seqs) == 1 else seqs[0].rid.rsplit("-", 1)[0]
         created = int(time.time())
@@ -498,7 +318,7 @@ class OpenAIServing:
                                         choices=out, usage=usage))  # fmt: skip
 
     async def _completion_stream(
-        self, req: CompletionRequest, prompts: list[_Prompt], seqs: list[_Seq], gather: _Gather,
+        self, req: CompletionRequest, prompts: list[Prompt], seqs: list[Seq], gather: _Gather,
         rid: str, created: int,
     ) -> AsyncIterator[str]:  # fmt: skip
         choices = {s.index: _Choice(s) for s in seqs}
@@ -557,7 +377,7 @@ class OpenAIServing:
         """POST /v1/chat/completions."""
         arrival = self.clock()
         body = await request.body()
-        req, prompts, seqs = await run_in_threadpool(self.prepare_chat, body)
+        req, prompts, seqs = await run_in_threadpool(self.requests.chat, body)
         gather = self._submit(req, seqs, prompts, arrival)
         rid = seqs[0].rid if len(seqs) == 1 else seqs[0].rid.rsplit("-", 1)[0]
         created = int(time.time())
@@ -597,7 +417,7 @@ class OpenAIServing:
         return ""
 
     async def _chat_stream(
-        self, req: ChatCompletionRequest, prompts: list[_Prompt], seqs: list[_Seq],
+        self, req: ChatCompletionRequest, prompts: list[Prompt], seqs: list[Seq],
         gather: _Gather, rid: str, created: int, echo: str,
     ) -> AsyncIterator[str]:  # fmt: skip
         choices = {s.index: _Choice(s) for s in seqs}
@@ -652,44 +472,13 @@ class OpenAIServing:
 
     # ---- tokenize ------------------------------------------------------------------------------
 
-    def _tokenize(self, body: bytes) -> TokenizeResponse:
-        req = parse(TokenizeRequest, body)
-        self._check_model(req.model)
-        if req.messages is not None:
-            chat = ChatCompletionRequest(messages=req.messages)
-            text = self._render_chat(
-                chat.conversation(),
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                chat_template=req.chat_template,
-                kwargs=req.chat_template_kwargs,
-            )
-            ids = self._encode(text, bool(req.add_special_tokens))
-        else:
-            assert req.prompt is not None
-            add = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = self._encode(req.prompt, add)
-        strs = None
-        if req.return_token_strs and self.tokenizer is not None:
-            strs = [self.tokenizer.token_text(t) for t in ids]
-        return TokenizeResponse(
-            count=len(ids), max_model_len=self.model.max_model_len, tokens=ids, token_strs=strs
-        )
-
     async def tokenize(self, request: Request) -> Response:
         """POST /tokenize."""
-        return _json(await run_in_threadpool(self._tokenize, await request.body()))
-
-    def _detokenize(self, body: bytes) -> DetokenizeResponse:
-        req = parse(DetokenizeRequest, body)
-        self._check_model(req.model)
-        self._check_ids(req.tokens, "tokens")
-        tok = self._need_tokenizer("text cannot be decoded")
-        return DetokenizeResponse(prompt=tok.decode(req.tokens))
+        return _json(await run_in_threadpool(self.requests.tokenize, await request.body()))
 
     async def detokenize(self, request: Request) -> Response:
         """POST /detokenize."""
-        return _json(await run_in_threadpool(self._detokenize, await request.body()))
+        return _json(await run_in_threadpool(self.requests.detokenize, await request.body()))
 
 
 def json_error(exc: APIError) -> JSONResponse:

@@ -1,5 +1,10 @@
 """Continuous batching with chunked prefill, recompute preemption and the connector's
-scheduler-side hooks (vLLM v1 semantics, see `kvtier.native.connector`)."""
+scheduler-side hooks (vLLM v1 semantics, see `kvtier.native.connector`).
+
+Why one module over 500 lines: one step's admission, preemption and parking rules read each
+other's state (a parked load holds its blocks, a parked request is never preempted), so they
+stay in one class; the block manager and request state are apart (`blocks`, `sequence`).
+"""
 
 from __future__ import annotations
 

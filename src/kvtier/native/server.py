@@ -27,7 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvtier.errors import StartupError
 from kvtier.native.engine import Engine
 from kvtier.native.engine_loop import DEFAULT_STALL_TIMEOUT_S, EngineLoop, EngineUnavailable
-from kvtier.native.openai_serving import ModelInfo, OpenAIServing, json_error
+from kvtier.native.openai_requests import ModelInfo
+from kvtier.native.openai_serving import OpenAIServing, json_error
 from kvtier.native.protocol import APIError, ModelCard, ModelList, error_body
 from kvtier.native.serve_metrics import CONTENT_TYPE, ServeMetrics
 from kvtier.native.tokenizer import Tokenizer

@@ -1,9 +1,11 @@
 """KV blocks <-> chunk bytes, on the KV device. Blocks are copied whole and opaque, so any page
 layout round-trips bit-exactly. A chunk payload is segment-major then block-major:
 `[seg0 blk0..blkN-1][seg1 blk0..]...`, a segment being adjacent page runs of one allocation
-(`kvtier.offload.pages`). Both directions touch device tensors only: `gather` fills a buffer on
-the KV device (device staging, or the host slot itself when the device is the host) and
-`scatter` reads one; crossing to the host is the caller's explicit copy.
+(`kvtier.offload.pages`). Segments of one allocation spaced evenly apart (a layer-outer layout's
+layers) move as one 3-D stack, so a chunk costs one copy per stack and run of blocks, not one per
+layer. Both directions touch device tensors only: `gather` fills a buffer on the KV device
+(device staging, or the host slot itself when the device is the host) and `scatter` reads one;
+crossing to the host is the caller's explicit copy.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class PageCodec:
         self.bytes_per_block = pages.bytes_per_block
         self.chunk_bytes = pages.chunk_bytes(blocks_per_chunk)
         self.device = pages.device
+        self._stacks = _stacks(pages)
 
     def _check(self, block_ids: Sequence[int], *, skips: bool) -> None:
         if len(block_ids) != self.blocks_per_chunk:
@@ -59,7 +62,8 @@ class PageCodec:
             )
 
     def _rows(self, buf: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(segment view, this chunk's rows of it in `buf`) per segment, in payload order."""
+        """(stack view `(S, num_blocks, nbytes)`, this chunk's rows of it in `buf` as
+        `(S, blocks_per_chunk, nbytes)`) per stack, in payload order."""
         if buf.dtype != torch.uint8 or buf.numel() != self.chunk_bytes:
             raise ValueError(
                 f"chunk buffer must be uint8 of {self.chunk_bytes} bytes, got {buf.dtype} of "
@@ -68,10 +72,10 @@ class PageCodec:
         n = self.blocks_per_chunk
         out = []
         off = 0
-        for seg in self.pages.segments:
-            sb = seg.nbytes
-            out.append((seg.view, buf[off : off + n * sb].view(n, sb)))
-            off += n * sb
+        for view in self._stacks:
+            count, _, sb = view.shape
+            out.append((view, buf[off : off + count * n * sb].view(count, n, sb)))
+            off += count * n * sb
         return out
 
     def gather(self, block_ids: Sequence[int], dst: torch.Tensor) -> None:
@@ -81,11 +85,11 @@ class PageCodec:
         if len(runs) <= _MAX_RUNS:
             for view, rows in self._rows(dst):
                 for p, b, n in runs:
-                    rows[p : p + n].copy_(view[b : b + n])
+                    rows[:, p : p + n].copy_(view[:, b : b + n])
             return
         idx = self.ops.index(block_ids)
         for view, rows in self._rows(dst):
-            torch.index_select(view, 0, idx, out=rows)
+            torch.index_select(view, 1, idx, out=rows)
 
     def scatter(self, src: torch.Tensor, block_ids: Sequence[int]) -> int:
         """Copy `src` (uint8 chunk bytes on the KV device) into the blocks named; -1 positions
@@ -98,11 +102,45 @@ class PageCodec:
         if len(runs) <= _MAX_RUNS:
             for view, rows in self._rows(src):
                 for p, b, n in runs:
-                    view[b : b + n].copy_(rows[p : p + n])
+                    view[:, b : b + n].copy_(rows[:, p : p + n])
             return len(keep)
         whole = len(keep) == len(block_ids)
         targets = self.ops.index([block_ids[i] for i in keep])
         positions = None if whole else self.ops.index(keep)
         for view, rows in self._rows(src):
-            view.index_copy_(0, targets, rows if positions is None else rows[positions])
+            view.index_copy_(1, targets, rows if positions is None else rows[:, positions])
         return len(keep)
+
+
+def _stacks(pages: KVPages) -> list[torch.Tensor]:
+    """Consecutive segments of one allocation with one row size and block stride, each the
+    same distance after the one before, as `(S, num_blocks, nbytes)` views (payload order)."""
+    segs = pages.segments
+    out: list[torch.Tensor] = []
+    i = 0
+    while i < len(segs):
+        first = segs[i].view
+        j = i + 1
+        step = 0
+        while j < len(segs):
+            v = segs[j].view
+            gap = v.storage_offset() - segs[j - 1].view.storage_offset()
+            same = (
+                v.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                and v.shape == first.shape
+                and v.stride() == first.stride()
+                and gap > 0
+                and (step == 0 or gap == step)
+            )
+            if not same:
+                break
+            step = gap
+            j += 1
+        count = j - i
+        nb, sb = first.shape
+        stride = step if count > 1 else nb * first.stride(0)
+        out.append(
+            first.as_strided((count, nb, sb), (stride, first.stride(0), 1), first.storage_offset())
+        )
+        i = j
+    return out

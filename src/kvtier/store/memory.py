@@ -1,6 +1,9 @@
 """The host-memory tier: one preallocated (pinned where CUDA is present) uint8 buffer cut into
 fixed slots, one chunk per slot, evicted by the chain-aware `ChainPolicy` (leaves first, chains
 touched tail-first) and verified by xxh3 on every read.
+
+Why one module over 500 lines: one class, the tier's slot table under one lock (reserve, commit,
+lease, evict, verify); the buffer (`arena`) and the eviction order (`policy`) are apart already.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -33,7 +33,8 @@ from kvtier.config import mask_url
 from kvtier.errors import ConfigError, StartupError
 from kvtier.metrics import Metrics
 from kvtier.store import record
-from kvtier.store.breaker import ShardBreakers, Transition
+from kvtier.store.breaker import ShardBreakers
+from kvtier.store.remote_guard import ShardGuard
 from kvtier.store.remote_transport import CredentialsRefused, StoreError, Timeouts, Transport
 
 if TYPE_CHECKING:
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
 _DEFAULT_WRITE_TIMEOUT_MS = 1000
 _DEFAULT_TIMEOUT_GBPS = 0.1
 # Redis' and Valkey's default `proto-max-bulk-len`, assumed when the server will not say
@@ -114,8 +114,7 @@ class RemoteTier:
             endpoint = remote_endpoint.parse(url)
         except ValueError as e:
             raise ConfigError(
-                f"remote_url={shown!r} is not a usable remote URL: {e}; "
-                f"{remote_endpoint.URL_FORMS}"
+                f"remote_url={shown!r} is not a usable remote URL: {e}; {remote_endpoint.URL_FORMS}"
             ) from None
         record_bytes = record.HEADER_BYTES + (payload_bytes or 0)
         transfer_s = record_bytes / (timeout_gbps * 1e9) if payload_bytes else 0.0
@@ -134,8 +133,6 @@ class RemoteTier:
         self._local = threading.local()
         self._resident = 0
         self._closed = False
-        self._logged: set[str] = set()
-        self._epoch = -1
         self._transport = self._connect(
             url,
             endpoint,
@@ -146,7 +143,7 @@ class RemoteTier:
             max_connections=max_connections,
             clock=clock,
         )
-        self._publish_breakers()
+        self._guard = ShardGuard(self._transport, self._breakers, metrics, shown, self.name)
         self._publish()
         reachable = self._check_server()
         self.max_value_bytes = self._value_limit(reachable, payload_bytes)
@@ -199,7 +196,7 @@ class RemoteTier:
         open breaker."""
         self._check_open()
         rkey = self._rkey(key)
-        data = self._call(rkey, lambda: self._transport.get(rkey), write=False)
+        data = self._guard.call(rkey, lambda: self._transport.get(rkey), write=False)
         if data is None:
             return None
         return self._verified(key, rkey, data)
@@ -213,7 +210,7 @@ class RemoteTier:
         rkey = self._rkey(key)
         n = dst.numel()
         buf = self._buffer("read", record.HEADER_BYTES + n)
-        got = self._call(rkey, lambda: self._transport.get_into(rkey, buf), write=False)
+        got = self._guard.call(rkey, lambda: self._transport.get_into(rkey, buf), write=False)
         if got is None:
             return False
         payload = self._verified(key, rkey, buf[:got], expected_length=n)
@@ -238,7 +235,7 @@ class RemoteTier:
         if total > self.max_value_bytes:
             # the server would drop the connection mid-value; never an outage of the store
             self._m.dropped_write(self.name, "too_large").inc()
-            self._log_once(
+            self._guard.log_once(
                 "too_large",
                 "kvtier: remote tier %s refuses a %d-byte record: over the server's "
                 "proto-max-bulk-len=%d; counted as dropped_writes{reason=too_large}",
@@ -247,7 +244,7 @@ class RemoteTier:
                 self.max_value_bytes,
             )
             return False
-        shard = self._shard(rkey)
+        shard = self._guard.shard(rkey)
         if not self._breakers[shard].allow():
             self._m.dropped_write(self.name, "breaker_open").inc()
             return False
@@ -258,9 +255,9 @@ class RemoteTier:
         try:
             existed = self._transport.put(rkey, buf, self._ttl)
         except StoreError as e:
-            self._failed(e, write=True)
+            self._guard.failed(e, write=True)
             return False
-        self._succeeded(shard)
+        self._guard.succeeded(shard)
         if not existed:
             with self._lock:
                 self._resident += total
@@ -300,7 +297,7 @@ class RemoteTier:
         if not keys:
             return []
         rkeys = [self._rkey(k) for k in keys]
-        replies = self._batch(rkeys, self._transport.exists, write=False)
+        replies = self._guard.batch(rkeys, self._transport.exists, write=False)
         return [r is True for r in replies]
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:
@@ -319,7 +316,7 @@ class RemoteTier:
         if not keys:
             return []
         rkeys = [self._rkey(k) for k in keys]
-        replies = self._batch(rkeys, self._transport.get_many, write=False)
+        replies = self._guard.batch(rkeys, self._transport.get_many, write=False)
         out: list[memoryview | None] = []
         for key, rkey, data in zip(keys, rkeys, replies, strict=True):
             ok = isinstance(data, bytes | bytearray | memoryview)
@@ -419,14 +416,14 @@ class RemoteTier:
             ) from None
         except StoreError as e:
             if not e.outage:
-                self._rejected(e, write=False)
+                self._guard.rejected(e, write=False)
                 return True
             # degrade, never break: serve without the remote until a probe finds it
             for shard in self._transport.shards():
-                self._report(shard, self._breakers[shard].trip(), e, at_startup=True)
+                self._guard.transition(shard, self._breakers[shard].trip(), e, at_startup=True)
             return False
         for shard in self._transport.shards():
-            self._report(shard, self._breakers[shard].success(), None)
+            self._guard.transition(shard, self._breakers[shard].success(), None)
         return True
 
     def _value_limit(self, reachable: bool, payload_bytes: int | None) -> int:
@@ -452,134 +449,6 @@ class RemoteTier:
             )
         return limit
 
-    def _call(self, rkey: bytes, fn: Callable[[], _T], *, write: bool) -> _T | None:
-        """`fn()` behind the key's shard breaker; None when skipped or failed (counted)."""
-        shard = self._shard(rkey)
-        if not self._breakers[shard].allow():
-            return None
-        try:
-            value = fn()
-        except StoreError as e:
-            if e.reason == "too_large" and not write:
-                # a value longer than this layout's record cannot be its chunk
-                self._m.verify_failure(self.name, "length_mismatch").inc()
-                self._succeeded(shard)
-                return None
-            self._failed(e, write)
-            return None
-        self._succeeded(shard)
-        return value
-
-    def _batch(
-        self,
-        rkeys: list[bytes],
-        send: Callable[[Sequence[bytes]], Sequence[object]],
-        *,
-        write: bool,
-    ) -> list[object]:
-        """`send` the keys whose shard's breaker allows it, as one batch; a reply per key (None
-        where skipped or failed). Each shard's outcome feeds its breaker once."""
-        shards = [self._shard(r) for r in rkeys]
-        allowed = {s: self._breakers[s].allow() for s in dict.fromkeys(shards)}
-        idx = [i for i, s in enumerate(shards) if allowed[s]]
-        out: list[object] = [None] * len(rkeys)
-        if not idx:
-            return out
-        replies = send([rkeys[i] for i in idx])
-        errors: dict[str, StoreError] = {}
-        for i, reply in zip(idx, replies, strict=True):
-            if isinstance(reply, StoreError):
-                errors.setdefault(shards[i], reply)
-            else:
-                out[i] = reply
-        for shard in dict.fromkeys(shards[i] for i in idx):
-            if shard in errors:
-                self._failed(errors[shard], write)
-            else:
-                self._succeeded(shard)
-        return out
-
-    def _succeeded(self, shard: str) -> None:
-        self._report(shard, self._breakers[shard].success(), None)
-
-    def _failed(self, e: StoreError, write: bool) -> None:
-        if not e.outage:
-            self._rejected(e, write)
-            # the server answered in time; that is what the breaker guards
-            self._succeeded(e.shard)
-            return
-        self._m.store_failure(self.name, e.reason if write else f"read_{e.reason}").inc()
-        log.debug("kvtier: remote tier %s call failed: %s", self._url, e)
-        self._report(e.shard, self._breakers[e.shard].failure(), e)
-
-    def _rejected(self, e: StoreError, write: bool) -> None:
-        reason = e.reason if write else f"read_{e.reason}"
-        self._m.store_failure(self.name, reason).inc()
-        self._log_once(
-            reason,
-            "kvtier: remote tier %s refused a %s (%s); counted as store_failures{reason=%s}",
-            self._url,
-            "write" if write else "read",
-            e,
-            reason,
-        )
-
-    def _log_once(self, what: str, msg: str, *args: object) -> None:
-        # once per reason: a full store refuses every write, and the counter carries the rate
-        with self._lock:
-            first = what not in self._logged
-            self._logged.add(what)
-        log.log(logging.WARNING if first else logging.DEBUG, msg, *args)
-
-    def _report(
-        self,
-        shard: str,
-        transition: Transition | None,
-        cause: BaseException | None,
-        at_startup: bool = False,
-    ) -> None:
-        if transition is None:
-            return
-        self._publish_breakers()
-        if transition is Transition.OPENED:
-            why = (
-                "is unreachable at startup"
-                if at_startup
-                else f"failed {self._breakers.failures} calls in a row"
-            )
-            log.warning(
-                "kvtier: remote tier %s shard %s %s (%s); circuit breaker open: its reads miss "
-                "and writes are dropped, probing again every %.1fs",
-                self._url,
-                shard,
-                why,
-                cause if cause is not None else "no error",
-                self._breakers.probe_s,
-            )
-        elif transition is Transition.REOPENED:
-            log.debug("kvtier: remote tier %s shard %s probe failed: %s", self._url, shard, cause)
-        else:
-            log.info(
-                "kvtier: remote tier %s shard %s answers again; circuit breaker closed",
-                self._url,
-                shard,
-            )
-            # after an outage the owners may have changed (a replica promoted)
-            self._transport.refresh()
-
-    def _shard(self, rkey: bytes) -> str:
-        """The shard of `rkey`; republishes the breakers when the topology changed."""
-        if self._transport.epoch != self._epoch:
-            self._publish_breakers()
-        return self._transport.shard_of(rkey)
-
-    def _publish_breakers(self) -> None:
-        # a shard the topology no longer has (a failed-over master) is no longer shed: no key
-        # maps to it, so its open breaker would never be probed closed
-        self._epoch = self._transport.epoch
-        self._breakers.retain(set(self._transport.shards()))
-        self._m.breaker(self.name).set(len(self._breakers.open_shards()))
-
     def _verified(
         self,
         key: bytes,
@@ -599,7 +468,7 @@ class RemoteTier:
             # best effort: content-addressed chunks make a racing rewrite harmless (it is
             # simply written again later)
             n = len(data)
-            if self._call(rkey, lambda: self._transport.delete(rkey), write=True):
+            if self._guard.call(rkey, lambda: self._transport.delete(rkey), write=True):
                 with self._lock:
                     self._resident = max(0, self._resident - n)
                     self._publish_locked()

@@ -19,9 +19,11 @@ from typing import Any
 
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
-from kvtier.lookup.endpoints import check_private_dir, endpoint_for
+from kvtier.lookup.endpoints import check_private_dir
+from kvtier.offload.wiring import OffloadSpec
+from kvtier.topology import Topology
 
-__all__ = ["lookup_base_port", "lookup_endpoint", "remove_if_empty", "run_dir_for", "sweep_stale"]
+__all__ = ["lookup_base_port", "offload_spec", "remove_if_empty", "run_dir_for", "sweep_stale"]
 
 log = logging.getLogger("kvtier")
 
@@ -135,14 +137,10 @@ def lookup_base_port(config: KVTierConfig, vllm_config: Any, dp_rank: int, world
     return base + dp_rank * world
 
 
-def lookup_endpoint(config: KVTierConfig, rank: int, run_dir: Path, base_port: int) -> str:
-    """`rank`'s lookup server endpoint: an ipc socket in `run_dir`, or tcp on `base_port + rank`
-    (the scheduler and each worker derive the same one)."""
-    return endpoint_for(
-        rank,
-        transport=config.lookup_transport,
-        run_dir=run_dir,
-        host=config.lookup_bind_host,
-        base_port=base_port,
-        allow_remote_bind=config.allow_remote_bind,
-    )
+def offload_spec(
+    config: KVTierConfig, vllm_config: Any, topo: Topology, run_dir: Path, model_id: str
+) -> OffloadSpec:
+    """The spec the scheduler and every worker of this engine replica are built from: the same
+    lookup endpoints, ipc sockets in `run_dir` or tcp from `lookup_base_port`."""
+    base_port = lookup_base_port(config, vllm_config, topo.dp_rank, topo.world)
+    return OffloadSpec.derive(config, model_id, topo, run_dir=run_dir, base_port=base_port)

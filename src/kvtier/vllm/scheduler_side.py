@@ -9,23 +9,17 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import KVTierConfig
-from kvtier.lookup import LookupClient
-from kvtier.metrics import MergedCollector, Metrics
-from kvtier.offload import messages
-from kvtier.offload.messages import WorkerReport
 from kvtier.offload.protocols import StepRequest
-from kvtier.offload.scheduler import OffloadScheduler
-from kvtier.offload.selftest import check_lookup
 from kvtier.offload.steps import STATS
-from kvtier.topology import Topology, resolve, validate_lookup_scope
+from kvtier.offload.wiring import SchedulerWiring, encode_step_meta
+from kvtier.topology import Topology, resolve
 from kvtier.vllm.events import KVEvents, kv_events_enabled
 from kvtier.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
 from kvtier.vllm.request_view import VLLMRequestView
-from kvtier.vllm.rundir import lookup_base_port, lookup_endpoint
+from kvtier.vllm.rundir import offload_spec
 from kvtier.vllm.stats import KVTierStats, StatsDelta
 
 if TYPE_CHECKING:
@@ -81,43 +75,21 @@ class SchedulerSide:
         # the scheduler is no rank; topology comes from parallel_config, never a guess of 1
         topo: Topology = resolve(vllm_config, rank=0)
         role = str(vllm_config.kv_transfer_config.kv_role or "kv_both")
-        scope = validate_lookup_scope(config.lookup_scope, topo)
-        base_port = lookup_base_port(config, vllm_config, topo.dp_rank, topo.world)
-        endpoints = {r: lookup_endpoint(config, r, run_dir, base_port) for r in scope}
-        self.registry = CollectorRegistry()
-        self.metrics = Metrics(rank="scheduler", registry=self.registry)
-        self.metrics.set_lookup_scope(scope, topo.world)
-        self.collector = MergedCollector(self.registry)
-        self.client = LookupClient(
-            endpoints,
-            self.metrics,
-            chunk_size=config.chunk_size,
-            timeout_ms=config.lookup_timeout_ms,
-            world=topo.world,
+        spec = offload_spec(config, vllm_config, topo, run_dir, model_id)
+        self.wiring = SchedulerWiring(
+            spec,
+            block_size=block_size,
+            bytes_per_token=_bytes_per_token(kv_cache_config, block_size),
+            # prefill/decode hand-off through a shared tier: a producer only saves, a consumer
+            # only loads
+            loads=role != "kv_producer",
+            saves=role != "kv_consumer",
         )
-        try:
-            # every worker registered its caches (and started its lookup server) before vLLM
-            # builds the scheduler, so a silent rank here is a startup error, not a race
-            self.client.wait_ready(timeout_s=_READY_TIMEOUT_S)
-            if config.self_test:
-                check_lookup(self.client, scope)
-            self.core = OffloadScheduler(
-                config,
-                self.client,
-                model_id=model_id,
-                block_size=block_size,
-                world=topo.world,
-                metrics=self.metrics,
-                bytes_per_token=_bytes_per_token(kv_cache_config, block_size),
-                # prefill/decode hand-off through a shared tier: a producer only saves, a
-                # consumer only loads
-                loads=role != "kv_producer",
-                saves=role != "kv_consumer",
-            )
-        except BaseException:
-            self.client.close()
-            raise
-        self.scope = scope
+        self.metrics = self.wiring.metrics
+        self.collector = self.wiring.collector
+        self.client = self.wiring.client
+        self.core = self.wiring.core
+        self.scope = self.wiring.scope
         # kept only when vLLM publishes KV events (routers learn what the tiers hold)
         self.events: KVEvents | None = None
         if kv_events_enabled(vllm_config):
@@ -126,8 +98,6 @@ class SchedulerSide:
         # requests with a load in flight: vLLM itself delays their frees until finished_recving
         self._loading: set[str] = set()
         self._vllm_frees: set[str] = set()
-        self._step_t0: float | None = None
-        self._step_prefill = 0
         self._stats = StatsDelta()
         self._stats_at = -_STATS_EVERY_S
         # set by every hook that may move a metric; the merged view is walked only then
@@ -223,7 +193,7 @@ class SchedulerSide:
             n = out.num_scheduled_tokens.get(req_id, 0)
             scheduled.append(StepRequest(view, computed + n))
             prefill += _prefill_tokens(view, computed, n)
-        meta = self.core.build_meta(scheduled, out.preempted_req_ids or ())
+        meta = self.wiring.build_meta(scheduled, out.preempted_req_ids or (), prefill)
         if self.events is not None:
             for op in (*meta.saves, *meta.loads):
                 view = self.views.get(op.req_id)
@@ -234,16 +204,11 @@ class SchedulerSide:
             self._vllm_frees.clear()
         for op in meta.loads:
             self._loading.add(op.req_id)
-        self._step_prefill = prefill
-        self._step_t0 = time.perf_counter()
-        return KVTierConnectorMetadata(b"" if meta.is_empty() else messages.encode(meta))
+        return KVTierConnectorMetadata(encode_step_meta(meta))
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """Every rank's report (op results, metrics) into the core's quorum."""
-        if self._step_t0 is not None and self._step_prefill > 0:
-            self.core.observe_prefill(self._step_prefill, time.perf_counter() - self._step_t0)
-        self._step_t0 = None
-        reports: list[WorkerReport] = []
+        data: list[bytes] = []
         worker_meta = output.kv_connector_worker_meta
         if worker_meta is not None:
             if not isinstance(worker_meta, KVTierWorkerMetadata):
@@ -251,14 +216,10 @@ class SchedulerSide:
                     f"worker metadata is {type(worker_meta).__name__}, not KVTierWorkerMetadata"
                 )
             self._dirty = True
-            for data in worker_meta.reports:
-                report = messages.decode_report(data)
-                if report.metrics:
-                    self.collector.update(f"rank{report.rank}", report.metrics)
-                if report.changes and self.events is not None:
-                    self.events.changed(report.changes)
-                reports.append(report)
-        self.core.process_reports(reports)
+            data = list(worker_meta.reports)
+        for report in self.wiring.step_reports(data):
+            if report.changes and self.events is not None:
+                self.events.changed(report.changes)
         for req_id in output.finished_recving or ():
             self._loading.discard(req_id)
 
@@ -291,7 +252,7 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         """Close the lookup client."""
-        self.client.close()
+        self.wiring.close()
 
 
 def _prefill_tokens(view: VLLMRequestView, computed: int, scheduled: int) -> int:

@@ -7,19 +7,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from prometheus_client import CollectorRegistry
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvtier.config import KVTierConfig
-from kvtier.metrics import Metrics
 from kvtier.offload import messages
 from kvtier.offload.messages import OffloadMeta, WorkerReport
 from kvtier.offload.pages import KVCacheDescription
-from kvtier.offload.worker import OffloadWorker
+from kvtier.offload.wiring import build_worker, decode_step_meta
 from kvtier.topology import resolve
 from kvtier.vllm.events import kv_events_enabled
 from kvtier.vllm.metadata import KVTierConnectorMetadata
-from kvtier.vllm.rundir import lookup_base_port, lookup_endpoint
+from kvtier.vllm.rundir import offload_spec
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -104,20 +102,13 @@ class WorkerSide:
         self.kv_cache_config = kv_cache_config
         self.rank = topo.rank
         self.block_size = block_size
-        self.registry = CollectorRegistry()
-        self.metrics = Metrics(rank=topo.rank, registry=self.registry)
-        base_port = lookup_base_port(config, vllm_config, topo.dp_rank, topo.world)
-        self.worker = OffloadWorker(
-            config,
-            rank=topo.rank,
-            world=topo.world,
-            model_id=model_id,
-            metrics=self.metrics,
-            lookup_endpoint=lookup_endpoint(config, topo.rank, run_dir, base_port),
+        self.worker = build_worker(
+            offload_spec(config, vllm_config, topo, run_dir, model_id),
             ranks_on_host=ranks_on_host(vllm_config),
             # rank 0 reports what its tiers hold for KV events (TP ranks mirror each other)
             report_changes=topo.rank == 0 and kv_events_enabled(vllm_config),
         )
+        self.metrics = self.worker.metrics
         self.meta = OffloadMeta()
         self.report = WorkerReport(rank=topo.rank)
 
@@ -141,7 +132,7 @@ class WorkerSide:
                 f"connector metadata is {type(meta).__name__}, not KVTierConnectorMetadata; "
                 "the scheduler and workers of one engine must all run KVTierConnector"
             )
-        self.meta = messages.decode_meta(meta.data) if meta.data else OffloadMeta()
+        self.meta = decode_step_meta(meta.data)
         self.worker.begin_step()
 
     def clear(self) -> None:

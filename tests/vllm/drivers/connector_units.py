@@ -28,7 +28,8 @@ def check_reset_cache_starts_a_new_epoch_and_returns_true() -> None:
         block_size=16, world=1, metrics=Metrics(rank="scheduler"),
     )  # fmt: skip
     scheduler_role = object.__new__(KVTierConnector)
-    scheduler_role._scheduler = SimpleNamespace(core=core)  # type: ignore[assignment]
+    # the scheduler half's reset: a new epoch in the core (and, with KV events, a clear)
+    scheduler_role._scheduler = SimpleNamespace(core=core, reset=core.reset)  # type: ignore[assignment]
     assert scheduler_role.reset_cache() is True and core.epoch == 1
     assert scheduler_role.reset_cache() is True and core.epoch == 2
     worker_role = object.__new__(KVTierConnector)

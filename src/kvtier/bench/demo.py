@@ -15,11 +15,20 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvtier.bench import e2e
-from kvtier.bench.analysis import MetricSet
 from kvtier.bench.arms import ServerConfig, ServerProcess, free_port, settled_metrics
 from kvtier.bench.client import run_load
 from kvtier.bench.table import print_report, report_console
 from kvtier.bench.workload import RequestSpec
+from kvtier.scrape import (
+    EXT_HITS,
+    EXT_QUERIES,
+    HBM_HITS,
+    HBM_QUERIES,
+    LOADS,
+    RETRIEVED,
+    SCHEDULER,
+    MetricSet,
+)
 
 CHUNK = 64
 RESTORE_PROMPTS = 8
@@ -69,21 +78,21 @@ def restore_check(model: Path, tp: int, env: dict[str, str], say: Any) -> dict[s
         res = asyncio.run(_two_passes(server.base_url, specs))
     delta: MetricSet = res["end"].delta(res["mid"])
     prompt = sum(len(s.prompt) for s in specs)
-    ext = delta.total("vllm:external_prefix_cache_hits_total")
-    hbm = delta.total("vllm:prefix_cache_hits_total")
+    ext = delta.total(EXT_HITS)
+    hbm = delta.total(HBM_HITS)
     same = [
         a.output_ids == b.output_ids
         for a, b in zip(res["first"].records, res["second"].records, strict=True)
     ]
     end: MetricSet = res["end"]
-    per_rank_tokens = end.by_label("kvtier_retrieved_tokens_total", "rank")
-    per_rank_loads = end.by_label("kvtier_load_seconds_count", "rank")
-    per_rank_tokens.pop("scheduler", None)
-    per_rank_loads.pop("scheduler", None)
-    queries = end.total("vllm:prefix_cache_queries_total")
-    hits = end.total("vllm:prefix_cache_hits_total")
-    ext_q = end.total("vllm:external_prefix_cache_queries_total")
-    ext_total = end.total("vllm:external_prefix_cache_hits_total")
+    per_rank_tokens = end.by_label(RETRIEVED, "rank")
+    per_rank_loads = end.by_label(LOADS, "rank")
+    per_rank_tokens.pop(SCHEDULER, None)
+    per_rank_loads.pop(SCHEDULER, None)
+    queries = end.total(HBM_QUERIES)
+    hits = end.total(HBM_HITS)
+    ext_q = end.total(EXT_QUERIES)
+    ext_total = end.total(EXT_HITS)
     return {
         "prompt_tokens": prompt,
         "external_hits": ext,

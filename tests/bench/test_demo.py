@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvtier.demo import restore_check
+from kvtier.bench.demo import restore_check
 from kvtier.native.modelgen import init_model
 
 

@@ -1,0 +1,277 @@
+"""The checks of what must stay at zero, closed or moving: verify, save, store and load
+failures, dropped writes, leases, lookup timeouts, skipped loads, breakers, the load-failure
+policy and the engine's progress."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtier.doctor.result import (
+    BREAKERS,
+    LEASES,
+    LOAD_FAILURES,
+    POLICY,
+    PROGRESS,
+    SKIPPED,
+    STORE_FAILURES,
+    TIMEOUTS,
+    Check,
+    Status,
+)
+from kvtier.doctor.samples import Samples, fmt, num
+from kvtier.scrape import (
+    FAILED_LOADS,
+    KV_USAGE,
+    RUNNING,
+    SCHEDULER,
+    STALL_SECONDS,
+    STALLED,
+    STORE_FAILED,
+    WAITING,
+)
+
+# A target that missed at least this share of the scheduler's lookups is as good as gone: most
+# lookups come back as misses because of it, so it fails the gate instead of warning.
+LOOKUP_TIMEOUT_FAIL_SHARE = 0.5
+# store-failure reasons after which a tier takes no write until space or rights come back
+WRITE_REFUSED = ("enospc", "read_only", "no_permission")
+FAILS_REQUEST = "kvtier_load_failure_fails_request"
+
+
+def absent(name: str, family: str) -> Check:
+    """UNDETERMINED: the server does not export `family`, so its count is unknown."""
+    return Check(
+        name,
+        Status.UNDETERMINED,
+        f"the server exports no {family}, so its count is unknown, not zero (a kvtier older "
+        "than this doctor, or a host that exports counters only after their first increment)",
+        {},
+    )
+
+
+def counted(
+    name: str,
+    s: Samples,
+    family: str,
+    labels: tuple[str, ...],
+    bad: Status,
+    what: str,
+    why: str,
+) -> Check:
+    """A counter that must stay at zero: `bad` with its counts by `labels` (and per rank)."""
+    if not s.exported(family):
+        return absent(name, family)
+    by = {"/".join(k): v for k, v in s.group(family, *labels).items() if v}
+    by_rank = {str(r): num(v) for r, v in s.per_rank(family).items() if v}
+    sched = s.group(family, *labels, rank=SCHEDULER)
+    numbers = {
+        "total": num(sum(by.values())),
+        "by": {k: num(v) for k, v in sorted(by.items())},
+        "by_rank": by_rank,
+        "scheduler": {"/".join(k): num(v) for k, v in sorted(sched.items()) if v},
+    }
+    if not by:
+        return Check(name, Status.PASS, f"no {what}", numbers)
+    key = "/".join(labels)
+    return Check(
+        name,
+        bad,
+        f"{num(sum(by.values()))} {what} by {key}: {fmt(by)} (per rank: {fmt(by_rank)}); {why}",
+        numbers,
+    )
+
+
+def load_failures(s: Samples) -> Check:
+    """Loads that failed (each recomputed), by reason and by rank."""
+    if not s.exported(FAILED_LOADS):
+        return absent(LOAD_FAILURES, FAILED_LOADS)
+    ops = {r: v for (r,), v in s.group(FAILED_LOADS, "reason", rank=SCHEDULER).items() if v}
+    ranks = {
+        f"{r}/{why}": v
+        for (r, why), v in s.group(FAILED_LOADS, "rank", "reason").items()
+        if v and r != SCHEDULER
+    }
+    numbers = {
+        "ops_by_reason": {r: num(v) for r, v in sorted(ops.items())},
+        "by_rank_reason": {k: num(v) for k, v in sorted(ranks.items())},
+    }
+    if not ops and not ranks:
+        return Check(LOAD_FAILURES, Status.PASS, "no load failed", numbers)
+    return Check(
+        LOAD_FAILURES,
+        Status.WARN,
+        f"{num(sum(ops.values()))} loads failed, by reason: {fmt(ops)} (rank/reason: "
+        f"{fmt(ranks)}); each was recomputed, costing its hit",
+        numbers,
+    )
+
+
+def leases(s: Samples) -> Check:
+    """Leases that expired or were released twice: a release path missed or doubled."""
+    if not s.exported("kvtier_lease_expiries_total"):
+        return absent(LEASES, "kvtier_lease_expiries_total")
+    exp = s.per_rank("kvtier_lease_expiries_total")
+    dbl = s.per_rank("kvtier_lease_double_releases_total")
+    numbers = {
+        "expiries": num(sum(exp.values())),
+        "double_releases": num(sum(dbl.values())),
+        "expiries_by_rank": {str(r): num(v) for r, v in sorted(exp.items()) if v},
+        "double_releases_by_rank": {str(r): num(v) for r, v in sorted(dbl.items()) if v},
+    }
+    if not any(exp.values()) and not any(dbl.values()):
+        return Check(LEASES, Status.PASS, "no lease expired and none was released twice", numbers)
+    return Check(
+        LEASES,
+        Status.WARN,
+        f"lease expiries {num(sum(exp.values()))} (per rank: {fmt(exp)}), double releases "
+        f"{num(sum(dbl.values()))} (per rank: {fmt(dbl)}): a release path was missed "
+        "(expiries) or ran twice (double releases); chunks were held until the deadline",
+        numbers,
+    )
+
+
+def timeouts(s: Samples) -> Check:
+    """Lookup timeouts per target rank; a rank missing most lookups fails."""
+    if not s.exported("kvtier_lookup_timeouts_total"):
+        return absent(TIMEOUTS, "kvtier_lookup_timeouts_total")
+    per_target = {
+        t: v
+        for (t,), v in s.group("kvtier_lookup_timeouts_total", "target", rank=SCHEDULER).items()
+        if v
+    }
+    lookups = s.scheduler_value("kvtier_lookups_total") or 0.0
+    numbers = {
+        "lookups": num(lookups),
+        "timeouts_by_target": {t: num(v) for t, v in sorted(per_target.items())},
+    }
+    if not per_target:
+        return Check(TIMEOUTS, Status.PASS, f"no timeout in {num(lookups)} lookups", numbers)
+    gone = sorted(
+        t for t, v in per_target.items() if lookups > 0 and v >= LOOKUP_TIMEOUT_FAIL_SHARE * lookups
+    )
+    said = f"timeouts per target rank: {fmt(per_target)} in {num(lookups)} lookups"
+    if gone:
+        return Check(
+            TIMEOUTS,
+            Status.FAIL,
+            f"{said}: ranks {gone} missed at least {LOOKUP_TIMEOUT_FAIL_SHARE:.0%} of lookups, "
+            "so their lookup servers are down or stuck and most hits are lost",
+            numbers,
+        )
+    return Check(
+        TIMEOUTS, Status.WARN, f"{said}: each one cost a hit (raise lookup_timeout_ms?)", numbers
+    )
+
+
+def skipped(s: Samples) -> Check:
+    """Tier hits the scheduler chose not to load, by reason (informational)."""
+    by = {r: v for (r,), v in s.group("kvtier_skipped_loads_total", "reason").items() if v}
+    numbers = {"by_reason": {r: num(v) for r, v in sorted(by.items())}}
+    said = f"tier hits not loaded, by reason: {fmt(by)}" if by else "no tier hit was skipped"
+    return Check(SKIPPED, Status.PASS, f"{said} (informational)", numbers)
+
+
+def store_failures(s: Samples) -> Check:
+    """Tier writes that failed; a tier refusing every write and evicting nothing is frozen."""
+    if not s.exported(STORE_FAILED):
+        return absent(STORE_FAILURES, STORE_FAILED)
+    by = {f"{t}/{r}": v for (t, r), v in s.group(STORE_FAILED, "tier", "reason").items() if v}
+    evicted = {t: v for (t,), v in s.group("kvtier_evictions_total", "tier").items()}
+    frozen = sorted(
+        {k.split("/")[0] for k in by if k.split("/")[1] in WRITE_REFUSED}
+        - {t for t, v in evicted.items() if v > 0}
+    )
+    numbers = {
+        "by_tier_reason": {k: num(v) for k, v in sorted(by.items())},
+        "by_rank": {str(r): num(v) for r, v in s.per_rank(STORE_FAILED).items() if v},
+        "evictions_by_tier": {t: num(v) for t, v in sorted(evicted.items())},
+        "frozen_tiers": frozen,
+    }
+    if not by:
+        return Check(STORE_FAILURES, Status.PASS, "no tier write failed", numbers)
+    said = f"{num(sum(by.values()))} tier writes failed, by tier/reason: {fmt(by)}"
+    if frozen:
+        return Check(
+            STORE_FAILURES,
+            Status.FAIL,
+            f"{said}; the {', '.join(frozen)} tier refuses writes ({', '.join(WRITE_REFUSED)}) "
+            "and evicted nothing: it is frozen, every new chunk is lost to it (free space or "
+            "fix its permissions, or lower its budget)",
+            numbers,
+        )
+    return Check(
+        STORE_FAILURES,
+        Status.WARN,
+        f"{said}; those chunks are missing from that tier (a full or unreachable store)",
+        numbers,
+    )
+
+
+def progress(s: Samples) -> Check:
+    """The engine's own stall signal; without it, the wedge signature of one scrape."""
+    running, waiting, usage = s.total(RUNNING), s.total(WAITING), s.total(KV_USAGE)
+    numbers: dict[str, Any] = {
+        "running": num(running), "waiting": num(waiting), "kv_cache_usage": num(usage),
+    }  # fmt: skip
+    if s.exported(STALLED):
+        stalled_s = s.total(STALL_SECONDS)
+        numbers.update(stalled=num(s.total(STALLED)), stall_seconds=num(stalled_s))
+        if s.total(STALLED) >= 1:
+            return Check(
+                PROGRESS,
+                Status.FAIL,
+                f"wedged: requests are queued ({num(waiting)} waiting, {num(running)} "
+                f"running) and no engine step made progress for {stalled_s:.0f} s "
+                f"(kv_cache_usage {usage:.2f}); /health answers 503 for the same reason",
+                numbers,
+            )
+        return Check(PROGRESS, Status.PASS, "engine steps keep making progress", numbers)
+    if s.has(RUNNING) and s.has(WAITING) and running == 0 and waiting > 0 and usage >= 0.99:
+        return Check(
+            PROGRESS,
+            Status.WARN,
+            f"the wedge signature: nothing running, {num(waiting)} waiting, KV cache "
+            f"{usage:.0%} used; the server exports no {STALLED}, so scrape again: if it "
+            "holds, the engine is stuck",
+            numbers,
+        )
+    return Check(
+        PROGRESS,
+        Status.UNDETERMINED,
+        f"the server exports no {STALLED} (vLLM, or an older kvtier server); "
+        f"{num(running)} running, {num(waiting)} waiting",
+        numbers,
+    )
+
+
+def breakers(s: Samples) -> Check:
+    """Every circuit breaker closed."""
+    state = s.group("kvtier_breaker_open", "rank", "tier")
+    open_ = sorted(f"rank {r} {t}" for (r, t), v in state.items() if v >= 1)
+    numbers = {"open": open_, "breakers": len(state)}
+    if open_:
+        return Check(
+            BREAKERS,
+            Status.FAIL,
+            f"circuit breaker open: {', '.join(open_)}; that tier is skipped until a probe "
+            "succeeds (check the remote store)",
+            numbers,
+        )
+    return Check(BREAKERS, Status.PASS, f"no breaker open ({len(state)} watched)", numbers)
+
+
+def policy(s: Samples) -> Check:
+    """A failed tier load is recomputed, not failed (inside a MultiConnector too)."""
+    if not s.exported(FAILS_REQUEST):
+        return absent(POLICY, FAILS_REQUEST)
+    fails = s.scheduler_value(FAILS_REQUEST)
+    if fails:
+        return Check(
+            POLICY,
+            Status.FAIL,
+            "a failed tier load fails its request: kvtier runs inside a MultiConnector whose "
+            'kv_load_failure_policy is not recompute; set "kv_load_failure_policy": '
+            '"recompute" on the MultiConnector (the top-level --kv-transfer-config)',
+            {"fails_request": fails},
+        )
+    return Check(POLICY, Status.PASS, "a failed tier load is recomputed", {"fails_request": 0})

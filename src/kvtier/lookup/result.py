@@ -1,0 +1,56 @@
+"""What a lookup answers: the minimum over ranks of the leading chunks held, who limited it and
+the deepest tier of the counted run; and a lookup still in flight."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """Minimum over ranks of the leading chunks held, and who limited it.
+
+    `limiting_rank` is the lowest-numbered rank holding the fewest chunks, or None when every
+    rank holds every key. A rank that timed out (or was skipped as down) or answered with an
+    error counts as 0; `timed_out` and `errors` say which and why.
+    """
+
+    hit_chunks: int
+    hit_tokens: int
+    limiting_rank: int | None
+    per_rank: dict[int, int]
+    timed_out: tuple[int, ...]
+    errors: dict[int, str] = field(default_factory=dict)
+    # the deepest tier any rank serves the counted run from ("" when nothing is held)
+    tier: str = ""
+
+
+# tiers from the accelerator outwards: a run's source is the outermost tier it touches
+TIER_ORDER = ("memory", "disk", "remote")
+
+
+def deepest_tier(tiers: Iterable[str]) -> str:
+    """The outermost of `tiers` (an unknown name counts as outermost; "" as none)."""
+    rank = {t: i for i, t in enumerate(TIER_ORDER)}
+    named = [t for t in tiers if t]
+    return max(named, key=lambda t: rank.get(t, len(TIER_ORDER))) if named else ""
+
+
+@dataclass(eq=False, slots=True)
+class PendingLookup:
+    """A lookup sent to the ranks and not yet settled (`LookupClient.begin` / `poll`)."""
+
+    lookup_id: str
+    req: int
+    n: int  # keys asked
+    t0: float  # perf_counter at send
+    deadline: float  # perf_counter
+    sent_at: float  # the client clock at send (for the peers' miss records)
+    targets: list[int]
+    pending: set[int]  # ranks sent to that have not answered
+    unsent: set[int]
+    per_rank: dict[int, int] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
+    tiers: dict[int, str] = field(default_factory=dict)
+    result: LookupResult | None = None
