@@ -453,7 +453,7 @@ def test_describe_is_one_line_summary() -> None:
     assert line == (
         "kvtier: offload on; chunk=256 tokens; memory=64GiB/rank; disk=1TiB at /mnt/kv; "
         "remote=off; lookup=ipc over ranks [0, 1, 2, 3] within 200ms; min_load=256 tokens; "
-        "load_gate=on; self_test=on"
+        "load_gate=on; sync_load_fraction=0.25; self_test=on"
     )
     assert KVTierConfig(enabled=False).describe() == "kvtier: offload off"
 

@@ -338,6 +338,12 @@ class KVTierConfig:
     min_load_tokens: int | None = _f(None, "opt_int", "smallest load worth doing; None = 1 chunk")
     write_queue_depth: int = _f(256, "int", "bound of each write-behind queue")
     load_gate: bool = _f(True, "bool", "skip loads predicted slower than recompute")
+    sync_load_fraction: float = _f(
+        0.25,
+        "float",
+        "a load runs inside its step's forward when predicted to take at most this share of a "
+        "step; 0 = every load asynchronous",
+    )
     prefill_tokens_per_s: float = _f(2000.0, "float", "seed of the prefill-speed estimate")
     memory_read_gbps: float = _f(5.0, "float", "seed of the memory-tier read-speed estimate")
     disk_read_gbps: float = _f(1.0, "float", "seed of the disk-tier read-speed estimate")
@@ -532,6 +538,12 @@ class KVTierConfig:
                 f"{_show('lookup_wait_ms', self.lookup_wait_ms)} is negative; use 0 to never "
                 "block the scheduler loop, or a few ms (5, the default)",
             )
+        if self.sync_load_fraction < 0:
+            raise _error(
+                "sync_load_fraction",
+                f"{_show('sync_load_fraction', self.sync_load_fraction)} is negative; use 0 "
+                "for asynchronous loads only, or a share of a step such as 0.25 (the default)",
+            )
         if self.min_load_tokens is not None and self.min_load_tokens < 0:
             raise _error(
                 "min_load_tokens",
@@ -591,6 +603,7 @@ class KVTierConfig:
             f"lookup={self.lookup_transport} over {scope} within {self.lookup_timeout_ms}ms; "
             f"min_load={self.effective_min_load_tokens} tokens; "
             f"load_gate={'on' if self.load_gate else 'off'}; "
+            f"sync_load_fraction={self.sync_load_fraction:g}; "
             f"self_test={'on' if self.self_test else 'off'}"
         )
 

@@ -35,6 +35,28 @@ _LATENCY_BUCKETS = (
     5.0,
     10.0,
 )
+# per-step costs: a hook's share of a step lies between ten microseconds and the step itself
+_STEP_BUCKETS = (
+    0.00001,
+    0.000025,
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
+# engine steps a request waited parked per load (0 = loaded inside the forward of its step)
+_STEP_COUNT_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 
 
 @dataclass(frozen=True)
@@ -71,6 +93,10 @@ class _Families:
     load_seconds: Histogram
     save_seconds: Histogram
     scheduler_lookup_seconds: Histogram
+    hook_seconds: Histogram
+    step_seconds: Histogram
+    load_parked_steps: Histogram
+    sync_loads: Counter
 
 
 def _build(reg: CollectorRegistry) -> _Families:
@@ -80,8 +106,10 @@ def _build(reg: CollectorRegistry) -> _Families:
     def g(name: str, doc: str, *labels: str) -> Gauge:
         return Gauge(f"kvtier_{name}", doc, ("rank", *labels), registry=reg)
 
-    def h(name: str, doc: str) -> Histogram:
-        return Histogram(f"kvtier_{name}", doc, ("rank",), registry=reg, buckets=_LATENCY_BUCKETS)
+    def h(
+        name: str, doc: str, *labels: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS
+    ) -> Histogram:
+        return Histogram(f"kvtier_{name}", doc, ("rank", *labels), registry=reg, buckets=buckets)
 
     return _Families(
         lookups=c("lookups", "Lookups answered (server) or sent (client)."),
@@ -138,6 +166,26 @@ def _build(reg: CollectorRegistry) -> _Families:
             "Time the engine's scheduler loop waited on lookups, per call (lookups in flight "
             "are polled again next step instead of blocking it).",
         ),
+        hook_seconds=h(
+            "hook_seconds",
+            "Time spent in one kvtier hook (lookup, meta, reports, stats, load, save, report), "
+            "summed per engine step in which it ran.",
+            "hook",
+            buckets=_STEP_BUCKETS,
+        ),
+        step_seconds=h(
+            "step_seconds",
+            "One engine step on this rank, from the step's metadata to its report (the "
+            "forward and every kvtier hook inside it).",
+            buckets=_STEP_BUCKETS,
+        ),
+        load_parked_steps=h(
+            "load_parked_steps",
+            "Engine steps a request waited parked per load (0 = loaded inside its step's "
+            "forward).",
+            buckets=_STEP_COUNT_BUCKETS,
+        ),
+        sync_loads=c("sync_loads", "Loads finished inside the forward of their step."),
     )
 
 
@@ -194,6 +242,12 @@ class Metrics:
         self.load_seconds = f.load_seconds.labels(r)
         self.save_seconds = f.save_seconds.labels(r)
         self.dropped_tier_changes = f.dropped_tier_changes.labels(r)
+        self.step_seconds = f.step_seconds.labels(r)
+        self.load_parked_steps = f.load_parked_steps.labels(r)
+        self.sync_loads = f.sync_loads.labels(r)
+
+    def hook(self, name: str) -> Histogram:
+        return self.f.hook_seconds.labels(str(self.rank), name)
 
     def lookup_timeout(self, target: int) -> Counter:
         return self.f.lookup_timeouts.labels(str(self.rank), str(target))

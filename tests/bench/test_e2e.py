@@ -226,3 +226,20 @@ def test_quick_run_against_real_servers(tmp_path: Path) -> None:
     assert rows["identity.retrieved_eq_external_hits"]["pass"] is True
     assert rows["requests.failed"]["value"] == 0
     assert all(s["exit_code"] == 0 for s in meta["servers"])
+    # where the ON arm's step time went, per window, from the server's kvtier histograms
+    assert all(w["step_breakdown"] is None for w in windows if w["arm"] == "off")
+    for w in (w for w in windows if w["arm"] == "on"):
+        b = w["step_breakdown"]
+        assert b["steps"] > 0 and 0 < b["step_p50_ms"] <= b["step_p99_ms"], b
+        hooks = {(h["side"], h["hook"]): h for h in b["hooks"]}
+        for side, hook in (("scheduler", "lookup"), ("scheduler", "meta"), ("ranks", "load")):
+            assert hooks[side, hook]["steps"] > 0 and hooks[side, hook]["per_step_ms"] > 0
+        assert b["lookup_calls"] > 0 and b["lookup_call_p50_ms"] > 0
+    pool_steps = on_pool["step_breakdown"]
+    # every load of the window ended (parked steps observed), in the forward or parked
+    assert pool_steps["loads"] > 0 and 0 <= pool_steps["sync_loads"] <= pool_steps["loads"]
+    assert pool_steps["parked_mean_steps"] is not None
+    for row in ("step_ms", "scheduler.lookup", "ranks.load", "lookup_call_ms", "parked_steps"):
+        assert f"steps.prefix_pool.{row}" in rows
+    assert rows["no_reuse.output_throughput.worst_rep"]["target"] == ">= 0.97 x"
+    assert rows["no_reuse.ttft_p50_ms.worst_rep"]["target"] == "<= 1.03 x"

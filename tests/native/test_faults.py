@@ -358,7 +358,11 @@ def test_stuck_load_lane_is_failed_by_the_per_load_deadline(
     caplog.set_level(logging.INFO, logger="kvtier")
     ttl = 1.0
     fault = {"fault": "stuck", "fail_rank": 0, "fail_loads": 1}
-    with kvtier_engine(tiny_model, tmp_path / "run", fault=fault, lease_ttl_s=ttl) as eng:
+    # the deadline guards the load lane: every load asynchronous (a synchronous one runs in
+    # the forward's own thread, from the memory tier only)
+    with kvtier_engine(
+        tiny_model, tmp_path / "run", fault=fault, lease_ttl_s=ttl, sync_load_fraction=0
+    ) as eng:
         half = eng.executor.runner.connector
         assert isinstance(half, FaultyLoadWorkerHalf)
         worker = half.worker

@@ -259,3 +259,52 @@ def test_tcp_lookups_listen_on_lookup_base_port(tiny_model, tmp_path, prompts, b
         eng.reset_prefix_cache()
         assert [o.output_token_ids for o in eng.generate(prompts[:2], GREEDY)] == baseline[:2]
         assert eng.stats()["external_prefix_cache_hits"] == 2 * 256
+
+
+# a share no load exceeds: every load after the first measured step runs inside its forward
+ALWAYS_SYNC = {"sync_load_fraction": 1e9}
+
+
+def test_sync_loads_finish_inside_the_forward_of_their_step(
+    tiny_model, tmp_path, whole_chunk_prompts, whole_chunk_baseline, caplog
+):
+    caplog.set_level(logging.INFO, logger="kvtier")
+    prompts = whole_chunk_prompts
+    with kvtier_engine(tiny_model, tmp_path, **ALWAYS_SYNC) as eng:
+        eng.generate(prompts, GREEDY)
+        eng.reset_prefix_cache()
+        before = eng.stats()
+        second = eng.generate(prompts, GREEDY)
+        after = eng.stats()
+        assert [o.output_token_ids for o in second] == whole_chunk_baseline
+        ext = after["external_prefix_cache_hits"] - before["external_prefix_cache_hits"]
+        assert ext == 8 * 319
+        # every load ran in its request's first step: none parked it, each counted once
+        assert scheduler_metric(eng, "sync_loads_total") == 8
+        assert scheduler_metric(eng, "load_parked_steps_count") == 8
+        assert scheduler_metric(eng, "load_parked_steps_sum") == 0
+        assert rank_total(eng, "retrieved_tokens_total") == after["external_prefix_cache_hits"]
+    lines = [r.getMessage() for r in caplog.records if "Retrieved" in r.getMessage()]
+    assert len(lines) == 8
+    assert all("Retrieved 319 of 319" in m and m.endswith("in the forward)") for m in lines)
+
+
+def test_a_failed_sync_load_is_recomputed_in_the_next_step(tiny_model, tmp_path, prompts, baseline):
+    with kvtier_engine(tiny_model, tmp_path, verify_memory_reads=True, **ALWAYS_SYNC) as eng:
+        eng.generate(prompts, GREEDY)
+        memory = _worker(eng).stack.memory
+        keys = list(memory._index)
+        memory.lease("test", keys)
+        for key in keys:
+            memory.view(key)[100:164] ^= 0x5A
+        memory.release("test")
+        eng.reset_prefix_cache()
+        outs = eng.generate(prompts, GREEDY)
+        # the forward of the failed loads' step read bad blocks; the engine threw that step's
+        # work for them away and recomputed from the first bad block: same greedy outputs
+        assert [o.output_token_ids for o in outs] == baseline
+        assert scheduler_metric(eng, "sync_loads_total") == 8
+        assert scheduler_metric(eng, "load_failures_total", reason="miss") == 8
+        assert eng.stats()["external_prefix_cache_hits"] == 0
+        assert eng.stats()["external_load_failures"] == 8
+        assert rank_total(eng, "retrieved_tokens_total") == 0

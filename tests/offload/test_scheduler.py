@@ -378,3 +378,76 @@ def test_reset_starts_a_namespace_epoch_that_reaches_no_older_chunk():
     sched.reset()
     sched.get_num_new_matched_tokens(SlotView("c", p), 0)
     assert not set(lookup.keys[-1]) & (old_keys | set(lookup.keys[-2]))
+
+
+def _admit(sched: OffloadScheduler, req: str, n_tokens: int) -> tuple[SlotView, int]:
+    view = SlotView(req, prompt(n_tokens, salt=ord(req[0])))
+    need = sched.get_num_new_matched_tokens(view, 0)
+    assert need and need > 0
+    assert sched.update_state_after_alloc(view, blocks(n_tokens), need) == need
+    return view, need
+
+
+def test_a_load_that_fits_the_share_of_a_step_runs_in_the_forward():
+    sched, _, metrics = make(hits=3, world=1, sync_load_fraction=0.25)
+    # a busy step measured between its meta and its reports feeds the step estimate
+    sched.build_meta([StepRequest(SlotView("w", prompt(8)), 8)])
+    sched.process_reports([])
+    assert sched.gate.step.samples == 1
+    _admit(sched, "a", 3 * CHUNK + 4)
+    assert not sched.load_is_async("a")
+    (op,) = sched.build_meta([]).loads
+    assert op.sync
+    report_all(sched, op.op_id, world=1)
+    # it never parked its request
+    assert metrics.value("load_parked_steps_count") == 1
+    assert metrics.value("load_parked_steps_sum") == 0
+    assert metrics.value("sync_loads_total") == 1
+
+
+def test_an_async_load_counts_the_steps_its_request_waited():
+    sched, _, metrics = make(hits=3, world=1, sync_load_fraction=0.0)
+    sched.build_meta([StepRequest(SlotView("w", prompt(8)), 8)])
+    sched.process_reports([])
+    _admit(sched, "a", 3 * CHUNK + 4)
+    assert sched.load_is_async("a")
+    (op,) = sched.build_meta([]).loads  # step 1: sent to the ranks, the request parks
+    assert not op.sync
+    sched.build_meta([])  # steps 2 and 3 pass without its terminal
+    sched.build_meta([])
+    report_all(sched, op.op_id, world=1)  # reported after step 3: it resumes in step 4
+    assert metrics.value("load_parked_steps_sum") == 3
+    assert metrics.value("sync_loads_total") == 0
+
+
+def test_sync_loads_of_one_step_share_its_budget():
+    lookup = FakeLookup(3)
+    metrics = Metrics(rank=0)
+    config = KVTierConfig(chunk_size=CHUNK, load_gate=False, sync_load_fraction=0.25)
+    sched = OffloadScheduler(
+        config,
+        lookup,
+        model_id="m",
+        block_size=BLOCK,
+        world=1,
+        metrics=metrics,
+        load_tokens_per_s=1e5,  # 96 tokens: 0.96 ms
+    )
+    sched.gate.observe_step(0.004)  # a quarter of a 4 ms step: room for one such load
+    _admit(sched, "a", 3 * CHUNK + 4)
+    _admit(sched, "b", 3 * CHUNK + 4)
+    assert [sched.load_is_async(r) for r in "ab"] == [False, True]
+    assert [op.sync for op in sched.build_meta([]).loads] == [True, False]
+    # a new step has the whole share again
+    _admit(sched, "c", 3 * CHUNK + 4)
+    assert not sched.load_is_async("c")
+
+
+def test_a_stack_with_lower_tiers_keeps_every_load_asynchronous():
+    # a read from disk or a remote store may block: it never runs inside the forward
+    sched, _, metrics = make(
+        hits=3, world=1, sync_load_fraction=1e9, remote_url="redis://127.0.0.1:6379/0"
+    )
+    sched.gate.observe_step(1.0)
+    _admit(sched, "a", 3 * CHUNK + 4)
+    assert sched.load_is_async("a")

@@ -170,6 +170,52 @@ def test_preemption_during_an_in_flight_save_commits_nothing(rig) -> None:  # ty
     assert worker.take_report().results[0].ok and worker.stack.memory.contains(KEY_B)
 
 
+def test_sync_load_is_in_the_blocks_when_start_load_kv_returns(rig, caplog) -> None:  # type: ignore[no-untyped-def]
+    worker, ops, views = rig
+    want = blocks(views, [3, 4])
+    save(worker, "r1", KEY_A, [3, 4])
+    assert worker.wait_idle(WAIT_S)
+    worker.take_report()
+    assert worker.stack.lookup([KEY_A], "lk1") == 1
+    # the load lane is stuck behind nothing of ours: a sync load never goes through it
+    load = LoadOp("r2#ld", "r2", "lk1", [ChunkRef(KEY_A, [9, 8])], CHUNK, sync=True)
+    with caplog.at_level("INFO", logger="kvtier"):
+        worker.start_load_kv(OffloadMeta(loads=[load]))
+    # no wait: the forward that follows start_load_kv reads these blocks
+    assert all(torch.equal(a, b) for a, b in zip(blocks(views, [9, 8]), want, strict=True))
+    report = worker.take_report()
+    # its request runs in this step, so it is never finished_recving; the scheduler gets its result
+    assert report.finished_recving == [] and report.invalid_block_ids == []
+    assert [(r.op_id, r.ok) for r in report.results] == [("r2#ld", True)]
+    lines = [r for r in caplog.records if "Retrieved" in r.getMessage()]
+    assert len(lines) == 1
+    line = lines[0].getMessage()
+    assert line.startswith("kvtier[rank 0/1]: Retrieved 32 of 32 required tokens (")
+    assert line.endswith(", in the forward)")
+    assert lines[0].threadName == threading.current_thread().name  # not the load lane
+    # counted once, when the agreed terminal arrives (a repeat of it counts nothing)
+    assert worker.metrics.value("retrieved_tokens_total") == 0
+    worker.start_load_kv(OffloadMeta(load_terminals={"r2#ld": True}))
+    worker.start_load_kv(OffloadMeta(load_terminals={"r2#ld": True}))
+    assert worker.metrics.value("retrieved_tokens_total") == CHUNK
+    # the load released its lease: releasing it again is a counted no-op
+    worker.stack.release("lk1")
+    assert worker.metrics.value("lease_double_releases_total") == 1
+
+
+def test_failed_sync_load_reports_its_blocks_in_its_own_step(rig) -> None:  # type: ignore[no-untyped-def]
+    worker, ops, views = rig
+    assert worker.stack.lookup([KEY_B], "lk1") == 0
+    load = LoadOp("r2#ld", "r2", "lk1", [ChunkRef(KEY_B, [9, 8])], CHUNK, sync=True)
+    worker.start_load_kv(OffloadMeta(loads=[load]))
+    report = worker.take_report()
+    # the host recomputes the request from its first bad block, in the step that follows
+    assert sorted(report.invalid_block_ids) == [8, 9]
+    assert report.finished_recving == []
+    assert [(r.ok, r.reason) for r in report.results] == [(False, "miss")]
+    assert worker.metrics.value("load_failures_total", reason="miss") == 1
+
+
 @pytest.mark.parametrize("fault", ["drop", "raise"])
 def test_the_self_test_stops_startup_when_the_codec_cannot_move_a_block(
     fault: str, monkeypatch: pytest.MonkeyPatch

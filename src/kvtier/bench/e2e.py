@@ -44,6 +44,7 @@ from kvtier.bench.arms import (
     arm_order,
     run_arm,
 )
+from kvtier.bench.breakdown import Breakdown, breakdown
 from kvtier.bench.ceiling import Ceiling, hbm_ceiling, infinite_ceiling, tier_ceiling
 from kvtier.bench.table import Report, Row, Target, write_json
 from kvtier.bench.vllm_host import EXAMPLE, KVTIER, NONE, VLLM_ARMS, VLLM_BLOCK_SIZE, VLLMArmRun
@@ -73,6 +74,7 @@ DEFAULT_MEMORY_BYTES = "256MiB"
 KV_DTYPE = "float32"
 BLOCK_SIZE = 16
 NO_REUSE_TARGET = 0.97
+NO_REUSE_TTFT_TARGET = 1.03
 
 NATIVE = "native"
 VLLM = "vllm"
@@ -557,6 +559,7 @@ class _WindowResult:
     counters: analysis.Counters
     identities: list[analysis.Identity]
     checks: list[analysis.Identity]
+    steps: Breakdown | None = None  # where the step time went (kvtier arms only)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -567,6 +570,7 @@ class _WindowResult:
             "counters": self.counters.to_json(),
             "identities": [i.to_json() for i in self.identities],
             "client_server": [i.to_json() for i in self.checks],
+            "step_breakdown": None if self.steps is None else self.steps.to_json(),
         }
 
 
@@ -587,6 +591,7 @@ def _analyse(run: ArmRun, window: Window, tp: int, *, has_retrieved: bool = True
         counters,
         analysis.identities(counters, tp, run.offload, has_retrieved=has_retrieved),
         analysis.client_server_checks(records, counters),
+        breakdown(window.delta, tp) if run.offload and has_retrieved else None,
     )
 
 
@@ -821,6 +826,8 @@ def _report(
             raw=metric(OFF, q, "ttft_p50_ms"),
         )
     )
+    _no_reuse_worst(report, pick(ON, q), pick(OFF, q), "ON/OFF")
+    _breakdown_rows(report, results, ON)
 
     report.meta["windows"] = [x.to_json() for x in results]
     report.meta["outputs"] = {w: [c.to_json() for c in cs] for w, cs in comparisons.items()}
@@ -836,6 +843,174 @@ def _report(
         for r in runs
     ]
     return report
+
+
+_WORKLOAD_NAMES = {PREFIX_POOL: "prefix pool", NO_REUSE: "no reuse"}
+
+
+def _breakdown_rows(report: Report, results: Sequence[_WindowResult], arm: str) -> None:
+    """Per workload, `arm`'s step time on the ranks and what each kvtier hook took of it (ms
+    per step; ratio = share of the step), the lookup calls and the steps a load parks its
+    request; means over the repetitions, each repetition in the detail."""
+    note = report.note(
+        "step breakdown from the kvtier histograms on /metrics: step = one engine step on a "
+        "rank, from its metadata to its report (the forward and every hook inside); a hook's "
+        "value is its total time per engine step (ratio = its share of the step) and its "
+        "detail the p50/p99 over the steps it ran in; scheduler hooks run in the engine "
+        "process before (lookup, meta) and after (reports, stats) the forward, rank hooks "
+        "around it (load: start_load_kv, where synchronous loads run; save: queueing saves; "
+        "report: the rank's report and metrics snapshot); parked = engine steps a request "
+        "waited per load, 0 for a load finished inside its step's forward"
+    )
+    for workload in (PREFIX_POOL, NO_REUSE):
+        xs = sorted(
+            (x for x in results if x.arm == arm and x.workload == workload and x.steps),
+            key=lambda x: x.rep,
+        )
+        if not xs:
+            continue
+        name = _WORKLOAD_NAMES[workload]
+        steps = [x.steps for x in xs if x.steps is not None]
+        step_mean = _known_mean([b.step_mean_ms for b in steps])
+
+        p50 = _known_mean([b.step_p50_ms for b in steps])
+        if p50 is None:
+            continue
+        report.add(
+            Row(
+                f"steps.{workload}.step_ms",
+                f"{name}: kvtier step time per rank, p50 (raw = mean) {note}",
+                p50,
+                "ms",
+                raw=_positive(step_mean or 0.0),
+                detail={
+                    **_rep_values(xs, "p50", lambda b: b.step_p50_ms),
+                    **_rep_values(xs, "p99", lambda b: b.step_p99_ms),
+                    **_rep_values(xs, "steps", lambda b: b.steps),
+                },
+            )
+        )
+        for hook in steps[0].hooks:
+            costs = [c for b in steps if (c := b.hook(hook.hook)) is not None]
+            per_step = _known_mean([c.per_step_ms for c in costs])
+            if per_step is None or not any(c.steps for c in costs):
+                continue
+            report.add(
+                Row(
+                    f"steps.{workload}.{hook.side}.{hook.hook}",
+                    f"{name}: {hook.hook} ({hook.side}), ms per step (raw = step mean)",
+                    per_step,
+                    "ms",
+                    raw=_positive(step_mean or 0.0),
+                    detail={
+                        **_rep_values(xs, "p50_ms", lambda b, h=hook.hook: _cost(b, h, "p50_ms")),
+                        **_rep_values(xs, "p99_ms", lambda b, h=hook.hook: _cost(b, h, "p99_ms")),
+                        **_rep_values(xs, "steps_run", lambda b, h=hook.hook: _cost(b, h, "steps")),
+                    },
+                )
+            )
+        calls = _known_mean([b.lookup_call_p50_ms for b in steps])
+        if calls is not None:
+            report.add(
+                Row(
+                    f"steps.{workload}.lookup_call_ms",
+                    f"{name}: scheduler wait per lookup call, p50 (raw = step mean)",
+                    calls,
+                    "ms",
+                    raw=_positive(step_mean or 0.0),
+                    detail={
+                        **_rep_values(xs, "p99_ms", lambda b: b.lookup_call_p99_ms),
+                        **_rep_values(xs, "calls", lambda b: b.lookup_calls),
+                    },
+                )
+            )
+        parked = _known_mean([b.parked_mean_steps for b in steps])
+        if parked is not None:
+            report.add(
+                Row(
+                    f"steps.{workload}.parked_steps",
+                    f"{name}: steps a request waited parked per load, mean",
+                    parked,
+                    "steps",
+                    detail={
+                        **_rep_values(xs, "p50", lambda b: b.parked_p50_steps),
+                        **_rep_values(xs, "p99", lambda b: b.parked_p99_steps),
+                        **_rep_values(xs, "loads", lambda b: b.loads),
+                        **_rep_values(xs, "sync_loads", lambda b: b.sync_loads),
+                    },
+                )
+            )
+
+
+def _no_reuse_worst(
+    report: Report, a: Sequence[_WindowResult], base: Sequence[_WindowResult], what: str
+) -> None:
+    """The no-reuse targets, met in every repetition: throughput and TTFT p50 ratios."""
+    for name, label, target in (
+        ("output_throughput", "output tok/s", Target("value", ">=", NO_REUSE_TARGET)),
+        ("ttft_p50_ms", "TTFT p50", Target("value", "<=", NO_REUSE_TTFT_TARGET)),
+    ):
+        row = _worst_rep_row(
+            f"{NO_REUSE}.{name}.worst_rep",
+            f"no reuse: {label} {what}, worst repetition",
+            a,
+            base,
+            name,
+            target,
+        )
+        if row is not None:
+            report.add(row)
+
+
+def _rep_values(
+    xs: Sequence[_WindowResult], field: str, of: Callable[[Breakdown], Any]
+) -> dict[str, float]:
+    """`of(breakdown)` of each repetition, under `rep<N>.<field>` (unknown values left out)."""
+    return {
+        f"rep{x.rep}.{field}": float(v)
+        for x in xs
+        if x.steps is not None and (v := of(x.steps)) is not None
+    }
+
+
+def _cost(b: Breakdown, hook: str, field: str) -> float | None:
+    c = b.hook(hook)
+    return None if c is None else getattr(c, field)
+
+
+def _known_mean(xs: Sequence[float | None]) -> float | None:
+    known = [x for x in xs if x is not None]
+    return _mean(known) if known else None
+
+
+def _worst_rep_row(
+    key: str,
+    label: str,
+    a: Sequence[_WindowResult],
+    base: Sequence[_WindowResult],
+    name: str,
+    target: Target,
+) -> Row | None:
+    """The worst paired repetition ratio of `name` (`a` over `base`) against `target`: the
+    lowest for a ">=" target, the highest for "<="; each repetition's ratio in the detail."""
+    ratios = {
+        f"rep{x.rep}.ratio": r
+        for x, b in zip(a, base, strict=True)
+        if (
+            r := analysis.on_off_ratio(
+                float(getattr(x.summary, name)), float(getattr(b.summary, name))
+            )
+        )
+        is not None
+    }
+    if not ratios:
+        return None
+    worst = min(ratios.values()) if target.op == ">=" else max(ratios.values())
+    values = list(ratios.values())
+    detail: dict[str, float] = {**ratios, "mean": statistics.fmean(values)}
+    if len(values) >= 2:
+        detail["sd"] = statistics.stdev(values)
+    return Row(key, label, worst, "x", target=target, detail=detail)
 
 
 def _window(runs: Sequence[ArmRun], arm: str, rep: int, workload: str) -> Window:
@@ -1329,6 +1504,23 @@ def _report_vllm(
                     detail=_per_rep_arms(pick(arm, q), pick(NONE, q), name, arm),
                 )
             )
+    _no_reuse_worst(report, pick(KVTIER, q), pick(NONE, q), "kvtier / no connector")
+    for name, what, target in (
+        ("output_throughput", "output tok/s", Target("ratio", ">=", 1.0)),
+        ("ttft_p50_ms", "TTFT p50", Target("ratio", "<=", 1.0)),
+    ):
+        report.add(
+            Row(
+                f"{p}.{name}.{KVTIER}_vs_{EXAMPLE}",
+                f"prefix pool: {what}, kvtier (raw = ExampleConnector)",
+                metric(KVTIER, p, name),
+                "tok/s" if name == "output_throughput" else "ms",
+                raw=_positive(metric(EXAMPLE, p, name)),
+                target=target,
+                detail=_per_rep_arms(pick(KVTIER, p), pick(EXAMPLE, p), name, KVTIER),
+            )
+        )
+    _breakdown_rows(report, results, KVTIER)
 
     report.meta["windows"] = [x.to_json() for x in results]
     report.meta["outputs"] = {

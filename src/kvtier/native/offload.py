@@ -109,8 +109,8 @@ class SchedulerHalf:
         n = self.core.get_num_new_matched_tokens(request, num_computed_tokens)
         if n is None:
             return None, False  # not known yet: the engine asks again next step
-        # loads run on each rank's load lane: the request parks until they report
-        return (n, True) if n > 0 else (0, False)
+        # a load predicted to take a small share of a step runs inside the forward (False)
+        return (n, self.core.load_is_async(request.request_id)) if n > 0 else (0, False)
 
     def update_state_after_alloc(
         self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
@@ -180,6 +180,7 @@ class WorkerHalf:
     def bind_connector_metadata(self, meta: object) -> None:
         assert isinstance(meta, OffloadMeta)
         self._meta = meta
+        self.worker.begin_step()
 
     def handle_preemptions(self, preempted_req_ids: set[str]) -> None:
         # a loading request is parked, never running, so only saves can touch these blocks

@@ -1,7 +1,9 @@
-"""The load gate: skip a tier load whose predicted time exceeds recomputing the same tokens.
+"""The load gate: skip a tier load whose predicted time exceeds recomputing the same tokens, and
+choose where a load runs: inside the forward of its step (synchronous) when it is predicted to
+take a small share of a step, else on the load lane while its request waits (asynchronous).
 
-Both rates are running estimates (exponentially weighted), seeded from the config and updated
-from every finished load and every prefill step the host reports.
+The rates and the step time are running estimates (exponentially weighted), seeded from the
+config and updated from every finished load and every step the host reports.
 """
 
 from __future__ import annotations
@@ -27,6 +29,23 @@ class Rate:
 
 
 @dataclass
+class Duration:
+    """An exponentially weighted duration in seconds; unknown (None) until observed."""
+
+    value: float | None = None
+    alpha: float = 0.2
+    samples: int = 0
+
+    def observe(self, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        self.value = (
+            seconds if self.value is None else self.value + self.alpha * (seconds - self.value)
+        )
+        self.samples += 1
+
+
+@dataclass
 class LoadGate:
     """Compares predicted load time with predicted recompute time for a token count."""
 
@@ -35,6 +54,7 @@ class LoadGate:
     # per-op fixed cost (dispatch, lookup round trip, wake-up step), measured as the residual
     overhead_s: float = 0.002
     per_tier: dict[str, Rate] = field(default_factory=dict)
+    step: Duration = field(default_factory=Duration)  # one busy engine step, sync loads left out
 
     @classmethod
     def seeded(
@@ -58,6 +78,26 @@ class LoadGate:
     def worth_loading(self, tokens: int) -> bool:
         """True when loading `tokens` is predicted to be no slower than recomputing them."""
         return self.load_seconds(tokens) <= self.recompute_seconds(tokens)
+
+    def transfer_seconds(self, tokens: int, tier: str | None = None) -> float:
+        """Predicted time to move `tokens` from `tier` (the blend of every tier when unknown)
+        into KV blocks, without the per-op overhead an asynchronous load adds."""
+        rate = self.per_tier.get(tier, self.load) if tier else self.load
+        return tokens / rate.value
+
+    def runs_in_forward(
+        self, tokens: int, fraction: float, booked_s: float = 0.0, tier: str | None = None
+    ) -> bool:
+        """True when loading `tokens` inside the coming forward, after `booked_s` of other
+        synchronous loads, is predicted to take at most `fraction` of a step. False while no
+        step has been measured, and always when `fraction` is 0."""
+        step = self.step.value
+        if fraction <= 0 or step is None:
+            return False
+        return booked_s + self.transfer_seconds(tokens, tier) <= fraction * step
+
+    def observe_step(self, seconds: float) -> None:
+        self.step.observe(seconds)
 
     def observe_load(self, tokens: int, seconds: float, tier: str = "") -> None:
         self.load.observe(tokens, seconds)

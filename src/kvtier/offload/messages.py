@@ -21,7 +21,9 @@ class ChunkRef(msgspec.Struct, frozen=True, array_like=True):
 
 class LoadOp(msgspec.Struct, frozen=True):
     """Read chunks from the tier into KV blocks; `tokens` is what the load claims and
-    `first_chunk` the index of its first chunk in the prompt."""
+    `first_chunk` the index of its first chunk in the prompt. A `sync` load is finished inside
+    `start_load_kv`, before the step's forward reads its blocks, and reports no
+    finished_recving (its request is running, not parked)."""
 
     op_id: str
     req_id: str
@@ -29,6 +31,7 @@ class LoadOp(msgspec.Struct, frozen=True):
     chunks: list[ChunkRef]
     tokens: int
     first_chunk: int = 0
+    sync: bool = False
 
 
 class SaveOp(msgspec.Struct, frozen=True):

@@ -23,6 +23,7 @@ from kvtier.offload.gate import LoadGate
 from kvtier.offload.messages import ChunkRef, LoadOp, OffloadMeta, SaveOp, WorkerReport
 from kvtier.offload.protocols import LookupPort, RequestView, StepRequest
 from kvtier.offload.quorum import Quorum, Terminal
+from kvtier.offload.steps import LOOKUP, META, REPORTS, HookClock
 
 log = logging.getLogger("kvtier")
 
@@ -45,6 +46,8 @@ class _Load:
     lookup_id: str
     block_ids: list[int] | None = None
     op_id: str | None = None
+    sync: bool = False  # finished inside its step's forward, its request never parked
+    step: int = 0  # the engine step that sent it to the ranks
 
 
 @dataclass
@@ -134,6 +137,13 @@ class OffloadScheduler:
             config.prefill_tokens_per_s, load_tokens_per_s or seeds.get("memory"), seeds
         )
         self.min_load = config.effective_min_load_tokens
+        # the tier of a hit when the lookup names none: "memory" only where there is no other
+        self._sync_tier = "" if config.disk_bytes or config.remote_url else "memory"
+        self.clock = HookClock(metrics)
+        self._step = 0  # engine steps so far (build_meta calls)
+        self._step_t0: float | None = None  # when the busy step in flight was built
+        self._sync_booked_s = 0.0  # predicted seconds of the sync loads promised this step
+        self._sync_done_s = 0.0  # measured seconds of the sync loads that ended this step
 
     # ---- lookup -------------------------------------------------------------------------------
 
@@ -144,10 +154,21 @@ class OffloadScheduler:
         not known yet (a lookup still in flight, or another request's load is bringing the
         same chunks into HBM): the host asks again at a later step.
 
-        A positive answer holds a lease on every rank until the load's terminal or a withdrawal.
+        A positive answer holds a lease on every rank until the load's terminal or a withdrawal;
+        `load_is_async` then says where the load runs.
         """
         if not self.config.enabled:
             return 0
+        with self.clock.time(LOOKUP):
+            return self._matched(req, num_computed_tokens)
+
+    def load_is_async(self, req_id: str) -> bool:
+        """Whether the request's promised load runs on the load lane while it waits parked
+        (True) or inside the forward of the step that admits it (False)."""
+        st = self._reqs.get(req_id)
+        return st is None or st.load is None or not st.load.sync
+
+    def _matched(self, req: RequestView, num_computed_tokens: int) -> int | None:
         st = self._state(req)
         if st.epoch != self.epoch:
             if st.busy() or st.load is not None:
@@ -206,9 +227,19 @@ class OffloadScheduler:
             self._m.skipped_load(reason).inc()
             self._lookup.release([lookup_id])
             return 0
-        st.load = _Load(hbm=num_computed_tokens, end=end, lookup_id=lookup_id)
+        tokens = end - num_computed_tokens
         st.hit_tier = getattr(result, "tier", "")
-        return end - num_computed_tokens
+        # a sync load blocks the forward for its whole read, with no deadline to abandon it:
+        # only runs every rank holds in host memory qualify (a lookup that names no tier: only
+        # a memory-only stack's)
+        tier = st.hit_tier or self._sync_tier
+        sync = tier == "memory" and self.gate.runs_in_forward(
+            tokens, self.config.sync_load_fraction, self._sync_booked_s, tier
+        )
+        if sync:
+            self._sync_booked_s += self.gate.transfer_seconds(tokens, tier)
+        st.load = _Load(hbm=num_computed_tokens, end=end, lookup_id=lookup_id, sync=sync)
+        return tokens
 
     def _cancel_lookup(self, st: _Req) -> None:
         if st.lookup is not None:
@@ -291,6 +322,19 @@ class OffloadScheduler:
     ) -> OffloadMeta:
         """The loads ready to go, the saves this step completes, the delayed frees, and the
         requests preempted in this step (whose in-flight saves the ranks cancel)."""
+        with self.clock.time(META):
+            meta = self._build_meta(scheduled, preempted)
+        # one flush per step: this step's lookups and meta, the previous step's reports
+        self.clock.flush()
+        return meta
+
+    def _build_meta(
+        self, scheduled: Sequence[StepRequest], preempted: Iterable[str]
+    ) -> OffloadMeta:
+        self._step += 1
+        self._sync_booked_s = 0.0
+        self._sync_done_s = 0.0
+        self._step_t0 = time.perf_counter() if scheduled else None
         meta = OffloadMeta(preempted=sorted(preempted))
         for st in self._reqs.values():
             load = st.load
@@ -320,10 +364,25 @@ class OffloadScheduler:
                 ids.append(load.block_ids[token // self.block_size] if inside else -1)
             chunks.append(ChunkRef(st.keys[c], ids, _parent(st.keys, c)))
         load.op_id = f"{st.req_id}#ld{next(self._nonce)}"
+        load.step = self._step
         self._quorum.open(load.op_id)
         self._ops[load.op_id] = (st.req_id, "load")
-        log.debug("kvtier: load %s tokens [%d, %d)", load.op_id, load.hbm, load.end)
-        return LoadOp(load.op_id, st.req_id, load.lookup_id, chunks, load.end - load.hbm, first)
+        log.debug(
+            "kvtier: %s load %s tokens [%d, %d)",
+            "sync" if load.sync else "async",
+            load.op_id,
+            load.hbm,
+            load.end,
+        )
+        return LoadOp(
+            load.op_id,
+            st.req_id,
+            load.lookup_id,
+            chunks,
+            load.end - load.hbm,
+            first,
+            sync=load.sync,
+        )
 
     def _emit_save(self, st: _Req, item: StepRequest) -> SaveOp | None:
         if not self.saves:
@@ -357,15 +416,21 @@ class OffloadScheduler:
     # ---- reports ------------------------------------------------------------------------------
 
     def process_reports(self, reports: Sequence[WorkerReport]) -> list[LoadOutcome]:
-        """Feed every rank's report; returns the load terminals reached."""
-        outcomes = []
-        for report in reports:
-            for result in report.results:
-                term = self._quorum.report(report.rank, result)
-                if term is not None:
-                    outcome = self._terminal(term)
-                    if outcome is not None:
-                        outcomes.append(outcome)
+        """Feed every rank's report; returns the load terminals reached. The first call after
+        a step's `build_meta` closes that step: its time (sync loads left out) feeds the gate."""
+        with self.clock.time(REPORTS):
+            outcomes = []
+            for report in reports:
+                for result in report.results:
+                    term = self._quorum.report(report.rank, result)
+                    if term is not None:
+                        outcome = self._terminal(term)
+                        if outcome is not None:
+                            outcomes.append(outcome)
+        if self._step_t0 is not None:
+            step_s = time.perf_counter() - self._step_t0 - self._sync_done_s
+            self._step_t0 = None
+            self.gate.observe_step(step_s)
         return outcomes
 
     def _terminal(self, term: Terminal) -> LoadOutcome | None:
@@ -405,6 +470,10 @@ class OffloadScheduler:
         if st is not None and load is not None:
             self._track(st, load, -1)
             st.load = None
+            if load.sync:
+                self._m.sync_loads.inc()
+                self._sync_done_s += term.seconds
+            self._m.load_parked_steps.observe(0 if load.sync else self._step - load.step + 1)
         if term.ok:
             self.gate.observe_load(tokens, term.seconds, term.tier)
             return LoadOutcome(req_id, True, tokens, "", term.tier)

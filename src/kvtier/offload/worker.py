@@ -4,9 +4,12 @@ It owns the rank's TierStack, codec and LookupServer, and two lanes (threads bou
 device, each with its own stream on CUDA). Saves leave the forward path: `wait_for_save` only
 records where the forward stands and queues the step's saves; the save lane gathers each chunk
 on the device, copies it into its memory-tier slot in one transfer, waits for that copy, and
-commits. Loads run on the load lane: tier -> device staging in one transfer, scatter, wait. An
-operation reports only after its copies completed; a preempted request's saves are cancelled
-and never commit bytes read after its blocks were given back.
+commits. Asynchronous loads run on the load lane: tier -> device staging in one transfer,
+scatter, wait. Synchronous loads (`LoadOp.sync`) run the same way in the thread that calls
+`start_load_kv`, with a lane and staging of their own, and are complete when it returns, before
+the forward reads their blocks. An operation reports only after its copies completed; a
+preempted request's saves are cancelled and never commit bytes read after its blocks were given
+back.
 
 Every load reports exactly once, even when the lane cannot: a load still unfinished
 `lease_ttl_s` after it was queued (its leases have expired by then) is reported failed with
@@ -46,12 +49,14 @@ from kvtier.offload.messages import (
 )
 from kvtier.offload.pages import KVCacheDescription, KVPages, describe_pages
 from kvtier.offload.selftest import SELF_TEST_KEY, codec_round_trip, fail_startup
+from kvtier.offload.steps import LOAD, REPORT, SAVE, HookClock
 from kvtier.store.arena import check_host_memory
 from kvtier.store.factory import build_stack
 from kvtier.store.stack import TierStack
 
 log = logging.getLogger("kvtier")
-# a rank's metrics ride along its reports; an idle rank refreshes them this often
+# a rank's metrics ride along its reports, a busy rank's at most this often (an idle rank's
+# with every report that has news), and an idle engine's steps refresh them this often
 _SNAPSHOT_EVERY_S = 1.0
 _GIB = 1 << 30
 DEADLINE = "deadline"  # load failure reason: the lane did not finish it within lease_ttl_s
@@ -139,6 +144,11 @@ class OffloadWorker:
         self._load_buf: torch.Tensor | None = None  # host buffer of the CPU load path
         self._load_staging: torch.Tensor | None = None
         self._save_staging: torch.Tensor | None = None
+        # synchronous loads run in the caller's thread: their own lane and chunk buffer
+        self._sync_lane: Lane | None = None
+        self._sync_buf: torch.Tensor | None = None
+        self.clock = HookClock(metrics)
+        self._step_t0: float | None = None
         self._selftest_ids = itertools.count()
         self._report_changes = report_changes
         self._changes: deque[TierChange] = deque()
@@ -216,8 +226,10 @@ class OffloadWorker:
     def _start_lanes(self, ops: DeviceOps, chunk_bytes: int) -> None:
         self._load_staging = ops.staging(chunk_bytes)
         self._save_staging = ops.staging(chunk_bytes)
+        self._sync_buf = ops.staging(chunk_bytes)
         if self._load_staging is None:
             self._load_buf = torch.empty(chunk_bytes, dtype=torch.uint8)
+            self._sync_buf = torch.empty(chunk_bytes, dtype=torch.uint8)
         self._load_lane = WorkLane(f"kvtier-load-{self.rank}", ops)
         self._save_lane = WorkLane(f"kvtier-save-{self.rank}", ops)
         self._load_lane.start()
@@ -243,7 +255,7 @@ class OffloadWorker:
             try:
                 p = _PendingLoad(LoadOp("self-test", "self-test", lease, [], 0), 0.0, 0.0)
                 ref = ChunkRef(key, list(block_ids))
-                got = self._load_lane_call(lambda lane: self._load_chunk(lane, p, ref))
+                got = self._load_lane_call(lambda lane: self._load_chunk(lane, p, ref, None))
             finally:
                 stack.release(lease)
             if got is None:
@@ -274,8 +286,17 @@ class OffloadWorker:
 
     # ---- per step -----------------------------------------------------------------------------
 
+    def begin_step(self) -> None:
+        """The host bound a new step's metadata: the step's time on this rank starts now."""
+        self._step_t0 = time.perf_counter()
+
     def start_load_kv(self, meta: OffloadMeta) -> None:
-        """Queue this step's loads on the load lane, note delayed frees, count agreed loads."""
+        """Run this step's synchronous loads to completion, queue its asynchronous ones on the
+        load lane, note delayed frees, count agreed loads."""
+        with self.clock.time(LOAD):
+            self._start_loads(meta)
+
+    def _start_loads(self, meta: OffloadMeta) -> None:
         now = self._clock()
         pending = [_PendingLoad(op, now, now + self.config.lease_ttl_s) for op in meta.loads]
         with self._lock:
@@ -287,17 +308,25 @@ class OffloadWorker:
                     self.metrics_dirty = True
             for p in pending:
                 self._inflight[p.op.req_id] += 1
-                self._pending[p.op.op_id] = p
+                if not p.op.sync:
+                    self._pending[p.op.op_id] = p
             self._delayed.update(meta.delayed_free)
-        assert self._load_lane is not None or not pending
         for p in pending:
-            self._load_lane.submit(lambda lane, p=p: self._run_load(lane, p))  # type: ignore[union-attr]
+            if p.op.sync:
+                self._run_sync_load(p)
+            else:
+                assert self._load_lane is not None
+                self._load_lane.submit(lambda lane, p=p: self._run_load(lane, p))
 
     def wait_for_save(self, meta: OffloadMeta) -> None:
         """Queue this step's saves behind the forward that computed their blocks; returns
         without waiting for any copy."""
         if not meta.saves:
             return
+        with self.clock.time(SAVE):
+            self._queue_saves(meta)
+
+    def _queue_saves(self, meta: OffloadMeta) -> None:
         fence = self._ops_fence()
         jobs = [_PendingSave(op, fence) for op in meta.saves]
         with self._lock:
@@ -323,6 +352,10 @@ class OffloadWorker:
     def take_report(self) -> WorkerReport:
         """Drain what finished since the last call into one report (loads past their deadline
         are reported failed first)."""
+        with self.clock.time(REPORT):
+            return self._drain_report()
+
+    def _drain_report(self) -> WorkerReport:
         self._expire_loads()
         with self._lock:
             for req_id in list(self._delayed):
@@ -344,15 +377,34 @@ class OffloadWorker:
         return report
 
     def encode_report(self, report: WorkerReport) -> bytes:
-        """Wire bytes of `report` for the scheduler, with a snapshot of this rank's metrics when
-        anything changed (or once a second); b"" when there is nothing to say."""
+        """Wire bytes of `report` for the scheduler, with a snapshot of this rank's metrics once
+        a second, or when they changed and nothing is in flight; b"" when there is nothing to
+        say. Closes the rank's step: its time and its hooks' are observed here."""
+        t0 = time.perf_counter()
+        if self._step_t0 is not None:
+            self.metrics.step_seconds.observe(t0 - self._step_t0)
+            self._step_t0 = None
+        # this step's hooks; this call's own time is counted with the next step's
+        self.clock.flush()
         now = time.monotonic()
+        since = now - self._last_snapshot
         fresh = self.metrics_dirty or not report.is_empty()
-        if fresh or now - self._last_snapshot >= _SNAPSHOT_EVERY_S:
+        # a snapshot walks every family (a millisecond with the step histograms): at most one
+        # per _SNAPSHOT_EVERY_S while operations are in flight (more steps follow them), and
+        # always once the rank is idle with news (this report may be the last for a while)
+        if since >= _SNAPSHOT_EVERY_S or (fresh and self._is_idle()):
             self.metrics_dirty = False
             report.metrics = snapshot(self.metrics.registry)
             self._last_snapshot = now
-        return b"" if report.is_empty() and not report.metrics else messages.encode(report)
+        elif fresh:
+            self.metrics_dirty = True
+        data = b"" if report.is_empty() and not report.metrics else messages.encode(report)
+        self.clock.add(REPORT, time.perf_counter() - t0)
+        return data
+
+    def _is_idle(self) -> bool:
+        with self._lock:
+            return not self._inflight
 
     def wait_loads(self, timeout_s: float) -> bool:
         """Block until no load or save is queued or running (deadline-bounded); for drains and
@@ -473,6 +525,17 @@ class OffloadWorker:
             return
         self._finish_load(p, *outcome)
 
+    def _run_sync_load(self, p: _PendingLoad) -> None:
+        """Load in the calling thread, on its own lane and buffer, complete on return; it never
+        expires (nothing else of the step runs meanwhile) and reports no finished_recving."""
+        assert self._ops is not None
+        if self._sync_lane is None:
+            # made in the thread that runs the forward (on CUDA: a stream of its device)
+            self._sync_lane = self._ops.lane()
+        outcome = self._load(self._sync_lane, p, self._sync_buf)
+        assert outcome is not None  # only a deadline drops a result, and it never expires
+        self._record(p.op.req_id, outcome[0], recv=False, invalid=outcome[1])
+
     def _finish_load(self, p: _PendingLoad, result: OpResult, invalid: Iterable[int]) -> None:
         with self._lock:
             self._pending.pop(p.op.op_id, None)
@@ -507,15 +570,18 @@ class OffloadWorker:
             self._results.append(result)
             if recv:
                 self._recving.append(req_id)
-                self._invalid.extend(invalid)
+            self._invalid.extend(invalid)
             self._inflight[req_id] -= 1
             if not self._inflight[req_id]:
                 del self._inflight[req_id]
             self._idle.notify_all()
 
-    def _load_chunk(self, lane: Lane, p: _PendingLoad, ref: ChunkRef) -> str | None:
-        """Read one chunk (tier -> device staging) and scatter it into its blocks; the serving
-        tier's name, or None on a miss or once the load expired (then nothing is written)."""
+    def _load_chunk(
+        self, lane: Lane, p: _PendingLoad, ref: ChunkRef, buf: torch.Tensor | None
+    ) -> str | None:
+        """Read one chunk (tier -> `buf`, the lane's device staging or host buffer; None: the
+        load lane's) and scatter it into its blocks; the serving tier's name, or None on a miss
+        or once the load expired (then nothing is written)."""
         assert self.stack is not None and self.codec is not None
         with lane.active():
             src = None
@@ -524,7 +590,9 @@ class OffloadWorker:
                 src = self.stack.read_view(ref.key)
                 tier = self.stack.memory.name if src is not None else None
             if src is None:
-                src = self._load_staging if self._load_staging is not None else self._load_buf
+                if buf is None:
+                    buf = self._load_staging if self._load_staging is not None else self._load_buf
+                src = buf
                 assert src is not None
                 tier = self.stack.read_into(ref.key, src, ref.parent)
             if tier is None:
@@ -536,7 +604,9 @@ class OffloadWorker:
                 lane.finish()
         return tier
 
-    def _load(self, lane: Lane, p: _PendingLoad) -> tuple[OpResult, list[int]] | None:
+    def _load(
+        self, lane: Lane, p: _PendingLoad, buf: torch.Tensor | None = None
+    ) -> tuple[OpResult, list[int]] | None:
         """Read and scatter the load's chunks; its result and suspect blocks, or None when its
         deadline reported it failed meanwhile (then nothing of it is counted here)."""
         assert self.stack is not None and self.codec is not None
@@ -547,7 +617,7 @@ class OffloadWorker:
         reason = ""
         try:
             for ref in op.chunks:
-                tier = self._load_chunk(lane, p, ref)
+                tier = self._load_chunk(lane, p, ref, buf)
                 if tier is None:
                     reason = "miss"
                     break
@@ -574,12 +644,13 @@ class OffloadWorker:
             with self._lock:
                 self._uncounted[op.op_id] = (got, nbytes)
         log.info(
-            "%s: Retrieved %d of %d required tokens (%.3f GiB, %.2f GB/s)%s",
+            "%s: Retrieved %d of %d required tokens (%.3f GiB, %.2f GB/s, %s)%s",
             self.tag,
             got,
             op.tokens,
             nbytes / _GIB,
             nbytes / max(seconds, 1e-9) / 1e9,
+            "in the forward" if op.sync else "async",
             f" failed: {reason}" if reason else "",
         )
         tier = served.most_common(1)[0][0] if served else ""

@@ -280,12 +280,14 @@ class KVTierConnector(KVConnectorBase_V1):
             self._worker.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Queue this step's loads on the rank's load lane (asynchronous)."""
+        """Finish this step's synchronous loads (vLLM calls this before the forward when the
+        step has any) and queue its asynchronous ones on the rank's load lane."""
         if self._worker is not None:
             self._worker.worker.start_load_kv(self._worker.meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: loads target parked requests, never this forward's."""
+        """Nothing to wait for: synchronous loads are complete when start_load_kv returns, and
+        asynchronous ones target parked requests, never this forward's."""
         return
 
     def save_kv_layer(
@@ -339,7 +341,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Tokens beyond vLLM's local hit that the tier loads asynchronously (0 = none)."""
+        """(tokens beyond vLLM's local hit that the tier loads, load_async); 0 = none."""
         if self._scheduler is None:
             return 0, False
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

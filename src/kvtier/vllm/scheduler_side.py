@@ -5,6 +5,7 @@ rank's metrics merged for vLLM's /metrics."""
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import KVTierConfig
 from kvtier.offload.protocols import StepRequest
+from kvtier.offload.steps import STATS
 from kvtier.offload.wiring import SchedulerWiring, encode_step_meta
 from kvtier.topology import Topology, resolve
 from kvtier.vllm.events import KVEvents, kv_events_enabled
@@ -35,6 +37,7 @@ log = logging.getLogger("kvtier")
 
 _READY_TIMEOUT_S = 30.0
 _SOURCE_OF_TIER = {"memory": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+_STATS_EVERY_S = 1.0
 
 
 def _bytes_per_token(kv_cache_config: KVCacheConfig | None, block_size: int) -> int | None:
@@ -96,6 +99,7 @@ class SchedulerSide:
         self._loading: set[str] = set()
         self._vllm_frees: set[str] = set()
         self._stats = StatsDelta()
+        self._stats_at = -_STATS_EVERY_S
         # set by every hook that may move a metric; the merged view is walked only then
         self._dirty = True
         log.info("%s; %s; kv_role=%s", config.describe(), topo.describe(), role)
@@ -104,13 +108,23 @@ class SchedulerSide:
         """What changed in the merged kvtier metrics since the last call (None if nothing)."""
         if not self._dirty:
             return None
+        now = time.monotonic()
+        if now - self._stats_at < _STATS_EVERY_S and (self.views or self.core.has_pending_work()):
+            # a walk of every family costs a good share of a millisecond, and vLLM asks every
+            # step: while requests are live, at most one per interval (they make more steps
+            # come); the step that leaves the tier idle always hands the rest over
+            return None
         self._dirty = False
-        return self._stats.take(self.collector.collect())
+        self._stats_at = now
+        with self.core.clock.time(STATS):
+            return self._stats.take(self.collector.collect())
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """(tokens the tier loads asynchronously beyond vLLM's hit, load_async)."""
+        """(tokens the tier loads beyond vLLM's hit, load_async): a load predicted to take a
+        small share of a step runs inside the forward of the step that admits the request
+        (False), others on the ranks' load lanes while it waits in WAITING_FOR_REMOTE_KVS."""
         if not _offloadable(request):
             return 0, False
         self._dirty = True
@@ -120,8 +134,7 @@ class SchedulerSide:
         n = self.core.get_num_new_matched_tokens(view, num_computed_tokens)
         if n is None:
             return None, False  # not known yet: vLLM keeps it waiting and asks next step
-        # loads run on each rank's load lane: the request parks in WAITING_FOR_REMOTE_KVS
-        return (n, True) if n > 0 else (0, False)
+        return (n, self.core.load_is_async(request.request_id)) if n > 0 else (0, False)
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int

@@ -78,7 +78,10 @@ class StatsDelta:
     """Remembers the last exported value of every counter and gauge sample of a collector."""
 
     def __init__(self) -> None:
-        self._last: dict[str, float] = {}
+        # by (name, labels in the family's order): runs every engine step, so the wire key
+        # (a JSON string) is built once per sample, and only for samples that changed
+        self._last: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        self._keys: dict[tuple[str, tuple[tuple[str, str], ...]], str] = {}
 
     def take(self, metrics: Iterable[Metric]) -> KVTierStats | None:
         """What changed since the previous call (None if nothing did)."""
@@ -88,11 +91,14 @@ class StatsDelta:
             for s in metric.samples:
                 if s.name.endswith("_created"):
                     continue  # creation timestamps
-                key = _key(s.name, dict(s.labels))
-                last = self._last.get(key)
+                ident = (s.name, tuple(s.labels.items()))
+                last = self._last.get(ident)
                 if last == s.value:
                     continue
-                self._last[key] = s.value
+                self._last[ident] = s.value
+                key = self._keys.get(ident)
+                if key is None:
+                    key = self._keys[ident] = _key(s.name, dict(s.labels))
                 if metric.type == "counter":
                     delta = s.value - (last or 0.0)
                     if delta > 0:

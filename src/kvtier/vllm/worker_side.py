@@ -133,6 +133,7 @@ class WorkerSide:
                 "the scheduler and workers of one engine must all run KVTierConnector"
             )
         self.meta = decode_step_meta(meta.data)
+        self.worker.begin_step()
 
     def clear(self) -> None:
         """Forget this step's OffloadMeta."""

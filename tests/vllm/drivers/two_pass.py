@@ -28,6 +28,7 @@ KVTIER_COUNTERS = (
     "verify_failures",
     "skipped_loads",
     "lookup_hit_tokens",
+    "sync_loads",
 )
 
 

@@ -1,0 +1,167 @@
+"""Where a served window's step time went, read from the kvtier histograms on `/metrics`.
+
+The server exports, per step: the time each kvtier hook took (`kvtier_hook_seconds{hook}`, the
+scheduler's hooks under `rank="scheduler"`, the ranks' under their rank), each rank's whole step
+(`kvtier_step_seconds`), the time the scheduler loop waited on each lookup call
+(`kvtier_scheduler_lookup_seconds`) and the steps each load kept its request parked
+(`kvtier_load_parked_steps`, 0 for a load finished inside its step's forward). A window's
+counter delta holds their bucket deltas; quantiles interpolate within buckets as Prometheus'
+`histogram_quantile` does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from kvtier.bench.analysis import MetricSet
+
+SCHEDULER = "scheduler"
+HOOK = "kvtier_hook_seconds"
+STEP = "kvtier_step_seconds"
+LOOKUP_CALL = "kvtier_scheduler_lookup_seconds"
+PARKED = "kvtier_load_parked_steps"
+SYNC_LOADS = "kvtier_sync_loads_total"
+# display order: the scheduler's hooks, then the ranks'
+SCHEDULER_HOOKS = ("lookup", "meta", "reports", "stats")
+RANK_HOOKS = ("load", "save", "report")
+
+
+@dataclass(frozen=True, slots=True)
+class Hist:
+    """One histogram's delta over a window, summed over the ranks it was read for."""
+
+    count: float
+    total: float
+    buckets: tuple[tuple[float, float], ...]  # (upper bound, cumulative count), ascending
+
+    def quantile(self, q: float) -> float | None:
+        """The q-quantile (linear within its bucket); None without observations."""
+        if self.count <= 0 or not self.buckets:
+            return None
+        rank = q * self.count
+        lo_bound, lo_count = 0.0, 0.0
+        for bound, cum in self.buckets:
+            if cum >= rank:
+                if math.isinf(bound):
+                    return lo_bound  # beyond the last finite bucket: its bound is all we know
+                if cum == lo_count:
+                    return bound
+                return lo_bound + (bound - lo_bound) * (rank - lo_count) / (cum - lo_count)
+            lo_bound, lo_count = bound, cum
+        return lo_bound
+
+    @property
+    def mean(self) -> float | None:
+        """Mean observation; None without observations."""
+        return self.total / self.count if self.count > 0 else None
+
+
+def hist(delta: MetricSet, name: str, *, scheduler: bool, **labels: str) -> Hist:
+    """Histogram `name` in `delta`, over the scheduler (`rank="scheduler"`) or over every rank."""
+    per_bound: dict[float, float] = {}
+    count = total = 0.0
+    for (sample, key), value in delta.samples.items():
+        if not sample.startswith(name):
+            continue
+        lab = dict(key)
+        if (lab.get("rank") == SCHEDULER) != scheduler:
+            continue
+        if any(lab.get(k) != v for k, v in labels.items()):
+            continue
+        suffix = sample[len(name) :]
+        if suffix == "_bucket":
+            bound = float(lab["le"])
+            per_bound[bound] = per_bound.get(bound, 0.0) + value
+        elif suffix == "_count":
+            count += value
+        elif suffix == "_sum":
+            total += value
+    return Hist(count, total, tuple(sorted(per_bound.items())))
+
+
+@dataclass(frozen=True, slots=True)
+class HookCost:
+    """One hook over a window: steps it ran in, ms per such step (p50, p99, mean) and ms per
+    engine step (its total over every step, the share it takes of a step)."""
+
+    hook: str
+    side: str  # "scheduler" or "ranks"
+    steps: int
+    p50_ms: float | None
+    p99_ms: float | None
+    mean_ms: float | None
+    per_step_ms: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Breakdown:
+    """A window's step time next to what kvtier's hooks took of it, and the parked steps."""
+
+    steps: int  # engine steps (per rank)
+    step_p50_ms: float | None
+    step_p99_ms: float | None
+    step_mean_ms: float | None
+    hooks: tuple[HookCost, ...]
+    lookup_calls: int
+    lookup_call_p50_ms: float | None
+    lookup_call_p99_ms: float | None
+    loads: int
+    sync_loads: int
+    parked_p50_steps: float | None
+    parked_p99_steps: float | None
+    parked_mean_steps: float | None
+
+    def hook(self, name: str) -> HookCost | None:
+        """The named hook's cost, if it is known."""
+        return next((h for h in self.hooks if h.hook == name), None)
+
+    def to_json(self) -> dict[str, object]:
+        """Every field (hooks as a list of objects)."""
+        out = asdict(self)
+        out["hooks"] = [asdict(h) for h in self.hooks]
+        return out
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else x * 1e3
+
+
+def breakdown(delta: MetricSet, world: int) -> Breakdown:
+    """The step breakdown of one window's counter delta; `world` ranks per engine."""
+    step = hist(delta, STEP, scheduler=False)
+    steps = step.count / max(world, 1)
+    hooks = []
+    for side, names in ((SCHEDULER, SCHEDULER_HOOKS), ("ranks", RANK_HOOKS)):
+        for name in names:
+            h = hist(delta, HOOK, scheduler=side == SCHEDULER, hook=name)
+            # the scheduler runs once per step; the ranks' sums are over `world` ranks
+            per = steps if side == SCHEDULER else step.count
+            hooks.append(
+                HookCost(
+                    name,
+                    side,
+                    int(h.count if side == SCHEDULER else h.count / max(world, 1)),
+                    _ms(h.quantile(0.5)),
+                    _ms(h.quantile(0.99)),
+                    _ms(h.mean),
+                    _ms(h.total / per) if per > 0 else None,
+                )
+            )
+    call = hist(delta, LOOKUP_CALL, scheduler=True)
+    parked = hist(delta, PARKED, scheduler=True)
+    return Breakdown(
+        steps=int(steps),
+        step_p50_ms=_ms(step.quantile(0.5)),
+        step_p99_ms=_ms(step.quantile(0.99)),
+        step_mean_ms=_ms(step.mean),
+        hooks=tuple(hooks),
+        lookup_calls=int(call.count),
+        lookup_call_p50_ms=_ms(call.quantile(0.5)),
+        lookup_call_p99_ms=_ms(call.quantile(0.99)),
+        loads=int(parked.count),
+        sync_loads=int(delta.total(SYNC_LOADS, rank=SCHEDULER)),
+        parked_p50_steps=parked.quantile(0.5),
+        parked_p99_steps=parked.quantile(0.99),
+        parked_mean_steps=parked.mean,
+    )
