@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.config import KVTierConfig, format_size, parse_size
+from kvtier.config import KVTierConfig, config_environ, format_size, parse_size
 from kvtier.errors import ConfigError
 
 GiB = 1 << 30
@@ -367,6 +367,18 @@ def test_unknown_env_var_is_error_with_suggestion() -> None:
     msg = str(err.value)
     assert "unknown environment variable KVTIER_CHUNK_SIZ" in msg
     assert "did you mean KVTIER_CHUNK_SIZE?" in msg
+
+
+def test_bench_token_and_test_device_are_not_config() -> None:
+    # the bench's bearer token and the GPU check's device share the prefix: the loader must
+    # pass them by, and a bench must not hand the token to the servers it starts
+    env = {
+        "KVTIER_BENCH_API_KEY": "sk-secret",
+        "KVTIER_TEST_DEVICE": "cuda:0",
+        "KVTIER_CHUNK_SIZE": "128",
+    }
+    assert KVTierConfig.from_env(env).chunk_size == 128
+    assert config_environ(env) == {"KVTIER_CHUNK_SIZE": "128"}
 
 
 def test_env_error_names_the_variable() -> None:

@@ -174,7 +174,7 @@ def bench_cache(
         None, "--json", help="Where to write the JSON results (default: runs/bench-cache.json)."
     ),
 ) -> None:
-    """Tier hits of kvtier's policy, today's previous policy, the offline optimum and the
+    """Tier hits of kvtier's policy, the previous policy, the offline optimum and the
     infinite tier, per workload, tier size and HBM in front: ratios to the optimum."""
     from rich.console import Console
     from rich.markup import escape

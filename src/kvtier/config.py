@@ -27,8 +27,10 @@ from kvtier.errors import ConfigError
 
 __all__ = [
     "ENV_CONFIG_FILE",
+    "ENV_NOT_CONFIG",
     "ENV_PREFIX",
     "KVTierConfig",
+    "config_environ",
     "format_size",
     "mask_url",
     "parse_size",
@@ -36,6 +38,9 @@ __all__ = [
 
 ENV_PREFIX = "KVTIER_"
 ENV_CONFIG_FILE = "KVTIER_CONFIG"
+# KVTIER_* variables that are not config fields: the bench's bearer token and the GPU check's
+# device; the config loader passes them by, and `config_environ` leaves them out
+ENV_NOT_CONFIG = frozenset({"KVTIER_BENCH_API_KEY", "KVTIER_TEST_DEVICE"})
 _MASK = "***"
 _GiB = 1 << 30
 
@@ -691,11 +696,19 @@ def _from_mapping(d: Mapping[str, Any], where: str) -> dict[str, tuple[Any, str]
     return out
 
 
+def config_environ(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables of `environ` that configure kvtier (`KVTIER_CONFIG`, `KVTIER_<FIELD>`):
+    what a bench hands the servers it starts, without its own token."""
+    return {
+        k: v for k, v in environ.items() if k.startswith(ENV_PREFIX) and k not in ENV_NOT_CONFIG
+    }
+
+
 def _from_env(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
     env_names = tuple(ENV_PREFIX + name.upper() for name in _FIELDS)
     out: dict[str, tuple[Any, str]] = {}
     for name, value in environ.items():
-        if not name.startswith(ENV_PREFIX) or name == ENV_CONFIG_FILE:
+        if not name.startswith(ENV_PREFIX) or name == ENV_CONFIG_FILE or name in ENV_NOT_CONFIG:
             continue
         if name not in env_names:
             close = difflib.get_close_matches(name, (*env_names, ENV_CONFIG_FILE), n=1, cutoff=0.6)

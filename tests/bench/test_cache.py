@@ -1,5 +1,5 @@
-"""`kvtier bench cache`: one run writes a table of ratios to the optimum with today's policy as
-a column, and its two targets (sessions ratio, no row below today's policy by 2 points)."""
+"""`kvtier bench cache`: one run writes a table of ratios to the optimum with the previous policy as
+a column, and its two targets (sessions ratio, no row below the previous policy by 2 points)."""
 
 from __future__ import annotations
 
@@ -36,13 +36,13 @@ def test_one_run_writes_the_table_and_its_targets(tmp_path: Path, capsys) -> Non
     for r in table:
         assert r["optimum"] <= r["infinite"] + 1e-9
         if r["hbm_fraction"] == 0:  # the tier alone: the optimum is a bound
-            assert r["kvtier"] <= r["optimum"] + 1e-9 and r["today"] <= r["optimum"] + 1e-9
+            assert r["kvtier"] <= r["optimum"] + 1e-9 and r["previous"] <= r["optimum"] + 1e-9
     target = next(r for r in doc["rows"] if r["id"] == "target.sessions_ratio_to_optimum")
     assert target["target"] == ">= 0.55 x"
     assert target["pass"] is (target["value"] >= 0.55)
     cache.print_table(doc)
     printed = capsys.readouterr().out
-    for needle in ("optimum", "today", "target: sessions, HBM 5%, tier 30%: kvtier / optimum"):
+    for needle in ("optimum", "previous", "target: sessions, HBM 5%, tier 30%: kvtier / optimum"):
         assert needle in printed
 
 

@@ -131,7 +131,7 @@ def run(
                         "optimum": 100 * opt.rate,
                         "infinite": 100 * infinite.rate,
                         "kvtier": 100 * kv.rate,
-                        "today": 100 * old.rate,
+                        "previous": 100 * old.rate,
                         "missed_chunks": kv.missed,
                     }
                 )
@@ -150,8 +150,8 @@ def run(
             "optimum: Belady over the stream, a deeper chunk first on ties (prefix-closed, exact "
             "for the tier alone; behind HBM the reference point); infinite: cold misses only",
             "kvtier: a rank's TierStack over the real MemoryTier, driven as scheduler and worker "
-            "do (lookup touches the run, saves commit deepest-first under their parents); today: "
-            "the previous segmented LRU as the previous engine drove it",
+            "do (lookup touches the run, saves commit deepest-first under their parents); "
+            "previous: the segmented LRU as the previous engine drove it",
         ]
     )
     doc = report.to_json()
@@ -177,8 +177,8 @@ def _add_row(report: Report, r: dict[str, Any]) -> None:
             value=r["kvtier"],
             unit="%",
             raw=r["optimum"] if r["optimum"] > 0 else None,
-            target=Target("value", ">=", r["today"] - MAX_LOSS_POINTS),
-            detail={"today": r["today"], "infinite": r["infinite"], "optimum": r["optimum"]},
+            target=Target("value", ">=", r["previous"] - MAX_LOSS_POINTS),
+            detail={"previous": r["previous"], "infinite": r["infinite"], "optimum": r["optimum"]},
         )
     )
 
@@ -198,13 +198,13 @@ def _add_target(report: Report, rows: Sequence[dict[str, Any]]) -> None:
                     value=0.0 if ratio is None else ratio,
                     unit="x",
                     target=Target("value", ">=", TARGET_RATIO),
-                    detail={"today": _ratio(r["today"], r["optimum"]) or 0.0},
+                    detail={"previous": _ratio(r["previous"], r["optimum"]) or 0.0},
                 )
             )
 
 
 def print_table(doc: dict[str, Any], console: Console | None = None) -> None:
-    """The table with today's policy as a column, then the targets."""
+    """The table with the previous policy as a column, then the targets."""
     table = Table(title=doc["title"], title_justify="left")
     for name, justify in (
         ("workload", "left"),
@@ -214,14 +214,14 @@ def print_table(doc: dict[str, Any], console: Console | None = None) -> None:
         ("infinite", "right"),
         ("kvtier", "right"),
         ("/opt", "right"),
-        ("today", "right"),
+        ("previous", "right"),
         ("/opt", "right"),
         ("Δ pts", "right"),
         ("result", "left"),
     ):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for r in doc["meta"]["table"]:
-        k, t, o = r["kvtier"], r["today"], r["optimum"]
+        k, t, o = r["kvtier"], r["previous"], r["optimum"]
         ok = k >= t - MAX_LOSS_POINTS
         table.add_row(
             r["workload"],
@@ -244,12 +244,12 @@ def print_table(doc: dict[str, Any], console: Console | None = None) -> None:
         if row["id"].startswith("target."):
             verdict = PASS if row["pass"] else MISS
             out.print(
-                f"target: {row['label']} = {row['value']:.2f} (today "
-                f"{row['detail']['today']:.2f}), {row['target']}: {verdict}"
+                f"target: {row['label']} = {row['value']:.2f} (previous "
+                f"{row['detail']['previous']:.2f}), {row['target']}: {verdict}"
             )
     losses = [r for r in doc["rows"] if not r["id"].startswith("target.") and not r["pass"]]
     out.print(
-        f"target: no row more than {MAX_LOSS_POINTS:g} points below today's policy: "
+        f"target: no row more than {MAX_LOSS_POINTS:g} points below the previous policy: "
         f"{PASS if not losses else MISS}"
         + (f" ({', '.join(r['label'] for r in losses)})" if losses else "")
     )

@@ -58,7 +58,7 @@ from kvtier.bench.workload import (
     place_in_window,
     prefix_pool,
 )
-from kvtier.config import KVTierConfig
+from kvtier.config import KVTierConfig, config_environ
 from kvtier.errors import ConfigError
 from kvtier.layout import bytes_per_token_from_hf
 
@@ -242,7 +242,7 @@ def run(
     t0 = time.perf_counter()
 
     model, model_config, vocab = _model(model_dir, quick)
-    env = {"KVTIER_MEMORY_BYTES": DEFAULT_MEMORY_BYTES, **_kvtier_env()}
+    env = {"KVTIER_MEMORY_BYTES": DEFAULT_MEMORY_BYTES, **config_environ(os.environ)}
     env["KVTIER_CHUNK_SIZE"] = str(chunk_size)
     kv_config = KVTierConfig.from_env(env)
     if not kv_config.enabled:
@@ -541,10 +541,6 @@ def _ceilings(
     return out
 
 
-def _kvtier_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k.startswith("KVTIER_")}
-
-
 # ----------------------------------------------------------------------------------------------
 # analysis of the runs
 # ----------------------------------------------------------------------------------------------
@@ -675,8 +671,9 @@ def _report(
     on_ext = _mean([x.counters.external_hit_rate for x in pick(ON, p)]) * 100
     ceil_note = report.note(
         "ceilings simulated on the exact prompts in send order: HBM = LRU of the HBM pool's "
-        "blocks (OFF's prediction); HBM+tier = that pool in front of an LRU tier of "
-        "whole chunks written by every request (ON's prediction); infinite = every block kept "
+        "blocks (OFF's prediction); HBM+tier = that pool in front of the offline-optimal tier "
+        "(Belady) of whole chunks written by every request (no tier policy of that size does "
+        "better); infinite = every block kept "
         "(a hard bound); hit rate = server (HBM + external hits) / prompt tokens"
     )
     report.add(
@@ -1082,7 +1079,7 @@ def _run_vllm(
     plan = _plan(quick, hbm_blocks, requests, concurrency, host=VLLM)
     t0 = time.perf_counter()
 
-    env = {"KVTIER_MEMORY_BYTES": VLLM_MEMORY_BYTES, **_kvtier_env()}
+    env = {"KVTIER_MEMORY_BYTES": VLLM_MEMORY_BYTES, **config_environ(os.environ)}
     extra: dict[str, Any] = {"chunk_size": chunk_size}
     kv_config = KVTierConfig.load(extra, env)
     if not kv_config.enabled:
@@ -1331,9 +1328,9 @@ def _report_vllm(
     ceil_note = report.note(
         f"ceilings simulated on the exact prompts in send order with vLLM's block size "
         f"{VLLM_BLOCK_SIZE}: HBM = LRU of the {plan.hbm_blocks - 1} usable blocks; HBM+tier = "
-        f"that pool in front of an LRU tier of whole {chunk_size}-token chunks written by "
-        "every request; infinite = every block kept (a hard bound); hit rate = server (HBM + "
-        "external hits) / prompt tokens"
+        f"that pool in front of the offline-optimal tier (Belady) of whole {chunk_size}-token "
+        "chunks written by every request; infinite = every block kept (a hard bound); hit "
+        "rate = server (HBM + external hits) / prompt tokens"
     )
     report.add(
         Row(

@@ -1212,14 +1212,14 @@ def _on_off_arms(
 ) -> tuple[tuple[ArmSpec, ...], int, dict[str, int]]:
     """kvtier serve with --offload and --no-offload: same flags, same HBM pool, same env."""
     from kvtier.bench.e2e import DEFAULT_MEMORY_BYTES, ensure_model, tier_chunks_per_rank
-    from kvtier.config import KVTierConfig
+    from kvtier.config import KVTierConfig, config_environ
 
     if tp < 1:
         raise ConfigError(f"--tp {tp} must be >= 1")
     model = ensure_model(model_dir, "tiny")
     model_config = _model_config(model)
     env = {"KVTIER_MEMORY_BYTES": DEFAULT_MEMORY_BYTES}
-    env.update({k: v for k, v in os.environ.items() if k.startswith("KVTIER_")})
+    env.update(config_environ(os.environ))
     env["KVTIER_CHUNK_SIZE"] = str(chunk_size)
     kv = KVTierConfig.from_env(env)
     if not kv.enabled:

@@ -502,7 +502,8 @@ def _bench_disk(
     w = report.note(
         "neither the disk tier nor the raw write fsyncs (records are verified on every read), "
         "so writes return once the bytes are in the page cache; the tier also checksums, writes "
-        "a 64-byte header to a temp file, renames it, and evicts its LRU record once full"
+        f"a {HEADER_BYTES}-byte header to a temp file, renames it, and evicts by its "
+        "policy once full"
     )
     p = report.note(
         "warm reads come from the page cache (the file was written just before); raw read = "

@@ -290,8 +290,9 @@ def external(s: Samples) -> Check:
         return Check(
             EXTERNAL,
             Status.UNDETERMINED,
-            f"the server exports no {EXT_QUERIES} / {EXT_HITS} (on vLLM: serve with "
-            "--enable-prompt-tokens-details)",
+            f"the server exports no {EXT_QUERIES} / {EXT_HITS} (vLLM 0.32 and kvtier serve "
+            "export both, connector or not: check that the URL is the serving engine's "
+            "/metrics)",
             numbers,
         )
     said = (
