@@ -309,6 +309,20 @@ def test_repeats_that_fit_hbm_warn_instead_of_failing_as_never_read():
     assert check.numbers["hbm_hits"] == 1024 and check.numbers["skipped_hbm_satisfies"] == 4
 
 
+def test_traffic_that_repeated_no_first_chunk_warns_instead_of_failing_as_never_read():
+    # every lookup was answered cold (no prompt began with a saved chunk): not a broken path
+    fake = Fake(external_prefix_cache_hits=0)
+    for m in fake.rank.values():
+        m.stored_tokens.inc(1280)
+    fake.sched.cold_lookups.inc(8)
+    check = fake.diagnose()[EXTERNAL]
+    assert check.status is Status.WARN and check.detail.startswith("no repeated prefix yet")
+    assert check.numbers["cold_lookups"] == 8 and check.numbers["lookups"] == 0
+    # once a lookup reached the ranks and still nothing hit, it is the never-read failure
+    fake.sched.lookups.inc(1)
+    assert fake.diagnose()[EXTERNAL].status is Status.FAIL
+
+
 def test_absent_counters_are_undetermined_not_passed():
     # vLLM before its counters were exported at startup: kvtier families only after use
     keep = ("kvtier_lookup_scope", "kvtier_world_size", "kvtier_tier_capacity", "vllm:")

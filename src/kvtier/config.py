@@ -349,6 +349,12 @@ class KVTierConfig:
         "a load runs inside its step's forward when predicted to take at most this share of a "
         "step; 0 = every load asynchronous",
     )
+    gil_switch_ms: float = _f(
+        0.5,
+        "float",
+        "GIL switch interval set in each process kvtier runs in (lowered, never raised), so its "
+        "lookup server and copy lanes wait at most this long for the GIL; 0 = the interpreter's",
+    )
     prefill_tokens_per_s: float = _f(2000.0, "float", "seed of the prefill-speed estimate")
     memory_read_gbps: float = _f(5.0, "float", "seed of the memory-tier read-speed estimate")
     disk_read_gbps: float = _f(1.0, "float", "seed of the disk-tier read-speed estimate")
@@ -549,6 +555,13 @@ class KVTierConfig:
                 f"{_show('sync_load_fraction', self.sync_load_fraction)} is negative; use 0 "
                 "for asynchronous loads only, or a share of a step such as 0.25 (the default)",
             )
+        if self.gil_switch_ms < 0:
+            raise _error(
+                "gil_switch_ms",
+                f"{_show('gil_switch_ms', self.gil_switch_ms)} is negative; use 0 to keep the "
+                "interpreter's switch interval, or a fraction of a millisecond such as 0.5 "
+                "(the default)",
+            )
         if self.min_load_tokens is not None and self.min_load_tokens < 0:
             raise _error(
                 "min_load_tokens",
@@ -562,6 +575,11 @@ class KVTierConfig:
     def effective_min_load_tokens(self) -> int:
         """Smallest load worth issuing, in tokens: `min_load_tokens`, or one chunk when unset."""
         return self.chunk_size if self.min_load_tokens is None else self.min_load_tokens
+
+    @property
+    def memory_only(self) -> bool:
+        """True when the ranks keep chunks in host memory alone (no disk, no remote tier)."""
+        return not self.disk_bytes and not self.remote_url
 
     def check_max_model_len(self, max_model_len: int) -> None:
         """Startup check against the host's longest sequence: a chunk no prompt can fill is

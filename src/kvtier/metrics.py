@@ -62,6 +62,7 @@ _STEP_COUNT_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 @dataclass(frozen=True)
 class _Families:
     lookups: Counter
+    cold_lookups: Counter
     lookup_hit_tokens: Counter
     lookup_timeouts: Counter
     retrieved_tokens: Counter
@@ -113,6 +114,11 @@ def _build(reg: CollectorRegistry) -> _Families:
 
     return _Families(
         lookups=c("lookups", "Lookups answered (server) or sent (client)."),
+        cold_lookups=c(
+            "cold_lookups",
+            "Lookups the scheduler answered 0 without asking the ranks: the prompt's first chunk "
+            "was never saved by this engine (memory-only tiers).",
+        ),
         lookup_hit_tokens=c("lookup_hit_tokens", "Tokens found in the tier by lookups."),
         lookup_timeouts=c("lookup_timeouts", "Rank lookups that missed the deadline.", "target"),
         retrieved_tokens=c("retrieved_tokens", "Tokens loaded from the tier into KV blocks."),
@@ -181,8 +187,7 @@ def _build(reg: CollectorRegistry) -> _Families:
         ),
         load_parked_steps=h(
             "load_parked_steps",
-            "Engine steps a request waited parked per load (0 = loaded inside its step's "
-            "forward).",
+            "Engine steps a request waited parked per load (0 = loaded inside its step's forward).",
             buckets=_STEP_COUNT_BUCKETS,
         ),
         sync_loads=c("sync_loads", "Loads finished inside the forward of their step."),
@@ -229,6 +234,7 @@ class Metrics:
         r = str(rank)
         f = self.f
         self.lookups = f.lookups.labels(r)
+        self.cold_lookups = f.cold_lookups.labels(r)
         self.lookup_hit_tokens = f.lookup_hit_tokens.labels(r)
         self.retrieved_tokens = f.retrieved_tokens.labels(r)
         self.retrieved_bytes = f.retrieved_bytes.labels(r)

@@ -67,6 +67,7 @@ def check_lifecycle(adapter: HostAdapter) -> None:
         block_size=BLOCK,
         world=2,
         metrics=Metrics(),
+        cold_misses=False,  # the fake port holds chunks nobody saved
     )
     prompt = list(range(100, 100 + 3 * CHUNK + 7))
     n_blocks = -(-len(prompt) // BLOCK)

@@ -19,8 +19,15 @@ def make(hits: int = 0, world: int = 2, **cfg) -> tuple[OffloadScheduler, FakeLo
     lookup = FakeLookup(hits)
     metrics = Metrics(rank=0)
     config = KVTierConfig(chunk_size=CHUNK, load_gate=False, **cfg)
+    # the fake port answers hits nobody saved: ask it always
     sched = OffloadScheduler(
-        config, lookup, model_id="m", block_size=BLOCK, world=world, metrics=metrics
+        config,
+        lookup,
+        model_id="m",
+        block_size=BLOCK,
+        world=world,
+        metrics=metrics,
+        cold_misses=False,
     )
     return sched, lookup, metrics
 
@@ -107,6 +114,7 @@ def test_slower_than_recompute_is_skipped():
         world=1,
         metrics=metrics,
         load_tokens_per_s=1000.0,
+        cold_misses=False,
     )
     assert sched.get_num_new_matched_tokens(SlotView("a", prompt(4 * CHUNK)), 0) == 0
     assert metrics.value("skipped_loads_total", reason="slower_than_recompute") == 1
@@ -349,7 +357,13 @@ def test_reset_starts_a_namespace_epoch_that_reaches_no_older_chunk():
     lookup = KeyLookup(hits=0)
     config = KVTierConfig(chunk_size=CHUNK, load_gate=False)
     sched = OffloadScheduler(
-        config, lookup, model_id="m", block_size=BLOCK, world=1, metrics=Metrics(rank=0)
+        config,
+        lookup,
+        model_id="m",
+        block_size=BLOCK,
+        world=1,
+        metrics=Metrics(rank=0),
+        cold_misses=False,  # every lookup reaches the port, which records its keys
     )
     p = prompt(3 * CHUNK + 1)
     before = SlotView("a", p, computed=0, block_ids=blocks(len(p)))
@@ -432,6 +446,7 @@ def test_sync_loads_of_one_step_share_its_budget():
         world=1,
         metrics=metrics,
         load_tokens_per_s=1e5,  # 96 tokens: 0.96 ms
+        cold_misses=False,
     )
     sched.gate.observe_step(0.004)  # a quarter of a 4 ms step: room for one such load
     _admit(sched, "a", 3 * CHUNK + 4)

@@ -316,6 +316,18 @@ def external(s: Samples) -> Check:
             "outgrow the HBM pool",
             numbers,
         )
+    cold = s.scheduler_value("kvtier_cold_lookups_total") or 0.0
+    asked = s.scheduler_value("kvtier_lookups_total") or 0.0
+    if queries > 0 and stored > 0 and cold > 0 and asked == 0:
+        numbers.update(cold_lookups=num(cold), lookups=num(asked))
+        return Check(
+            EXTERNAL,
+            Status.WARN,
+            f"no repeated prefix yet: {said}, and every one of {num(cold)} lookups started "
+            "with a chunk this engine never saved (answered without asking the ranks), so "
+            "nothing could hit; the tier pays once prompts share a first chunk",
+            numbers,
+        )
     if queries > 0 and stored > 0:
         return Check(
             EXTERNAL,

@@ -20,6 +20,7 @@ from kvtier.config import KVTierConfig
 from kvtier.keys import chain_keys, key_seed
 from kvtier.metrics import Metrics
 from kvtier.offload.gate import LoadGate
+from kvtier.offload.heads import SavedHeads, private_tiers
 from kvtier.offload.messages import ChunkRef, LoadOp, OffloadMeta, SaveOp, WorkerReport
 from kvtier.offload.protocols import LookupPort, RequestView, StepRequest
 from kvtier.offload.quorum import Quorum, Terminal
@@ -97,10 +98,14 @@ class OffloadScheduler:
         bytes_per_token: int | None = None,
         loads: bool = True,
         saves: bool = True,
+        cold_misses: bool | None = None,
     ) -> None:
         """`bytes_per_token` (per rank) turns the config's read-bandwidth seeds into token rates
         for the load gate; `load_tokens_per_s` overrides the seed outright. `loads=False` never
-        loads (a prefill producer), `saves=False` never saves (a decode consumer)."""
+        loads (a prefill producer), `saves=False` never saves (a decode consumer).
+        `cold_misses` answers a never-saved first chunk 0 without a lookup (default: where this
+        scheduler is its tiers' only writer); False asks the ranks always, as a lookup port
+        filled by others needs."""
         self.config = config
         self.loads = loads
         self.saves = saves
@@ -138,7 +143,12 @@ class OffloadScheduler:
         )
         self.min_load = config.effective_min_load_tokens
         # the tier of a hit when the lookup names none: "memory" only where there is no other
-        self._sync_tier = "" if config.disk_bytes or config.remote_url else "memory"
+        self._sync_tier = "memory" if config.memory_only else ""
+        # where this scheduler is its tiers' only writer, a never-saved first chunk is a miss
+        # known without a round trip to the ranks
+        if cold_misses is None:
+            cold_misses = private_tiers(config, saves=saves)
+        self._heads = SavedHeads() if cold_misses else None
         self.clock = HookClock(metrics)
         self._step = 0  # engine steps so far (build_meta calls)
         self._step_t0: float | None = None  # when the busy step in flight was built
@@ -147,9 +157,7 @@ class OffloadScheduler:
 
     # ---- lookup -------------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(
-        self, req: RequestView, num_computed_tokens: int
-    ) -> int | None:
+    def get_num_new_matched_tokens(self, req: RequestView, num_computed_tokens: int) -> int | None:
         """Tokens beyond the HBM hit that the tier will load for `req` (0 = none); None when
         not known yet (a lookup still in flight, or another request's load is bringing the
         same chunks into HBM): the host asks again at a later step.
@@ -199,6 +207,9 @@ class OffloadScheduler:
                 st.deferred = True
                 self._m.skipped_load(BEHIND_LOAD).inc()
             return None
+        if st.lookup is None and self._heads is not None and st.keys[0] not in self._heads:
+            self._m.cold_lookups.inc()
+            return 0
         t0 = time.perf_counter()
         if st.lookup is None:
             st.lookup = self._lookup.begin(
@@ -216,6 +227,8 @@ class OffloadScheduler:
         # chunks the tier holds on every rank need no saving again
         st.saved = max(st.saved, hit)
         st.emitted = max(st.emitted, hit)
+        if hit and self._heads is not None:
+            self._heads.add(st.keys[0])
         if hit == 0:
             self._lookup.release([lookup_id])
             if result.timed_out:
@@ -406,6 +419,8 @@ class OffloadScheduler:
             chunk_blocks = list(blocks[b0 : b0 + self.blocks_per_chunk])
             chunks.append(ChunkRef(st.keys[c], chunk_blocks, _parent(st.keys, c)))
         op_id = f"{st.req_id}#sv{next(self._nonce)}"
+        if self._heads is not None:
+            self._heads.add(st.keys[0])
         self._quorum.open(op_id)
         self._ops[op_id] = (st.req_id, "save")
         st.saves[op_id] = (st.emitted, aligned)
@@ -530,6 +545,8 @@ class OffloadScheduler:
         neither load nor save again. For the host's cache resets (weights changed, pause); the
         host resets its own prefix cache with it."""
         self.epoch += 1
+        if self._heads is not None:
+            self._heads.clear()
         self._seed = key_seed(self._model_id, self.chunk, epoch=os.urandom(16))
         log.info(
             "kvtier: namespace epoch %d: every chunk stored before is unreachable (%d requests "

@@ -20,6 +20,7 @@ from kvtier.config import KVTierConfig
 from kvtier.lookup import LookupClient, endpoint_for
 from kvtier.metrics import MergedCollector, Metrics
 from kvtier.offload import messages
+from kvtier.offload.gil import apply_switch_interval
 from kvtier.offload.messages import OffloadMeta, WorkerReport
 from kvtier.offload.protocols import StepRequest
 from kvtier.offload.scheduler import OffloadScheduler
@@ -87,6 +88,7 @@ class SchedulerWiring:
         ready_timeout_s: float = READY_TIMEOUT_S,
     ) -> None:
         config, topo = spec.config, spec.topo
+        apply_switch_interval(config, "scheduler")
         self.registry = CollectorRegistry()
         self.metrics = Metrics(rank="scheduler", registry=self.registry)
         self.collector = MergedCollector(self.registry)
@@ -160,6 +162,7 @@ def build_worker(
     """The rank's `OffloadWorker` (its tiers, codec and lookup server come with the KV caches),
     counting on metrics of its own; `ranks_on_host` sizes the host-RAM check."""
     rank = spec.topo.rank
+    apply_switch_interval(spec.config, f"rank {rank}")
     return OffloadWorker(
         spec.config,
         rank=rank,
