@@ -266,6 +266,17 @@ class ArmRun:
     exit_code: int | None
     log_path: Path
 
+    def to_json(self) -> dict[str, Any]:
+        """Startup, exit, log and where each window's records went."""
+        return {
+            "arm": self.arm,
+            "rep": self.rep,
+            "startup_s": round(self.startup_s, 2),
+            "exit_code": self.exit_code,
+            "log": str(self.log_path),
+            "records": {w.workload: str(w.records_path) for w in self.windows.values()},
+        }
+
 
 def arm_order(repeat: int) -> list[tuple[int, str]]:
     """(repetition, arm) in run order: ON,OFF then OFF,ON, alternating."""

@@ -304,14 +304,8 @@ class VLLMArmRun:
 
     def to_json(self) -> dict[str, Any]:
         """Startup, exit, log, records, command, pool and store."""
-        r = self.run
         return {
-            "arm": r.arm,
-            "rep": r.rep,
-            "startup_s": round(r.startup_s, 2),
-            "exit_code": r.exit_code,
-            "log": str(r.log_path),
-            "records": {w.workload: str(w.records_path) for w in r.windows.values()},
+            **self.run.to_json(),
             "argv": self.argv,
             "num_gpu_blocks": self.cache_config.get("num_gpu_blocks"),
             "block_size": self.cache_config.get("block_size"),
