@@ -85,6 +85,10 @@ VLLM_MEMORY_BYTES = "512MiB"
 
 Progress = Callable[[str], None]
 
+_NATIVE_POOL_METRICS = ("output_throughput", "request_throughput", "ttft_p50_ms", "ttft_p99_ms")
+_NATIVE_CAST = Cast("native", ON, OFF, {ON: "ON", OFF: "OFF"}, pool_metrics=_NATIVE_POOL_METRICS)
+_VLLM_CAST = Cast("vllm-cpu", KVTIER, NONE, vllm_host.ARM_LABELS, others=(EXAMPLE,))
+
 
 @dataclass(frozen=True, slots=True)
 class Plan:
@@ -592,14 +596,9 @@ def _native_arms(
         env=env,
     )
     runs: list[ArmRun] = drive.arms(arm_order(repeat), run_arm, server)
-    cast = Cast(
-        "native",
-        ON,
-        OFF,
-        {ON: "ON", OFF: "OFF"},
-        pool_metrics=("output_throughput", "request_throughput", "ttft_p50_ms", "ttft_p99_ms"),
+    return _Arms(
+        runs, _NATIVE_CAST, _native_wording(drive, placement, repeat), [r.to_json() for r in runs]
     )
-    return _Arms(runs, cast, _native_wording(drive, placement, repeat), [r.to_json() for r in runs])
 
 
 def _native_wording(drive: _Drive, placement: Placement, repeat: int) -> Wording:
@@ -692,9 +691,8 @@ def _vllm_arms(
         },
         "not_run": {"OffloadingConnector": vllm_host.OFFLOADING_NOT_RUN},
     }
-    cast = Cast("vllm-cpu", KVTIER, NONE, vllm_host.ARM_LABELS, others=(EXAMPLE,))
     wording = _vllm_wording(drive, placement, chunk_size, bind, tp, repeat)
-    return _Arms([r.run for r in runs], cast, wording, [r.to_json() for r in runs], head)
+    return _Arms([r.run for r in runs], _VLLM_CAST, wording, [r.to_json() for r in runs], head)
 
 
 def _vllm_wording(
