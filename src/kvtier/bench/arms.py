@@ -350,6 +350,15 @@ class Served(Protocol):
     stop_timeout_s: float
 
 
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """A `Served` of plain values (a generic arm's server)."""
+
+    host: str
+    startup_timeout_s: float
+    stop_timeout_s: float
+
+
 def serve_and_drive(
     port: int,
     argv: Sequence[str],
@@ -361,10 +370,13 @@ def serve_and_drive(
     what: str,
     say: Say,
     drive: Callable[[str], Coroutine[Any, Any, _T]],
+    base_url: str | None = None,
+    health_path: str = "/health",
 ) -> tuple[_T, float, int | None]:
-    """Start a server (`argv`, listening on `port`), run `drive(base_url)` once it is healthy,
-    stop it; returns the drive's result, the startup seconds and the server's exit code."""
-    base_url = f"http://{server.host}:{port}"
+    """Start a server (`argv`, listening on `port`, reached at `base_url` when given), run
+    `drive(base_url)` once `health_path` answers, stop it; returns the drive's result, the
+    startup seconds and the server's exit code."""
+    base_url = base_url or f"http://{server.host}:{port}"
     proc = ServerProcess(
         argv,
         environ,
@@ -372,6 +384,7 @@ def serve_and_drive(
         log_path,
         startup_timeout_s=server.startup_timeout_s,
         stop_timeout_s=server.stop_timeout_s,
+        health_path=health_path,
     )
     say(f"{tag} starting {what}")
     with proc:
@@ -410,14 +423,7 @@ async def drive_windows(
     scrape settled counters around the load, write its records; `shown` names the arm in logs."""
     tag = f"[{shown} rep {rep}]"
     async with httpx.AsyncClient(base_url=base_url, timeout=30.0) as http:
-        if warmup:
-            say(f"{tag} warmup: {len(warmup)} requests")
-            res = await run_load(
-                base_url, warmup, concurrency=concurrency, model=model, progress=False
-            )
-            bad = [r.error for r in res.records if not r.ok]
-            if bad:
-                raise RuntimeError(f"{tag} warmup requests failed: {bad[:3]}")
+        await warm_up(base_url, warmup, tag, say, concurrency=concurrency, model=model)
         windows: dict[str, Window] = {}
         for wl in workloads:
             await reset(http, tag)
@@ -437,6 +443,19 @@ async def drive_windows(
             say(f"{tag} {wl.name}: {done}/{len(wl.specs)} requests in {load.duration_s:.1f}s")
             windows[wl.name] = Window(wl.name, load, before, after, path)
     return windows
+
+
+async def warm_up(
+    base_url: str, warmup: Sequence[RequestSpec], tag: str, say: Say, **load: Any
+) -> None:
+    """Send `warmup` (`run_load`'s `load` arguments, no progress bar); a failed one raises."""
+    if not warmup:
+        return
+    say(f"{tag} warmup: {len(warmup)} requests")
+    res = await run_load(base_url, warmup, progress=False, **load)
+    bad = [r.error for r in res.records if not r.ok]
+    if bad:
+        raise RuntimeError(f"{tag} warmup requests failed: {bad[:3]}")
 
 
 class MetricsUnavailable(RuntimeError):
@@ -642,42 +661,34 @@ def run_endpoint_arm(
     records (`records/ARM-repN.jsonl`) and scrapes (`scrapes/ARM-repN.json`) under `out_dir`."""
     log = say or (lambda _m: None)
     tag = f"[{arm.name} rep {rep}]"
+
+    def drive(base_url: str) -> Coroutine[Any, Any, EndpointRun]:
+        return _drive_endpoint(
+            arm, rep, base_url, specs, options, out_dir, warmup, reset_path,
+            settle_timeout_s, scrape_interval_s, log, progress, console,
+        )  # fmt: skip
+
     if not arm.argv:
         assert arm.url is not None
         log(f"{tag} endpoint {arm.url}")
-        run = asyncio.run(
-            _drive_endpoint(
-                arm, rep, arm.url, specs, options, out_dir, warmup, reset_path,
-                settle_timeout_s, scrape_interval_s, log, progress, console,
-            )
-        )  # fmt: skip
-        return _written(run, out_dir, arm)
+        return _written(asyncio.run(drive(arm.url)), out_dir, arm)
     use_port = free_port(host) if any("{port}" in a for a in arm.argv) else port
-    base_url = arm.url or f"http://{host}:{use_port}"
     argv = arm.command(host, use_port)
     log_path = out_dir / "logs" / f"{arm.name}-rep{rep}.log"
-    proc = ServerProcess(
+    run, startup_s, code = serve_and_drive(
+        use_port,
         argv,
         {**os.environ, **arm.env},
-        base_url,
+        Serving(host, startup_timeout_s, stop_timeout_s),
         log_path,
-        startup_timeout_s=startup_timeout_s,
-        stop_timeout_s=stop_timeout_s,
+        tag=tag,
+        what=shlex.join(argv),
+        say=log,
+        drive=drive,
+        base_url=arm.url,
         health_path=health_path,
     )
-    log(f"{tag} starting: {shlex.join(argv)}")
-    with proc:
-        assert proc.startup_s is not None
-        log(f"{tag} server healthy after {proc.startup_s:.1f}s on {base_url}")
-        run = asyncio.run(
-            _drive_endpoint(
-                arm, rep, base_url, specs, options, out_dir, warmup, reset_path,
-                settle_timeout_s, scrape_interval_s, log, progress, console,
-            )
-        )  # fmt: skip
-        run.startup_s = proc.startup_s
-    run.exit_code = proc.proc.returncode if proc.proc is not None else None
-    run.log_path = log_path
+    run.startup_s, run.exit_code, run.log_path = startup_s, code, log_path
     return _written(run, out_dir, arm)
 
 
@@ -721,14 +732,7 @@ async def _drive_endpoint(
             "headers": headers,
             "require_token_ids": options.require_token_ids,
         }
-        if warmup:
-            say(f"{tag} warmup: {len(warmup)} requests")
-            res = await run_load(
-                base_url, warmup, concurrency=options.concurrency or 4, progress=False, **common
-            )
-            bad = [r.error for r in res.records if not r.ok]
-            if bad:
-                raise RuntimeError(f"{tag} warmup requests failed: {bad[:3]}")
+        await warm_up(base_url, warmup, tag, say, concurrency=options.concurrency or 4, **common)
         if reset_path:
             resp = await http.post(reset_path)
             if resp.status_code != 200:
@@ -743,14 +747,13 @@ async def _drive_endpoint(
             before = None
         samples: list[dict[str, Any]] = []
         errors = [0]
-        stop = asyncio.Event()
-        sampler = (
-            asyncio.create_task(_sample_loop(http, stop, scrape_interval_s, clock, samples, errors))
-            if before is not None
-            else None
-        )
-        try:
-            load = await run_load(
+        load = await _sampled(
+            http,
+            scrape_interval_s if before is not None else None,
+            clock,
+            samples,
+            errors,
+            run_load(
                 base_url,
                 specs,
                 concurrency=options.concurrency,
@@ -762,11 +765,8 @@ async def _drive_endpoint(
                 console=console,
                 clock=clock,
                 **common,
-            )
-        finally:
-            stop.set()
-            if sampler is not None:
-                await sampler
+            ),
+        )
         after = await settled_metrics(http, settle_timeout_s) if before is not None else None
         if before is not None and after is not None:
             # the settled scrapes bound the series: counters at the load's start and end
@@ -799,6 +799,30 @@ async def _drive_endpoint(
         scrapes_path=out_dir / "scrapes" / f"{name}.json",
         sample_errors=errors[0],
     )
+
+
+async def _sampled(
+    http: httpx.AsyncClient,
+    interval_s: float | None,
+    clock: Clock,
+    samples: list[dict[str, Any]],
+    errors: list[int],
+    load: Awaitable[LoadResult],
+) -> LoadResult:
+    """Await `load` while scraping `/metrics` into `samples` every `interval_s` (None: no
+    scrapes, the server has no `/metrics`)."""
+    stop = asyncio.Event()
+    sampler = (
+        asyncio.create_task(_sample_loop(http, stop, interval_s, clock, samples, errors))
+        if interval_s is not None
+        else None
+    )
+    try:
+        return await load
+    finally:
+        stop.set()
+        if sampler is not None:
+            await sampler
 
 
 async def _sample_loop(
