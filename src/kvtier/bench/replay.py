@@ -657,6 +657,7 @@ def _checks(
 
 
 def _table(doc: Mapping[str, Any]) -> Report:
+    """The summary table of an analysed run: metrics, hit rates, checks and aiperf's rows."""
     meta = doc["meta"]
     arms: dict[str, Any] = doc["arms"]
     baseline = doc["baseline"]
@@ -678,6 +679,18 @@ def _table(doc: Mapping[str, Any]) -> Report:
         + f"; arm order alternates; load: {_load_text(meta)}"
     )
     windows = [FULL] + ([CUT] if cut > 0 else [])
+    _metric_rows(report, doc, windows, shown)
+    _hit_rows(report, doc, windows)
+    _check_rows(report, doc["checks"])
+    _aiperf_rows(report, doc["aiperf"])
+    return report
+
+
+def _metric_rows(
+    report: Report, doc: Mapping[str, Any], windows: Sequence[str], shown: Sequence[str]
+) -> None:
+    """Each shown arm's client metrics per window, against the baseline arm."""
+    meta, arms, baseline, cut = doc["meta"], doc["arms"], doc["baseline"], doc["cut_s"]
     for w in windows:
         suffix = "" if w == FULL else f" (from {cut:g}s)"
         if w == CUT:
@@ -689,6 +702,11 @@ def _table(doc: Mapping[str, Any]) -> Report:
         for name in shown:
             for key, label, unit in METRICS:
                 _add(report, arms, name, baseline, w, key, f"{name}: {label}{suffix}", unit)
+
+
+def _hit_rows(report: Report, doc: Mapping[str, Any], windows: Sequence[str]) -> None:
+    """Each arm's cache-read rate per window against its simulated ceiling."""
+    arms, cut = doc["arms"], doc["cut_s"]
     hit_note = report.note(
         "cache-read rate = (HBM hits + external hits) / prompt tokens from the server's "
         "counters (client: sum cached_tokens / sum prompt_tokens); raw = the ceiling simulated on "
@@ -727,7 +745,10 @@ def _table(doc: Mapping[str, Any]) -> Report:
                     detail=detail,
                 )
             )
-    checks = doc["checks"]
+
+
+def _check_rows(report: Report, checks: Mapping[str, Any]) -> None:
+    """Identities, the infinite-cache bound, the HBM pool and failed requests: none allowed."""
     ident_note = report.note(
         "identities on the drained server, every arm and repetition: prefix_cache_queries - "
         "hits == external queries and retrieved / TP == external hits (with a tier), no "
@@ -779,7 +800,11 @@ def _table(doc: Mapping[str, Any]) -> Report:
             detail={"sent": checks["requests_sent"]},
         )
     )
-    for a in doc["aiperf"]:
+
+
+def _aiperf_rows(report: Report, aiperf: Sequence[Mapping[str, Any]]) -> None:
+    """aiperf's own summary of each run it exported, as measured."""
+    for a in aiperf:
         note = report.note(f"aiperf {a['name']}: {a['source']} (aiperf {a.get('version')})")
         for i, (key, label, unit) in enumerate(AIPERF_ROWS):
             value = a["summary"].get(key)
@@ -793,7 +818,6 @@ def _table(doc: Mapping[str, Any]) -> Report:
                     unit,
                 )
             )
-    return report
 
 
 AIPERF_ROWS = (
