@@ -232,7 +232,7 @@ def run(
     out = _out_path(json_path, DEFAULT_JSON_VLLM if host == VLLM else DEFAULT_JSON)
     plan = _plan(quick, hbm_blocks, requests, concurrency, host=host)
     t0 = time.perf_counter()
-    env, extra, kv_config = _tier_config(host, chunk_size)
+    env, extra, kv_config = tier_config(host, chunk_size)
     cli = None
     if host == VLLM:
         cli = vllm_host.ensure_vllm_env(None if vllm_venv is None else Path(vllm_venv), say)
@@ -274,9 +274,12 @@ def run(
 # ----------------------------------------------------------------------------------------------
 
 
-def _tier_config(host: str, chunk_size: int) -> tuple[dict[str, str], dict[str, Any], KVTierConfig]:
+def tier_config(
+    host: str, chunk_size: int, block_size: int = BLOCK_SIZE
+) -> tuple[dict[str, str], dict[str, Any], KVTierConfig]:
     """The servers' environment, the vLLM connector's extra config ({} natively) and the tier
-    config they give; a disabled tier or a chunk off the host's block size is refused."""
+    config they give; a disabled tier, or a chunk off the host's block size (natively
+    `block_size`), is refused."""
     memory = VLLM_MEMORY_BYTES if host == VLLM else DEFAULT_MEMORY_BYTES
     env = {"KVTIER_MEMORY_BYTES": memory, **config_environ(os.environ)}
     extra: dict[str, Any] = {}
@@ -292,8 +295,10 @@ def _tier_config(host: str, chunk_size: int) -> tuple[dict[str, str], dict[str, 
             "unset KVTIER_ENABLED (or enabled: in $KVTIER_CONFIG) for the bench"
         )
     if host == NATIVE:
-        if kv_config.chunk_size % BLOCK_SIZE:
-            raise ConfigError(f"--chunk-size {chunk_size} is not a multiple of {BLOCK_SIZE}")
+        if kv_config.chunk_size % block_size:
+            raise ConfigError(
+                f"--chunk-size {kv_config.chunk_size} is not a multiple of {block_size}"
+            )
         return env, extra, kv_config
     if chunk_size % VLLM_BLOCK_SIZE:
         fit = -(-chunk_size // VLLM_BLOCK_SIZE) * VLLM_BLOCK_SIZE
