@@ -278,63 +278,92 @@ class ArmRun:
         }
 
 
+def _quiet(_message: str) -> None:
+    """Say nothing."""
+
+
 def arm_order(repeat: int) -> list[tuple[int, str]]:
     """(repetition, arm) in run order: ON,OFF then OFF,ON, alternating."""
-    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
-        raise ValueError(f"repeat={repeat!r} must be an integer >= 1")
-    out = []
-    for rep in range(repeat):
-        arms = ARMS if rep % 2 == 0 else ARMS[::-1]
-        out += [(rep, arm) for arm in arms]
-    return out
+    return alternate(ARMS, repeat)
 
 
-def run_arm(
-    arm: str,
-    rep: int,
-    server: ServerConfig,
-    workloads: Sequence[Workload],
-    *,
-    concurrency: int,
-    out_dir: Path,
-    warmup: Sequence[RequestSpec] = (),
-    say: Say | None = None,
-    progress: bool = True,
-    console: Console | None = None,
-    settle_timeout_s: float = 15.0,
-) -> ArmRun:
+@dataclass(frozen=True, slots=True)
+class Drive:
+    """How every arm's windows are driven: the workloads, their concurrency and warmup, where
+    the records go, progress, and how long the counters may take to settle."""
+
+    workloads: Sequence[Workload]
+    concurrency: int
+    out_dir: Path
+    warmup: Sequence[RequestSpec] = ()
+    say: Say = _quiet
+    progress: bool = True
+    console: Console | None = None
+    settle_timeout_s: float = 15.0
+
+    def serve(
+        self,
+        arm: str,
+        rep: int,
+        argv: tuple[int, Sequence[str]],
+        environ: Mapping[str, str],
+        server: Served,
+        *,
+        shown: str,
+        what: str,
+        reset: Callable[[httpx.AsyncClient, str], Awaitable[None]],
+        model: str | None = None,
+    ) -> tuple[dict[str, Window], float, int | None, Path]:
+        """Start the server (`argv`: its port and command), drive the warmup and every window
+        (`shown` names the arm in logs), stop it; returns the windows, the startup seconds,
+        the exit code and the server's log."""
+        port, command = argv
+        log_path = self.out_dir / f"server-{arm}-rep{rep}.log"
+        windows, startup_s, code = serve_and_drive(
+            port,
+            command,
+            environ,
+            server,
+            log_path,
+            tag=f"[{shown} rep {rep}]",
+            what=what,
+            say=self.say,
+            drive=lambda base_url: drive_windows(
+                base_url,
+                arm,
+                rep,
+                self.workloads,
+                shown=shown,
+                reset=reset,
+                model=model,
+                concurrency=self.concurrency,
+                warmup=self.warmup,
+                out_dir=self.out_dir,
+                say=self.say,
+                progress=self.progress,
+                console=self.console,
+                settle_timeout_s=self.settle_timeout_s,
+            ),
+        )
+        return windows, startup_s, code, log_path
+
+
+def run_arm(arm: str, rep: int, server: ServerConfig, drive: Drive) -> ArmRun:
     """Start a server for `arm`, run the warmup and every workload in it, stop it."""
     if arm not in ARMS:
         raise ValueError(f"arm={arm!r} must be one of {ARMS}")
-    log = say or (lambda _m: None)
     offload = arm == ON
-    log_path = out_dir / f"server-{arm}-rep{rep}.log"
     flag = "--offload" if offload else "--no-offload"
     port = free_port(server.host)
-    windows, startup_s, code = serve_and_drive(
-        port,
-        server.argv(port, offload),
+    windows, startup_s, code, log_path = drive.serve(
+        arm,
+        rep,
+        (port, server.argv(port, offload)),
         server.environ(),
         server,
-        log_path,
-        tag=f"[{arm.upper()} rep {rep}]",
+        shown=arm.upper(),
         what=f"kvtier serve (tp={server.tp}, hbm_blocks={server.hbm_blocks}, {flag})",
-        say=log,
-        drive=lambda base_url: drive_windows(
-            base_url,
-            arm,
-            rep,
-            workloads,
-            shown=arm.upper(),
-            reset=_post_reset,
-            concurrency=concurrency,
-            warmup=warmup,
-            out_dir=out_dir,
-            say=log,
-            progress=progress,
-            console=console,
-            settle_timeout_s=settle_timeout_s,
-        ),
+        reset=_post_reset,
     )
     return ArmRun(arm, rep, offload, windows, startup_s, code, log_path)
 

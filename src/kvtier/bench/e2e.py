@@ -35,6 +35,7 @@ from kvtier.bench.arms import (
     OFF,
     ON,
     ArmRun,
+    Drive,
     ServerConfig,
     Workload,
     alternate,
@@ -413,22 +414,17 @@ class _Drive:
     def arms(
         self, order: Sequence[tuple[int, str]], run_one: Callable[..., _R], server: Any
     ) -> list[_R]:
-        """`run_one(arm, rep, server, workloads, ...)` for each (rep, arm) of `order`, in order."""
-        return [
-            run_one(
-                arm,
-                rep,
-                server,
-                self.workloads,
-                concurrency=self.plan.concurrency,
-                out_dir=self.records_dir,
-                warmup=self.warm,
-                say=self.say,
-                progress=self.bars,
-                console=self.console,
-            )
-            for rep, arm in order
-        ]
+        """`run_one(arm, rep, server, drive)` for each (rep, arm) of `order`, in order."""
+        drive = Drive(
+            self.workloads,
+            self.plan.concurrency,
+            self.records_dir,
+            self.warm,
+            self.say,
+            self.bars,
+            self.console,
+        )
+        return [run_one(arm, rep, server, drive) for rep, arm in order]
 
 
 @dataclass(frozen=True, slots=True)
