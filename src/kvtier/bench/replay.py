@@ -815,17 +815,7 @@ def _aiperf_rows(report: Report, aiperf: Sequence[Mapping[str, Any]]) -> None:
             )
 
 
-AIPERF_ROWS = (
-    ("request_throughput", "requests/s", "req/s"),
-    ("output_throughput", "output tok/s", "tok/s"),
-    ("ttft_p50_ms", "TTFT p50", "ms"),
-    ("ttft_p90_ms", "TTFT p90", "ms"),
-    ("ttft_p99_ms", "TTFT p99", "ms"),
-    ("itl_p50_ms", "ITL p50", "ms"),
-    ("itl_p90_ms", "ITL p90", "ms"),
-    ("itl_p99_ms", "ITL p99", "ms"),
-    ("cache_read_pct", "cache-read rate (client)", "%"),
-)
+AIPERF_ROWS = (*METRICS, ("cache_read_pct", "cache-read rate (client)", "%"))
 
 
 def _add(
