@@ -31,7 +31,7 @@ LAZY: dict[str, dict[str, tuple[str, str]]] = {
     },
     "bench": {
         "run": (
-            "kvtier.bench.replay:bench_run_command",
+            "kvtier.bench.run_cli:bench_run_command",
             "A seeded workload against OpenAI-compatible endpoints, arm by arm: latency, hit "
             "rates",
         ),

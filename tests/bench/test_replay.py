@@ -23,11 +23,11 @@ from kvtier.bench.client import STANDIN, LoadOptions, Record, run_load
 from kvtier.bench.replay import (
     RunConfig,
     WorkloadConfig,
-    bench_run_command,
     build_specs,
     parse_seconds,
 )
 from kvtier.bench.report import PNGS, bench_report_command
+from kvtier.bench.run_cli import bench_run_command
 from kvtier.bench.workload import MULTI_TURN, TRACE, multi_turn, no_reuse, with_arrivals
 from kvtier.errors import ConfigError
 from kvtier.native.modelgen import init_model

@@ -266,64 +266,104 @@ class ArmRun:
     exit_code: int | None
     log_path: Path
 
+    def to_json(self) -> dict[str, Any]:
+        """Startup, exit, log and where each window's records went."""
+        return {
+            "arm": self.arm,
+            "rep": self.rep,
+            "startup_s": round(self.startup_s, 2),
+            "exit_code": self.exit_code,
+            "log": str(self.log_path),
+            "records": {w.workload: str(w.records_path) for w in self.windows.values()},
+        }
+
+
+def _quiet(_message: str) -> None:
+    """Say nothing."""
+
 
 def arm_order(repeat: int) -> list[tuple[int, str]]:
     """(repetition, arm) in run order: ON,OFF then OFF,ON, alternating."""
-    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
-        raise ValueError(f"repeat={repeat!r} must be an integer >= 1")
-    out = []
-    for rep in range(repeat):
-        arms = ARMS if rep % 2 == 0 else ARMS[::-1]
-        out += [(rep, arm) for arm in arms]
-    return out
+    return alternate(ARMS, repeat)
 
 
-def run_arm(
-    arm: str,
-    rep: int,
-    server: ServerConfig,
-    workloads: Sequence[Workload],
-    *,
-    concurrency: int,
-    out_dir: Path,
-    warmup: Sequence[RequestSpec] = (),
-    say: Say | None = None,
-    progress: bool = True,
-    console: Console | None = None,
-    settle_timeout_s: float = 15.0,
-) -> ArmRun:
+@dataclass(frozen=True, slots=True)
+class Drive:
+    """How every arm's windows are driven: the workloads, their concurrency and warmup, where
+    the records go, progress, and how long the counters may take to settle."""
+
+    workloads: Sequence[Workload]
+    concurrency: int
+    out_dir: Path
+    warmup: Sequence[RequestSpec] = ()
+    say: Say = _quiet
+    progress: bool = True
+    console: Console | None = None
+    settle_timeout_s: float = 15.0
+
+    def serve(
+        self,
+        arm: str,
+        rep: int,
+        argv: tuple[int, Sequence[str]],
+        environ: Mapping[str, str],
+        server: Served,
+        *,
+        shown: str,
+        what: str,
+        reset: Callable[[httpx.AsyncClient, str], Awaitable[None]],
+        model: str | None = None,
+    ) -> tuple[dict[str, Window], float, int | None, Path]:
+        """Start the server (`argv`: its port and command), drive the warmup and every window
+        (`shown` names the arm in logs), stop it; returns the windows, the startup seconds,
+        the exit code and the server's log."""
+        port, command = argv
+        log_path = self.out_dir / f"server-{arm}-rep{rep}.log"
+        windows, startup_s, code = serve_and_drive(
+            port,
+            command,
+            environ,
+            server,
+            log_path,
+            tag=f"[{shown} rep {rep}]",
+            what=what,
+            say=self.say,
+            drive=lambda base_url: drive_windows(
+                base_url,
+                arm,
+                rep,
+                self.workloads,
+                shown=shown,
+                reset=reset,
+                model=model,
+                concurrency=self.concurrency,
+                warmup=self.warmup,
+                out_dir=self.out_dir,
+                say=self.say,
+                progress=self.progress,
+                console=self.console,
+                settle_timeout_s=self.settle_timeout_s,
+            ),
+        )
+        return windows, startup_s, code, log_path
+
+
+def run_arm(arm: str, rep: int, server: ServerConfig, drive: Drive) -> ArmRun:
     """Start a server for `arm`, run the warmup and every workload in it, stop it."""
     if arm not in ARMS:
         raise ValueError(f"arm={arm!r} must be one of {ARMS}")
-    log = say or (lambda _m: None)
     offload = arm == ON
-    log_path = out_dir / f"server-{arm}-rep{rep}.log"
     flag = "--offload" if offload else "--no-offload"
     port = free_port(server.host)
-    windows, startup_s, code = serve_and_drive(
-        port,
-        server.argv(port, offload),
+    windows, startup_s, code, log_path = drive.serve(
+        arm,
+        rep,
+        (port, server.argv(port, offload)),
         server.environ(),
         server,
-        log_path,
-        tag=f"[{arm.upper()} rep {rep}]",
+        shown=arm.upper(),
         what=f"kvtier serve (tp={server.tp}, hbm_blocks={server.hbm_blocks}, {flag})",
-        say=log,
-        drive=lambda base_url: drive_windows(
-            base_url,
-            arm,
-            rep,
-            workloads,
-            shown=arm.upper(),
-            reset=_post_reset,
-            concurrency=concurrency,
-            warmup=warmup,
-            out_dir=out_dir,
-            say=log,
-            progress=progress,
-            console=console,
-            settle_timeout_s=settle_timeout_s,
-        ),
+        reset=_post_reset,
     )
     return ArmRun(arm, rep, offload, windows, startup_s, code, log_path)
 
@@ -333,6 +373,15 @@ _T = TypeVar("_T")
 
 class Served(Protocol):
     """Where and how patiently an arm's server is started and stopped."""
+
+    host: str
+    startup_timeout_s: float
+    stop_timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """A `Served` of plain values (a generic arm's server)."""
 
     host: str
     startup_timeout_s: float
@@ -350,10 +399,13 @@ def serve_and_drive(
     what: str,
     say: Say,
     drive: Callable[[str], Coroutine[Any, Any, _T]],
+    base_url: str | None = None,
+    health_path: str = "/health",
 ) -> tuple[_T, float, int | None]:
-    """Start a server (`argv`, listening on `port`), run `drive(base_url)` once it is healthy,
-    stop it; returns the drive's result, the startup seconds and the server's exit code."""
-    base_url = f"http://{server.host}:{port}"
+    """Start a server (`argv`, listening on `port`, reached at `base_url` when given), run
+    `drive(base_url)` once `health_path` answers, stop it; returns the drive's result, the
+    startup seconds and the server's exit code."""
+    base_url = base_url or f"http://{server.host}:{port}"
     proc = ServerProcess(
         argv,
         environ,
@@ -361,6 +413,7 @@ def serve_and_drive(
         log_path,
         startup_timeout_s=server.startup_timeout_s,
         stop_timeout_s=server.stop_timeout_s,
+        health_path=health_path,
     )
     say(f"{tag} starting {what}")
     with proc:
@@ -399,14 +452,7 @@ async def drive_windows(
     scrape settled counters around the load, write its records; `shown` names the arm in logs."""
     tag = f"[{shown} rep {rep}]"
     async with httpx.AsyncClient(base_url=base_url, timeout=30.0) as http:
-        if warmup:
-            say(f"{tag} warmup: {len(warmup)} requests")
-            res = await run_load(
-                base_url, warmup, concurrency=concurrency, model=model, progress=False
-            )
-            bad = [r.error for r in res.records if not r.ok]
-            if bad:
-                raise RuntimeError(f"{tag} warmup requests failed: {bad[:3]}")
+        await warm_up(base_url, warmup, tag, say, concurrency=concurrency, model=model)
         windows: dict[str, Window] = {}
         for wl in workloads:
             await reset(http, tag)
@@ -426,6 +472,19 @@ async def drive_windows(
             say(f"{tag} {wl.name}: {done}/{len(wl.specs)} requests in {load.duration_s:.1f}s")
             windows[wl.name] = Window(wl.name, load, before, after, path)
     return windows
+
+
+async def warm_up(
+    base_url: str, warmup: Sequence[RequestSpec], tag: str, say: Say, **load: Any
+) -> None:
+    """Send `warmup` (`run_load`'s `load` arguments, no progress bar); a failed one raises."""
+    if not warmup:
+        return
+    say(f"{tag} warmup: {len(warmup)} requests")
+    res = await run_load(base_url, warmup, progress=False, **load)
+    bad = [r.error for r in res.records if not r.ok]
+    if bad:
+        raise RuntimeError(f"{tag} warmup requests failed: {bad[:3]}")
 
 
 class MetricsUnavailable(RuntimeError):
@@ -631,42 +690,34 @@ def run_endpoint_arm(
     records (`records/ARM-repN.jsonl`) and scrapes (`scrapes/ARM-repN.json`) under `out_dir`."""
     log = say or (lambda _m: None)
     tag = f"[{arm.name} rep {rep}]"
+
+    def drive(base_url: str) -> Coroutine[Any, Any, EndpointRun]:
+        return _drive_endpoint(
+            arm, rep, base_url, specs, options, out_dir, warmup, reset_path,
+            settle_timeout_s, scrape_interval_s, log, progress, console,
+        )  # fmt: skip
+
     if not arm.argv:
         assert arm.url is not None
         log(f"{tag} endpoint {arm.url}")
-        run = asyncio.run(
-            _drive_endpoint(
-                arm, rep, arm.url, specs, options, out_dir, warmup, reset_path,
-                settle_timeout_s, scrape_interval_s, log, progress, console,
-            )
-        )  # fmt: skip
-        return _written(run, out_dir, arm)
+        return _written(asyncio.run(drive(arm.url)), out_dir, arm)
     use_port = free_port(host) if any("{port}" in a for a in arm.argv) else port
-    base_url = arm.url or f"http://{host}:{use_port}"
     argv = arm.command(host, use_port)
     log_path = out_dir / "logs" / f"{arm.name}-rep{rep}.log"
-    proc = ServerProcess(
+    run, startup_s, code = serve_and_drive(
+        use_port,
         argv,
         {**os.environ, **arm.env},
-        base_url,
+        Serving(host, startup_timeout_s, stop_timeout_s),
         log_path,
-        startup_timeout_s=startup_timeout_s,
-        stop_timeout_s=stop_timeout_s,
+        tag=tag,
+        what=shlex.join(argv),
+        say=log,
+        drive=drive,
+        base_url=arm.url,
         health_path=health_path,
     )
-    log(f"{tag} starting: {shlex.join(argv)}")
-    with proc:
-        assert proc.startup_s is not None
-        log(f"{tag} server healthy after {proc.startup_s:.1f}s on {base_url}")
-        run = asyncio.run(
-            _drive_endpoint(
-                arm, rep, base_url, specs, options, out_dir, warmup, reset_path,
-                settle_timeout_s, scrape_interval_s, log, progress, console,
-            )
-        )  # fmt: skip
-        run.startup_s = proc.startup_s
-    run.exit_code = proc.proc.returncode if proc.proc is not None else None
-    run.log_path = log_path
+    run.startup_s, run.exit_code, run.log_path = startup_s, code, log_path
     return _written(run, out_dir, arm)
 
 
@@ -710,14 +761,7 @@ async def _drive_endpoint(
             "headers": headers,
             "require_token_ids": options.require_token_ids,
         }
-        if warmup:
-            say(f"{tag} warmup: {len(warmup)} requests")
-            res = await run_load(
-                base_url, warmup, concurrency=options.concurrency or 4, progress=False, **common
-            )
-            bad = [r.error for r in res.records if not r.ok]
-            if bad:
-                raise RuntimeError(f"{tag} warmup requests failed: {bad[:3]}")
+        await warm_up(base_url, warmup, tag, say, concurrency=options.concurrency or 4, **common)
         if reset_path:
             resp = await http.post(reset_path)
             if resp.status_code != 200:
@@ -732,14 +776,13 @@ async def _drive_endpoint(
             before = None
         samples: list[dict[str, Any]] = []
         errors = [0]
-        stop = asyncio.Event()
-        sampler = (
-            asyncio.create_task(_sample_loop(http, stop, scrape_interval_s, clock, samples, errors))
-            if before is not None
-            else None
-        )
-        try:
-            load = await run_load(
+        load = await _sampled(
+            http,
+            scrape_interval_s if before is not None else None,
+            clock,
+            samples,
+            errors,
+            run_load(
                 base_url,
                 specs,
                 concurrency=options.concurrency,
@@ -751,11 +794,8 @@ async def _drive_endpoint(
                 console=console,
                 clock=clock,
                 **common,
-            )
-        finally:
-            stop.set()
-            if sampler is not None:
-                await sampler
+            ),
+        )
         after = await settled_metrics(http, settle_timeout_s) if before is not None else None
         if before is not None and after is not None:
             # the settled scrapes bound the series: counters at the load's start and end
@@ -788,6 +828,30 @@ async def _drive_endpoint(
         scrapes_path=out_dir / "scrapes" / f"{name}.json",
         sample_errors=errors[0],
     )
+
+
+async def _sampled(
+    http: httpx.AsyncClient,
+    interval_s: float | None,
+    clock: Clock,
+    samples: list[dict[str, Any]],
+    errors: list[int],
+    load: Awaitable[LoadResult],
+) -> LoadResult:
+    """Await `load` while scraping `/metrics` into `samples` every `interval_s` (None: no
+    scrapes, the server has no `/metrics`)."""
+    stop = asyncio.Event()
+    sampler = (
+        asyncio.create_task(_sample_loop(http, stop, interval_s, clock, samples, errors))
+        if interval_s is not None
+        else None
+    )
+    try:
+        return await load
+    finally:
+        stop.set()
+        if sampler is not None:
+            await sampler
 
 
 async def _sample_loop(

@@ -28,7 +28,6 @@ import math
 import os
 import platform
 import re
-import secrets
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -36,24 +35,20 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import typer
 from rich.console import Console
-from rich.markup import escape
 
 from kvtier import __version__, scrape
 from kvtier.bench import analysis
 from kvtier.bench.aiperf import AiperfRun, export_path, load_profile_export
 from kvtier.bench.arms import (
     ArmSpec,
-    ServerConfig,
     alternate,
     flag_value,
-    parse_arm,
     pool_mismatches,
     run_endpoint_arm,
 )
 from kvtier.bench.ceiling import Ceiling, hbm_ceiling, infinite_ceiling, tier_ceiling
-from kvtier.bench.client import HISTORY_MODES, OUTPUTS, LoadOptions, Record, read_jsonl
+from kvtier.bench.client import OUTPUTS, LoadOptions, Record, read_jsonl
 from kvtier.bench.table import Report, Row, Target, write_json
 from kvtier.bench.workload import (
     MULTI_TURN,
@@ -72,7 +67,7 @@ from kvtier.bench.workload import (
     with_arrivals,
     write_specs,
 )
-from kvtier.errors import ConfigError, StartupError
+from kvtier.errors import ConfigError
 from kvtier.scrape import Counters, MetricSet
 
 Say = Callable[[str], None]
@@ -493,7 +488,7 @@ def _analyse_rep(
         tp = (
             meta.get("tp")
             or scrape.world_size(after)
-            or _int_or_none(
+            or int_or_none(
                 flag_value(arm_meta.get("argv") or [], "--tp", "--tensor-parallel-size")
             )
             or 1
@@ -657,6 +652,7 @@ def _checks(
 
 
 def _table(doc: Mapping[str, Any]) -> Report:
+    """The summary table of an analysed run: metrics, hit rates, checks and aiperf's rows."""
     meta = doc["meta"]
     arms: dict[str, Any] = doc["arms"]
     baseline = doc["baseline"]
@@ -678,6 +674,18 @@ def _table(doc: Mapping[str, Any]) -> Report:
         + f"; arm order alternates; load: {_load_text(meta)}"
     )
     windows = [FULL] + ([CUT] if cut > 0 else [])
+    _metric_rows(report, doc, windows, shown)
+    _hit_rows(report, doc, windows)
+    _check_rows(report, doc["checks"])
+    _aiperf_rows(report, doc["aiperf"])
+    return report
+
+
+def _metric_rows(
+    report: Report, doc: Mapping[str, Any], windows: Sequence[str], shown: Sequence[str]
+) -> None:
+    """Each shown arm's client metrics per window, against the baseline arm."""
+    meta, arms, baseline, cut = doc["meta"], doc["arms"], doc["baseline"], doc["cut_s"]
     for w in windows:
         suffix = "" if w == FULL else f" (from {cut:g}s)"
         if w == CUT:
@@ -689,6 +697,11 @@ def _table(doc: Mapping[str, Any]) -> Report:
         for name in shown:
             for key, label, unit in METRICS:
                 _add(report, arms, name, baseline, w, key, f"{name}: {label}{suffix}", unit)
+
+
+def _hit_rows(report: Report, doc: Mapping[str, Any], windows: Sequence[str]) -> None:
+    """Each arm's cache-read rate per window against its simulated ceiling."""
+    arms, cut = doc["arms"], doc["cut_s"]
     hit_note = report.note(
         "cache-read rate = (HBM hits + external hits) / prompt tokens from the server's "
         "counters (client: sum cached_tokens / sum prompt_tokens); raw = the ceiling simulated on "
@@ -727,7 +740,10 @@ def _table(doc: Mapping[str, Any]) -> Report:
                     detail=detail,
                 )
             )
-    checks = doc["checks"]
+
+
+def _check_rows(report: Report, checks: Mapping[str, Any]) -> None:
+    """Identities, the infinite-cache bound, the HBM pool and failed requests: none allowed."""
     ident_note = report.note(
         "identities on the drained server, every arm and repetition: prefix_cache_queries - "
         "hits == external queries and retrieved / TP == external hits (with a tier), no "
@@ -779,7 +795,11 @@ def _table(doc: Mapping[str, Any]) -> Report:
             detail={"sent": checks["requests_sent"]},
         )
     )
-    for a in doc["aiperf"]:
+
+
+def _aiperf_rows(report: Report, aiperf: Sequence[Mapping[str, Any]]) -> None:
+    """aiperf's own summary of each run it exported, as measured."""
+    for a in aiperf:
         note = report.note(f"aiperf {a['name']}: {a['source']} (aiperf {a.get('version')})")
         for i, (key, label, unit) in enumerate(AIPERF_ROWS):
             value = a["summary"].get(key)
@@ -793,20 +813,9 @@ def _table(doc: Mapping[str, Any]) -> Report:
                     unit,
                 )
             )
-    return report
 
 
-AIPERF_ROWS = (
-    ("request_throughput", "requests/s", "req/s"),
-    ("output_throughput", "output tok/s", "tok/s"),
-    ("ttft_p50_ms", "TTFT p50", "ms"),
-    ("ttft_p90_ms", "TTFT p90", "ms"),
-    ("ttft_p99_ms", "TTFT p99", "ms"),
-    ("itl_p50_ms", "ITL p50", "ms"),
-    ("itl_p90_ms", "ITL p90", "ms"),
-    ("itl_p99_ms", "ITL p99", "ms"),
-    ("cache_read_pct", "cache-read rate (client)", "%"),
-)
+AIPERF_ROWS = (*METRICS, ("cache_read_pct", "cache-read rate (client)", "%"))
 
 
 def _add(
@@ -855,7 +864,7 @@ def _load_text(meta: Mapping[str, Any]) -> str:
     return shape
 
 
-def _int_or_none(text: str | None) -> int | None:
+def int_or_none(text: str | None) -> int | None:
     try:
         return None if text is None else int(text)
     except ValueError:
@@ -889,363 +898,3 @@ def named_paths(items: Sequence[str], what: str) -> list[tuple[str, Path]]:
             raise ConfigError(f"{what} {item!r}: the name must be letters, digits, '_', '.', '-'")
         out.append((name, Path(path)))
     return out
-
-
-def bench_run_command(
-    out: Path | None = typer.Option(
-        None, "--out", help="Run directory to create [default: runs/bench-run-<time>]."
-    ),
-    workload: str = typer.Option(
-        "prefix-pool", "--workload", help="prefix-pool, multi-turn or trace."
-    ),
-    seed: int = typer.Option(0, "--seed", help="Workload seed (the same stream in every arm)."),
-    requests: int | None = typer.Option(
-        None, "--requests", help="Requests to send (prefix pool default 200; others: all)."
-    ),
-    duration: str | None = typer.Option(
-        None, "--duration", help="Stop sending after this long (e.g. 600s, 10m)."
-    ),
-    concurrency: int = typer.Option(4, "--concurrency", help="Requests in flight (closed loop)."),
-    rate: float | None = typer.Option(
-        None, "--rate", help="Open loop: Poisson arrivals at this many requests/s (seeded)."
-    ),
-    osl: int = typer.Option(16, "--osl", help="Output tokens per request (trace: a cap)."),
-    isl: int = typer.Option(
-        32, "--isl", help="Unique tail per request (prefix pool) / new user tokens per turn."
-    ),
-    prefixes: int = typer.Option(8, "--prefixes", help="Shared prefixes in the pool."),
-    prefix_len: int = typer.Option(
-        256, "--prefix-len", help="Tokens per shared prefix (multi-turn: 0 for none)."
-    ),
-    conversations: int = typer.Option(8, "--conversations", help="Multi-turn conversations."),
-    turns: int = typer.Option(4, "--turns", help="Turns per conversation."),
-    history: str = typer.Option(
-        OUTPUTS, "--history", help="Later turns carry the real outputs or a seeded standin."
-    ),
-    trace: Path | None = typer.Option(None, "--trace", help="Mooncake JSONL trace to replay."),
-    trace_block: int = typer.Option(512, "--trace-block", help="Tokens per trace hash id."),
-    trace_source_block: int | None = typer.Option(
-        None,
-        "--trace-source-block",
-        help="The trace's own block size (512 for Mooncake): lengths scale by block/this.",
-    ),
-    time_scale: float = typer.Option(
-        1.0, "--time-scale", help="Trace arrival = timestamp x this (0.1 = 10x faster)."
-    ),
-    ignore_timestamps: bool = typer.Option(
-        False, "--ignore-timestamps", help="Replay a trace closed-loop at --concurrency."
-    ),
-    cache_bust: str = typer.Option(
-        "first-turn-suffix", "--cache-bust", help="first-turn-suffix (a run id) or none."
-    ),
-    bust_id: int | None = typer.Option(
-        None, "--bust-id", help="The cache-bust run id [default: random, kept in meta.json]."
-    ),
-    arm: list[str] = typer.Option(
-        [], "--arm", help="NAME='server command' (repeatable); {port} is filled in."
-    ),
-    url: str | None = typer.Option(None, "--url", help="An endpoint already running (one arm)."),
-    model: str | None = typer.Option(
-        None, "--model", help="Model name to send [default: the first of /v1/models]."
-    ),
-    vocab: int | None = typer.Option(
-        None, "--vocab", help="Token ids are drawn below this [default: the model's]."
-    ),
-    model_dir: Path | None = typer.Option(
-        None, "--model-dir", help="ON/OFF arms: the model for kvtier serve [default: tiny]."
-    ),
-    tp: int = typer.Option(1, "--tp", help="ON/OFF arms: tensor-parallel size."),
-    hbm_blocks: int | None = typer.Option(
-        None, "--hbm-blocks", help="HBM pool in blocks (ON/OFF arms: 128); also the ceiling's."
-    ),
-    block_size: int | None = typer.Option(
-        None, "--block-size", help="Tokens per KV block [default: from the arms, else 16]."
-    ),
-    chunk_size: int | None = typer.Option(
-        None, "--chunk-size", help="kvtier chunk size (ON/OFF arms: 64); the tier ceiling's."
-    ),
-    tier_tokens: int | None = typer.Option(
-        None, "--tier-tokens", help="Tier capacity in tokens per rank, for the ceiling."
-    ),
-    max_batched_tokens: int = typer.Option(
-        1024, "--max-batched-tokens", help="ON/OFF arms: tokens computed per step."
-    ),
-    repeat: int = typer.Option(1, "--repeat", help="Repetitions; arm order alternates."),
-    baseline: str | None = typer.Option(
-        None, "--baseline", help="The arm others are compared with [default: off]."
-    ),
-    warmup: int = typer.Option(0, "--warmup", help="Warmup requests per arm, before scraping."),
-    reset: bool = typer.Option(
-        False, "--reset", help="POST /reset_prefix_cache?reset_external=true before each arm."
-    ),
-    start_cut: str = typer.Option(
-        "0", "--from", help="Start-cut window: requests sent after this (e.g. 600s)."
-    ),
-    bucket: str = typer.Option("10s", "--bucket", help="Time-series bucket width."),
-    scrape_interval: str = typer.Option(
-        "2s", "--scrape-interval", help="How often /metrics is sampled during the load."
-    ),
-    aiperf: list[str] = typer.Option(
-        [], "--aiperf", help="NAME=profile_export_aiperf.json to add to the report (repeatable)."
-    ),
-    api_key: str | None = typer.Option(
-        None, "--api-key", envvar="KVTIER_BENCH_API_KEY", help="Bearer token for the endpoint."
-    ),
-    port: int = typer.Option(8000, "--port", help="Port of an --arm command without {port}."),
-    health_path: str = typer.Option("/health", "--health-path", help="Readiness probe path."),
-    startup_timeout: float = typer.Option(
-        600.0, "--startup-timeout", help="Seconds a server may take to become healthy."
-    ),
-    html: bool = typer.Option(True, "--html/--no-html", help="Write report.html and the PNGs."),
-) -> None:
-    """A seeded workload against OpenAI-compatible endpoints, arm by arm: latency, hit rates
-    next to simulated ceilings, counter identities, time series, HTML report."""
-    from kvtier.bench import report as report_mod
-    from kvtier.bench import table
-
-    err = Console(stderr=True)
-    try:
-        cfg = config_from_options(
-            out=out, workload=workload, seed=seed, requests=requests, duration=duration,
-            concurrency=concurrency, rate=rate, osl=osl, isl=isl, prefixes=prefixes,
-            prefix_len=prefix_len, conversations=conversations, turns=turns, history=history,
-            trace=trace, trace_block=trace_block, trace_source_block=trace_source_block,
-            time_scale=time_scale, ignore_timestamps=ignore_timestamps, cache_bust=cache_bust,
-            bust_id=bust_id, arm=arm, url=url, model=model, vocab=vocab, model_dir=model_dir,
-            tp=tp, hbm_blocks=hbm_blocks, block_size=block_size, chunk_size=chunk_size,
-            tier_tokens=tier_tokens, max_batched_tokens=max_batched_tokens, repeat=repeat,
-            baseline=baseline, warmup=warmup, reset=reset, start_cut=start_cut, bucket=bucket,
-            scrape_interval=scrape_interval, aiperf=aiperf, api_key=api_key, port=port,
-            health_path=health_path, startup_timeout=startup_timeout,
-        )  # fmt: skip
-    except ConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(code=2) from None
-    try:
-        run_dir = run(cfg, say=lambda m: err.print(f"[dim]{escape(m)}[/dim]"), console=err)
-        doc = analyse(load_run(run_dir))
-    except ConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(code=2) from None
-    except (StartupError, RuntimeError) as exc:
-        typer.echo(
-            f"error: {exc}\n(what completed is in {cfg.out_dir}; `kvtier bench report "
-            f"{cfg.out_dir}` renders it)",
-            err=True,
-        )
-        raise typer.Exit(code=1) from None
-    write_json(run_dir / "summary.json", doc)
-    if html:
-        files = report_mod.write_report(doc, run_dir)
-        err.print(f"[dim]wrote {files['html']}[/dim]")
-    table.print_report(doc["table"])
-    typer.echo(f"run directory: {run_dir}")
-
-
-def config_from_options(
-    *,
-    out: Path | None,
-    workload: str,
-    seed: int,
-    requests: int | None,
-    duration: str | None,
-    concurrency: int,
-    rate: float | None,
-    osl: int,
-    isl: int,
-    prefixes: int,
-    prefix_len: int,
-    conversations: int,
-    turns: int,
-    history: str,
-    trace: Path | None,
-    trace_block: int,
-    trace_source_block: int | None,
-    time_scale: float,
-    ignore_timestamps: bool,
-    cache_bust: str,
-    bust_id: int | None,
-    arm: Sequence[str],
-    url: str | None,
-    model: str | None,
-    vocab: int | None,
-    model_dir: Path | None,
-    tp: int,
-    hbm_blocks: int | None,
-    block_size: int | None,
-    chunk_size: int | None,
-    tier_tokens: int | None,
-    max_batched_tokens: int,
-    repeat: int,
-    baseline: str | None,
-    warmup: int,
-    reset: bool,
-    start_cut: str,
-    bucket: str,
-    scrape_interval: str,
-    aiperf: Sequence[str],
-    api_key: str | None,
-    port: int,
-    health_path: str,
-    startup_timeout: float,
-) -> RunConfig:
-    """The command line as a RunConfig: arms (ON/OFF `kvtier serve` by default, `--arm`s, or
-    `--url`), the workload with its vocabulary, and the ceiling's cache sizes."""
-    if workload not in WORKLOADS:
-        raise ConfigError(f"--workload {workload!r} is not one of {sorted(WORKLOADS)}")
-    if history not in HISTORY_MODES:
-        raise ConfigError(f"--history {history!r} is not one of {list(HISTORY_MODES)}")
-    if cache_bust not in CACHE_BUST:
-        raise ConfigError(f"--cache-bust {cache_bust!r} is not one of {list(CACHE_BUST)}")
-    if arm and url:
-        raise ConfigError("--arm and --url exclude each other: give server commands or one URL")
-    if concurrency < 1:
-        raise ConfigError(f"--concurrency {concurrency} must be >= 1")
-    if warmup < 0:
-        raise ConfigError(f"--warmup {warmup} must be >= 0")
-    duration_s = None if duration is None else parse_seconds(duration, "--duration")
-    if duration_s is not None and duration_s <= 0:
-        raise ConfigError(f"--duration {duration!r} must be > 0")
-    bs = block_size
-    ceiling_hbm = hbm_blocks
-    tier_chunks = None
-    min_load = 0
-    chunk = chunk_size
-    if arm or url:
-        arms = tuple(parse_arm(a) for a in arm) if arm else (ArmSpec("endpoint", url=url),)
-        if vocab is None:
-            if model_dir is None:
-                raise ConfigError(
-                    "--vocab is needed with --arm or --url (token ids are drawn below it); "
-                    "pass the model's vocabulary size, or --model-dir to read it"
-                )
-            vocab = int(_model_config(model_dir)["vocab_size"])
-        for a in arms:
-            bs = bs or _int_or_none(a.flag("--block-size"))
-            ceiling_hbm = ceiling_hbm or _int_or_none(
-                a.flag("--hbm-blocks", "--num-gpu-blocks-override")
-            )
-        if tier_tokens is not None:
-            if not chunk:
-                raise ConfigError(
-                    "--tier-tokens needs --chunk-size (the tier stores whole chunks) for the "
-                    "HBM + tier ceiling"
-                )
-            tier_chunks = tier_tokens // chunk
-    else:
-        arms, vocab, extra = _on_off_arms(
-            model_dir, tp, hbm_blocks or 128, bs or 16, chunk or 64, concurrency,
-            max_batched_tokens, vocab,
-        )  # fmt: skip
-        ceiling_hbm = hbm_blocks or 128
-        chunk = extra["chunk_size"]
-        tier_chunks = extra["tier_chunks"] if tier_tokens is None else tier_tokens // chunk
-        min_load = extra["min_load_tokens"]
-    bs = bs or 16
-    wc = WorkloadConfig(
-        kind=WORKLOADS[workload], seed=seed, vocab=vocab, requests=requests, osl=osl, isl=isl,
-        prefixes=prefixes, prefix_len=prefix_len, conversations=conversations, turns=turns,
-        trace=None if trace is None else str(trace), trace_block=trace_block,
-        trace_source_block=trace_source_block, time_scale=time_scale, rate=rate,
-        ignore_timestamps=ignore_timestamps,
-        bust=None if cache_bust == "none" else (bust_id if bust_id is not None else _run_id()),
-        duration_pool=duration_s is not None and requests is None,
-    )  # fmt: skip
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    load = LoadOptions(
-        concurrency=None if is_open_loop(wc) else concurrency,
-        open_loop=is_open_loop(wc),
-        duration_s=duration_s,
-        history=history,
-        require_token_ids=False,
-        model=model,
-        headers=headers,
-    )
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return RunConfig(
-        out_dir=out or Path("runs") / f"bench-run-{stamp}",
-        workload=wc,
-        load=load,
-        arms=arms,
-        repeat=repeat,
-        warmup=warmup,
-        reset_path="/reset_prefix_cache?reset_external=true" if reset else None,
-        ceiling=CeilingConfig(bs, ceiling_hbm, chunk, tier_chunks, min_load),
-        baseline=baseline,
-        cut_s=parse_seconds(start_cut, "--from"),
-        bucket_s=_positive_seconds(bucket, "--bucket"),
-        scrape_interval_s=_positive_seconds(scrape_interval, "--scrape-interval"),
-        port=port,
-        health_path=health_path,
-        startup_timeout_s=startup_timeout,
-        aiperf=tuple(named_paths(aiperf, "--aiperf")),
-    )
-
-
-def _positive_seconds(text: str, what: str) -> float:
-    value = parse_seconds(text, what)
-    if value <= 0:
-        raise ConfigError(f"{what} {text!r} must be > 0")
-    return value
-
-
-def _run_id() -> int:
-    return secrets.randbits(48)
-
-
-def _model_config(model_dir: Path) -> dict[str, Any]:
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"--model-dir {str(model_dir)!r} has no config.json; pass a model dir")
-    return dict(json.loads(path.read_text(encoding="utf-8")))
-
-
-def _on_off_arms(
-    model_dir: Path | None,
-    tp: int,
-    hbm_blocks: int,
-    block_size: int,
-    chunk_size: int,
-    concurrency: int,
-    max_batched_tokens: int,
-    vocab: int | None,
-) -> tuple[tuple[ArmSpec, ...], int, dict[str, int]]:
-    """kvtier serve with --offload and --no-offload: same flags, same HBM pool, same env."""
-    from kvtier.bench.e2e import DEFAULT_MEMORY_BYTES, ensure_model, tier_chunks_per_rank
-    from kvtier.config import KVTierConfig, config_environ
-
-    if tp < 1:
-        raise ConfigError(f"--tp {tp} must be >= 1")
-    model = ensure_model(model_dir, "tiny")
-    model_config = _model_config(model)
-    env = {"KVTIER_MEMORY_BYTES": DEFAULT_MEMORY_BYTES}
-    env.update(config_environ(os.environ))
-    env["KVTIER_CHUNK_SIZE"] = str(chunk_size)
-    kv = KVTierConfig.from_env(env)
-    if not kv.enabled:
-        raise ConfigError(
-            "the kvtier config has enabled=false, which would make the ON arm an OFF arm; "
-            "unset KVTIER_ENABLED for the bench"
-        )
-    if kv.chunk_size % block_size:
-        raise ConfigError(f"--chunk-size {kv.chunk_size} is not a multiple of {block_size}")
-    server = ServerConfig(
-        model_dir=model,
-        tp=tp,
-        hbm_blocks=hbm_blocks,
-        block_size=block_size,
-        max_num_seqs=concurrency,
-        max_batched_tokens=max_batched_tokens,
-        threads=1,
-        env=env,
-    )
-    arms = (
-        ArmSpec("on", tuple(server.argv("{port}", True)), env=env, offload=True),
-        ArmSpec("off", tuple(server.argv("{port}", False)), env=env, offload=False),
-    )
-    extra = {
-        "chunk_size": kv.chunk_size,
-        "tier_chunks": tier_chunks_per_rank(model_config, tp, kv.chunk_size, kv.memory_bytes),
-        "min_load_tokens": kv.effective_min_load_tokens,
-    }
-    return arms, vocab or int(model_config["vocab_size"]), extra

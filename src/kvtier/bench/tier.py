@@ -25,7 +25,7 @@ import platform
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from multiprocessing.process import BaseProcess
@@ -412,93 +412,130 @@ def _viewed(tier: MemoryTier, key: bytes) -> torch.Tensor:
 def _bench_disk(
     report: Report, plan: Plan, chunk_bytes: int, disk_root: Path, say: Progress
 ) -> None:
+    """The disk tier's put and get (page cache, then cold) side by side with raw file I/O of
+    the same bytes, in a temp dir under `disk_root`."""
     disk_root.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="bench-tier-", dir=disk_root))
-    metrics = Metrics(0)
     ns = digest16(_NS_DOMAIN, ("disk",))
-    keys = _Keys("disk")
-    payload_np = np.random.default_rng(1).integers(0, 256, chunk_bytes, dtype=np.uint8)
-    payload = memoryview(payload_np)
-    rounds = plan.disk_warmup + plan.disk_reps
     try:
-        tier = DiskTier(root / "tier", plan.disk_files * (chunk_bytes + HEADER_BYTES), ns, metrics)
+        tier = DiskTier(
+            root / "tier", plan.disk_files * (chunk_bytes + HEADER_BYTES), ns, Metrics(0)
+        )
         raw_dir = root / "raw"
         raw_dir.mkdir()
-        written: list[bytes] = []
-        raw_paths: list[Path] = []
         try:
-            say(f"disk tier: write + read ({root}), {rounds} rounds")
-
-            def raw_write() -> float:
-                path = raw_dir / f"{len(raw_paths) % plan.disk_files}.bin"
-                path.unlink(missing_ok=True)
-                t = time.perf_counter()
-                _write_file(path, payload)
-                dt = time.perf_counter() - t
-                raw_paths.append(path)
-                return dt
-
-            def tier_put() -> float:
-                key = keys.next()
-                t = time.perf_counter()
-                ok = tier.put(key, payload)
-                dt = time.perf_counter() - t
-                if not ok:
-                    raise RuntimeError(f"disk tier refused a put under {root}; is the disk full?")
-                written.append(key)
-                return dt
-
-            def raw_read() -> float:
-                t = time.perf_counter()
-                _read_file(raw_paths[-1])
-                return time.perf_counter() - t
-
-            def tier_get() -> float:
-                t = time.perf_counter()
-                got = tier.get(written[-1])
-                dt = time.perf_counter() - t
-                if got is None:
-                    raise RuntimeError("disk tier missed the chunk it just stored")
-                return dt
-
-            writes = _interleave({"raw": raw_write, "tier": tier_put}, plan.disk_warmup, rounds)
-            warm = _interleave({"raw": raw_read, "tier": tier_get}, plan.disk_warmup, rounds)
-            back = tier.get(written[-1])
-            if back is None or not np.array_equal(np.frombuffer(back, np.uint8), payload_np):
-                raise RuntimeError("disk tier read back other bytes than were stored")
-
-            say(f"disk tier: cold reads (page cache dropped), {plan.disk_cold_reps} rounds")
-            resident = [k for k in written[-plan.disk_files :] if tier.contains(k)]
-            latest = raw_paths[-plan.disk_files :]
-            _sync_tree(root)
-            next_path = itertools.cycle(latest).__next__
-            next_key = itertools.cycle(resident).__next__
-
-            def raw_cold() -> float:
-                path = next_path()
-                _drop_cache(path)
-                t = time.perf_counter()
-                _read_file(path)
-                return time.perf_counter() - t
-
-            def tier_cold() -> float:
-                key = next_key()
-                # the tier's file layout is its own business: drop the cache of every record
-                for path in _files(tier.directory):
-                    _drop_cache(path)
-                t = time.perf_counter()
-                got = tier.get(key)
-                dt = time.perf_counter() - t
-                if got is None:
-                    raise RuntimeError("disk tier missed a resident chunk on a cold read")
-                return dt
-
-            cold = _interleave({"raw": raw_cold, "tier": tier_cold}, 0, plan.disk_cold_reps)
+            writes, warm, written, raw_paths = _disk_warm(tier, raw_dir, plan, chunk_bytes, say)
+            cold = _disk_cold(tier, root, written, raw_paths, plan, say)
         finally:
             tier.close()
     finally:
         shutil.rmtree(root)
+    _disk_rows(report, chunk_bytes, writes, warm, cold)
 
+
+def _disk_warm(
+    tier: DiskTier, raw_dir: Path, plan: Plan, chunk_bytes: int, say: Progress
+) -> tuple[dict[str, list[float]], dict[str, list[float]], list[bytes], list[Path]]:
+    """Interleaved writes, then reads from the page cache, of the tier and of raw files; the
+    last chunk read back is checked byte for byte. Returns both timings and what was written."""
+    root = raw_dir.parent
+    keys = _Keys("disk")
+    payload_np = np.random.default_rng(1).integers(0, 256, chunk_bytes, dtype=np.uint8)
+    payload = memoryview(payload_np)
+    rounds = plan.disk_warmup + plan.disk_reps
+    written: list[bytes] = []
+    raw_paths: list[Path] = []
+    say(f"disk tier: write + read ({root}), {rounds} rounds")
+
+    def raw_write() -> float:
+        path = raw_dir / f"{len(raw_paths) % plan.disk_files}.bin"
+        path.unlink(missing_ok=True)
+        t = time.perf_counter()
+        _write_file(path, payload)
+        dt = time.perf_counter() - t
+        raw_paths.append(path)
+        return dt
+
+    def tier_put() -> float:
+        key = keys.next()
+        t = time.perf_counter()
+        ok = tier.put(key, payload)
+        dt = time.perf_counter() - t
+        if not ok:
+            raise RuntimeError(f"disk tier refused a put under {root}; is the disk full?")
+        written.append(key)
+        return dt
+
+    def raw_read() -> float:
+        t = time.perf_counter()
+        _read_file(raw_paths[-1])
+        return time.perf_counter() - t
+
+    def tier_get() -> float:
+        t = time.perf_counter()
+        got = tier.get(written[-1])
+        dt = time.perf_counter() - t
+        if got is None:
+            raise RuntimeError("disk tier missed the chunk it just stored")
+        return dt
+
+    writes = _interleave({"raw": raw_write, "tier": tier_put}, plan.disk_warmup, rounds)
+    warm = _interleave({"raw": raw_read, "tier": tier_get}, plan.disk_warmup, rounds)
+    back = tier.get(written[-1])
+    if back is None or not np.array_equal(np.frombuffer(back, np.uint8), payload_np):
+        raise RuntimeError("disk tier read back other bytes than were stored")
+
+    return writes, warm, written, raw_paths
+
+
+def _disk_cold(
+    tier: DiskTier,
+    root: Path,
+    written: Sequence[bytes],
+    raw_paths: Sequence[Path],
+    plan: Plan,
+    say: Progress,
+) -> dict[str, list[float]]:
+    """Reads of the resident chunks and of the latest raw files with their page cache dropped
+    (every file fsynced first)."""
+    say(f"disk tier: cold reads (page cache dropped), {plan.disk_cold_reps} rounds")
+    resident = [k for k in written[-plan.disk_files :] if tier.contains(k)]
+    latest = raw_paths[-plan.disk_files :]
+    _sync_tree(root)
+    next_path = itertools.cycle(latest).__next__
+    next_key = itertools.cycle(resident).__next__
+
+    def raw_cold() -> float:
+        path = next_path()
+        _drop_cache(path)
+        t = time.perf_counter()
+        _read_file(path)
+        return time.perf_counter() - t
+
+    def tier_cold() -> float:
+        key = next_key()
+        # the tier's file layout is its own business: drop the cache of every record
+        for path in _files(tier.directory):
+            _drop_cache(path)
+        t = time.perf_counter()
+        got = tier.get(key)
+        dt = time.perf_counter() - t
+        if got is None:
+            raise RuntimeError("disk tier missed a resident chunk on a cold read")
+        return dt
+
+    cold = _interleave({"raw": raw_cold, "tier": tier_cold}, 0, plan.disk_cold_reps)
+    return cold
+
+
+def _disk_rows(
+    report: Report,
+    chunk_bytes: int,
+    writes: Mapping[str, Sequence[float]],
+    warm: Mapping[str, Sequence[float]],
+    cold: Mapping[str, Sequence[float]],
+) -> None:
+    """The three disk rows (put, warm get, cold get) against raw file I/O, with their notes."""
     w = report.note(
         "neither the disk tier nor the raw write fsyncs (records are verified on every read), "
         "so writes return once the bytes are in the page cache; the tier also checksums, writes "

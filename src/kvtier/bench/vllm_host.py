@@ -18,23 +18,15 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
-from rich.console import Console
 
 from kvtier.bench.analysis import cache_config
-from kvtier.bench.arms import (
-    ArmRun,
-    Workload,
-    drive_windows,
-    free_port,
-    serve_and_drive,
-)
-from kvtier.bench.workload import RequestSpec
+from kvtier.bench.arms import ArmRun, Drive, free_port
 from kvtier.errors import ConfigError, StartupError
 
 __all__ = [
@@ -304,14 +296,8 @@ class VLLMArmRun:
 
     def to_json(self) -> dict[str, Any]:
         """Startup, exit, log, records, command, pool and store."""
-        r = self.run
         return {
-            "arm": r.arm,
-            "rep": r.rep,
-            "startup_s": round(r.startup_s, 2),
-            "exit_code": r.exit_code,
-            "log": str(r.log_path),
-            "records": {w.workload: str(w.records_path) for w in r.windows.values()},
+            **self.run.to_json(),
             "argv": self.argv,
             "num_gpu_blocks": self.cache_config.get("num_gpu_blocks"),
             "block_size": self.cache_config.get("block_size"),
@@ -324,22 +310,14 @@ def run_vllm_arm(
     arm: VLLMArm,
     rep: int,
     server: VLLMServerConfig,
-    workloads: Sequence[Workload],
+    drive: Drive,
     *,
-    concurrency: int,
-    out_dir: Path,
-    warmup: Sequence[RequestSpec] = (),
-    say: Say | None = None,
-    progress: bool = True,
-    console: Console | None = None,
-    settle_timeout_s: float = 15.0,
     reset_timeout_s: float = 30.0,
     keep_store: bool = False,
 ) -> VLLMArmRun:
     """Start `vllm serve` for `arm`, run the warmup and every workload (prefix cache reset
     before each), stop it; ExampleConnector's store is measured, then removed unless
     `keep_store`."""
-    log = say or (lambda _m: None)
     tag = f"[{arm.name} rep {rep}]"
     if arm.store is not None:
         store = arm.store / f"rep{rep}"
@@ -349,39 +327,23 @@ def run_vllm_arm(
         arm = VLLMArm(
             arm.name, example_transfer_config(store), arm.offload, arm.has_retrieved, store
         )
-    log_path = out_dir / f"server-{arm.name}-rep{rep}.log"
     port = free_port(server.host)
     argv = server.argv(port, arm)
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-vllm-", dir=_short_tmp()))
     try:
-        windows, startup_s, code = serve_and_drive(
-            port,
-            argv,
+        windows, startup_s, code, log_path = drive.serve(
+            arm.name,
+            rep,
+            (port, argv),
             server.environ(tmp),
             server,
-            log_path,
-            tag=tag,
+            shown=arm.name,
             what=(
                 f"vllm serve (tp={server.tp}, num_gpu_blocks={server.hbm_blocks} x "
                 f"{server.block_size}, {server.dtype}, connector: {arm.label})"
             ),
-            say=log,
-            drive=lambda base_url: drive_windows(
-                base_url,
-                arm.name,
-                rep,
-                workloads,
-                shown=arm.name,
-                reset=lambda http, _tag: reset_prefix_cache(http, reset_timeout_s),
-                model=server.served_model_name,
-                concurrency=concurrency,
-                warmup=warmup,
-                out_dir=out_dir,
-                say=log,
-                progress=progress,
-                console=console,
-                settle_timeout_s=settle_timeout_s,
-            ),
+            reset=lambda http, _tag: reset_prefix_cache(http, reset_timeout_s),
+            model=server.served_model_name,
         )
         # vLLM's pool as the first window that reports it
         config = next((c for w in windows.values() if (c := cache_config(w.before))), {})
@@ -393,7 +355,8 @@ def run_vllm_arm(
         files = [f for f in arm.store.rglob("*") if f.is_file()]
         store_files = len(files)
         store_bytes = sum(f.stat().st_size for f in files)
-        log(f"{tag} ExampleConnector wrote {store_files} files, {store_bytes / 2**20:.1f} MiB")
+        mib = store_bytes / 2**20
+        drive.say(f"{tag} ExampleConnector wrote {store_files} files, {mib:.1f} MiB")
         if not keep_store:
             shutil.rmtree(arm.store)
     run = ArmRun(arm.name, rep, arm.offload, windows, startup_s, code, log_path)

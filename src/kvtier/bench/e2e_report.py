@@ -1,0 +1,641 @@
+"""The report of `kvtier bench e2e`, for either host: one builder over the arms a run had.
+
+A `Cast` names the arms: the tier arm (kvtier's ON, or KVTierConnector on vLLM), the baseline
+every ratio is over (OFF, or no connector) and any other compared arms (ExampleConnector); a
+`Wording` holds the host's footnotes. Rows: throughput and TTFT against the baseline per
+repetition, hit rates against the simulated ceilings, the counter identities, output mismatches,
+failed requests, the worst repetition of the no-reuse targets and the tier arm's step breakdown.
+Where more than one arm is compared, row ids and labels name the arm.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.bench import analysis
+from kvtier.bench.arms import ArmRun, Window, Workload
+from kvtier.bench.breakdown import Breakdown, breakdown
+from kvtier.bench.ceiling import Ceiling
+from kvtier.bench.table import Report, Row, Target
+from kvtier.bench.workload import NO_REUSE, PREFIX_POOL
+
+NO_REUSE_TARGET = 0.97
+NO_REUSE_TTFT_TARGET = 1.03
+# the two identities shown in rows of their own (for the tier arm); the rest are counted
+MAIN_IDENTITIES = (
+    ("hbm_misses_eq_external_queries", "HBM queries - hits == ext queries"),
+    ("retrieved_eq_external_hits", "sum retrieved / TP == ext hits"),
+)
+_SPEED_UNITS = {
+    "output_throughput": ("output tok/s", "tok/s"),
+    "request_throughput": ("requests/s", "req/s"),
+    "ttft_p50_ms": ("TTFT p50", "ms"),
+    "ttft_p99_ms": ("TTFT p99", "ms"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Cast:
+    """The arms of one report: `tier` (the only one exporting kvtier's retrieved counter),
+    `base` (every ratio's denominator), `others` compared like the tier, and how rows name
+    them; `pool_metrics` are the prefix pool's speed rows."""
+
+    host: str
+    tier: str
+    base: str
+    labels: Mapping[str, str]
+    others: tuple[str, ...] = ()
+    pool_metrics: tuple[str, ...] = ("output_throughput", "ttft_p50_ms", "ttft_p99_ms")
+
+    @property
+    def compared(self) -> tuple[str, ...]:
+        """The arms measured against the baseline, the tier first."""
+        return (self.tier, *self.others)
+
+    @property
+    def named(self) -> bool:
+        """Row ids and labels name the arm: more than one arm is compared with the baseline."""
+        return bool(self.others)
+
+    def says(self, what: str, arm: str) -> str:
+        """`what` of `arm` in a label: `hit rate ON`, or `hit rate, kvtier` when named."""
+        return f"{what}, {self.labels[arm]}" if self.named else f"{what} {self.labels[arm]}"
+
+    def row_id(self, stem: str, arm: str) -> str:
+        """`stem.arm` when named; a lone compared arm's rows are `stem` alone."""
+        return f"{stem}.{arm}" if self.named else stem
+
+    def arm_id(self, stem: str, arm: str) -> str:
+        """`stem.arm` when named, else `stem_arm` (`hit_rate_on`, `hit_rate_off`)."""
+        return f"{stem}.{arm}" if self.named else f"{stem}_{arm}"
+
+
+@dataclass(frozen=True, slots=True)
+class Wording:
+    """The host's footnotes, in the order their markers are numbered: `lead` on the first
+    row (arms, what was not run), then the prefix pool, ceilings, identities, the other
+    checks and the no-reuse workload."""
+
+    lead: tuple[str, ...]
+    pool: str
+    ceilings: str
+    identities: str
+    checks: str
+    no_reuse: str
+
+
+@dataclass(frozen=True, slots=True)
+class WindowResult:
+    """One window of one arm's repetition, analysed: client summary, counters, checks."""
+
+    arm: str
+    rep: int
+    workload: str
+    summary: analysis.Summary
+    counters: analysis.Counters
+    identities: list[analysis.Identity]
+    checks: list[analysis.Identity]
+    steps: Breakdown | None = None  # where the step time went (kvtier arms only)
+
+    def to_json(self) -> dict[str, Any]:
+        """The window as the report's meta lists it."""
+        return {
+            "arm": self.arm,
+            "rep": self.rep,
+            "workload": self.workload,
+            "summary": self.summary.to_json(),
+            "counters": self.counters.to_json(),
+            "identities": [i.to_json() for i in self.identities],
+            "client_server": [i.to_json() for i in self.checks],
+            "step_breakdown": None if self.steps is None else self.steps.to_json(),
+        }
+
+
+def analyse(run: ArmRun, window: Window, tp: int, *, has_retrieved: bool = True) -> WindowResult:
+    """Summary, counters, identities and (for an offloading arm exporting kvtier's counters)
+    the step breakdown of one window; a window with no completed request raises."""
+    records = window.load.records
+    summary = analysis.summarize(records, window.load.duration_s)
+    if summary.completed == 0:
+        raise RuntimeError(
+            f"{run.arm.upper()} rep {run.rep} {window.workload}: no request completed "
+            f"(errors: {summary.errors}); server log: {run.log_path}"
+        )
+    counters = analysis.Counters.of(window.delta)
+    return WindowResult(
+        run.arm,
+        run.rep,
+        window.workload,
+        summary,
+        counters,
+        analysis.identities(counters, tp, run.offload, has_retrieved=has_retrieved),
+        analysis.client_server_checks(records, counters),
+        breakdown(window.delta, tp) if run.offload and has_retrieved else None,
+    )
+
+
+class _Results:
+    """The analysed windows of every arm, looked up by arm and workload."""
+
+    def __init__(self, cast: Cast, runs: Sequence[ArmRun], tp: int) -> None:
+        self.cast = cast
+        self.runs = runs
+        self.all = [
+            analyse(r, w, tp, has_retrieved=r.arm == cast.tier)
+            for r in runs
+            for w in r.windows.values()
+        ]
+
+    def pick(self, arm: str, workload: str) -> list[WindowResult]:
+        """`arm`'s windows of `workload`, by repetition."""
+        xs = (x for x in self.all if x.arm == arm and x.workload == workload)
+        return sorted(xs, key=lambda x: x.rep)
+
+    def metric(self, arm: str, workload: str, name: str) -> float:
+        """The mean of summary field `name` over the repetitions."""
+        return _mean([float(getattr(x.summary, name)) for x in self.pick(arm, workload)])
+
+    def hit(self, arm: str) -> float:
+        """The prefix pool's mean server hit rate, in %."""
+        return _mean([x.counters.hit_rate for x in self.pick(arm, PREFIX_POOL)]) * 100
+
+    def ext(self, arm: str) -> float:
+        """The prefix pool's mean external (tier) hit rate, in %."""
+        return _mean([x.counters.external_hit_rate for x in self.pick(arm, PREFIX_POOL)]) * 100
+
+    def vs(self, arm: str, base: str, workload: str, name: str, row_id: str, label: str,
+           unit: str, target: Target | None = None) -> Row:  # fmt: skip
+        """`arm`'s mean of `name` with `base`'s as raw, each repetition in the detail."""
+        return Row(
+            row_id,
+            label,
+            self.metric(arm, workload, name),
+            unit,
+            raw=_positive(self.metric(base, workload, name)),
+            target=target,
+            detail=_per_rep(self.pick(arm, workload), self.pick(base, workload), name),
+        )
+
+    def comparisons(self, workloads: Sequence[Workload]) -> dict[str, dict[str, list[Any]]]:
+        """Per compared arm and workload, its greedy outputs against the baseline's, by rep."""
+        reps = sorted({r.rep for r in self.runs})
+        return {
+            arm: {
+                wl.name: [
+                    analysis.compare_outputs(
+                        _window(self.runs, arm, rep, wl.name).load.records,
+                        _window(self.runs, self.cast.base, rep, wl.name).load.records,
+                    )
+                    for rep in reps
+                ]
+                for wl in workloads
+            }
+            for arm in self.cast.compared
+        }
+
+
+def build_report(
+    cast: Cast,
+    wording: Wording,
+    runs: Sequence[ArmRun],
+    servers: Sequence[Mapping[str, Any]],
+    workloads: Sequence[Workload],
+    ceilings: Mapping[str, Mapping[str, Ceiling]],
+    tp: int,
+    quick: bool,
+) -> Report:
+    """The e2e report of `runs` (every arm of `cast`, every repetition); `servers` go to meta."""
+    res = _Results(cast, runs, tp)
+    report = Report("e2e", f"kvtier bench e2e ({cast.host}, TP {tp}{', quick' if quick else ''})")
+    marks = "".join(report.note(text) for text in (*wording.lead, wording.pool))
+    _speed_rows(report, res, f" {marks}")
+    _hit_rows(report, res, ceilings[PREFIX_POOL], report.note(wording.ceilings))
+    _identity_rows(report, res, wording)
+    comparisons = res.comparisons(workloads)
+    _output_rows(report, res, comparisons)
+    report.add(_failed_row(res.all))
+    _no_reuse_rows(report, res, report.note(wording.no_reuse))
+    _breakdown_rows(report, res.all, cast.tier)
+    outputs = {
+        arm: {w: [c.to_json() for c in cs] for w, cs in by_wl.items()}
+        for arm, by_wl in comparisons.items()
+    }
+    report.meta["windows"] = [x.to_json() for x in res.all]
+    # a lone compared arm's outputs are by workload, several arms' by arm first
+    report.meta["outputs"] = outputs if cast.named else outputs[cast.tier]
+    report.meta["servers"] = list(servers)
+    return report
+
+
+def _speed_rows(report: Report, res: _Results, marks: str) -> None:
+    """The prefix pool's throughput and TTFT of each compared arm against the baseline."""
+    c = res.cast
+    first = True
+    for name in c.pool_metrics:
+        what, unit = _SPEED_UNITS[name]
+        for arm in c.compared:
+            label = f"prefix pool: {what}, {c.labels[arm]} (raw = {c.labels[c.base]})"
+            rid = c.row_id(f"{PREFIX_POOL}.{name}", arm)
+            report.add(res.vs(arm, c.base, PREFIX_POOL, name, rid, label + (marks * first), unit))
+            first = False
+
+
+def _hit_rows(report: Report, res: _Results, cp: Mapping[str, Ceiling], ceil_note: str) -> None:
+    """The prefix pool's hit rates next to the ceilings simulated on the same prompts: the
+    tier arm's against HBM+tier and the infinite bound, the others' against their own."""
+    c, t, p = res.cast, res.cast.tier, PREFIX_POOL
+    tier_ceiling = _positive(cp["hbm+tier"].hit_rate * 100)
+    bound = _positive(cp["infinite"].hit_rate * 100)
+
+    def split(arm: str) -> dict[str, float]:
+        return {"external_pct": res.ext(arm), "hbm_pct": res.hit(arm) - res.ext(arm)}
+
+    what = f"prefix pool: {c.says('hit rate', t)} (raw = HBM+tier ceiling) {ceil_note}"
+    report.add(
+        Row(c.arm_id(f"{p}.hit_rate", t), what, res.hit(t), "%", tier_ceiling, None, split(t))
+    )
+    if c.named:
+        what = f"prefix pool: {c.says('HBM hit rate', t)} (raw = HBM+tier ceiling's HBM share)"
+        hbm_share = _positive(cp["hbm+tier"].hbm_rate * 100)
+        report.add(Row(f"{p}.hbm_hit_rate.{t}", what, res.hit(t) - res.ext(t), "%", hbm_share))
+        what = (
+            f"prefix pool: {c.says('external hit rate', t)} (raw = HBM+tier ceiling's tier share)"
+        )
+    else:
+        what = f"prefix pool: {c.says('tier hit rate', t)} (raw = its ceiling share)"
+    tier_share = _positive(cp["hbm+tier"].external_rate * 100)
+    report.add(Row(c.arm_id(f"{p}.external_hit_rate", t), what, res.ext(t), "%", tier_share))
+    # another arm's store is unbounded (ExampleConnector's): only the infinite cache bounds it
+    for arm, raw, ceiling in (
+        *((a, bound, "infinite-cache bound") for a in c.others),
+        (c.base, _positive(cp["hbm"].hit_rate * 100), "HBM ceiling"),
+    ):
+        what = f"prefix pool: {c.says('hit rate', arm)} (raw = {ceiling})"
+        report.add(
+            Row(c.arm_id(f"{p}.hit_rate", arm), what, res.hit(arm), "%", raw, None, split(arm))
+        )
+    report.add(
+        Row(
+            c.row_id(f"{p}.hit_rate_bound", t),
+            f"prefix pool: {c.says('hit rate', t)} (raw = infinite-cache bound)",
+            res.hit(t),
+            "%",
+            raw=bound,
+            target=None if bound is None else Target("ratio", "<=", 1.0),
+        )
+    )
+    report.add(
+        Row(
+            c.arm_id(f"{p}.external_hits", t),
+            f"prefix pool: {c.says('external hit tokens', t)} (tier is live)",
+            sum(x.counters.ext_hits for x in res.pick(t, p)),
+            "tokens",
+            target=Target("value", ">=", 1),
+            detail={
+                "retrieved_all_ranks": sum(x.counters.retrieved for x in res.pick(t, p)),
+                **{
+                    f"{a}_external_hits": sum(x.counters.ext_hits for x in res.pick(a, p))
+                    for a in c.others
+                },
+            },
+        )
+    )
+
+
+def _identity_rows(report: Report, res: _Results, wording: Wording) -> None:
+    """The tier arm's two main identities (worst window), then every other check counted."""
+    c = res.cast
+    note = report.note(wording.identities)
+    tier_windows = [x for x in res.all if x.arm == c.tier]
+    for ident, short in MAIN_IDENTITIES:
+        found = [(x, i) for x in tier_windows for i in x.identities if i.name == ident]
+        first = found[0][1] if found else None
+        shown = "" if first is None else f" ({_n(first.lhs)} == {_n(first.rhs)})"
+        whose = f"identity, {c.labels[c.tier]}: " if c.named else "identity: "
+        report.add(
+            Row(
+                f"identity.{ident}",
+                f"{whose}{short}{shown}" + (f" {note}" if ident.startswith("hbm") else ""),
+                max((abs(i.lhs - i.rhs) for _, i in found), default=0.0),
+                "tokens",
+                target=Target("value", "<=", 0),
+                detail={f"{x.workload}.rep{x.rep}": i.describe() for x, i in found},
+            )
+        )
+    main = {name for name, _ in MAIN_IDENTITIES}
+    other = [
+        (x, i)
+        for x in res.all
+        for i in x.identities + x.checks
+        if not (x.arm == c.tier and i.name in main)
+    ]
+    failing = [(x, i) for x, i in other if not i.holds]
+    report.add(
+        Row(
+            "identity.other_failing",
+            f"other checks failing {report.note(wording.checks)}",
+            len(failing),
+            "checks",
+            target=Target("value", "<=", 0),
+            detail={
+                f"{x.arm}.{x.workload}.rep{x.rep}.{i.name}": i.describe()
+                for x, i in (failing or other)[:24]
+            },
+        )
+    )
+
+
+def _output_rows(
+    report: Report, res: _Results, comparisons: Mapping[str, Mapping[str, list[Any]]]
+) -> None:
+    """Greedy outputs differing from the baseline's: none allowed for the tier arm, the
+    others' as measured."""
+    c = res.cast
+    for arm, by_wl in comparisons.items():
+        cmp = [x for cs in by_wl.values() for x in cs]
+        tier = arm == c.tier
+        report.add(
+            Row(
+                "outputs.mismatches" if tier else f"outputs.mismatches.{arm}",
+                f"{c.says('greedy outputs differing', arm)} vs {c.labels[c.base]} (token ids)"
+                + ("" if tier else ", as measured"),
+                sum(x.mismatches for x in cmp),
+                "requests",
+                target=Target("value", "<=", 0) if tier else None,
+                detail={
+                    "compared": sum(x.compared for x in cmp),
+                    "missing": sum(x.missing for x in cmp),
+                    "first_mismatches": json.dumps(
+                        {w: [x.first_mismatches for x in cs] for w, cs in by_wl.items()}
+                    ),
+                },
+            )
+        )
+
+
+def _no_reuse_rows(report: Report, res: _Results, nr_note: str) -> None:
+    """No reuse against the baseline (the tier arm's throughput within its target), the
+    worst repetition of both no-reuse targets, then the tier arm against each other arm on
+    the prefix pool."""
+    c, q = res.cast, NO_REUSE
+    for name in ("output_throughput", "ttft_p50_ms"):
+        what, unit = _SPEED_UNITS[name]
+        for arm in c.compared:
+            target = name == "output_throughput" and arm == c.tier
+            label = f"no reuse: {what}, {c.labels[arm]} (raw = {c.labels[c.base]})"
+            report.add(
+                res.vs(
+                    arm, c.base, q, name, c.row_id(f"{q}.{name}", arm),
+                    label + (f" {nr_note}" if target else ""), unit,
+                    Target("ratio", ">=", NO_REUSE_TARGET) if target else None,
+                )
+            )  # fmt: skip
+    sep = " / " if c.named else "/"
+    shown = f"{c.labels[c.tier]}{sep}{c.labels[c.base]}"
+    _no_reuse_worst(report, res.pick(c.tier, q), res.pick(c.base, q), shown)
+    for arm in c.others:
+        for name, target in (
+            ("output_throughput", Target("ratio", ">=", 1.0)),
+            ("ttft_p50_ms", Target("ratio", "<=", 1.0)),
+        ):
+            what, unit = _SPEED_UNITS[name]
+            report.add(
+                res.vs(
+                    c.tier, arm, PREFIX_POOL, name, f"{PREFIX_POOL}.{name}.{c.tier}_vs_{arm}",
+                    f"prefix pool: {what}, {c.labels[c.tier]} (raw = {c.labels[arm]})", unit,
+                    target,
+                )
+            )  # fmt: skip
+
+
+def _failed_row(results: Sequence[WindowResult]) -> Row:
+    """Requests that failed in any window of any arm; must be none."""
+    return Row(
+        "requests.failed",
+        "requests failed, all arms",
+        sum(x.summary.failed for x in results),
+        "requests",
+        target=Target("value", "<=", 0),
+        detail={
+            "sent": sum(x.summary.requests for x in results),
+            "osl_mismatch": sum(x.summary.osl_mismatch for x in results),
+            "errors": json.dumps(sorted({e for x in results for e in x.summary.errors})[:5]),
+        },
+    )
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _window(runs: Sequence[ArmRun], arm: str, rep: int, workload: str) -> Window:
+    for r in runs:
+        if r.arm == arm and r.rep == rep:
+            return r.windows[workload]
+    raise KeyError(f"no {arm} run for repetition {rep}")
+
+
+def _per_rep(
+    a: Sequence[WindowResult], base: Sequence[WindowResult], name: str
+) -> dict[str, float]:
+    """Each repetition's value of both arms (keyed by arm) and their paired ratio; with two or
+    more repetitions also the sample sd per arm and the mean and sd of the paired ratios."""
+    out: dict[str, float] = {}
+    ratios = []
+    for x, b in zip(a, base, strict=True):
+        vx, vb = float(getattr(x.summary, name)), float(getattr(b.summary, name))
+        out[f"rep{x.rep}.{x.arm}"] = vx
+        out[f"rep{x.rep}.{b.arm}"] = vb
+        r = analysis.on_off_ratio(vx, vb)
+        if r is not None:
+            out[f"rep{x.rep}.ratio"] = r
+            ratios.append(r)
+    if len(a) >= 2:
+        out[f"{a[0].arm}.sd"] = statistics.stdev(float(getattr(x.summary, name)) for x in a)
+        out[f"{base[0].arm}.sd"] = statistics.stdev(float(getattr(x.summary, name)) for x in base)
+    if len(ratios) >= 2:
+        out["ratio.mean"] = statistics.fmean(ratios)
+        out["ratio.sd"] = statistics.stdev(ratios)
+    return out
+
+
+_WORKLOAD_NAMES = {PREFIX_POOL: "prefix pool", NO_REUSE: "no reuse"}
+
+
+def _breakdown_rows(report: Report, results: Sequence[WindowResult], arm: str) -> None:
+    """Per workload, `arm`'s step time on the ranks and what each kvtier hook took of it (ms
+    per step; ratio = share of the step), the lookup calls and the steps a load parks its
+    request; means over the repetitions, each repetition in the detail."""
+    note = report.note(
+        "step breakdown from the kvtier histograms on /metrics: step = one engine step on a "
+        "rank, from its metadata to its report (the forward and every hook inside); a hook's "
+        "value is its total time per engine step (ratio = its share of the step) and its "
+        "detail the p50/p99 over the steps it ran in; scheduler hooks run in the engine "
+        "process before (lookup, meta) and after (reports, stats) the forward, rank hooks "
+        "around it (load: start_load_kv, where synchronous loads run; save: queueing saves; "
+        "report: the rank's report and metrics snapshot); parked = engine steps a request "
+        "waited per load, 0 for a load finished inside its step's forward"
+    )
+    for workload in (PREFIX_POOL, NO_REUSE):
+        xs = sorted(
+            (x for x in results if x.arm == arm and x.workload == workload and x.steps),
+            key=lambda x: x.rep,
+        )
+        if not xs:
+            continue
+        name = _WORKLOAD_NAMES[workload]
+        steps = [x.steps for x in xs if x.steps is not None]
+        step_mean = _known_mean([b.step_mean_ms for b in steps])
+
+        p50 = _known_mean([b.step_p50_ms for b in steps])
+        if p50 is None:
+            continue
+        report.add(
+            Row(
+                f"steps.{workload}.step_ms",
+                f"{name}: kvtier step time per rank, p50 (raw = mean) {note}",
+                p50,
+                "ms",
+                raw=_positive(step_mean or 0.0),
+                detail={
+                    **_rep_values(xs, "p50", lambda b: b.step_p50_ms),
+                    **_rep_values(xs, "p99", lambda b: b.step_p99_ms),
+                    **_rep_values(xs, "steps", lambda b: b.steps),
+                },
+            )
+        )
+        for hook in steps[0].hooks:
+            costs = [c for b in steps if (c := b.hook(hook.hook)) is not None]
+            per_step = _known_mean([c.per_step_ms for c in costs])
+            if per_step is None or not any(c.steps for c in costs):
+                continue
+            report.add(
+                Row(
+                    f"steps.{workload}.{hook.side}.{hook.hook}",
+                    f"{name}: {hook.hook} ({hook.side}), ms per step (raw = step mean)",
+                    per_step,
+                    "ms",
+                    raw=_positive(step_mean or 0.0),
+                    detail={
+                        **_rep_values(xs, "p50_ms", lambda b, h=hook.hook: _cost(b, h, "p50_ms")),
+                        **_rep_values(xs, "p99_ms", lambda b, h=hook.hook: _cost(b, h, "p99_ms")),
+                        **_rep_values(xs, "steps_run", lambda b, h=hook.hook: _cost(b, h, "steps")),
+                    },
+                )
+            )
+        calls = _known_mean([b.lookup_call_p50_ms for b in steps])
+        if calls is not None:
+            report.add(
+                Row(
+                    f"steps.{workload}.lookup_call_ms",
+                    f"{name}: scheduler wait per lookup call, p50 (raw = step mean)",
+                    calls,
+                    "ms",
+                    raw=_positive(step_mean or 0.0),
+                    detail={
+                        **_rep_values(xs, "p99_ms", lambda b: b.lookup_call_p99_ms),
+                        **_rep_values(xs, "calls", lambda b: b.lookup_calls),
+                    },
+                )
+            )
+        parked = _known_mean([b.parked_mean_steps for b in steps])
+        if parked is not None:
+            report.add(
+                Row(
+                    f"steps.{workload}.parked_steps",
+                    f"{name}: steps a request waited parked per load, mean",
+                    parked,
+                    "steps",
+                    detail={
+                        **_rep_values(xs, "p50", lambda b: b.parked_p50_steps),
+                        **_rep_values(xs, "p99", lambda b: b.parked_p99_steps),
+                        **_rep_values(xs, "loads", lambda b: b.loads),
+                        **_rep_values(xs, "sync_loads", lambda b: b.sync_loads),
+                    },
+                )
+            )
+
+
+def _no_reuse_worst(
+    report: Report, a: Sequence[WindowResult], base: Sequence[WindowResult], what: str
+) -> None:
+    """The no-reuse targets, met in every repetition: throughput and TTFT p50 ratios."""
+    for name, label, target in (
+        ("output_throughput", "output tok/s", Target("value", ">=", NO_REUSE_TARGET)),
+        ("ttft_p50_ms", "TTFT p50", Target("value", "<=", NO_REUSE_TTFT_TARGET)),
+    ):
+        row = _worst_rep_row(
+            f"{NO_REUSE}.{name}.worst_rep",
+            f"no reuse: {label} {what}, worst repetition",
+            a,
+            base,
+            name,
+            target,
+        )
+        if row is not None:
+            report.add(row)
+
+
+def _rep_values(
+    xs: Sequence[WindowResult], field: str, of: Callable[[Breakdown], Any]
+) -> dict[str, float]:
+    """`of(breakdown)` of each repetition, under `rep<N>.<field>` (unknown values left out)."""
+    return {
+        f"rep{x.rep}.{field}": float(v)
+        for x in xs
+        if x.steps is not None and (v := of(x.steps)) is not None
+    }
+
+
+def _cost(b: Breakdown, hook: str, field: str) -> float | None:
+    c = b.hook(hook)
+    return None if c is None else getattr(c, field)
+
+
+def _known_mean(xs: Sequence[float | None]) -> float | None:
+    known = [x for x in xs if x is not None]
+    return _mean(known) if known else None
+
+
+def _worst_rep_row(
+    key: str,
+    label: str,
+    a: Sequence[WindowResult],
+    base: Sequence[WindowResult],
+    name: str,
+    target: Target,
+) -> Row | None:
+    """The worst paired repetition ratio of `name` (`a` over `base`) against `target`: the
+    lowest for a ">=" target, the highest for "<="; each repetition's ratio in the detail."""
+    ratios = {
+        f"rep{x.rep}.ratio": r
+        for x, b in zip(a, base, strict=True)
+        if (
+            r := analysis.on_off_ratio(
+                float(getattr(x.summary, name)), float(getattr(b.summary, name))
+            )
+        )
+        is not None
+    }
+    if not ratios:
+        return None
+    worst = min(ratios.values()) if target.op == ">=" else max(ratios.values())
+    values = list(ratios.values())
+    detail: dict[str, float] = {**ratios, "mean": statistics.fmean(values)}
+    if len(values) >= 2:
+        detail["sd"] = statistics.stdev(values)
+    return Row(key, label, worst, "x", target=target, detail=detail)
+
+
+def _positive(x: float) -> float | None:
+    """A raw baseline must be positive: a zero ceiling shows as no baseline."""
+    return x if math.isfinite(x) and x > 0 else None
+
+
+def _n(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:.6g}"

@@ -1,0 +1,171 @@
+"""The e2e report, built for both hosts from synthetic windows (no server): the row ids the docs
+read, counts that come out of the windows, and per-repetition details that name both arms."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.bench import e2e, vllm_host
+from kvtier.bench.arms import OFF, ON, ArmRun, Window, Workload
+from kvtier.bench.client import LoadResult, Record
+from kvtier.bench.e2e_report import build_report
+from kvtier.bench.vllm_host import EXAMPLE, KVTIER, NONE
+from kvtier.bench.workload import NO_REUSE, PREFIX_POOL
+from kvtier.config import KVTierConfig
+from kvtier.scrape import MetricSet
+
+_M = (("model_name", "m"),)
+_STEPS = {
+    ("kvtier_step_seconds_bucket", (("le", "0.01"), ("rank", "0"))): 30.0,
+    ("kvtier_step_seconds_bucket", (("le", "+Inf"), ("rank", "0"))): 50.0,
+    ("kvtier_step_seconds_count", (("rank", "0"),)): 50.0,
+    ("kvtier_step_seconds_sum", (("rank", "0"),)): 0.6,
+}
+
+
+def _window(wl: Workload, arm: str, rep: int, tier: bool, *, mismatch: int = 0,
+            fail: int = 0, extra_ext_queries: int = 0) -> Window:  # fmt: skip
+    """Each request hits half its prompt in HBM (prefix pool) and, with a tier, a quarter more
+    outside; TTFT depends on the arm and the repetition."""
+    records, t, prompt, hits, ext = [], 100.0, 0, 0, 0
+    for k, s in enumerate(wl.specs):
+        n = len(s.prompt)
+        h = n // 2 if wl.name == PREFIX_POOL else 0
+        x = n // 4 if tier and wl.name == PREFIX_POOL else 0
+        ttft = 0.01 + 0.002 * rep + 0.001 * (k % 3) + (0.0 if tier else 0.005)
+        out = [3 + (s.index * 7 + j) % 500 for j in range(s.max_tokens)]
+        err = "HTTP 500" if k < fail else None
+        records.append(
+            Record(
+                index=s.index, tag=s.tag, prefix_id=s.prefix_id, start=t, first_token=t + ttft,
+                end=t + ttft + 0.02, prompt_tokens=n, cached_tokens=h + x,
+                completion_tokens=None if err else s.max_tokens, max_tokens=s.max_tokens,
+                sent_prompt_tokens=n, output_ids=out[:-1] + [1] if k < mismatch else out,
+                error=err,
+            )
+        )  # fmt: skip
+        t += 0.015
+        if err is None:
+            prompt, hits, ext = prompt + n, hits + h, ext + x
+    after = {
+        ("vllm:prompt_tokens_total", _M): prompt,
+        ("vllm:prefix_cache_queries_total", _M): prompt,
+        ("vllm:prefix_cache_hits_total", _M): hits,
+        ("vllm:external_prefix_cache_queries_total", _M): (
+            (prompt - hits if tier else 0) + extra_ext_queries
+        ),
+        ("vllm:external_prefix_cache_hits_total", _M): ext,
+        ("kvtier_retrieved_tokens_total", (("rank", "0"),)): ext,
+        **(_STEPS if tier else {}),
+    }
+    load = LoadResult(records, 100.0, t + 0.05)
+    return Window(wl.name, load, MetricSet({}), MetricSet(after), Path(f"{arm}-{rep}.jsonl"))
+
+
+def _runs(arms: dict[str, bool], order: list[tuple[int, str]], workloads: list[Workload],
+          tier_arm: str) -> list[ArmRun]:  # fmt: skip
+    """Every (rep, arm): the tier arm's rep 1 differs on one output and its no-reuse window
+    breaks the HBM-miss identity by 3 tokens; the baseline's rep 1 fails one request."""
+    out = []
+    for rep, arm in order:
+        ws = {
+            wl.name: _window(
+                wl, arm, rep, arms[arm],
+                mismatch=int(arm == tier_arm and rep == 1),
+                fail=int(arm not in (tier_arm, EXAMPLE) and rep == 1 and wl.name == NO_REUSE),
+                extra_ext_queries=3 if arm == tier_arm and rep == 1 and wl.name == NO_REUSE else 0,
+            )
+            for wl in workloads
+        }  # fmt: skip
+        out.append(ArmRun(arm, rep, arms[arm], ws, 1.0, 0, Path(f"server-{arm}-{rep}.log")))
+    return out
+
+
+def _prepared(host: str) -> tuple[e2e._Drive, object, list[Workload], dict]:
+    vllm = host == e2e.VLLM
+    plan = e2e.VLLM_QUICK if vllm else e2e.QUICK
+    chunk, block = (256, 128) if vllm else (64, 16)
+    kv = KVTierConfig.load({"chunk_size": chunk}, {})
+    usable = plan.hbm_blocks - (1 if vllm else 0)
+    placement, workloads, warm, ceilings = e2e._prepare(
+        plan, usable, block, 40, chunk, kv, 0, 500, lambda _m: None, host=host
+    )
+    drive = e2e._Drive(plan, workloads, warm, Path("records"), lambda _m: None, False, None)
+    return drive, placement, workloads, ceilings
+
+
+NATIVE_IDS = [
+    *(f"prefix_pool.{m}" for m in e2e._NATIVE_POOL_METRICS),
+    "prefix_pool.hit_rate_on", "prefix_pool.external_hit_rate_on", "prefix_pool.hit_rate_off",
+    "prefix_pool.hit_rate_bound", "prefix_pool.external_hits_on",
+    "identity.hbm_misses_eq_external_queries", "identity.retrieved_eq_external_hits",
+    "identity.other_failing", "outputs.mismatches", "requests.failed",
+    "no_reuse.output_throughput", "no_reuse.ttft_p50_ms",
+    "no_reuse.output_throughput.worst_rep", "no_reuse.ttft_p50_ms.worst_rep",
+]  # fmt: skip
+VLLM_IDS = [
+    *(f"prefix_pool.{m}.{a}" for m in ("output_throughput", "ttft_p50_ms", "ttft_p99_ms")
+      for a in (KVTIER, EXAMPLE)),
+    "prefix_pool.hit_rate.kvtier", "prefix_pool.hbm_hit_rate.kvtier",
+    "prefix_pool.external_hit_rate.kvtier", "prefix_pool.hit_rate.example",
+    "prefix_pool.hit_rate.none", "prefix_pool.hit_rate_bound.kvtier",
+    "prefix_pool.external_hits.kvtier",
+    "identity.hbm_misses_eq_external_queries", "identity.retrieved_eq_external_hits",
+    "identity.other_failing", "outputs.mismatches", "outputs.mismatches.example",
+    "requests.failed",
+    *(f"no_reuse.{m}.{a}" for m in ("output_throughput", "ttft_p50_ms") for a in (KVTIER, EXAMPLE)),
+    "no_reuse.output_throughput.worst_rep", "no_reuse.ttft_p50_ms.worst_rep",
+    "prefix_pool.output_throughput.kvtier_vs_example", "prefix_pool.ttft_p50_ms.kvtier_vs_example",
+]  # fmt: skip
+STEP_IDS = [
+    f"steps.{w}.{r}" for w in ("prefix_pool", "no_reuse") for r in ("step_ms", "ranks.save")
+]
+
+
+def test_native_report_rows_come_from_the_windows() -> None:
+    drive, placement, workloads, ceilings = _prepared(e2e.NATIVE)
+    runs = _runs({ON: True, OFF: False}, e2e.arm_order(2), workloads, ON)
+    cast = e2e._NATIVE_CAST
+    wording = e2e._native_wording(drive, placement, 2)
+    doc = build_report(cast, wording, runs, [], workloads, ceilings, 1, True).to_json()
+    rows = {r["id"]: r for r in doc["rows"]}
+    assert [r["id"] for r in doc["rows"] if not r["id"].startswith("steps.")] == NATIVE_IDS
+    assert [r["id"] for r in doc["rows"] if r["id"].startswith("steps.")][:1] == STEP_IDS[:1]
+    assert doc["title"] == "kvtier bench e2e (native, TP 1, quick)"
+    assert rows["prefix_pool.output_throughput"]["label"].startswith(
+        "prefix pool: output tok/s, ON (raw = OFF) [1][2]"
+    )
+    assert rows["identity.hbm_misses_eq_external_queries"]["value"] == 3
+    assert rows["outputs.mismatches"]["value"] == 1
+    assert rows["requests.failed"]["value"] == 1
+    assert rows["prefix_pool.hit_rate_on"]["value"] == pytest.approx(75.0)
+    assert rows["prefix_pool.hit_rate_off"]["value"] == pytest.approx(50.0)
+    assert rows["no_reuse.output_throughput.worst_rep"]["target"] == ">= 0.97 x"
+    detail = rows["prefix_pool.ttft_p50_ms"]["detail"]
+    assert {"rep0.on", "rep0.off", "rep1.ratio", "on.sd", "off.sd", "ratio.mean"} <= set(detail)
+    assert set(doc["meta"]["outputs"]) == {PREFIX_POOL, NO_REUSE}
+
+
+def test_vllm_report_names_each_arm_and_compares_kvtier_with_example() -> None:
+    drive, placement, workloads, ceilings = _prepared(e2e.VLLM)
+    arms = {KVTIER: True, EXAMPLE: True, NONE: False}
+    order = e2e.alternate(list(vllm_host.VLLM_ARMS), 2)
+    runs = _runs(arms, order, workloads, KVTIER)
+    wording = e2e._vllm_wording(drive, placement, 256, "0", 1, 2)
+    doc = build_report(e2e._VLLM_CAST, wording, runs, [], workloads, ceilings, 1, True).to_json()
+    rows = {r["id"]: r for r in doc["rows"]}
+    assert [r["id"] for r in doc["rows"] if not r["id"].startswith("steps.")] == VLLM_IDS
+    assert rows["prefix_pool.hit_rate.example"]["label"].startswith(
+        "prefix pool: hit rate, ExampleConnector (raw = infinite-cache bound)"
+    )
+    assert rows["outputs.mismatches.example"]["target"] is None
+    assert rows["outputs.mismatches"]["value"] == 1
+    assert rows["prefix_pool.external_hits.kvtier"]["detail"]["example_external_hits"] > 0
+    # the kvtier-vs-ExampleConnector rows hold ExampleConnector's values under its own name
+    detail = rows["prefix_pool.output_throughput.kvtier_vs_example"]["detail"]
+    example = rows["prefix_pool.output_throughput.example"]["detail"]
+    assert detail["rep0.example"] == example["rep0.example"]
+    assert "rep0.none" not in detail
+    assert set(doc["meta"]["outputs"]) == {KVTIER, EXAMPLE}
