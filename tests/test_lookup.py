@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import queue
 import shutil
+import socket
 import stat
 import threading
 import time
@@ -414,6 +415,21 @@ def test_server_close_is_prompt_and_a_second_server_cannot_steal_a_live_endpoint
     # After close, the endpoint is free again.
     with LookupServer(0, FakeBackend(0, []), ep, Metrics(0)) as again:
         assert again.bound_endpoint == ep
+
+
+def test_a_closed_server_has_let_go_of_its_ipc_endpoint_when_close_returns(
+    run_dir: Path,
+) -> None:
+    # zmq closes a listener on its IO thread, after close() of the socket: a rank restarted at
+    # once must find the endpoint free, never "already served by a live process"
+    ep = endpoint_for(0, run_dir=run_dir)
+    path = ep[len("ipc://") :]
+    for _ in range(20):
+        LookupServer(0, FakeBackend(0, []), ep, Metrics(0)).start().close()
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with pytest.raises((FileNotFoundError, ConnectionRefusedError)):
+            probe.connect(path)
+        probe.close()
 
 
 # -- endpoints ------------------------------------------------------------------------------

@@ -148,19 +148,26 @@ def tcp_host(address: str) -> str:
     return host.strip("[]")
 
 
+def ipc_served(path: str) -> bool:
+    """True while a listener accepts connections on the ipc socket `path`."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (FileNotFoundError, ConnectionRefusedError):
+        return False
+    finally:
+        probe.close()
+    return True
+
+
 def ensure_ipc_free(path: str) -> None:
     """Raise StartupError if a live server already listens on `path`.
 
     zmq unlinks an existing ipc socket file when binding, so without this check a second server
     would silently take the address from a live one. A stale file (dead server) is fine.
     """
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except (FileNotFoundError, ConnectionRefusedError):
+    if not ipc_served(path):
         return
-    finally:
-        probe.close()
     raise StartupError(
         f"lookup endpoint ipc://{path} is already served by a live process; each rank of each "
         "replica needs its own endpoint (one run_dir per replica)"

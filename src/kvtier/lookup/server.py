@@ -7,6 +7,7 @@ import logging
 import operator
 import stat
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -18,6 +19,7 @@ from kvtier.lookup.endpoints import (
     check_ipc_path,
     check_tcp_host,
     ensure_ipc_free,
+    ipc_served,
     parse_endpoint,
     tcp_host,
 )
@@ -44,6 +46,8 @@ _BATCH = 64
 # the memory a hostile frame can take; frames between the cap and this are read and counted.
 _HARD_FRAME_FACTOR = 4
 _JOIN_TIMEOUT_S = 5.0
+_UNBIND_TIMEOUT_S = 1.0
+_UNBIND_POLL_S = 0.001
 _inproc_ids = itertools.count()
 
 
@@ -165,6 +169,24 @@ class LookupServer:
                 self.rank,
                 _JOIN_TIMEOUT_S,
             )
+        elif self._transport == "ipc":
+            self._wait_unbound()
+
+    def _wait_unbound(self) -> None:
+        """zmq closes the listener on its IO thread after the socket's close(): wait (bounded)
+        until the ipc endpoint refuses connections, so a rank restarted at once can bind it."""
+        deadline = time.monotonic() + _UNBIND_TIMEOUT_S
+        while ipc_served(self._address):
+            if time.monotonic() >= deadline:
+                log.error(
+                    "kvtier: lookup server rank %d: %s still accepts connections %.1fs after "
+                    "close()",
+                    self.rank,
+                    self.endpoint,
+                    _UNBIND_TIMEOUT_S,
+                )
+                return
+            time.sleep(_UNBIND_POLL_S)
 
     def __enter__(self) -> LookupServer:
         return self.start()
