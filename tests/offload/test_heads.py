@@ -91,8 +91,15 @@ def test_a_tier_others_may_have_written_is_always_asked(cfg):
 
 
 def test_a_scheduler_that_never_saves_always_asks():
-    config = KVTierConfig(chunk_size=CHUNK)
+    # a decode consumer finds what a producer saved: none of it is its own
+    config = KVTierConfig(chunk_size=CHUNK, load_gate=False)
     assert private_tiers(config, saves=True) and not private_tiers(config, saves=False)
+    lookup, metrics = CountingLookup(3), Metrics(rank=0)
+    sched = OffloadScheduler(
+        config, lookup, model_id="m", block_size=BLOCK, world=1, metrics=metrics, saves=False
+    )
+    assert sched.get_num_new_matched_tokens(SlotView("a", prompt(3 * CHUNK + 1)), 0) == 3 * CHUNK
+    assert lookup.asked == 1 and metrics.value("cold_lookups_total") == 0
 
 
 def test_reset_forgets_the_saved_heads():
