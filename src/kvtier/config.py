@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from kvtier import remote_endpoint
+from kvtier import cpus, remote_endpoint
 from kvtier.errors import ConfigError
 
 __all__ = [
@@ -355,6 +355,12 @@ class KVTierConfig:
         "GIL switch interval set in each process kvtier runs in (lowered, never raised), so its "
         "lookup server and copy lanes wait at most this long for the GIL; 0 = the interpreter's",
     )
+    lane_cpus: str = _f(
+        "auto",
+        "str",
+        "CPUs of the copy lanes: 'auto' = the cores the host's bound compute threads leave free "
+        "(CPU backend; unchanged when none are), 'inherit', or a list such as '2-3'",
+    )
     prefill_tokens_per_s: float = _f(2000.0, "float", "seed of the prefill-speed estimate")
     memory_read_gbps: float = _f(5.0, "float", "seed of the memory-tier read-speed estimate")
     disk_read_gbps: float = _f(1.0, "float", "seed of the disk-tier read-speed estimate")
@@ -562,6 +568,10 @@ class KVTierConfig:
                 "interpreter's switch interval, or a fraction of a millisecond such as 0.5 "
                 "(the default)",
             )
+        try:
+            cpus.check_setting(self.lane_cpus)
+        except ConfigError as e:
+            raise _error("lane_cpus", f"{e}; or use 'auto' (the default) or 'inherit'") from None
         if self.min_load_tokens is not None and self.min_load_tokens < 0:
             raise _error(
                 "min_load_tokens",

@@ -1,15 +1,18 @@
 """A worker lane: one daemon thread that runs a rank's transfer jobs in order, bound to the
-rank's KV device (and, on CUDA, to a side stream of its own)."""
+rank's KV device (and, on CUDA, to a side stream of its own), optionally pinned to CPUs."""
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
+from kvtier.cpus import describe, host_cpus
+from kvtier.errors import ConfigError
 from kvtier.offload.device import DeviceOps, Lane
 
 log = logging.getLogger("kvtier")
@@ -21,8 +24,10 @@ Job = Callable[[Lane], object]
 class WorkLane:
     """Jobs run one at a time on a daemon thread, so a stuck job never blocks process exit."""
 
-    def __init__(self, name: str, ops: DeviceOps) -> None:
+    def __init__(self, name: str, ops: DeviceOps, cpus: frozenset[int] | None = None) -> None:
+        """`cpus`: the CPUs the thread runs on (None: those of the thread that starts it)."""
         self.name = name
+        self.cpus = cpus
         self._ops = ops
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._ready = threading.Event()
@@ -62,8 +67,21 @@ class WorkLane:
         self._thread.join(timeout=timeout_s)
         return not self._thread.is_alive()
 
+    def _pin(self, cpus: frozenset[int]) -> None:
+        try:
+            # pid 0 is the calling thread: the owner and the other lanes keep their CPUs
+            os.sched_setaffinity(0, cpus)
+        except OSError as e:
+            raise ConfigError(
+                f"lane {self.name} cannot run on CPUs {describe(cpus)} ({e.strerror}); this "
+                f"host offers {describe(host_cpus())}: set "
+                "lane_cpus to CPUs among those, or to 'inherit'"
+            ) from e
+
     def _run(self) -> None:
         try:
+            if self.cpus is not None:
+                self._pin(self.cpus)
             self._ops.bind_thread()
             lane = self._ops.lane()
         except BaseException as e:  # noqa: BLE001 - re-raised by start() in the owner's thread

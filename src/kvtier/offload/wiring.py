@@ -157,10 +157,15 @@ class SchedulerWiring:
 
 
 def build_worker(
-    spec: OffloadSpec, *, ranks_on_host: int, report_changes: bool = False
+    spec: OffloadSpec,
+    *,
+    ranks_on_host: int,
+    report_changes: bool = False,
+    compute_cpus: frozenset[int] | None = None,
 ) -> OffloadWorker:
     """The rank's `OffloadWorker` (its tiers, codec and lookup server come with the KV caches),
-    counting on metrics of its own; `ranks_on_host` sizes the host-RAM check."""
+    counting on metrics of its own; `ranks_on_host` sizes the host-RAM check, `compute_cpus`
+    are the cores the host bound its compute threads to (kept free of copy lanes)."""
     rank = spec.topo.rank
     apply_switch_interval(spec.config, f"rank {rank}")
     return OffloadWorker(
@@ -172,6 +177,7 @@ def build_worker(
         lookup_endpoint=spec.endpoints[rank],
         ranks_on_host=ranks_on_host,
         report_changes=report_changes,
+        compute_cpus=compute_cpus,
     )
 
 

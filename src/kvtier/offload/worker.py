@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvtier import cpus
 from kvtier.config import KVTierConfig
 from kvtier.errors import StartupError
 from kvtier.keys import Namespace
@@ -106,11 +107,14 @@ class OffloadWorker:
         clock: Callable[[], float] = time.monotonic,
         ops: DeviceOps | None = None,
         report_changes: bool = False,
+        compute_cpus: frozenset[int] | None = None,
     ) -> None:
         """`clock` times the per-load deadline (`config.lease_ttl_s` after a load is queued);
         `ranks_on_host` sizes the host-RAM check (every rank of every replica on this host);
         `ops` drives the KV device (default: the device the KV cache lives on);
-        `report_changes` puts what the tiers store and drop into the reports (KV events)."""
+        `report_changes` puts what the tiers store and drop into the reports (KV events);
+        `compute_cpus` are the cores the host bound its compute threads to on this machine
+        (None: it binds none), which `config.lane_cpus` 'auto' keeps the copy lanes off."""
         self.config = config
         self.rank = rank
         self.world = world
@@ -151,6 +155,8 @@ class OffloadWorker:
         self._step_t0: float | None = None
         self._selftest_ids = itertools.count()
         self._report_changes = report_changes
+        self.lane_cpus = cpus.lane_cpus(config.lane_cpus, compute_cpus, cpus.host_cpus())
+        self._compute_cpus = compute_cpus
         self._changes: deque[TierChange] = deque()
 
     # ---- startup ------------------------------------------------------------------------------
@@ -230,10 +236,18 @@ class OffloadWorker:
         if self._load_staging is None:
             self._load_buf = torch.empty(chunk_bytes, dtype=torch.uint8)
             self._sync_buf = torch.empty(chunk_bytes, dtype=torch.uint8)
-        self._load_lane = WorkLane(f"kvtier-load-{self.rank}", ops)
-        self._save_lane = WorkLane(f"kvtier-save-{self.rank}", ops)
+        self._load_lane = WorkLane(f"kvtier-load-{self.rank}", ops, self.lane_cpus)
+        self._save_lane = WorkLane(f"kvtier-save-{self.rank}", ops, self.lane_cpus)
         self._load_lane.start()
         self._save_lane.start()
+        if self.lane_cpus is not None:
+            log.info(
+                "%s: copy lanes on CPUs %s (compute threads: %s; lane_cpus %s)",
+                self.tag,
+                cpus.describe(self.lane_cpus),
+                cpus.describe(self._compute_cpus),
+                self.config.lane_cpus,
+            )
 
     def _self_test(self, desc: KVCacheDescription) -> None:
         """Pattern -> real blocks -> save path -> clear -> load path -> compare -> restore."""

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.platforms import current_platform
 
 from kvtier.config import KVTierConfig
 from kvtier.offload import messages
@@ -15,6 +17,7 @@ from kvtier.offload.messages import OffloadMeta, WorkerReport
 from kvtier.offload.pages import KVCacheDescription
 from kvtier.offload.wiring import build_worker, decode_step_meta
 from kvtier.topology import resolve
+from kvtier.vllm.cpu_binding import compute_cpus
 from kvtier.vllm.events import kv_events_enabled
 from kvtier.vllm.metadata import KVTierConnectorMetadata
 from kvtier.vllm.rundir import offload_spec
@@ -102,9 +105,13 @@ class WorkerSide:
         self.kv_cache_config = kv_cache_config
         self.rank = topo.rank
         self.block_size = block_size
+        local_ranks = ranks_on_host(vllm_config)
         self.worker = build_worker(
             offload_spec(config, vllm_config, topo, run_dir, model_id),
-            ranks_on_host=ranks_on_host(vllm_config),
+            ranks_on_host=local_ranks,
+            compute_cpus=compute_cpus(
+                os.environ, is_cpu=current_platform.is_cpu(), ranks_on_host=local_ranks
+            ),
             # rank 0 reports what its tiers hold for KV events (TP ranks mirror each other)
             report_changes=topo.rank == 0 and kv_events_enabled(vllm_config),
         )
