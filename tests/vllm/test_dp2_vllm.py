@@ -21,6 +21,8 @@ def test_dp2_serves_restores_from_two_engines(
         "extra": TIER,
         "n": 4,
         "serve_args": ["--data-parallel-size", "2"],
+        # each engine's memory tier is its own: a repeat routed to the other engine would miss
+        "dp_ranks": 2,
     }
     run = run_driver("serve", args, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, timeout_s=300)
     r = run.result

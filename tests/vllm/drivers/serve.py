@@ -5,7 +5,7 @@ vLLM's prefix cache, pass 2 repeats them; then `/metrics` is read once vLLM has 
 prompt. Prints texts and token ids, cached tokens, the cache counters, the whole /metrics page
 and the server's kvtier log lines.
 Args (JSON): model, extra, and optionally n, base_len, max_tokens, startup_timeout_s, serve_args
-(extra `vllm serve` arguments).
+(extra `vllm serve` arguments), dp_ranks (send prompt i to data-parallel engine i % dp_ranks).
 """
 
 from __future__ import annotations
@@ -70,10 +70,16 @@ class ServerLog:
         self._thread.join(timeout)
 
 
-def http(method: str, url: str, body: dict[str, Any] | None = None, timeout: float = 60) -> Any:
+def http(
+    method: str,
+    url: str,
+    body: dict[str, Any] | None = None,
+    timeout: float = 60,
+    headers: dict[str, str] | None = None,
+) -> Any:
     """One HTTP call; JSON in and out (text for /metrics)."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method)
+    req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
     if data is not None:
         req.add_header("Content-Type", "application/json")
     with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -157,7 +163,7 @@ def main() -> None:
 
         def complete() -> list[dict[str, Any]]:
             out = []
-            for p in prompts:
+            for i, p in enumerate(prompts):
                 body = {
                     "model": "tiny",
                     "prompt": p,
@@ -166,7 +172,11 @@ def main() -> None:
                     "ignore_eos": True,
                     "return_token_ids": True,
                 }
-                r = http("POST", f"{base}/v1/completions", body)
+                # dp_ranks: prompt i goes to engine i % dp_ranks in both passes, so its second
+                # pass meets the engine whose private tier saved it
+                dp = a.get("dp_ranks")
+                headers = {"X-data-parallel-rank": str(i % dp)} if dp else None
+                r = http("POST", f"{base}/v1/completions", body, headers=headers)
                 details = (r.get("usage") or {}).get("prompt_tokens_details") or {}
                 choice = r["choices"][0]
                 out.append(
