@@ -10,6 +10,7 @@ import pytest
 from kvtier.config import KVTierConfig
 from kvtier.metrics import Metrics
 from kvtier.offload.heads import SavedHeads, private_tiers
+from kvtier.offload.messages import OpResult, WorkerReport
 from kvtier.offload.protocols import StepRequest
 from kvtier.offload.scheduler import OffloadScheduler
 from tests.offload.fakes import FakeLookup, FakeResult, SlotView
@@ -48,10 +49,12 @@ def blocks(n_tokens: int) -> list[int]:
 
 
 def save_all(sched: OffloadScheduler, req_id: str, p: list[int]) -> None:
+    """The request computes and saves its prompt, and the save lands on the (one) rank."""
     view = SlotView(req_id, p, block_ids=blocks(len(p)))
     sched.get_num_new_matched_tokens(view, 0)
     (save,) = sched.build_meta([StepRequest(view, len(p))]).saves
     assert save.chunks[0].key  # the first chunk is among the saved
+    sched.process_reports([WorkerReport(rank=0, results=[OpResult(save.op_id, True)])])
 
 
 def test_a_never_saved_first_chunk_is_answered_without_a_lookup():

@@ -466,3 +466,66 @@ def test_a_stack_with_lower_tiers_keeps_every_load_asynchronous():
     sched.gate.observe_step(1.0)
     _admit(sched, "a", 3 * CHUNK + 4)
     assert sched.load_is_async("a")
+
+
+def test_a_second_request_waits_for_the_save_of_the_same_chunks_then_loads_them():
+    sched, lookup, metrics = make(hits=0)
+    p = prompt(2 * CHUNK + 1)
+    a = SlotView("a", p, block_ids=blocks(len(p)))
+    assert sched.get_num_new_matched_tokens(a, 0) == 0  # a miss: a computes it all
+    (save,) = sched.build_meta([StepRequest(a, len(p))]).saves
+    # a request never waits behind its own saves (a preempted one asking again)
+    assert sched.get_num_new_matched_tokens(a, 0) == 0
+    lookup.hits = 2  # what the ranks will hold once the save lands
+    leased = len(lookup.leased)
+    b = SlotView("b", p)  # same prefix, while a's save is still on the ranks
+    assert sched.get_num_new_matched_tokens(b, 0) is None
+    assert sched.get_num_new_matched_tokens(b, 0) is None
+    assert len(lookup.leased) == leased  # no lookup that would miss the chunks a step early
+    assert metrics.value("skipped_loads_total", reason="behind_inflight_save") == 1
+    report_all(sched, save.op_id)
+    assert sched.get_num_new_matched_tokens(b, 0) == 2 * CHUNK
+    assert len(lookup.leased) == leased + 1
+
+
+def test_the_wait_behind_a_save_is_bounded_by_lookup_timeout_ms():
+    now = [100.0]
+    lookup, metrics = FakeLookup(0), Metrics(rank=0)
+    sched = OffloadScheduler(
+        KVTierConfig(chunk_size=CHUNK, load_gate=False, lookup_timeout_ms=200),
+        lookup,
+        model_id="m",
+        block_size=BLOCK,
+        world=2,
+        metrics=metrics,
+        cold_misses=False,
+        clock=lambda: now[0],
+    )
+    p = prompt(2 * CHUNK + 1)
+    a = SlotView("a", p, block_ids=blocks(len(p)))
+    sched.get_num_new_matched_tokens(a, 0)
+    assert sched.build_meta([StepRequest(a, len(p))]).saves  # and it never lands
+    lookup.hits = 2
+    b = SlotView("b", p)
+    assert sched.get_num_new_matched_tokens(b, 0) is None
+    now[0] += 0.19
+    assert sched.get_num_new_matched_tokens(b, 0) is None
+    now[0] += 0.02  # past 200 ms: b asks the ranks rather than wait on a stuck save
+    assert sched.get_num_new_matched_tokens(b, 0) == 2 * CHUNK
+
+
+def test_nobody_waits_for_a_save_of_chunks_the_saver_found_in_hbm():
+    sched, lookup, metrics = make(hits=0)
+    p = prompt(3 * CHUNK + 1)
+    a = SlotView("a", p, block_ids=blocks(len(p)))
+    # a's first two chunks were in HBM (computed by a request before it): its save of them
+    # again only refreshes the tier
+    assert sched.get_num_new_matched_tokens(a, 2 * CHUNK) == 0
+    (save,) = sched.build_meta([StepRequest(a, len(p))]).saves
+    assert len(save.chunks) == 3
+    lookup.hits = 2
+    b = SlotView("b", prompt(2 * CHUNK + 1))  # shares those two chunks only
+    assert sched.get_num_new_matched_tokens(b, 0) == 2 * CHUNK
+    assert metrics.value("skipped_loads_total", reason="behind_inflight_save") == 0
+    c = SlotView("c", prompt(3 * CHUNK + 1))  # shares the chunk a computed: waits for it
+    assert sched.get_num_new_matched_tokens(c, 0) is None

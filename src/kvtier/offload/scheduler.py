@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +38,7 @@ WITHDRAWN = "withdrawn"
 REPEAT = "failed_before"
 # another request's load is bringing these chunks into HBM: wait for it instead of a second read
 BEHIND_LOAD = "behind_inflight_load"
+BEHIND_SAVE = "behind_inflight_save"
 
 
 @dataclass
@@ -65,6 +66,8 @@ class _Req:
     lookup: Any = None  # a lookup in flight (polled again at the next ask)
     hit_tier: str = ""  # the deepest tier of the promised run (the hit's source)
     deferred: bool = False  # already counted as waiting behind another request's load
+    save_wait_t0: float | None = None  # when it began waiting for another request's save
+    hbm_floor: int | None = None  # tokens the HBM held at its first ask (computed before it)
     epoch: int = 0  # the namespace epoch its keys belong to
 
     def busy(self) -> bool:
@@ -99,13 +102,14 @@ class OffloadScheduler:
         loads: bool = True,
         saves: bool = True,
         cold_misses: bool | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`bytes_per_token` (per rank) turns the config's read-bandwidth seeds into token rates
         for the load gate; `load_tokens_per_s` overrides the seed outright. `loads=False` never
         loads (a prefill producer), `saves=False` never saves (a decode consumer).
         `cold_misses` answers a never-saved first chunk 0 without a lookup (default: where this
         scheduler is its tiers' only writer); False asks the ranks always, as a lookup port
-        filled by others needs."""
+        filled by others needs. `clock` bounds the wait behind another request's save."""
         self.config = config
         self.loads = loads
         self.saves = saves
@@ -131,6 +135,10 @@ class OffloadScheduler:
         self._terminals: dict[str, bool] = {}
         # chunk keys of loads with blocks allocated, not yet terminal: key -> loads
         self._loading: Counter[bytes] = Counter()
+        # chunk keys of saves sent to the ranks, not yet terminal: key -> saves, and op -> keys
+        self._saving: Counter[bytes] = Counter()
+        self._save_keys: dict[str, list[bytes]] = {}
+        self._clock = clock
         seeds = {}
         if bytes_per_token:
             seeds = {
@@ -178,6 +186,8 @@ class OffloadScheduler:
 
     def _matched(self, req: RequestView, num_computed_tokens: int) -> int | None:
         st = self._state(req)
+        if st.hbm_floor is None:
+            st.hbm_floor = num_computed_tokens
         if st.epoch != self.epoch:
             if st.busy() or st.load is not None:
                 return 0  # its keys name the old epoch until its transfers end
@@ -206,6 +216,8 @@ class OffloadScheduler:
             if not st.deferred:
                 st.deferred = True
                 self._m.skipped_load(BEHIND_LOAD).inc()
+            return None
+        if st.lookup is None and self._behind_save(st, first):
             return None
         if st.lookup is None and self._heads is not None and st.keys[0] not in self._heads:
             self._m.cold_lookups.inc()
@@ -253,6 +265,22 @@ class OffloadScheduler:
             self._sync_booked_s += self.gate.transfer_seconds(tokens, tier)
         st.load = _Load(hbm=num_computed_tokens, end=end, lookup_id=lookup_id, sync=sync)
         return tokens
+
+    def _behind_save(self, st: _Req, first: int) -> bool:
+        """Whether `st` waits for another request's save of one of its chunks to land: a
+        lookup now would miss the chunk a step before the tier holds it, and the prompt would
+        be recomputed. The wait is bounded by `lookup_timeout_ms` (a save stuck on a rank)."""
+        own: Counter[bytes] = Counter()
+        for op_id in st.saves:
+            own.update(self._save_keys.get(op_id, ()))
+        if not any(self._saving[k] > own[k] for k in st.keys[first:]):
+            st.save_wait_t0 = None
+            return False
+        now = self._clock()
+        if st.save_wait_t0 is None:
+            st.save_wait_t0 = now
+            self._m.skipped_load(BEHIND_SAVE).inc()
+        return now - st.save_wait_t0 < self.config.lookup_timeout_ms / 1000.0
 
     def _cancel_lookup(self, st: _Req) -> None:
         if st.lookup is not None:
@@ -423,6 +451,12 @@ class OffloadScheduler:
             self._heads.add(st.keys[0])
         self._quorum.open(op_id)
         self._ops[op_id] = (st.req_id, "save")
+        # chunks under its HBM floor were computed, and saved, by a request before it: saving
+        # them again keeps them in the tier, but nobody needs to wait for that
+        floor = (st.hbm_floor or 0) // self.chunk
+        first = st.emitted // self.chunk
+        self._save_keys[op_id] = [r.key for c, r in enumerate(chunks, first) if c >= floor]
+        self._saving.update(self._save_keys[op_id])
         st.saves[op_id] = (st.emitted, aligned)
         op = SaveOp(op_id, st.req_id, chunks, aligned - st.emitted, st.emitted // self.chunk)
         st.emitted = aligned
@@ -461,6 +495,10 @@ class OffloadScheduler:
         return outcome
 
     def _save_terminal(self, st: _Req | None, term: Terminal) -> None:
+        for key in self._save_keys.pop(term.op_id, ()):
+            self._saving[key] -= 1
+            if self._saving[key] <= 0:
+                del self._saving[key]
         if st is None:
             return
         start, end = st.saves.pop(term.op_id)
