@@ -29,8 +29,8 @@ def test_defaults_serve_one_machine_with_memory_tier_only() -> None:
     assert cfg.enabled and cfg.chunk_size == 256 and cfg.memory_bytes == 2 * GiB
     assert cfg.disk_bytes == 0 and cfg.disk_dir is None and cfg.remote_url is None
     assert cfg.lookup_scope is None and cfg.lookup_transport == "ipc"
-    assert cfg.effective_min_load_tokens == 256
-    assert dataclasses.replace(cfg, min_load_tokens=1024).effective_min_load_tokens == 1024
+    assert cfg.min_load(16) == 16  # unset: one host block
+    assert dataclasses.replace(cfg, min_load_tokens=1024).min_load(16) == 1024
 
 
 def test_config_is_frozen() -> None:
@@ -464,7 +464,7 @@ def test_describe_is_one_line_summary() -> None:
     assert "\n" not in line
     assert line == (
         "kvtier: offload on; chunk=256 tokens; memory=64GiB/rank; disk=1TiB at /mnt/kv; "
-        "remote=off; lookup=ipc over ranks [0, 1, 2, 3] within 200ms; min_load=256 tokens; "
+        "remote=off; lookup=ipc over ranks [0, 1, 2, 3] within 200ms; min_load=1 block; "
         "load_gate=on; sync_load_fraction=0.25; self_test=on"
     )
     assert KVTierConfig(enabled=False).describe() == "kvtier: offload off"

@@ -340,7 +340,11 @@ class KVTierConfig:
     allow_remote_bind: bool = _f(False, "bool", "permit a non-loopback lookup_bind_host")
     lease_ttl_s: float = _f(30.0, "float", "lease deadline in seconds")
     max_leases: int = _f(65536, "int", "cap on live leases per rank")
-    min_load_tokens: int | None = _f(None, "opt_int", "smallest load worth doing; None = 1 chunk")
+    min_load_tokens: int | None = _f(
+        None,
+        "opt_int",
+        "smallest load worth doing; None = one host block (the load gate decides the rest)",
+    )
     write_queue_depth: int = _f(256, "int", "bound of each write-behind queue")
     load_gate: bool = _f(True, "bool", "skip loads predicted slower than recompute")
     sync_load_fraction: float = _f(
@@ -581,10 +585,10 @@ class KVTierConfig:
 
     # -------------------------------------------------------------------------- derived
 
-    @property
-    def effective_min_load_tokens(self) -> int:
-        """Smallest load worth issuing, in tokens: `min_load_tokens`, or one chunk when unset."""
-        return self.chunk_size if self.min_load_tokens is None else self.min_load_tokens
+    def min_load(self, block_size: int) -> int:
+        """Smallest load worth issuing, in tokens: `min_load_tokens`, or one host block when
+        unset (less than a chunk is still a whole chunk read, far cheaper than recomputing)."""
+        return block_size if self.min_load_tokens is None else self.min_load_tokens
 
     @property
     def memory_only(self) -> bool:
@@ -630,11 +634,13 @@ class KVTierConfig:
         disk = f"{format_size(self.disk_bytes)} at {self.disk_dir}" if self.disk_bytes else "off"
         remote = mask_url(self.remote_url) if self.remote_url else "off"
         scope = "all ranks" if self.lookup_scope is None else f"ranks {list(self.lookup_scope)}"
+        n = self.min_load_tokens
+        min_load = "1 block" if n is None else f"{n} tokens"
         return (
             f"kvtier: offload on; chunk={self.chunk_size} tokens; "
             f"memory={format_size(self.memory_bytes)}/rank; disk={disk}; remote={remote}; "
             f"lookup={self.lookup_transport} over {scope} within {self.lookup_timeout_ms}ms; "
-            f"min_load={self.effective_min_load_tokens} tokens; "
+            f"min_load={min_load}; "
             f"load_gate={'on' if self.load_gate else 'off'}; "
             f"sync_load_fraction={self.sync_load_fraction:g}; "
             f"self_test={'on' if self.self_test else 'off'}"

@@ -529,3 +529,16 @@ def test_nobody_waits_for_a_save_of_chunks_the_saver_found_in_hbm():
     assert metrics.value("skipped_loads_total", reason="behind_inflight_save") == 0
     c = SlotView("c", prompt(3 * CHUNK + 1))  # shares the chunk a computed: waits for it
     assert sched.get_num_new_matched_tokens(c, 0) is None
+
+
+def test_by_default_the_one_block_past_the_hbm_floor_is_loaded():
+    # vLLM's small pool kept 3 of a prefix's 4 blocks: the tier has the 4th, inside a chunk
+    # whose first half is in HBM; loading it reads that chunk whole, writes one block
+    sched, lookup, metrics = make(hits=2)
+    p = prompt(2 * CHUNK + 1)
+    assert sched.get_num_new_matched_tokens(SlotView("a", p), 3 * BLOCK) == BLOCK
+    assert metrics.value("skipped_loads_total", reason="too_small") == 0
+    # min_load_tokens still sets a floor of its own
+    sched, _, metrics = make(hits=2, min_load_tokens=CHUNK)
+    assert sched.get_num_new_matched_tokens(SlotView("a", p), 3 * BLOCK) == 0
+    assert metrics.value("skipped_loads_total", reason="too_small") == 1

@@ -549,7 +549,7 @@ def _ceilings(
                 blocks,
                 chunk_size,
                 tier_chunks,
-                kv.effective_min_load_tokens,
+                kv.min_load(block_size),
             ),
             "infinite": infinite_ceiling(prompts, block_size),
         }

@@ -464,6 +464,6 @@ def _on_off_arms(
     extra = {
         "chunk_size": kv.chunk_size,
         "tier_chunks": tier_chunks_per_rank(model_config, tp, kv.chunk_size, kv.memory_bytes),
-        "min_load_tokens": kv.effective_min_load_tokens,
+        "min_load_tokens": kv.min_load(block_size),
     }
     return arms, vocab or int(model_config["vocab_size"]), extra

@@ -149,7 +149,7 @@ class OffloadScheduler:
         self.gate = LoadGate.seeded(
             config.prefill_tokens_per_s, load_tokens_per_s or seeds.get("memory"), seeds
         )
-        self.min_load = config.effective_min_load_tokens
+        self.min_load = config.min_load(block_size)
         # the tier of a hit when the lookup names none: "memory" only where there is no other
         self._sync_tier = "memory" if config.memory_only else ""
         # where this scheduler is its tiers' only writer, a never-saved first chunk is a miss
