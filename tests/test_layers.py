@@ -31,6 +31,7 @@ FOUNDATION = frozenset(
         "errors",
         "identity",
         "remote_endpoint",
+        "cpus",
     }
 )
 TOOLS = frozenset(
