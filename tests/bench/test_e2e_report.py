@@ -169,3 +169,13 @@ def test_vllm_report_names_each_arm_and_compares_kvtier_with_example() -> None:
     assert detail["rep0.example"] == example["rep0.example"]
     assert "rep0.none" not in detail
     assert set(doc["meta"]["outputs"]) == {KVTIER, EXAMPLE}
+
+
+def test_every_kvtier_ratio_on_vllm_compares_back_to_back_runs() -> None:
+    # the machine drifts more over two arms than one: kvtier runs between the arms it is
+    # compared with, in every repetition
+    order = e2e.alternate(list(vllm_host.RUN_ORDER), 3)
+    for rep in range(3):
+        names = [name for r, name in order if r == rep]
+        at = names.index(KVTIER)
+        assert {names[at - 1], names[at + 1]} == {EXAMPLE, NONE}, names

@@ -45,7 +45,14 @@ from kvtier.bench.arms import (
 from kvtier.bench.ceiling import Ceiling, hbm_ceiling, infinite_ceiling, tier_ceiling
 from kvtier.bench.e2e_report import Cast, Wording, build_report
 from kvtier.bench.table import Report, write_json
-from kvtier.bench.vllm_host import EXAMPLE, KVTIER, NONE, VLLM_ARMS, VLLM_BLOCK_SIZE, VLLMArmRun
+from kvtier.bench.vllm_host import (
+    EXAMPLE,
+    KVTIER,
+    NONE,
+    RUN_ORDER,
+    VLLM_BLOCK_SIZE,
+    VLLMArmRun,
+)
 from kvtier.bench.workload import (
     NO_REUSE,
     PREFIX_POOL,
@@ -671,7 +678,7 @@ def _vllm_arms(
     def run_one(name: str, *args: Any, **kwargs: Any) -> VLLMArmRun:
         return vllm_host.run_vllm_arm(arms[name], *args, **kwargs)
 
-    runs: list[VLLMArmRun] = drive.arms(alternate(list(VLLM_ARMS), repeat), run_one, server)
+    runs: list[VLLMArmRun] = drive.arms(alternate(list(RUN_ORDER), repeat), run_one, server)
     _check_pool(runs, plan.hbm_blocks)
     bind = server.threads_bind_in_effect()
     head = {
@@ -719,8 +726,9 @@ def _vllm_wording(
         "connector arm one more core than the plain arm), concurrency "
         f"{plan.concurrency}, "
         f"{plan.max_tokens} output tokens; a fresh server per arm; means over {_reps(repeat)} "
-        "(order alternating); latency on a shared 2-core machine is noise-prone, counts are "
-        "exact"
+        "(order ExampleConnector, kvtier, no connector, then reversed: every kvtier ratio "
+        "compares back-to-back runs); latency on a shared 2-core machine is noise-prone, "
+        "counts are exact"
         + (
             "; at TP > 1 ExampleConnector's ranks write the same file names (no rank in its "
             "paths), so a rank may load another rank's KV heads"

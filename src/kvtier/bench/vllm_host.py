@@ -36,6 +36,7 @@ __all__ = [
     "NONE",
     "OFFLOADING_NOT_RUN",
     "VLLM_ARMS",
+    "RUN_ORDER",
     "VLLM_BLOCK_SIZE",
     "VLLMArm",
     "VLLMArmRun",
@@ -58,6 +59,9 @@ KVTIER = "kvtier"
 EXAMPLE = "example"
 NONE = "none"
 VLLM_ARMS = (KVTIER, EXAMPLE, NONE)
+# run order (alternated each repetition): kvtier between the arms it is compared with, so both
+# of its ratios compare back-to-back runs; the machine drifts by more over two arms than one
+RUN_ORDER = (EXAMPLE, KVTIER, NONE)
 ARM_LABELS = {KVTIER: "kvtier", EXAMPLE: "ExampleConnector", NONE: "no connector"}
 OFFLOADING_NOT_RUN = (
     "vLLM's OffloadingConnector (kv_offloading_size) is not run: it does not start on vLLM's CPU "
