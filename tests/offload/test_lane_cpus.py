@@ -9,17 +9,14 @@ import threading
 
 import pytest
 import torch
-from prometheus_client import CollectorRegistry
 
 from kvtier import cpus
-from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
-from kvtier.metrics import Metrics
 from kvtier.offload.messages import ChunkRef, LoadOp, OffloadMeta, SaveOp
 from kvtier.offload.pages import KVCacheDescription
 from kvtier.offload.worker import OffloadWorker
 from tests.offload.separation import DeviceSeparation, TaggedOps
-from tests.offload.test_worker import BS, CHUNK, NB, WAIT_S, blocks
+from tests.offload.test_worker import BS, CHUNK, NB, WAIT_S, blocks, config, rank0
 from tests.offload.vllm_views import build, gqa
 
 HOST = frozenset(os.sched_getaffinity(0))
@@ -47,16 +44,7 @@ def start(
     raw, views = build(gqa(block_size=BS), NB, "LBNHC")
     raw.copy_(torch.randint(-60, 60, raw.shape, generator=torch.Generator().manual_seed(3)))
     mode.tag(raw)
-    worker = OffloadWorker(
-        KVTierConfig.from_dict({"memory_bytes": "8MiB", "chunk_size": CHUNK, **kw}),
-        rank=0,
-        world=1,
-        model_id="m",
-        metrics=Metrics(rank=0, registry=CollectorRegistry()),
-        lookup_endpoint=None,
-        ops=ops,
-        compute_cpus=compute,
-    )
+    worker = rank0(config(**kw), ops, compute_cpus=compute)
     with mode:
         worker.register_kv_caches(KVCacheDescription(views, NB, BS, "LBNHC"))
     return worker, ops, views, mode

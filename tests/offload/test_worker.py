@@ -61,6 +61,20 @@ def config(**kw: object) -> KVTierConfig:
     return KVTierConfig.from_dict({"memory_bytes": "8MiB", "chunk_size": CHUNK, **kw})
 
 
+def rank0(cfg: KVTierConfig, ops: TaggedOps, **kw: object) -> OffloadWorker:
+    """A world-1 worker on `ops`, with metrics of its own and no lookup server."""
+    return OffloadWorker(
+        cfg,
+        rank=0,
+        world=1,
+        model_id="m",
+        metrics=Metrics(rank=0, registry=CollectorRegistry()),
+        lookup_endpoint=None,
+        ops=ops,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
 @pytest.fixture
 def rig() -> Iterator[tuple[OffloadWorker, GatedOps, dict[str, torch.Tensor]]]:
     mode = DeviceSeparation()
@@ -69,15 +83,7 @@ def rig() -> Iterator[tuple[OffloadWorker, GatedOps, dict[str, torch.Tensor]]]:
     g = torch.Generator().manual_seed(5)
     raw.copy_(torch.randint(-60, 60, raw.shape, generator=g, dtype=torch.int8))
     mode.tag(raw)
-    worker = OffloadWorker(
-        config(),
-        rank=0,
-        world=1,
-        model_id="m",
-        metrics=Metrics(rank=0, registry=CollectorRegistry()),
-        lookup_endpoint=None,
-        ops=ops,
-    )
+    worker = rank0(config(), ops)
     with mode:
         worker.register_kv_caches(KVCacheDescription(views, NB, BS, "LBNHC"))
         yield worker, ops, views
