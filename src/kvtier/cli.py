@@ -228,6 +228,13 @@ def bench_e2e(
         "ExampleConnector and no connector (builds .venv-vllm when missing; default --json "
         "runs/bench-e2e-vllm.json).",
     ),
+    noise_floor: bool = typer.Option(
+        True,
+        "--noise-floor/--no-noise-floor",
+        help="Run the baseline arm once more right after it (an A/A pair) and judge its ratio "
+        "by the no-reuse targets too: a miss there means this run's noise is larger than the "
+        "targets' margin.",
+    ),
 ) -> None:
     """kvtier serve with the tier ON vs OFF: throughput, TTFT, hits vs ceilings, identities."""
     from rich.console import Console
@@ -250,6 +257,7 @@ def bench_e2e(
         progress=lambda msg: progress.print(f"[dim]{escape(msg)}[/dim]"),
         console=progress,
         host=host,
+        noise_floor=noise_floor,
     )
     table.print_report(doc)
 

@@ -201,9 +201,11 @@ def test_quick_run_against_real_servers(tmp_path: Path) -> None:
     assert json.loads(out.read_text()) == doc
     meta = doc["meta"]
     windows = meta["windows"]
+    # the A/A pair (OFF once more, right after OFF) runs by default
     assert {(w["arm"], w["workload"]) for w in windows} == {
-        (a, w) for a in ("on", "off") for w in ("prefix_pool", "no_reuse")
+        (a, w) for a in ("on", "off", "off_again") for w in ("prefix_pool", "no_reuse")
     }
+    assert [s["arm"] for s in meta["servers"]] == ["on", "off", "off_again"]
     sent = {"prefix_pool": 32, "no_reuse": meta["plan"]["no_reuse_requests"]}
     for w in windows:
         s = w["summary"]
@@ -216,6 +218,7 @@ def test_quick_run_against_real_servers(tmp_path: Path) -> None:
     assert on_pool["counters"]["retrieved"] == on_pool["counters"]["ext_hits"]
     off_pool = next(w for w in windows if w["arm"] == "off" and w["workload"] == "prefix_pool")
     assert off_pool["counters"]["ext_hits"] == 0
+    assert all(w["counters"]["ext_hits"] == 0 for w in windows if w["arm"] == "off_again")
     # the tier adds hits the HBM alone cannot give, within the infinite-cache bound
     infinite = meta["ceilings"]["prefix_pool"]["infinite"]["hit_rate"]
     assert off_pool["counters"]["hit_rate"] < on_pool["counters"]["hit_rate"] <= infinite
@@ -247,3 +250,8 @@ def test_quick_run_against_real_servers(tmp_path: Path) -> None:
         assert f"steps.prefix_pool.{row}" in rows
     assert rows["no_reuse.output_throughput.worst_rep"]["target"] == ">= 0.97 x"
     assert rows["no_reuse.ttft_p50_ms.worst_rep"]["target"] == "<= 1.03 x"
+    # the machine's own noise, under the same targets, from the OFF / OFF again pair
+    aa = rows["no_reuse.output_throughput.aa_worst_rep"]
+    assert aa["target"] == ">= 0.97 x" and 0 < aa["value"] <= 1.0
+    assert aa["detail"]["rep0.ratio"] > 0
+    assert all(w["step_breakdown"] is None for w in windows if w["arm"] == "off_again")

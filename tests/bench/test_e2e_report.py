@@ -3,15 +3,16 @@ read, counts that come out of the windows, and per-repetition details that name 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from kvtier.bench import e2e, vllm_host
-from kvtier.bench.arms import OFF, ON, ArmRun, Window, Workload
+from kvtier.bench.arms import OFF, OFF_AGAIN, ON, ArmRun, Window, Workload
 from kvtier.bench.client import LoadResult, Record
 from kvtier.bench.e2e_report import build_report
-from kvtier.bench.vllm_host import EXAMPLE, KVTIER, NONE
+from kvtier.bench.vllm_host import EXAMPLE, KVTIER, NONE, NONE_AGAIN
 from kvtier.bench.workload import NO_REUSE, PREFIX_POOL
 from kvtier.config import KVTierConfig
 from kvtier.scrape import MetricSet
@@ -26,27 +27,27 @@ _STEPS = {
 
 
 def _window(wl: Workload, arm: str, rep: int, tier: bool, *, mismatch: int = 0,
-            fail: int = 0, extra_ext_queries: int = 0) -> Window:  # fmt: skip
+            fail: int = 0, extra_ext_queries: int = 0, pace: float = 1.0) -> Window:  # fmt: skip
     """Each request hits half its prompt in HBM (prefix pool) and, with a tier, a quarter more
-    outside; TTFT depends on the arm and the repetition."""
+    outside; TTFT depends on the arm and the repetition; `pace` stretches every time."""
     records, t, prompt, hits, ext = [], 100.0, 0, 0, 0
     for k, s in enumerate(wl.specs):
         n = len(s.prompt)
         h = n // 2 if wl.name == PREFIX_POOL else 0
         x = n // 4 if tier and wl.name == PREFIX_POOL else 0
-        ttft = 0.01 + 0.002 * rep + 0.001 * (k % 3) + (0.0 if tier else 0.005)
+        ttft = pace * (0.01 + 0.002 * rep + 0.001 * (k % 3) + (0.0 if tier else 0.005))
         out = [3 + (s.index * 7 + j) % 500 for j in range(s.max_tokens)]
         err = "HTTP 500" if k < fail else None
         records.append(
             Record(
                 index=s.index, tag=s.tag, prefix_id=s.prefix_id, start=t, first_token=t + ttft,
-                end=t + ttft + 0.02, prompt_tokens=n, cached_tokens=h + x,
+                end=t + ttft + 0.02 * pace, prompt_tokens=n, cached_tokens=h + x,
                 completion_tokens=None if err else s.max_tokens, max_tokens=s.max_tokens,
                 sent_prompt_tokens=n, output_ids=out[:-1] + [1] if k < mismatch else out,
                 error=err,
             )
         )  # fmt: skip
-        t += 0.015
+        t += 0.015 * pace
         if err is None:
             prompt, hits, ext = prompt + n, hits + h, ext + x
     after = {
@@ -60,14 +61,18 @@ def _window(wl: Workload, arm: str, rep: int, tier: bool, *, mismatch: int = 0,
         ("kvtier_retrieved_tokens_total", (("rank", "0"),)): ext,
         **(_STEPS if tier else {}),
     }
-    load = LoadResult(records, 100.0, t + 0.05)
+    load = LoadResult(records, 100.0, t + 0.05 * pace)
     return Window(wl.name, load, MetricSet({}), MetricSet(after), Path(f"{arm}-{rep}.jsonl"))
 
 
+Pace = dict[tuple[str, int], float]
+
+
 def _runs(arms: dict[str, bool], order: list[tuple[int, str]], workloads: list[Workload],
-          tier_arm: str) -> list[ArmRun]:  # fmt: skip
+          tier_arm: str, pace: Pace | None = None) -> list[ArmRun]:  # fmt: skip
     """Every (rep, arm): the tier arm's rep 1 differs on one output and its no-reuse window
-    breaks the HBM-miss identity by 3 tokens; the baseline's rep 1 fails one request."""
+    breaks the HBM-miss identity by 3 tokens; the baseline's rep 1 fails one request; `pace`
+    stretches an (arm, rep)'s times."""
     out = []
     for rep, arm in order:
         ws = {
@@ -76,6 +81,7 @@ def _runs(arms: dict[str, bool], order: list[tuple[int, str]], workloads: list[W
                 mismatch=int(arm == tier_arm and rep == 1),
                 fail=int(arm not in (tier_arm, EXAMPLE) and rep == 1 and wl.name == NO_REUSE),
                 extra_ext_queries=3 if arm == tier_arm and rep == 1 and wl.name == NO_REUSE else 0,
+                pace=(pace or {}).get((arm, rep), 1.0),
             )
             for wl in workloads
         }  # fmt: skip
@@ -179,3 +185,72 @@ def test_every_kvtier_ratio_on_vllm_compares_back_to_back_runs() -> None:
         names = [name for r, name in order if r == rep]
         at = names.index(KVTIER)
         assert {names[at - 1], names[at + 1]} == {EXAMPLE, NONE}, names
+
+
+AA_IDS = [
+    "no_reuse.output_throughput.aa_worst_rep", "no_reuse.ttft_p50_ms.aa_worst_rep",
+    "prefix_pool.output_throughput.aa_worst_rep", "prefix_pool.ttft_p50_ms.aa_worst_rep",
+]  # fmt: skip
+
+
+def test_the_a_a_pair_judges_the_machine_by_the_no_reuse_targets_either_way_round() -> None:
+    # OFF again runs 5% faster than OFF in repetition 0 and 1% slower in repetition 1: the A/A
+    # ratio of an arm to itself has no sign, so 1.05 misses ">= 0.97" as 1/1.05 would
+    drive, placement, workloads, ceilings = _prepared(e2e.NATIVE)
+    order = e2e.arm_order(2, again=True)
+    assert order == [(0, ON), (0, OFF), (0, OFF_AGAIN), (1, OFF_AGAIN), (1, OFF), (1, ON)]
+    pace = {(OFF_AGAIN, 0): 1 / 1.05, (OFF_AGAIN, 1): 1.01}
+    runs = _runs({ON: True, OFF: False, OFF_AGAIN: False}, order, workloads, ON, pace)
+    cast = replace(e2e._NATIVE_CAST, again=OFF_AGAIN)
+    wording = e2e._native_wording(drive, placement, 2, again=True)
+    doc = build_report(cast, wording, runs, [], workloads, ceilings, 1, True).to_json()
+    rows = {r["id"]: r for r in doc["rows"]}
+    ids = [r["id"] for r in doc["rows"]]
+    at = ids.index("no_reuse.ttft_p50_ms.worst_rep")
+    assert ids[at + 1 : at + 5] == AA_IDS
+    tput = rows["no_reuse.output_throughput.aa_worst_rep"]
+    assert tput["detail"]["rep0.ratio"] == pytest.approx(1.05, rel=1e-3)
+    assert tput["value"] == pytest.approx(1 / 1.05, rel=1e-3)
+    assert tput["pass"] is False and tput["target"] == ">= 0.97 x"
+    assert "OFF again/OFF (A/A)" in tput["label"]
+    ttft = rows["no_reuse.ttft_p50_ms.aa_worst_rep"]
+    assert ttft["value"] == pytest.approx(1.05, rel=1e-2) and ttft["pass"] is False
+    # the prefix pool's A/A is shown as measured, not judged
+    assert rows["prefix_pool.output_throughput.aa_worst_rep"]["pass"] is None
+    assert "order ON, OFF, OFF again, then reversed" in doc["footnotes"][0]
+    # the tier's own rows still compare with OFF, not with OFF again
+    assert rows["no_reuse.output_throughput.worst_rep"]["detail"]["rep0.ratio"] == pytest.approx(
+        rows["no_reuse.output_throughput"]["detail"]["rep0.ratio"]
+    )
+
+
+def test_an_a_a_pair_within_the_margin_passes_and_no_pair_adds_no_rows() -> None:
+    drive, placement, workloads, ceilings = _prepared(e2e.NATIVE)
+    order = e2e.arm_order(1, again=True)
+    runs = _runs({ON: True, OFF: False, OFF_AGAIN: False}, order, workloads, ON,
+                 {(OFF_AGAIN, 0): 1.01})  # fmt: skip
+    cast = replace(e2e._NATIVE_CAST, again=OFF_AGAIN)
+    wording = e2e._native_wording(drive, placement, 1, again=True)
+    rows = {
+        r["id"]: r
+        for r in build_report(cast, wording, runs, [], workloads, ceilings, 1, True).to_json()[
+            "rows"
+        ]
+    }
+    assert rows["no_reuse.output_throughput.aa_worst_rep"]["pass"] is True
+    assert rows["no_reuse.ttft_p50_ms.aa_worst_rep"]["pass"] is True
+    plain = build_report(
+        e2e._NATIVE_CAST, wording, _runs({ON: True, OFF: False}, e2e.arm_order(1), workloads, ON),
+        [], workloads, ceilings, 1, True,
+    ).to_json()  # fmt: skip
+    assert not any(r["id"].endswith("aa_worst_rep") for r in plain["rows"])
+
+
+def test_on_vllm_the_a_a_pair_runs_back_to_back_and_kvtier_keeps_its_neighbours() -> None:
+    order = e2e.alternate([*vllm_host.RUN_ORDER, NONE_AGAIN], 3)
+    for rep in range(3):
+        names = [name for r, name in order if r == rep]
+        at = names.index(KVTIER)
+        assert {names[at - 1], names[at + 1]} == {EXAMPLE, NONE}, names
+        assert abs(names.index(NONE_AGAIN) - names.index(NONE)) == 1, names
+    assert vllm_host.make_arms({}, Path("store"))[NONE_AGAIN].transfer_config is None

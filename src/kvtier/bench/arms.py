@@ -6,7 +6,8 @@ request stream in each.
 workload: reset the HBM prefix cache, scrape `/metrics`, send the stream, scrape again once the
 counters stop moving, and finally stop the server (SIGTERM, a deadline, then SIGKILL).
 `arm_order` alternates ON,OFF / OFF,ON across repetitions so drift on a shared machine falls on
-both arms alike.
+both arms alike; with `again` it runs OFF twice in a row (OFF_AGAIN, an A/A pair), whose ratio is
+what the machine alone moves a ratio by.
 
 Generic arms (`ArmSpec`, `run_endpoint_arm`) run any server command (`{port}` and `{host}` are
 filled in) or use a URL, and also sample `/metrics` every few seconds during the load (tier
@@ -52,6 +53,8 @@ from kvtier.errors import ConfigError, StartupError
 ON = "on"
 OFF = "off"
 ARMS = (ON, OFF)
+# OFF once more, right after OFF: the A/A pair that measures the machine's own noise
+OFF_AGAIN = "off_again"
 
 Say = Callable[[str], None]
 Clock = Callable[[], float]
@@ -282,9 +285,10 @@ def _quiet(_message: str) -> None:
     """Say nothing."""
 
 
-def arm_order(repeat: int) -> list[tuple[int, str]]:
-    """(repetition, arm) in run order: ON,OFF then OFF,ON, alternating."""
-    return alternate(ARMS, repeat)
+def arm_order(repeat: int, *, again: bool = False) -> list[tuple[int, str]]:
+    """(repetition, arm) in run order: ON,OFF then OFF,ON, alternating; with `again`,
+    ON,OFF,OFF_AGAIN then reversed (ON stays next to OFF, OFF_AGAIN next to OFF)."""
+    return alternate((*ARMS, OFF_AGAIN) if again else ARMS, repeat)
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,8 +354,8 @@ class Drive:
 
 def run_arm(arm: str, rep: int, server: ServerConfig, drive: Drive) -> ArmRun:
     """Start a server for `arm`, run the warmup and every workload in it, stop it."""
-    if arm not in ARMS:
-        raise ValueError(f"arm={arm!r} must be one of {ARMS}")
+    if arm not in (*ARMS, OFF_AGAIN):
+        raise ValueError(f"arm={arm!r} must be one of {(*ARMS, OFF_AGAIN)}")
     offload = arm == ON
     flag = "--offload" if offload else "--no-offload"
     port = free_port(server.host)

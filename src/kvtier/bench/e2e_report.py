@@ -5,7 +5,9 @@ every ratio is over (OFF, or no connector) and any other compared arms (ExampleC
 `Wording` holds the host's footnotes. Rows: throughput and TTFT against the baseline per
 repetition, hit rates against the simulated ceilings, the counter identities, output mismatches,
 failed requests, the worst repetition of the no-reuse targets and the tier arm's step breakdown.
-Where more than one arm is compared, row ids and labels name the arm.
+Where more than one arm is compared, row ids and labels name the arm. With an `again` arm (the
+baseline run twice in a row, an A/A pair) the no-reuse targets are also applied to the A/A
+ratio: where that misses, the machine's noise in this run is larger than the target's margin.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ _SPEED_UNITS = {
 class Cast:
     """The arms of one report: `tier` (the only one exporting kvtier's retrieved counter),
     `base` (every ratio's denominator), `others` compared like the tier, and how rows name
-    them; `pool_metrics` are the prefix pool's speed rows."""
+    them; `pool_metrics` are the prefix pool's speed rows; `again` is the baseline run once
+    more right after it (the A/A pair), or None."""
 
     host: str
     tier: str
@@ -51,6 +54,7 @@ class Cast:
     labels: Mapping[str, str]
     others: tuple[str, ...] = ()
     pool_metrics: tuple[str, ...] = ("output_throughput", "ttft_p50_ms", "ttft_p99_ms")
+    again: str | None = None
 
     @property
     def compared(self) -> tuple[str, ...]:
@@ -398,6 +402,8 @@ def _no_reuse_rows(report: Report, res: _Results, nr_note: str) -> None:
     sep = " / " if c.named else "/"
     shown = f"{c.labels[c.tier]}{sep}{c.labels[c.base]}"
     _no_reuse_worst(report, res.pick(c.tier, q), res.pick(c.base, q), shown)
+    if c.again is not None:
+        _noise_floor_rows(report, res, c.again, sep)
     for arm in c.others:
         for name, target in (
             ("output_throughput", Target("ratio", ">=", 1.0)),
@@ -561,21 +567,65 @@ def _breakdown_rows(report: Report, results: Sequence[WindowResult], arm: str) -
             )
 
 
+def _noise_floor_rows(report: Report, res: _Results, again: str, sep: str) -> None:
+    """The A/A pair (the baseline against itself run right after) under the no-reuse targets:
+    a miss says this run cannot resolve them; then the prefix pool's A/A, as measured. An
+    arm's ratio to itself has no sign worth keeping, so each repetition's is folded toward
+    the side its target judges (1.04 counts as 1/1.04 for a ">=" target)."""
+    c = res.cast
+    note = report.note(
+        f"A/A: {c.labels[again]} is the {c.labels[c.base]} arm started once more right after "
+        f"it, the same way; its ratio to {c.labels[c.base]} (either way round) is what the "
+        "machine alone moves a ratio by in this run; where it misses a target, that target's "
+        "margin is inside this run's noise and the tier's row cannot be judged from this run"
+    )
+    shown = f"{c.labels[again]}{sep}{c.labels[c.base]} (A/A)"
+    _no_reuse_worst(
+        report, res.pick(again, NO_REUSE), res.pick(c.base, NO_REUSE), shown, key="aa_worst_rep",
+        note=f" {note}", folded=True,
+    )  # fmt: skip
+    for name in ("output_throughput", "ttft_p50_ms"):
+        what, _unit = _SPEED_UNITS[name]
+        op = ">=" if name == "output_throughput" else "<="
+        row = _worst_rep_row(
+            f"{PREFIX_POOL}.{name}.aa_worst_rep",
+            f"prefix pool: {what} {shown}, worst repetition",
+            res.pick(again, PREFIX_POOL),
+            res.pick(c.base, PREFIX_POOL),
+            name,
+            Target("value", op, 1.0),
+            judged=False,
+            folded=True,
+        )
+        if row is not None:
+            report.add(row)
+
+
 def _no_reuse_worst(
-    report: Report, a: Sequence[WindowResult], base: Sequence[WindowResult], what: str
+    report: Report,
+    a: Sequence[WindowResult],
+    base: Sequence[WindowResult],
+    what: str,
+    *,
+    key: str = "worst_rep",
+    note: str = "",
+    folded: bool = False,
 ) -> None:
-    """The no-reuse targets, met in every repetition: throughput and TTFT p50 ratios."""
+    """The no-reuse targets, met in every repetition: throughput and TTFT p50 ratios
+    (`folded`: see `_worst_rep_row`)."""
     for name, label, target in (
         ("output_throughput", "output tok/s", Target("value", ">=", NO_REUSE_TARGET)),
         ("ttft_p50_ms", "TTFT p50", Target("value", "<=", NO_REUSE_TTFT_TARGET)),
     ):
         row = _worst_rep_row(
-            f"{NO_REUSE}.{name}.worst_rep",
-            f"no reuse: {label} {what}, worst repetition",
+            f"{NO_REUSE}.{name}.{key}",
+            f"no reuse: {label} {what}, worst repetition"
+            + (note if name == "output_throughput" else ""),
             a,
             base,
             name,
             target,
+            folded=folded,
         )
         if row is not None:
             report.add(row)
@@ -609,9 +659,14 @@ def _worst_rep_row(
     base: Sequence[WindowResult],
     name: str,
     target: Target,
+    *,
+    judged: bool = True,
+    folded: bool = False,
 ) -> Row | None:
     """The worst paired repetition ratio of `name` (`a` over `base`) against `target`: the
-    lowest for a ">=" target, the highest for "<="; each repetition's ratio in the detail."""
+    lowest for a ">=" target, the highest for "<="; each repetition's ratio in the detail.
+    Unless `judged`, the target only picks the worst side and the row has none; `folded`
+    judges each ratio r as min(r, 1/r) (">=") or max(r, 1/r) ("<=")."""
     ratios = {
         f"rep{x.rep}.ratio": r
         for x, b in zip(a, base, strict=True)
@@ -624,12 +679,18 @@ def _worst_rep_row(
     }
     if not ratios:
         return None
-    worst = min(ratios.values()) if target.op == ">=" else max(ratios.values())
     values = list(ratios.values())
+    judged_values = [_fold(r, target.op) for r in values] if folded else values
+    worst = min(judged_values) if target.op == ">=" else max(judged_values)
     detail: dict[str, float] = {**ratios, "mean": statistics.fmean(values)}
     if len(values) >= 2:
         detail["sd"] = statistics.stdev(values)
-    return Row(key, label, worst, "x", target=target, detail=detail)
+    return Row(key, label, worst, "x", target=target if judged else None, detail=detail)
+
+
+def _fold(r: float, op: str) -> float:
+    """An unsigned ratio on the side `op` judges: min(r, 1/r) for ">=", max(r, 1/r) for "<="."""
+    return min(r, 1 / r) if op == ">=" else max(r, 1 / r)
 
 
 def _positive(x: float) -> float | None:

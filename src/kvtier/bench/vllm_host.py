@@ -34,6 +34,7 @@ __all__ = [
     "EXAMPLE",
     "KVTIER",
     "NONE",
+    "NONE_AGAIN",
     "OFFLOADING_NOT_RUN",
     "VLLM_ARMS",
     "RUN_ORDER",
@@ -62,7 +63,14 @@ VLLM_ARMS = (KVTIER, EXAMPLE, NONE)
 # run order (alternated each repetition): kvtier between the arms it is compared with, so both
 # of its ratios compare back-to-back runs; the machine drifts by more over two arms than one
 RUN_ORDER = (EXAMPLE, KVTIER, NONE)
-ARM_LABELS = {KVTIER: "kvtier", EXAMPLE: "ExampleConnector", NONE: "no connector"}
+# no connector once more, right after the first: the A/A pair that measures the machine's noise
+NONE_AGAIN = "none_again"
+ARM_LABELS = {
+    KVTIER: "kvtier",
+    EXAMPLE: "ExampleConnector",
+    NONE: "no connector",
+    NONE_AGAIN: "no connector again",
+}
 OFFLOADING_NOT_RUN = (
     "vLLM's OffloadingConnector (kv_offloading_size) is not run: it does not start on vLLM's CPU "
     "backend (RuntimeError 'CPU Offloading is currently only supported on CUDA-alike and XPU "
@@ -169,12 +177,13 @@ class VLLMArm:
 
 
 def make_arms(extra: Mapping[str, Any], store_dir: Path) -> dict[str, VLLMArm]:
-    """The three arms by name: kvtier (KVTierConnector with `extra`), ExampleConnector (files
-    under `store_dir`, one directory per repetition) and none."""
+    """The arms by name: kvtier (KVTierConnector with `extra`), ExampleConnector (files under
+    `store_dir`, one directory per repetition), none, and none again (the A/A pair's second)."""
     return {
         KVTIER: VLLMArm(KVTIER, kvtier_transfer_config(extra), True, True),
         EXAMPLE: VLLMArm(EXAMPLE, example_transfer_config(store_dir), True, False, store_dir),
         NONE: VLLMArm(NONE, None, False, False),
+        NONE_AGAIN: VLLMArm(NONE_AGAIN, None, False, False),
     }
 
 
