@@ -32,6 +32,10 @@ def test_auto_is_the_host_minus_the_compute_cores_or_nothing() -> None:
     host = frozenset(range(4))
     assert cpus.lane_cpus("auto", frozenset({0, 1}), host) == {2, 3}
     assert cpus.lane_cpus("auto", host, host) is None
+    # a lone free core is the frontend's (API server, scheduler): lanes there cost vLLM 5.6%
+    # of its no-reuse throughput on 2 cores, so they stay with the compute threads
+    assert cpus.lane_cpus("auto", frozenset({0}), frozenset({0, 1})) is None
+    assert cpus.lane_cpus("auto", frozenset({0, 1, 2}), host) is None
     assert cpus.lane_cpus("auto", None, host) is None
     assert cpus.lane_cpus("inherit", frozenset({0}), host) is None
     assert cpus.lane_cpus("1", frozenset({1}), host) == {1}

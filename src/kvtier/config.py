@@ -363,7 +363,8 @@ class KVTierConfig:
         "auto",
         "str",
         "CPUs of the copy lanes: 'auto' = the cores the host's bound compute threads leave free "
-        "(CPU backend; unchanged when none are), 'inherit', or a list such as '2-3'",
+        "(CPU backend; unchanged when fewer than 2 are: a lone free core is the frontend's), "
+        "'inherit', or a list such as '2-3'",
     )
     prefill_tokens_per_s: float = _f(2000.0, "float", "seed of the prefill-speed estimate")
     memory_read_gbps: float = _f(5.0, "float", "seed of the memory-tier read-speed estimate")

@@ -1,6 +1,7 @@
-"""A rank's copy lanes leave the cores its host bound compute threads to (`lane_cpus: auto`),
-stay put when no core is free or `lane_cpus: inherit`, and a CPU the process may not use
-fails startup naming it; the lanes still move the right bytes once moved."""
+"""A rank's copy lanes leave the cores its host bound compute threads to (`lane_cpus: auto`)
+when at least two are free, stay put when fewer are (the one free core is the frontend's) or
+with `lane_cpus: inherit`, and a CPU the process may not use fails startup naming it; the lanes
+still move the right bytes once moved."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ from tests.offload.test_worker import BS, CHUNK, NB, WAIT_S, blocks, config, ran
 from tests.offload.vllm_views import build, gqa
 
 HOST = frozenset(os.sched_getaffinity(0))
+# one CPU more than this process has: 'auto' then sees two free cores beside one compute core
+# on a 2-CPU machine; the kernel drops it from the lanes' mask, which keeps the real free one
+WIDE_HOST = HOST | {max(HOST) + 1}
 
 
 class AffinityOps(TaggedOps):
@@ -35,10 +39,13 @@ class AffinityOps(TaggedOps):
 
 
 def start(
-    monkeypatch: pytest.MonkeyPatch, compute: frozenset[int] | None, **kw: object
+    monkeypatch: pytest.MonkeyPatch,
+    compute: frozenset[int] | None,
+    host: frozenset[int] = HOST,
+    **kw: object,
 ) -> tuple[OffloadWorker, AffinityOps, dict[str, torch.Tensor], DeviceSeparation]:
     # the host is what this test process may use, whatever the machine's cgroup says
-    monkeypatch.setattr(cpus, "host_cpus", lambda: HOST)
+    monkeypatch.setattr(cpus, "host_cpus", lambda: host)
     mode = DeviceSeparation()
     ops = AffinityOps(mode)
     raw, views = build(gqa(block_size=BS), NB, "LBNHC")
@@ -56,11 +63,12 @@ def test_lanes_leave_the_compute_cores_and_still_move_the_right_bytes(
     assert len(HOST) >= 2, f"this test needs 2 CPUs to split; the process has {sorted(HOST)}"
     caplog.set_level("INFO", logger="kvtier")
     compute = frozenset({min(HOST)})
-    worker, ops, views, mode = start(monkeypatch, compute)
+    worker, ops, views, mode = start(monkeypatch, compute, WIDE_HOST)
     try:
         assert ops.cpus == {"kvtier-load-0": HOST - compute, "kvtier-save-0": HOST - compute}
         assert frozenset(os.sched_getaffinity(0)) == HOST  # the owner thread kept its CPUs
-        want = f"copy lanes on CPUs {cpus.describe(HOST - compute)} (compute threads: {min(HOST)}"
+        spare = cpus.describe(WIDE_HOST - compute)
+        want = f"copy lanes on CPUs {spare} (compute threads: {min(HOST)}"
         assert want in caplog.text
         with mode:
             expect = blocks(views, [2, 3])
@@ -82,8 +90,13 @@ def test_lanes_leave_the_compute_cores_and_still_move_the_right_bytes(
 
 @pytest.mark.parametrize(
     ("compute", "setting"),
-    [(HOST, "auto"), (None, "auto"), (frozenset({min(HOST)}), "inherit")],
-    ids=["no-free-core", "host-binds-nothing", "inherit"],
+    [
+        (HOST, "auto"),
+        (frozenset({min(HOST)}), "auto"),
+        (None, "auto"),
+        (frozenset({min(HOST)}), "inherit"),
+    ],
+    ids=["no-free-core", "one-free-core-is-the-frontends", "host-binds-nothing", "inherit"],
 )
 def test_lanes_stay_on_the_starting_threads_cpus(
     monkeypatch: pytest.MonkeyPatch, compute: frozenset[int] | None, setting: str

@@ -248,6 +248,16 @@ class OffloadWorker:
                 cpus.describe(self._compute_cpus),
                 self.config.lane_cpus,
             )
+        elif self.config.lane_cpus == cpus.AUTO and self._compute_cpus is not None:
+            free = cpus.host_cpus() - self._compute_cpus
+            log.info(
+                "%s: copy lanes stay with the compute threads on CPUs %s (free: %s, left to "
+                "the frontend; lane_cpus auto moves them with %d or more free)",
+                self.tag,
+                cpus.describe(self._compute_cpus),
+                cpus.describe(frozenset(free)),
+                cpus.AUTO_MIN_FREE,
+            )
 
     def _self_test(self, desc: KVCacheDescription) -> None:
         """Pattern -> real blocks -> save path -> clear -> load path -> compare -> restore."""
