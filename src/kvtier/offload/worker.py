@@ -155,8 +155,11 @@ class OffloadWorker:
         self._step_t0: float | None = None
         self._selftest_ids = itertools.count()
         self._report_changes = report_changes
-        self.lane_cpus = cpus.lane_cpus(config.lane_cpus, compute_cpus, cpus.host_cpus())
+        host = cpus.host_cpus()
+        self.lane_cpus = cpus.lane_cpus(config.lane_cpus, compute_cpus, host)
         self._compute_cpus = compute_cpus
+        # what 'auto' left free, for the startup line (None: nothing was bound)
+        self._free_cpus = None if compute_cpus is None else host - compute_cpus
         self._changes: deque[TierChange] = deque()
 
     # ---- startup ------------------------------------------------------------------------------
@@ -248,14 +251,13 @@ class OffloadWorker:
                 cpus.describe(self._compute_cpus),
                 self.config.lane_cpus,
             )
-        elif self.config.lane_cpus == cpus.AUTO and self._compute_cpus is not None:
-            free = cpus.host_cpus() - self._compute_cpus
+        elif self.config.lane_cpus == cpus.AUTO and self._free_cpus is not None:
             log.info(
                 "%s: copy lanes stay with the compute threads on CPUs %s (free: %s, left to "
                 "the frontend; lane_cpus auto moves them with %d or more free)",
                 self.tag,
                 cpus.describe(self._compute_cpus),
-                cpus.describe(frozenset(free)),
+                cpus.describe(self._free_cpus),
                 cpus.AUTO_MIN_FREE,
             )
 
