@@ -69,16 +69,17 @@ Pace = dict[tuple[str, int], float]
 
 
 def _runs(arms: dict[str, bool], order: list[tuple[int, str]], workloads: list[Workload],
-          tier_arm: str, pace: Pace | None = None) -> list[ArmRun]:  # fmt: skip
+          tier_arm: str, pace: Pace | None = None,
+          mismatch: dict[tuple[str, int], int] | None = None) -> list[ArmRun]:  # fmt: skip
     """Every (rep, arm): the tier arm's rep 1 differs on one output and its no-reuse window
     breaks the HBM-miss identity by 3 tokens; the baseline's rep 1 fails one request; `pace`
-    stretches an (arm, rep)'s times."""
+    stretches an (arm, rep)'s times; `mismatch` gives an (arm, rep) that many wrong outputs."""
     out = []
     for rep, arm in order:
         ws = {
             wl.name: _window(
                 wl, arm, rep, arms[arm],
-                mismatch=int(arm == tier_arm and rep == 1),
+                mismatch=(mismatch or {}).get((arm, rep), int(arm == tier_arm and rep == 1)),
                 fail=int(arm not in (tier_arm, EXAMPLE) and rep == 1 and wl.name == NO_REUSE),
                 extra_ext_queries=3 if arm == tier_arm and rep == 1 and wl.name == NO_REUSE else 0,
                 pace=(pace or {}).get((arm, rep), 1.0),
@@ -254,3 +255,25 @@ def test_on_vllm_the_a_a_pair_runs_back_to_back_and_kvtier_keeps_its_neighbours(
         assert {names[at - 1], names[at + 1]} == {EXAMPLE, NONE}, names
         assert abs(names.index(NONE_AGAIN) - names.index(NONE)) == 1, names
     assert vllm_host.make_arms({}, Path("store"))[NONE_AGAIN].transfer_config is None
+
+
+def test_the_a_a_arms_greedy_outputs_must_equal_the_baselines() -> None:
+    # the baseline run again is the same server on the same prompts: one output differing
+    # there means the host is not deterministic, so the tier's zero mismatches prove nothing
+    drive, placement, workloads, ceilings = _prepared(e2e.NATIVE)
+    order = e2e.arm_order(1, again=True)
+    arms = {ON: True, OFF: False, OFF_AGAIN: False}
+    cast = replace(e2e._NATIVE_CAST, again=OFF_AGAIN)
+    wording = e2e._native_wording(drive, placement, 1, again=True)
+
+    def row(mismatch: dict[tuple[str, int], int]) -> dict:
+        runs = _runs(arms, order, workloads, ON, mismatch=mismatch)
+        doc = build_report(cast, wording, runs, [], workloads, ceilings, 1, True).to_json()
+        return {r["id"]: r for r in doc["rows"]}["outputs.mismatches.off_again"]
+
+    same = row({})
+    assert same["value"] == 0 and same["pass"] is True
+    assert "greedy outputs differing OFF again vs OFF (token ids) (A/A)" == same["label"]
+    differs = row({(OFF_AGAIN, 0): 2})
+    assert differs["value"] == 4 and differs["pass"] is False  # 2 in each of 2 windows
+    assert differs["detail"]["compared"] == same["detail"]["compared"] > 0

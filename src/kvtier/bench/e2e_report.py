@@ -186,7 +186,8 @@ class _Results:
         )
 
     def comparisons(self, workloads: Sequence[Workload]) -> dict[str, dict[str, list[Any]]]:
-        """Per compared arm and workload, its greedy outputs against the baseline's, by rep."""
+        """Per compared arm (and the A/A arm) and workload, its greedy outputs against the
+        baseline's, by rep."""
         reps = sorted({r.rep for r in self.runs})
         return {
             arm: {
@@ -199,8 +200,11 @@ class _Results:
                 ]
                 for wl in workloads
             }
-            for arm in self.cast.compared
+            for arm in (*self.cast.compared, *self._again())
         }
+
+    def _again(self) -> tuple[str, ...]:
+        return () if self.cast.again is None else (self.cast.again,)
 
 
 def build_report(
@@ -357,20 +361,21 @@ def _identity_rows(report: Report, res: _Results, wording: Wording) -> None:
 def _output_rows(
     report: Report, res: _Results, comparisons: Mapping[str, Mapping[str, list[Any]]]
 ) -> None:
-    """Greedy outputs differing from the baseline's: none allowed for the tier arm, the
-    others' as measured."""
+    """Greedy outputs differing from the baseline's: none allowed for the tier arm nor for
+    the A/A arm (the baseline itself, so a difference there means the host is not
+    deterministic and the tier's zero proves nothing), the others' as measured."""
     c = res.cast
     for arm, by_wl in comparisons.items():
         cmp = [x for cs in by_wl.values() for x in cs]
-        tier = arm == c.tier
+        tier, again = arm == c.tier, arm == c.again
         report.add(
             Row(
                 "outputs.mismatches" if tier else f"outputs.mismatches.{arm}",
                 f"{c.says('greedy outputs differing', arm)} vs {c.labels[c.base]} (token ids)"
-                + ("" if tier else ", as measured"),
+                + ("" if tier else " (A/A)" if again else ", as measured"),
                 sum(x.mismatches for x in cmp),
                 "requests",
-                target=Target("value", "<=", 0) if tier else None,
+                target=Target("value", "<=", 0) if tier or again else None,
                 detail={
                     "compared": sum(x.compared for x in cmp),
                     "missing": sum(x.missing for x in cmp),
