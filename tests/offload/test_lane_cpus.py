@@ -88,23 +88,38 @@ def test_lanes_leave_the_compute_cores_and_still_move_the_right_bytes(
         worker.close()
 
 
+_ONE_FREE = cpus.describe(HOST - {min(HOST)})
+
+
 @pytest.mark.parametrize(
-    ("compute", "setting"),
+    ("compute", "setting", "says"),
     [
-        (HOST, "auto"),
-        (frozenset({min(HOST)}), "auto"),
-        (None, "auto"),
-        (frozenset({min(HOST)}), "inherit"),
+        (HOST, "auto", f"CPUs {cpus.describe(HOST)} (none free; lane_cpus auto moves them"),
+        (frozenset({min(HOST)}), "auto", f"(free: {_ONE_FREE}, left to the frontend; lane_cpus"),
+        (None, "auto", None),
+        (frozenset({min(HOST)}), "inherit", None),
     ],
     ids=["no-free-core", "one-free-core-is-the-frontends", "host-binds-nothing", "inherit"],
 )
 def test_lanes_stay_on_the_starting_threads_cpus(
-    monkeypatch: pytest.MonkeyPatch, compute: frozenset[int] | None, setting: str
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    compute: frozenset[int] | None,
+    setting: str,
+    says: str | None,
 ) -> None:
+    caplog.set_level("INFO", logger="kvtier")
     worker, ops, _, _ = start(monkeypatch, compute, lane_cpus=setting)
     try:
         assert worker.lane_cpus is None
         assert set(ops.cpus.values()) == {HOST}
+        # auto says why it left the lanes where the host bound compute threads, nothing else
+        lines = [r.getMessage() for r in caplog.records if "copy lanes" in r.getMessage()]
+        if says is None:
+            assert lines == []
+        else:
+            assert len(lines) == 1 and "copy lanes stay with the compute threads" in lines[0]
+            assert says in lines[0], lines[0]
     finally:
         worker.close()
 

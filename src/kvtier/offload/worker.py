@@ -252,12 +252,14 @@ class OffloadWorker:
                 self.config.lane_cpus,
             )
         elif self.config.lane_cpus == cpus.AUTO and self._free_cpus is not None:
+            free = self._free_cpus
+            why = f"free: {cpus.describe(free)}, left to the frontend" if free else "none free"
             log.info(
-                "%s: copy lanes stay with the compute threads on CPUs %s (free: %s, left to "
-                "the frontend; lane_cpus auto moves them with %d or more free)",
+                "%s: copy lanes stay with the compute threads on CPUs %s (%s; lane_cpus auto "
+                "moves them with %d or more free)",
                 self.tag,
                 cpus.describe(self._compute_cpus),
-                cpus.describe(self._free_cpus),
+                why,
                 cpus.AUTO_MIN_FREE,
             )
 
