@@ -5,6 +5,8 @@ ranks of a host would take more of its RAM than is safe."""
 from __future__ import annotations
 
 import logging
+import mmap
+import resource
 
 import pytest
 import torch
@@ -50,6 +52,28 @@ def test_a_failed_registration_names_memory_bytes(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
     with pytest.raises(ConfigError, match=r"memory_bytes: CUDA could not page-lock.*ulimit -l"):
         HostArena(1 << 20, pin=True)
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def test_the_arena_is_resident_before_the_first_save_writes_it() -> None:
+    # torch.empty maps pages lazily: without writing them at construction, every first save
+    # into a slot page-faults inside its copy, and an over-committed host dies mid-run
+    n = 64 << 20
+    pages = n // mmap.PAGESIZE
+    a = HostArena(n, pin=False)
+    try:
+        chunk = torch.full((1 << 20,), 7, dtype=torch.uint8)
+        before = _minor_faults()
+        for at in range(0, n, chunk.numel()):
+            a.tensor[at : at + chunk.numel()].copy_(chunk)
+        faults = _minor_faults() - before
+        assert faults < pages // 20, f"{faults} page faults writing {pages} pages"
+        assert int(a.tensor[-1]) == 7
+    finally:
+        a.close()
 
 
 def test_an_arena_the_host_cannot_allocate_names_memory_bytes() -> None:
