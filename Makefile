@@ -34,7 +34,10 @@ aiperf-env:
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
 
-test: $(STAMP) services vllm-env aiperf-env
+# The environments are independent (separate venvs, mostly downloads and unpacking), so a
+# fresh clone builds them side by side instead of one after another.
+test:
+	@$(MAKE) --no-print-directory -j3 $(STAMP) services vllm-env aiperf-env
 	$(BIN)/ruff check src tests
 	$(BIN)/python -m pytest -q
 
