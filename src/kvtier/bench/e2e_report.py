@@ -62,6 +62,12 @@ class Cast:
         return (self.tier, *self.others)
 
     @property
+    def output_checked(self) -> tuple[str, ...]:
+        """The arms whose greedy outputs are compared with the baseline's: the compared ones,
+        then the A/A arm."""
+        return (*self.compared, *(() if self.again is None else (self.again,)))
+
+    @property
     def named(self) -> bool:
         """Row ids and labels name the arm: more than one arm is compared with the baseline."""
         return bool(self.others)
@@ -200,11 +206,8 @@ class _Results:
                 ]
                 for wl in workloads
             }
-            for arm in (*self.cast.compared, *self._again())
+            for arm in self.cast.output_checked
         }
-
-    def _again(self) -> tuple[str, ...]:
-        return () if self.cast.again is None else (self.cast.again,)
 
 
 def build_report(
