@@ -95,6 +95,8 @@ class _Families:
     save_seconds: Histogram
     scheduler_lookup_seconds: Histogram
     hook_seconds: Histogram
+    hook_cpu_seconds: Counter
+    lane_cpu_seconds: Counter
     step_seconds: Histogram
     load_parked_steps: Histogram
     sync_loads: Counter
@@ -179,6 +181,17 @@ def _build(reg: CollectorRegistry) -> _Families:
             "hook",
             buckets=_STEP_BUCKETS,
         ),
+        hook_cpu_seconds=c(
+            "hook_cpu_seconds",
+            "CPU time of the thread running a kvtier hook, summed over its calls; the hook's "
+            "wall time (kvtier_hook_seconds) less this is time it waited for the GIL or a core.",
+            "hook",
+        ),
+        lane_cpu_seconds=c(
+            "lane_cpu_seconds",
+            "CPU time a rank's copy lane (load, save) spent running transfer jobs.",
+            "lane",
+        ),
         step_seconds=h(
             "step_seconds",
             "One engine step on this rank, from the step's metadata to its report (the "
@@ -254,6 +267,12 @@ class Metrics:
 
     def hook(self, name: str) -> Histogram:
         return self.f.hook_seconds.labels(str(self.rank), name)
+
+    def hook_cpu(self, name: str) -> Counter:
+        return self.f.hook_cpu_seconds.labels(str(self.rank), name)
+
+    def lane_cpu(self, lane: str) -> Counter:
+        return self.f.lane_cpu_seconds.labels(str(self.rank), lane)
 
     def lookup_timeout(self, target: int) -> Counter:
         return self.f.lookup_timeouts.labels(str(self.rank), str(target))

@@ -57,3 +57,38 @@ def test_hook_costs_are_per_engine_step_and_parked_steps_per_load() -> None:
     assert save is not None and save.steps == 0 and save.p50_ms is None
     assert (b.loads, b.sync_loads, b.parked_mean_steps) == (4, 3, 0.5)
     assert b.parked_p50_steps == 0.0
+
+
+def _counter(name: str, rank: str, value: float, **labels: str):
+    return {(name, tuple(sorted({"rank": rank, **labels}.items()))): value}
+
+
+def test_cpu_per_step_splits_work_from_waiting_and_lanes_count_per_rank() -> None:
+    samples = {
+        **_hist("kvtier_step_seconds", "0", {"0.1": 100, "+Inf": 100}, 2.0),  # 20 ms steps
+        **_hist("kvtier_step_seconds", "1", {"0.1": 100, "+Inf": 100}, 2.0),
+        # the lookups took 0.1 ms of wall per engine step, of which 0.02 ms on the CPU
+        **_hist(
+            "kvtier_hook_seconds", "scheduler", {"0.001": 10, "+Inf": 10}, 0.01, hook="lookup"
+        ),
+        **_counter("kvtier_hook_cpu_seconds_total", "scheduler", 0.002, hook="lookup"),
+        # two ranks' reports: 0.3 ms of CPU per rank-step
+        **_counter("kvtier_hook_cpu_seconds_total", "0", 0.03, hook="report"),
+        **_counter("kvtier_hook_cpu_seconds_total", "1", 0.03, hook="report"),
+        **_counter("kvtier_lane_cpu_seconds_total", "0", 0.1, lane="save"),
+        **_counter("kvtier_lane_cpu_seconds_total", "1", 0.1, lane="load"),
+    }
+    b = breakdown(MetricSet(samples), world=2)
+    lookup, report, save = b.hook("lookup"), b.hook("report"), b.hook("save")
+    assert lookup is not None and report is not None and save is not None
+    assert lookup.per_step_ms == pytest.approx(0.1)
+    assert lookup.cpu_per_step_ms == pytest.approx(0.02)
+    assert report.cpu_per_step_ms == pytest.approx(0.3)
+    # the path: the scheduler's hooks plus one rank's, each per engine step
+    assert b.path_cpu_per_step_ms == pytest.approx(0.32)
+    # 0.2 s of lane CPU over 200 rank-steps
+    assert b.lanes_cpu_per_step_ms == pytest.approx(1.0)
+    # a server that exports no CPU counters reads unknown, never 0
+    assert save.cpu_per_step_ms is None
+    bare = breakdown(MetricSet(_hist("kvtier_step_seconds", "0", {"+Inf": 1}, 0.02)), world=1)
+    assert bare.path_cpu_per_step_ms is None and bare.lanes_cpu_per_step_ms is None

@@ -237,16 +237,25 @@ def test_quick_run_against_real_servers(tmp_path: Path) -> None:
         hooks = {(h["side"], h["hook"]): h for h in b["hooks"]}
         for side, hook in (("scheduler", "lookup"), ("scheduler", "meta"), ("ranks", "load")):
             assert hooks[side, hook]["steps"] > 0 and hooks[side, hook]["per_step_ms"] > 0
+        # kvtier's own CPU next to each hook's wall time: work never exceeds the time taken
+        for h in b["hooks"]:
+            if h["steps"]:
+                assert h["cpu_per_step_ms"] is not None, h
+                assert 0 < h["cpu_per_step_ms"] <= h["per_step_ms"] + 0.01, h
+        assert 0 < b["path_cpu_per_step_ms"] < b["step_mean_ms"], b
         if w["workload"] == "no_reuse":
             # no prompt starts with a chunk this engine saved: every miss known without asking
             assert b["lookup_calls"] == 0
+            # every prompt's chunks were copied out by a save lane
+            assert b["lanes_cpu_per_step_ms"] > 0, b
         else:
             assert b["lookup_calls"] > 0 and b["lookup_call_p50_ms"] > 0
     pool_steps = on_pool["step_breakdown"]
     # every load of the window ended (parked steps observed), in the forward or parked
     assert pool_steps["loads"] > 0 and 0 <= pool_steps["sync_loads"] <= pool_steps["loads"]
     assert pool_steps["parked_mean_steps"] is not None
-    for row in ("step_ms", "scheduler.lookup", "ranks.load", "lookup_call_ms", "parked_steps"):
+    for row in ("step_ms", "path_cpu_ms", "lanes_cpu_ms", "scheduler.lookup", "ranks.load",
+                "lookup_call_ms", "parked_steps"):  # fmt: skip
         assert f"steps.prefix_pool.{row}" in rows
     assert rows["no_reuse.output_throughput.worst_rep"]["target"] == ">= 0.97 x"
     assert rows["no_reuse.ttft_p50_ms.worst_rep"]["target"] == "<= 1.03 x"

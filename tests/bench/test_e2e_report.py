@@ -23,6 +23,12 @@ _STEPS = {
     ("kvtier_step_seconds_bucket", (("le", "+Inf"), ("rank", "0"))): 50.0,
     ("kvtier_step_seconds_count", (("rank", "0"),)): 50.0,
     ("kvtier_step_seconds_sum", (("rank", "0"),)): 0.6,
+    # lookups in 10 of the 50 steps: 2 ms of wall and 1 ms of CPU per 12 ms step; the save
+    # lane's CPU 2 ms per step
+    ("kvtier_hook_seconds_count", (("hook", "lookup"), ("rank", "scheduler"))): 10.0,
+    ("kvtier_hook_seconds_sum", (("hook", "lookup"), ("rank", "scheduler"))): 0.1,
+    ("kvtier_hook_cpu_seconds_total", (("hook", "lookup"), ("rank", "scheduler"))): 0.05,
+    ("kvtier_lane_cpu_seconds_total", (("lane", "save"), ("rank", "0"))): 0.1,
 }
 
 
@@ -153,6 +159,22 @@ def test_native_report_rows_come_from_the_windows() -> None:
     detail = rows["prefix_pool.ttft_p50_ms"]["detail"]
     assert {"rep0.on", "rep0.off", "rep1.ratio", "on.sd", "off.sd", "ratio.mean"} <= set(detail)
     assert set(doc["meta"]["outputs"]) == {PREFIX_POOL, NO_REUSE}
+
+
+def test_the_step_rows_carry_kvtiers_own_cpu_next_to_the_step() -> None:
+    drive, placement, workloads, ceilings = _prepared(e2e.NATIVE)
+    runs = _runs({ON: True, OFF: False}, e2e.arm_order(2), workloads, ON)
+    wording = e2e._native_wording(drive, placement, 2)
+    doc = build_report(e2e._NATIVE_CAST, wording, runs, [], workloads, ceilings, 1, True).to_json()
+    rows = {r["id"]: r for r in doc["rows"]}
+    for w in (PREFIX_POOL, NO_REUSE):
+        path, lanes = rows[f"steps.{w}.path_cpu_ms"], rows[f"steps.{w}.lanes_cpu_ms"]
+        assert path["value"] == pytest.approx(1.0) and path["raw"] == pytest.approx(12.0)
+        assert lanes["value"] == pytest.approx(2.0)
+        assert {"rep0.ms", "rep1.ms"} <= set(path["detail"])
+        lookup = rows[f"steps.{w}.scheduler.lookup"]
+        assert lookup["value"] == pytest.approx(2.0)
+        assert lookup["detail"]["rep0.cpu_ms"] == pytest.approx(1.0)
 
 
 def test_vllm_report_names_each_arm_and_compares_kvtier_with_example() -> None:

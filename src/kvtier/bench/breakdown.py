@@ -1,7 +1,9 @@
 """Where a served window's step time went, read from the kvtier histograms on `/metrics`.
 
 The server exports, per step: the time each kvtier hook took (`kvtier_hook_seconds{hook}`, the
-scheduler's hooks under `rank="scheduler"`, the ranks' under their rank), each rank's whole step
+scheduler's hooks under `rank="scheduler"`, the ranks' under their rank) and the CPU time of
+the thread inside it (`kvtier_hook_cpu_seconds{hook}`: the rest is waiting for the GIL or a
+core), the CPU time of the ranks' copy lanes (`kvtier_lane_cpu_seconds`), each rank's whole step
 (`kvtier_step_seconds`), the time the scheduler loop waited on each lookup call
 (`kvtier_scheduler_lookup_seconds`) and the steps each load kept its request parked
 (`kvtier_load_parked_steps`, 0 for a load finished inside its step's forward). A window's
@@ -15,9 +17,12 @@ import math
 from dataclasses import asdict, dataclass
 
 from kvtier.bench.analysis import MetricSet
+from kvtier.scrape import LabelKey
 
 SCHEDULER = "scheduler"
 HOOK = "kvtier_hook_seconds"
+HOOK_CPU = "kvtier_hook_cpu_seconds_total"
+LANE_CPU = "kvtier_lane_cpu_seconds_total"
 STEP = "kvtier_step_seconds"
 LOOKUP_CALL = "kvtier_scheduler_lookup_seconds"
 PARKED = "kvtier_load_parked_steps"
@@ -57,17 +62,22 @@ class Hist:
         return self.total / self.count if self.count > 0 else None
 
 
+def _of(key: LabelKey, scheduler: bool, labels: dict[str, str]) -> dict[str, str] | None:
+    """The sample's labels when it is the scheduler's (or a rank's) and carries `labels`."""
+    lab = dict(key)
+    if (lab.get("rank") == SCHEDULER) != scheduler:
+        return None
+    if any(lab.get(k) != v for k, v in labels.items()):
+        return None
+    return lab
+
+
 def hist(delta: MetricSet, name: str, *, scheduler: bool, **labels: str) -> Hist:
     """Histogram `name` in `delta`, over the scheduler (`rank="scheduler"`) or over every rank."""
     per_bound: dict[float, float] = {}
     count = total = 0.0
     for (sample, key), value in delta.samples.items():
-        if not sample.startswith(name):
-            continue
-        lab = dict(key)
-        if (lab.get("rank") == SCHEDULER) != scheduler:
-            continue
-        if any(lab.get(k) != v for k, v in labels.items()):
+        if not sample.startswith(name) or (lab := _of(key, scheduler, labels)) is None:
             continue
         suffix = sample[len(name) :]
         if suffix == "_bucket":
@@ -82,8 +92,9 @@ def hist(delta: MetricSet, name: str, *, scheduler: bool, **labels: str) -> Hist
 
 @dataclass(frozen=True, slots=True)
 class HookCost:
-    """One hook over a window: steps it ran in, ms per such step (p50, p99, mean) and ms per
-    engine step (its total over every step, the share it takes of a step)."""
+    """One hook over a window: steps it ran in, ms per such step (p50, p99, mean), ms per
+    engine step (its total over every step, the share it takes of a step) and the CPU ms of
+    its thread per engine step (the rest of its time it waited)."""
 
     hook: str
     side: str  # "scheduler" or "ranks"
@@ -92,6 +103,7 @@ class HookCost:
     p99_ms: float | None
     mean_ms: float | None
     per_step_ms: float | None
+    cpu_per_step_ms: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,15 +123,24 @@ class Breakdown:
     parked_p50_steps: float | None
     parked_p99_steps: float | None
     parked_mean_steps: float | None
+    lanes_cpu_per_step_ms: float | None  # per rank: copy work beside the step, not inside it
 
     def hook(self, name: str) -> HookCost | None:
         """The named hook's cost, if it is known."""
         return next((h for h in self.hooks if h.hook == name), None)
 
+    @property
+    def path_cpu_per_step_ms(self) -> float | None:
+        """kvtier's own CPU on the step's path: every hook's thread CPU per engine step (the
+        scheduler's, plus one rank's); None where no hook reported CPU time."""
+        known = [h.cpu_per_step_ms for h in self.hooks if h.cpu_per_step_ms is not None]
+        return sum(known) if known else None
+
     def to_json(self) -> dict[str, object]:
-        """Every field (hooks as a list of objects)."""
+        """Every field (hooks as a list of objects) and the path's CPU per step."""
         out = asdict(self)
         out["hooks"] = [asdict(h) for h in self.hooks]
+        out["path_cpu_per_step_ms"] = self.path_cpu_per_step_ms
         return out
 
 
@@ -137,6 +158,7 @@ def breakdown(delta: MetricSet, world: int) -> Breakdown:
             h = hist(delta, HOOK, scheduler=side == SCHEDULER, hook=name)
             # the scheduler runs once per step; the ranks' sums are over `world` ranks
             per = steps if side == SCHEDULER else step.count
+            cpu = _counter(delta, HOOK_CPU, scheduler=side == SCHEDULER, hook=name)
             hooks.append(
                 HookCost(
                     name,
@@ -146,6 +168,7 @@ def breakdown(delta: MetricSet, world: int) -> Breakdown:
                     _ms(h.quantile(0.99)),
                     _ms(h.mean),
                     _ms(h.total / per) if per > 0 else None,
+                    _ms(cpu / per) if cpu is not None and per > 0 else None,
                 )
             )
     call = hist(delta, LOOKUP_CALL, scheduler=True)
@@ -164,4 +187,20 @@ def breakdown(delta: MetricSet, world: int) -> Breakdown:
         parked_p50_steps=parked.quantile(0.5),
         parked_p99_steps=parked.quantile(0.99),
         parked_mean_steps=parked.mean,
+        lanes_cpu_per_step_ms=_ms(lanes / step.count)
+        if (lanes := _counter(delta, LANE_CPU, scheduler=False)) is not None and step.count > 0
+        else None,
     )
+
+
+def _counter(delta: MetricSet, name: str, *, scheduler: bool, **labels: str) -> float | None:
+    """Counter `name`'s delta over the scheduler or over every rank; None when the server
+    exports no such sample (an older kvtier), so a missing reading never reads as 0."""
+    found = False
+    total = 0.0
+    for (sample, key), value in delta.samples.items():
+        if sample != name or _of(key, scheduler, labels) is None:
+            continue
+        found = True
+        total += value
+    return total if found else None

@@ -523,6 +523,7 @@ def _breakdown_rows(report: Report, results: Sequence[WindowResult], arm: str) -
                 },
             )
         )
+        _cpu_rows(report, xs, workload, name, step_mean)
         for hook in steps[0].hooks:
             costs = [c for b in steps if (c := b.hook(hook.hook)) is not None]
             per_step = _known_mean([c.per_step_ms for c in costs])
@@ -539,6 +540,9 @@ def _breakdown_rows(report: Report, results: Sequence[WindowResult], arm: str) -
                         **_rep_values(xs, "p50_ms", lambda b, h=hook.hook: _cost(b, h, "p50_ms")),
                         **_rep_values(xs, "p99_ms", lambda b, h=hook.hook: _cost(b, h, "p99_ms")),
                         **_rep_values(xs, "steps_run", lambda b, h=hook.hook: _cost(b, h, "steps")),
+                        **_rep_values(
+                            xs, "cpu_ms", lambda b, h=hook.hook: _cost(b, h, "cpu_per_step_ms")
+                        ),
                     },
                 )
             )
@@ -573,6 +577,49 @@ def _breakdown_rows(report: Report, results: Sequence[WindowResult], arm: str) -
                     },
                 )
             )
+
+
+def _cpu_rows(
+    report: Report,
+    xs: Sequence[WindowResult],
+    workload: str,
+    name: str,
+    step_mean: float | None,
+) -> None:
+    """kvtier's own CPU per engine step: on the step's path (every hook's thread CPU; its
+    share of the step bounds what kvtier's work can cost the step, whatever this run's noise),
+    and on the copy lanes beside it."""
+    note = report.note(
+        "CPU rows: thread CPU time inside kvtier's hooks (scheduler + one rank) per engine "
+        "step, and of the ranks' copy lanes per step per rank; a hook's wall time less its CPU "
+        "time is waiting (for the GIL behind a host thread, or a core), which the host's own "
+        "code would wait too; CPU time is read within each window, so the share does not move "
+        "with the machine's speed between windows as tok/s ratios do"
+    )
+    path = _known_mean([x.steps.path_cpu_per_step_ms for x in xs if x.steps is not None])
+    if path is not None:
+        report.add(
+            Row(
+                f"steps.{workload}.path_cpu_ms",
+                f"{name}: kvtier CPU on the step's path, ms per step (raw = step mean) {note}",
+                path,
+                "ms",
+                raw=_positive(step_mean or 0.0),
+                detail=_rep_values(xs, "ms", lambda b: b.path_cpu_per_step_ms),
+            )
+        )
+    lanes = _known_mean([x.steps.lanes_cpu_per_step_ms for x in xs if x.steps is not None])
+    if lanes is not None:
+        report.add(
+            Row(
+                f"steps.{workload}.lanes_cpu_ms",
+                f"{name}: copy lanes' CPU, ms per step per rank (raw = step mean)",
+                lanes,
+                "ms",
+                raw=_positive(step_mean or 0.0),
+                detail=_rep_values(xs, "ms", lambda b: b.lanes_cpu_per_step_ms),
+            )
+        )
 
 
 def _noise_floor_rows(report: Report, res: _Results, again: str, sep: str) -> None:

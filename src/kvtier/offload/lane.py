@@ -7,9 +7,12 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
+
+from prometheus_client import Counter
 
 from kvtier.cpus import describe, host_cpus
 from kvtier.errors import ConfigError
@@ -24,10 +27,18 @@ Job = Callable[[Lane], object]
 class WorkLane:
     """Jobs run one at a time on a daemon thread, so a stuck job never blocks process exit."""
 
-    def __init__(self, name: str, ops: DeviceOps, cpus: frozenset[int] | None = None) -> None:
-        """`cpus`: the CPUs the thread runs on (None: those of the thread that starts it)."""
+    def __init__(
+        self,
+        name: str,
+        ops: DeviceOps,
+        cpus: frozenset[int] | None = None,
+        cpu: Counter | None = None,
+    ) -> None:
+        """`cpus`: the CPUs the thread runs on (None: those of the thread that starts it);
+        `cpu`: counts the thread's CPU seconds inside jobs (kvtier_lane_cpu_seconds)."""
         self.name = name
         self.cpus = cpus
+        self._cpu = cpu
         self._ops = ops
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._ready = threading.Event()
@@ -93,9 +104,12 @@ class WorkLane:
             job = self._jobs.get()
             if job is None:
                 return
+            c0 = time.thread_time()
             try:
                 job(lane)
             except Exception:
                 # jobs report their outcome themselves; one that raised anyway is a bug, and
                 # the lane must live on for the jobs behind it
                 log.exception("kvtier: %s job raised", self.name)
+            if self._cpu is not None:
+                self._cpu.inc(time.thread_time() - c0)

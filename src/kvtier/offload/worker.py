@@ -50,7 +50,7 @@ from kvtier.offload.messages import (
 )
 from kvtier.offload.pages import KVCacheDescription, KVPages, describe_pages
 from kvtier.offload.selftest import SELF_TEST_KEY, codec_round_trip, fail_startup
-from kvtier.offload.steps import LOAD, REPORT, SAVE, HookClock
+from kvtier.offload.steps import LOAD, REPORT, SAVE, HookClock, start
 from kvtier.store.arena import check_host_memory
 from kvtier.store.factory import build_stack
 from kvtier.store.stack import TierStack
@@ -239,8 +239,12 @@ class OffloadWorker:
         if self._load_staging is None:
             self._load_buf = torch.empty(chunk_bytes, dtype=torch.uint8)
             self._sync_buf = torch.empty(chunk_bytes, dtype=torch.uint8)
-        self._load_lane = WorkLane(f"kvtier-load-{self.rank}", ops, self.lane_cpus)
-        self._save_lane = WorkLane(f"kvtier-save-{self.rank}", ops, self.lane_cpus)
+        self._load_lane = WorkLane(
+            f"kvtier-load-{self.rank}", ops, self.lane_cpus, cpu=self.metrics.lane_cpu("load")
+        )
+        self._save_lane = WorkLane(
+            f"kvtier-save-{self.rank}", ops, self.lane_cpus, cpu=self.metrics.lane_cpu("save")
+        )
         self._load_lane.start()
         self._save_lane.start()
         if self.lane_cpus is not None:
@@ -408,7 +412,7 @@ class OffloadWorker:
         """Wire bytes of `report` for the scheduler, with a snapshot of this rank's metrics once
         a second, or when they changed and nothing is in flight; b"" when there is nothing to
         say. Closes the rank's step: its time and its hooks' are observed here."""
-        t0 = time.perf_counter()
+        t0, c0 = start()
         if self._step_t0 is not None:
             self.metrics.step_seconds.observe(t0 - self._step_t0)
             self._step_t0 = None
@@ -427,7 +431,7 @@ class OffloadWorker:
         elif fresh:
             self.metrics_dirty = True
         data = b"" if report.is_empty() and not report.metrics else messages.encode(report)
-        self.clock.add(REPORT, time.perf_counter() - t0)
+        self.clock.add_since(REPORT, t0, c0)
         return data
 
     def _is_idle(self) -> bool:
