@@ -596,28 +596,30 @@ def _cpu_rows(
         "code would wait too; CPU time is read within each window, so the share does not move "
         "with the machine's speed between windows as tok/s ratios do"
     )
-    path = _known_mean([x.steps.path_cpu_per_step_ms for x in xs if x.steps is not None])
-    if path is not None:
+    rows: tuple[tuple[str, str, Callable[[Breakdown], float | None]], ...] = (
+        (
+            "path_cpu_ms",
+            f"kvtier CPU on the step's path, ms per step (raw = step mean) {note}",
+            lambda b: b.path_cpu_per_step_ms,
+        ),
+        (
+            "lanes_cpu_ms",
+            "copy lanes' CPU, ms per step per rank (raw = step mean)",
+            lambda b: b.lanes_cpu_per_step_ms,
+        ),
+    )
+    for key, label, of in rows:
+        value = _known_mean([of(x.steps) for x in xs if x.steps is not None])
+        if value is None:
+            continue
         report.add(
             Row(
-                f"steps.{workload}.path_cpu_ms",
-                f"{name}: kvtier CPU on the step's path, ms per step (raw = step mean) {note}",
-                path,
+                f"steps.{workload}.{key}",
+                f"{name}: {label}",
+                value,
                 "ms",
                 raw=_positive(step_mean or 0.0),
-                detail=_rep_values(xs, "ms", lambda b: b.path_cpu_per_step_ms),
-            )
-        )
-    lanes = _known_mean([x.steps.lanes_cpu_per_step_ms for x in xs if x.steps is not None])
-    if lanes is not None:
-        report.add(
-            Row(
-                f"steps.{workload}.lanes_cpu_ms",
-                f"{name}: copy lanes' CPU, ms per step per rank (raw = step mean)",
-                lanes,
-                "ms",
-                raw=_positive(step_mean or 0.0),
-                detail=_rep_values(xs, "ms", lambda b: b.lanes_cpu_per_step_ms),
+                detail=_rep_values(xs, "ms", of),
             )
         )
 
