@@ -69,12 +69,16 @@ _MAX_CHANGES = 65536
 
 @dataclass(eq=False, slots=True)
 class _PendingLoad:
-    """A load handed to the lane. `lock` makes finishing and expiring it mutually exclusive,
-    and is held while the lane writes KV blocks, so nothing is written once it expired."""
+    """A load handed to the lane. `fence` is where the compute stream stood when the load was
+    started: its blocks may still be in use by work queued there (a forward still running under
+    async scheduling, the self-test's clearing), so no scatter overtakes it. `lock` makes
+    finishing and expiring it mutually exclusive, and is held while the lane writes KV blocks,
+    so nothing is written once it expired."""
 
     op: LoadOp
     queued_at: float
     deadline: float
+    fence: object | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     done: bool = False
     expired: bool = False
@@ -285,7 +289,8 @@ class OffloadWorker:
             if stack.lookup([key], lease) < 1:
                 raise RuntimeError("the saved chunk is not in the tier")
             try:
-                p = _PendingLoad(LoadOp("self-test", "self-test", lease, [], 0), 0.0, 0.0)
+                op = LoadOp("self-test", "self-test", lease, [], 0)
+                p = _PendingLoad(op, 0.0, 0.0, self._ops_fence())
                 ref = ChunkRef(key, list(block_ids))
                 got = self._load_lane_call(lambda lane: self._load_chunk(lane, p, ref, None))
             finally:
@@ -330,7 +335,9 @@ class OffloadWorker:
 
     def _start_loads(self, meta: OffloadMeta) -> None:
         now = self._clock()
-        pending = [_PendingLoad(op, now, now + self.config.lease_ttl_s) for op in meta.loads]
+        fence = self._ops_fence() if meta.loads else None
+        ttl = self.config.lease_ttl_s
+        pending = [_PendingLoad(op, now, now + ttl, fence) for op in meta.loads]
         with self._lock:
             for op_id, ok in meta.load_terminals.items():
                 tokens, nbytes = self._uncounted.pop(op_id, (0, 0))
@@ -531,10 +538,21 @@ class OffloadWorker:
             return ""
         except (RuntimeError, ValueError) as e:
             log.exception("%s: save %s raised", self.tag, job.op.op_id)
+            # the slot goes back to the free list below: a copy queued into it before the raise
+            # must land first, or a later chunk written there by the CPU could be overwritten
+            self._settle(lane, job.op.op_id)
             return f"error:{type(e).__name__}"
         finally:
             if not committed:
                 stack.abort(ref.key)
+
+    def _settle(self, lane: Lane, op_id: str) -> None:
+        """Wait for whatever `lane` queued before an op failed; a device that fails this wait
+        too is logged (the op already reports failed)."""
+        try:
+            lane.finish()
+        except RuntimeError:
+            log.exception("%s: the device failed while %s's copies were in flight", self.tag, op_id)
 
     # ---- loads ----------------------------------------------------------------------------------
 
@@ -632,6 +650,7 @@ class OffloadWorker:
             with p.lock:
                 if p.expired:
                     return None  # its deadline reported it failed: write no more blocks
+                lane.after(p.fence)
                 self.codec.scatter(src, ref.block_ids)
                 lane.finish()
         return tier
@@ -660,6 +679,9 @@ class OffloadWorker:
             # and this one must report: an escaped exception would park its request forever
             log.exception("%s: load %s raised", self.tag, op.op_id)
             reason = f"error:{type(e).__name__}"
+            # the host recomputes these blocks once the failure is reported: a scatter queued
+            # before the raise must not land on top of that
+            self._settle(lane, op.op_id)
         finally:
             self.stack.release(op.lookup_id)
         with p.lock:
