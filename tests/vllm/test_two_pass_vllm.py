@@ -43,3 +43,23 @@ def test_two_pass_restore_from_tier(
     assert kv["stored_tokens"]["rank=0"] == want
     assert not kv["load_failures"]
     assert "kvtier: lookup client on ranks [0] (world=1)" in run.stderr
+
+
+def test_two_pass_restore_from_tier_under_async_scheduling(
+    run_driver: Callable[..., DriverRun], tiny_vllm_model: Path
+) -> None:
+    """vLLM schedules step N+1 while step N runs by default on a GPU (its CPU platform turns
+    that off): the same restore, with the scheduler one step ahead of the forward."""
+    args = {"model": str(tiny_vllm_model), "extra": TIER, "async_scheduling": True}
+    run = run_driver("two_pass", args, IN_PROCESS)
+    r = run.result
+    assert (r["async_scheduling"], r["scheduler"]) == (True, "AsyncScheduler")
+    want = loadable_tokens(r["prompt_lens"], CHUNK)
+    p2 = r["pass2"]
+    assert p2["vllm:prefix_cache_hits"] == 0
+    assert p2["vllm:external_prefix_cache_hits"] == want > 0
+    assert r["out2"] == r["out1"], "restored KV changed the greedy output"
+    kv = r["kvtier"]
+    assert kv["retrieved_tokens"]["rank=0"] == want
+    assert kv["stored_tokens"]["rank=0"] == want
+    assert not kv["load_failures"]

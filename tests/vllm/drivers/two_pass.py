@@ -4,7 +4,8 @@ Pass 1 stores every prompt's whole chunks in the tier; `reset_prefix_cache()` em
 own prefix cache; pass 2 must get its prefix from the tier. Prints greedy outputs of both
 passes, vLLM's cache counters per pass and kvtier's counters as vLLM's own Prometheus registry
 holds them (every rank, through the connector-stats path). Args (JSON): model, tp, pp, dp, extra,
-and optionally connector, module, n, base_len, max_tokens.
+and optionally connector, module, n, base_len, max_tokens, async_scheduling (vLLM's default on
+GPUs, which its CPU platform turns off: the driver turns it back on after the platform hook).
 """
 
 from __future__ import annotations
@@ -32,8 +33,31 @@ KVTIER_COUNTERS = (
 )
 
 
+def force_async_scheduling() -> None:
+    """Async scheduling on the CPU platform, as a GPU host runs by default: the platform hook
+    turns it off, so turn it on again right after (vLLM reads it from here on)."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    update = CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]
+
+    def check_and_update_config(cls: type, vllm_config: object) -> None:
+        update(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True  # type: ignore[attr-defined]
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign,assignment]
+
+
+def scheduler_name(llm: object) -> str:
+    """The engine's scheduler class (in-process engines only; "" otherwise)."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    sched = getattr(getattr(core, "engine_core", None), "scheduler", None)
+    return "" if sched is None else type(sched).__name__
+
+
 def main() -> None:
     a = args()
+    if a.get("async_scheduling"):
+        force_async_scheduling()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -85,6 +109,8 @@ def main() -> None:
             "pass1": delta(m1, m0),
             "pass2": delta(m2, m1),
             "kvtier": {name: registry_totals(REGISTRY, name) for name in KVTIER_COUNTERS},
+            "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
+            "scheduler": scheduler_name(llm),
             "init_s": round(t1 - t0, 2),
             "pass2_s": round(t3 - t2, 2),
         }
