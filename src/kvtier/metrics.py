@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 _LATENCY_BUCKETS = (
     0.0001,
@@ -368,22 +369,52 @@ _snap_decoder = msgspec.msgpack.Decoder(list[FamilySnapshot])
 
 
 def snapshot(registry: CollectorRegistry) -> bytes:
-    """Every family of `registry` as msgpack bytes, to ship to the process that serves /metrics."""
-    fams = [
-        FamilySnapshot(
-            m.name,
-            m.type,
-            m.documentation,
-            [SampleSnapshot(s.name, dict(s.labels), float(s.value)) for s in m.samples],
-        )
-        for m in registry.collect()
-    ]
-    return _snap_encoder.encode(fams)
+    """kvtier's families of `registry` (a rank's registry holds nothing else) as msgpack bytes,
+    to ship to the process that serves /metrics; `_created` timestamps are left out."""
+    return _snap_encoder.encode([_family_snapshot(f) for f in vars(families(registry)).values()])
+
+
+# A rank ships a snapshot with its report once a second, and whenever it turns idle with news,
+# which under steady load is every few steps; prometheus_client's collect() formats every
+# histogram bucket's `le` label anew each time (a millisecond a snapshot on the dev VM, most of
+# the rank's report hook), so the samples are read from the families' values directly, with
+# the bucket labels formatted once. `test_the_fast_snapshot_equals_prometheus_collect` holds it
+# to collect()'s output.
+_LE: dict[tuple[float, ...], tuple[str, ...]] = {}
+
+
+def _family_snapshot(family: Counter | Gauge | Histogram) -> FamilySnapshot:
+    name, labelnames = family._name, family._labelnames
+    with family._lock:
+        children = list(family._metrics.items())
+    samples: list[SampleSnapshot] = []
+    if isinstance(family, Histogram):
+        kind = "histogram"
+        for values, child in children:
+            labels = dict(zip(labelnames, values, strict=True))
+            bounds = tuple(child._upper_bounds)
+            les = _LE.get(bounds)
+            if les is None:
+                les = _LE[bounds] = tuple(floatToGoString(b) for b in bounds)
+            acc = 0.0
+            for le, bucket in zip(les, child._buckets, strict=True):
+                acc += bucket.get()
+                samples.append(SampleSnapshot(f"{name}_bucket", {**labels, "le": le}, acc))
+            samples.append(SampleSnapshot(f"{name}_count", labels, acc))
+            samples.append(SampleSnapshot(f"{name}_sum", labels, child._sum.get()))
+    else:
+        kind = "counter" if isinstance(family, Counter) else "gauge"
+        sample = f"{name}_total" if kind == "counter" else name
+        for values, child in children:
+            labels = dict(zip(labelnames, values, strict=True))
+            samples.append(SampleSnapshot(sample, labels, float(child._value.get())))
+    return FamilySnapshot(name, kind, family._documentation, samples)
 
 
 class MergedCollector(Collector):
-    """Serves local registries plus the latest snapshot of each remote process, merged by family
-    name (ranks differ by their `rank` label, so samples never collide)."""
+    """Serves kvtier's families of local registries plus the latest snapshot of each remote
+    process, merged by family name (ranks differ by their `rank` label, so samples never
+    collide); `_created` timestamps are left out."""
 
     def __init__(self, *registries: CollectorRegistry) -> None:
         self._registries = registries
@@ -398,14 +429,14 @@ class MergedCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         merged: dict[str, Metric] = {}
-        for reg in self._registries:
-            for m in reg.collect():
-                merged.setdefault(m.name, Metric(m.name, m.documentation, m.type)).samples.extend(
-                    m.samples
-                )
+        # the scheduler walks this once a second while requests are live: the same direct read
+        # of the families as a rank's snapshot
+        local = [
+            _family_snapshot(f) for reg in self._registries for f in vars(families(reg)).values()
+        ]
         with self._lock:
             remote = [f for fams in self._remote.values() for f in fams]
-        for f in remote:
+        for f in (*local, *remote):
             metric = merged.setdefault(f.name, Metric(f.name, f.documentation, f.type))
             metric.samples.extend(Sample(s.name, s.labels, s.value) for s in f.samples)
         yield from merged.values()

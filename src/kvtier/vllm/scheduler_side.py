@@ -110,7 +110,7 @@ class SchedulerSide:
             return None
         now = time.monotonic()
         if now - self._stats_at < _STATS_EVERY_S and (self.views or self.core.has_pending_work()):
-            # a walk of every family costs a good share of a millisecond, and vLLM asks every
+            # a walk of every family costs most of a millisecond, and vLLM asks every
             # step: while requests are live, at most one per interval (they make more steps
             # come); the step that leaves the tier idle always hands the rest over
             return None
