@@ -175,6 +175,10 @@ def test_the_step_rows_carry_kvtiers_own_cpu_next_to_the_step() -> None:
         lookup = rows[f"steps.{w}.scheduler.lookup"]
         assert lookup["value"] == pytest.approx(2.0)
         assert lookup["detail"]["rep0.cpu_ms"] == pytest.approx(1.0)
+    # one footnote explains the CPU rows of both workloads
+    assert sum(f.startswith("CPU rows:") for f in doc["footnotes"]) == 1
+    labels = [rows[f"steps.{w}.path_cpu_ms"]["label"] for w in (PREFIX_POOL, NO_REUSE)]
+    assert len({label.rsplit(" ", 1)[-1] for label in labels}) == 1
 
 
 def test_vllm_report_names_each_arm_and_compares_kvtier_with_example() -> None:

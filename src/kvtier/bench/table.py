@@ -128,9 +128,11 @@ class Report:
         return row
 
     def note(self, text: str) -> str:
-        """Add a footnote; returns its marker (`[n]`) to append to a row label."""
-        self.footnotes.append(text)
-        return f"[{len(self.footnotes)}]"
+        """Add a footnote (once: the same text again gets its first marker); returns its marker
+        (`[n]`) to append to a row label."""
+        if text not in self.footnotes:
+            self.footnotes.append(text)
+        return f"[{self.footnotes.index(text) + 1}]"
 
     def to_json(self) -> dict[str, Any]:
         """The report as a JSON document (what `write_json` writes and `render` draws)."""
