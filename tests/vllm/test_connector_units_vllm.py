@@ -1,5 +1,5 @@
 """`KVTierConnector.reset_cache` (namespace epoch, True) and `model_id_for` (the weights'
-identity), checked under .venv-vllm by `drivers/connector_units.py`."""
+identity), the kernel's page format in the namespace, checked under .venv-vllm by `drivers/connector_units.py`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from tests.vllm.conftest import DriverRun
 CHECKS = (
     "check_reset_cache_starts_a_new_epoch_and_returns_true",
     "check_model_id_is_the_identity_of_the_weights",
+    "check_pages_of_other_kernel_isas_never_share_a_namespace",
 )
 
 

@@ -33,6 +33,10 @@ class KVCacheDescription:
     layout_fix: str = "register per-layer views whose block pages are contiguous"
     # every TP rank holds these same bytes (MLA, the DSA indexer): stored once below memory
     replicated: bool = False
+    # The order of bytes inside a page when the attention kernel picks it by hardware (vLLM's
+    # CPU backend writes "amx" pages on AMX CPUs and "vec" pages elsewhere, same shape, other
+    # order): part of the fingerprint, so hosts whose kernels disagree never share a record.
+    page_format: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +77,7 @@ class KVPages:
     device: torch.device
     fingerprint: bytes
     dtype: str
+    page_format: str = ""
 
     @property
     def bytes_per_block(self) -> int:
@@ -91,8 +96,9 @@ class KVPages:
     def describe(self) -> str:
         """One line for the startup log."""
         runs = sum(len(s.runs) for s in self.segments)
+        fmt = f", page format {self.page_format}" if self.page_format else ""
         return (
-            f"layout {self.layout}: {len(self.segments)} segment(s) over {runs} view(s), "
+            f"layout {self.layout}{fmt}: {len(self.segments)} segment(s) over {runs} view(s), "
             f"{self.bytes_per_block} B/block, {self.num_blocks} blocks on {self.device}"
         )
 
@@ -132,6 +138,7 @@ def describe_pages(desc: KVCacheDescription) -> KVPages:
         device=devices.pop(),
         fingerprint=_fingerprint(desc, segments),
         dtype="+".join(dtypes),
+        page_format=desc.page_format,
     )
 
 
@@ -230,7 +237,7 @@ def _byte_rows(t: torch.Tensor, run: PageRun, nbytes: int, num_blocks: int) -> t
 def _fingerprint(desc: KVCacheDescription, segments: tuple[Segment, ...]) -> bytes:
     # The block count is left out: engines with different pool sizes share records. Memory
     # order is in: two layouts of the same model do not share bytes.
-    fields: list[bytes | str | int] = [desc.block_size, len(segments)]
+    fields: list[bytes | str | int] = [desc.block_size, desc.page_format, len(segments)]
     for seg in segments:
         fields += [seg.nbytes, len(seg.runs)]
         for r in seg.runs:

@@ -65,7 +65,25 @@ def kv_description(
         layout=str(layout or "unresolved"),
         layout_fix=LAYOUT_FIX,
         replicated=replicated_across_tp(kv_cache_config, vllm_config),
+        page_format=kernel_page_format(vllm_config, kv_caches),
     )
+
+
+def kernel_page_format(vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor]) -> str:
+    """The attention backends writing these pages, with the ISA where the kernel picks the
+    in-page order by CPU (vLLM's CPU backend: `amx` or `vec`), e.g. `CPU_ATTN:amx`. vLLM sets
+    a layer's `isa` when it builds the attention backend, before it registers the caches."""
+    context = vllm_config.compilation_config.static_forward_context
+    formats = set()
+    for name in kv_caches:
+        layer = context.get(name)
+        backend = getattr(layer, "attn_backend", None)
+        if backend is None:
+            continue
+        fmt = str(backend.get_name())
+        isa = getattr(layer, "isa", None)
+        formats.add(f"{fmt}:{isa}" if isa else fmt)
+    return "+".join(sorted(formats))
 
 
 def replicated_across_tp(kv_cache_config: KVCacheConfig | None, vllm_config: VllmConfig) -> bool:

@@ -64,9 +64,37 @@ def check_model_id_is_the_identity_of_the_weights() -> None:
         raise AssertionError("an unresolvable hub id must be a startup error")
 
 
+def check_pages_of_other_kernel_isas_never_share_a_namespace() -> None:
+    """vLLM's CPU attention writes `amx` pages on AMX CPUs and `vec` pages elsewhere: the same
+    shape in another order. A record one wrote must not be read by the other."""
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from kvtier.offload.pages import describe_pages
+    from kvtier.vllm.worker_side import kv_description
+
+    kv = {"model.layers.0.self_attn.attn": torch.zeros(8, 2, 16, 128, dtype=torch.bfloat16)}
+
+    def pages(isa: str | None):  # noqa: ANN202 - KVPages
+        layer = SimpleNamespace(attn_backend=CPUAttentionBackend, isa=isa)
+        vc = SimpleNamespace(
+            compilation_config=SimpleNamespace(static_forward_context=dict.fromkeys(kv, layer)),
+            cache_config=SimpleNamespace(kv_cache_layout=None),
+            parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        )
+        return describe_pages(kv_description(kv, vc, None, 16))
+
+    amx, vec, unknown = pages("amx"), pages("vec"), pages(None)
+    assert (amx.page_format, vec.page_format) == ("CPU_ATTN:amx", "CPU_ATTN:vec"), (amx, vec)
+    assert unknown.page_format == "CPU_ATTN"
+    assert len({amx.fingerprint, vec.fingerprint, unknown.fingerprint}) == 3
+    assert "page format CPU_ATTN:amx" in amx.describe()
+
+
 CHECKS: tuple[Callable[[], None], ...] = (
     check_reset_cache_starts_a_new_epoch_and_returns_true,
     check_model_id_is_the_identity_of_the_weights,
+    check_pages_of_other_kernel_isas_never_share_a_namespace,
 )
 
 
