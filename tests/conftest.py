@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from tests.cpu_isa import vector_isa
 from tests.vllm.conftest import DRIVERS, TIER, _run
 from tests.vllm.conftest import tiny_vllm_model as tiny_vllm_model  # fixtures, visible everywhere
 from tests.vllm.conftest import vllm_env as vllm_env
@@ -17,6 +18,12 @@ from tests.vllm.conftest import vllm_python as vllm_python
 from tests.vllm.drivers.common import RESULT_PREFIX
 
 SERVE_ARGS: dict[str, Any] = {"extra": TIER}
+
+
+def pytest_report_header() -> str:
+    """The CPU's vector ISA at the top of every run: bf16 outputs depend on the kernels it
+    selects (AVX2, AVX-512, AMX), so a failure report says which ones ran."""
+    return f"cpu vector ISA: {vector_isa()} (tests/README.md: comparing generated tokens)"
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
-"""`KVTierConnector.reset_cache` (namespace epoch, True) and `model_id_for` (the weights'
-identity), the kernel's page format in the namespace, checked under .venv-vllm by `drivers/connector_units.py`."""
+"""`KVTierConnector.reset_cache` (namespace epoch, True), `model_id_for` (the weights'
+identity) and the kernel's page format in the namespace, checked under .venv-vllm by
+`drivers/connector_units.py`."""
 
 from __future__ import annotations
 

@@ -101,6 +101,18 @@ def registry_totals(registry: Any, name: str) -> dict[str, float]:
     return out
 
 
+def kernel_report() -> dict[str, Any]:
+    """Which CPU kernels this process runs: ATen's capability and the vLLM kernel library
+    loaded (`_C`: AVX-512 BF16 or AMX, `_C_AVX512`, `_C_AVX2`)."""
+    import re
+
+    import torch
+
+    with open("/proc/self/maps") as maps:
+        libs = set(re.findall(r"vllm/(_C[A-Z0-9_]*)\.abi3\.so", maps.read()))
+    return {"torch_capability": torch.backends.cpu.get_cpu_capability(), "vllm_libs": sorted(libs)}
+
+
 def make_llm(model: str, kv_transfer_config: dict[str, Any] | None, **kw: Any) -> Any:
     """`vllm.LLM` on the tiny model the way every driver runs it (bf16, eager, prefix caching,
     stats on, seed 0), with `kw` on top."""

@@ -70,12 +70,12 @@ def check_pages_of_other_kernel_isas_never_share_a_namespace() -> None:
     import torch
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    from kvtier.offload.pages import describe_pages
+    from kvtier.offload.pages import KVPages, describe_pages
     from kvtier.vllm.worker_side import kv_description
 
     kv = {"model.layers.0.self_attn.attn": torch.zeros(8, 2, 16, 128, dtype=torch.bfloat16)}
 
-    def pages(isa: str | None):  # noqa: ANN202 - KVPages
+    def pages(isa: str | None) -> KVPages:
         layer = SimpleNamespace(attn_backend=CPUAttentionBackend, isa=isa)
         vc = SimpleNamespace(
             compilation_config=SimpleNamespace(static_forward_context=dict.fromkeys(kv, layer)),

@@ -7,7 +7,14 @@ events published over zmq and read back by a subscriber here):
 3. one read: two requests with the same prefix at once: one tier load, the other waits for it
    and finds the prefix in vLLM's own cache;
 4. reset: `reset_prefix_cache(reset_connector=True)` returns True, the next pass finds nothing
-   in the tier (a new namespace epoch) and is still correct; a pass after that restores again.
+   in the tier (a new namespace epoch): it recomputes every prompt, batched as passes 2 and 5
+   are, and is their reference; a pass after that restores again;
+5. twins reference: after one more connector reset, the two-request batch of phase 3 computed
+   with nothing in the tier (the reference phase 3's outputs are compared with).
+
+Outputs are only compared between passes that submit the same prompts in the same batch (bf16
+numerics follow the batch shape and the CPU's kernels): pass 1 runs one prompt at a time so the
+memory tier ends up holding the last prompts, and is nobody's reference.
 
 Phase markers `KVTIER_PHASE <name>` go to stderr so the test can count each phase's
 `Retrieved` lines. Args (JSON): model, extra, disk_dir, events_endpoint.
@@ -23,6 +30,7 @@ from tests.vllm.drivers.common import (
     args,
     delta,
     emit,
+    kernel_report,
     kv_transfer_config,
     llm_metrics,
     make_llm,
@@ -134,13 +142,17 @@ def main() -> None:
     out5 = run(prompts)
     m5 = llm_metrics(llm)
     result["new_epoch"] = delta(m5, m4)
+    reset(reset_connector=True)
+    phase("twins_ref")
+    twins_ref = run([prompts[-1], prompts[-1]])
+    result["twins_ref_hits"] = delta(llm_metrics(llm), m5)
     phase("end")
     subscriber.stop.set()
     subscriber.join(5)
     result.update(
-        out1=out1, out2=out2, twins=twins, out4=out4, out5=out5,
+        out1=out1, out2=out2, twins=twins, out4=out4, out5=out5, twins_ref=twins_ref,
         store=delta(m1, m0), events=summarize(subscriber.events),
-        prompt_lens=[len(p) for p in prompts],
+        prompt_lens=[len(p) for p in prompts], kernels=kernel_report(),
     )  # fmt: skip
     emit(result)
 
