@@ -18,6 +18,8 @@ def test_corrupted_chunk_is_recomputed_with_correct_output(
         "extra": {**TIER, "verify_memory_reads": True},
         "connector": "CorruptingKVTierConnector",
         "module": "tests.vllm.drivers.faulty_connectors",
+        # one prompt per call in both passes: the recomputed request runs alone, as in pass 1
+        "serial": True,
     }
     run = run_driver("two_pass", args, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     r = run.result

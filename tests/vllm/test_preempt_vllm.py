@@ -1,20 +1,22 @@
 """Preemption: vLLM preempts running requests and re-admits them in the next step
 (`reset_prefix_cache(reset_running_requests=True)`); the re-admission's tier load must not be
 withdrawn as the preempted one's (that request would wait for it forever), and the restored
-requests still decode pass 1's tokens."""
+requests still decode pass 1's tokens (in float32: pass 2's batch shapes cannot be pass 1's)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
 
+from kvtier.native.modelgen import init_model
 from tests.vllm.conftest import CHUNK, TIER, DriverRun, loadable_tokens, retrieved_lines
 
 
 def test_preempted_requests_restore_again_and_decode_the_same(
-    run_driver: Callable[..., DriverRun], tiny_vllm_model: Path
+    run_driver: Callable[..., DriverRun], tmp_path: Path
 ) -> None:
-    args = {"model": str(tiny_vllm_model), "extra": TIER}
+    model = init_model(tmp_path / "tiny-f32", dtype="float32")
+    args = {"model": str(model), "extra": TIER}
     run = run_driver("preempt", args, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     r = run.result
     n = len(r["prompt_lens"])

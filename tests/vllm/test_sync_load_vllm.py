@@ -21,6 +21,8 @@ def test_sync_loads_restore_in_the_forward_and_a_failed_one_is_recomputed(
         "extra": {**TIER, "verify_memory_reads": True, "sync_load_fraction": 1e9},
         "connector": "CorruptingKVTierConnector",
         "module": "tests.vllm.drivers.faulty_connectors",
+        # one prompt per call in both passes: the recomputed request runs alone, as in pass 1
+        "serial": True,
     }
     run = run_driver("two_pass", args, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     r = run.result

@@ -44,7 +44,9 @@ def main() -> None:
     )
 
     def run() -> tuple[list[list[int]], list[str | None]]:
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp)
+        # one prompt per call in both passes: the request that recomputes after the corrupted
+        # load runs alone, as in pass 1, not behind a batch of a shape pass 1 never had
+        outs = [llm.generate([TokensPrompt(prompt_token_ids=p)], sp)[0] for p in prompts]
         return (
             [list(o.outputs[0].token_ids) for o in outs],
             [o.outputs[0].finish_reason for o in outs],

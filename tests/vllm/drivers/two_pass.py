@@ -5,7 +5,9 @@ own prefix cache; pass 2 must get its prefix from the tier. Prints greedy output
 passes, vLLM's cache counters per pass and kvtier's counters as vLLM's own Prometheus registry
 holds them (every rank, through the connector-stats path). Args (JSON): model, tp, pp, dp, extra,
 and optionally connector, module, n, base_len, max_tokens, async_scheduling (vLLM's default on
-GPUs, which its CPU platform turns off: the driver turns it back on after the platform hook).
+GPUs, which its CPU platform turns off: the driver turns it back on after the platform hook),
+serial (one prompt per `generate` call in both passes: a request that recomputes after a failed
+load then runs alone, as in pass 1, instead of lagging a batch whose shape pass 1 never had).
 """
 
 from __future__ import annotations
@@ -84,9 +86,14 @@ def main() -> None:
     )
     t1 = time.perf_counter()
 
-    def run() -> list[list[int]]:
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp)
+    def generate(ps: list[list[int]]) -> list[list[int]]:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], sp)
         return [list(o.outputs[0].token_ids) for o in outs]
+
+    def run() -> list[list[int]]:
+        if a.get("serial"):
+            return [generate([p])[0] for p in prompts]
+        return generate(prompts)
 
     m0 = llm_metrics(llm)
     out1 = run()
