@@ -237,9 +237,12 @@ def _byte_rows(t: torch.Tensor, run: PageRun, nbytes: int, num_blocks: int) -> t
 def _fingerprint(desc: KVCacheDescription, segments: tuple[Segment, ...]) -> bytes:
     # The block count is left out: engines with different pool sizes share records. Memory
     # order is in: two layouts of the same model do not share bytes.
-    fields: list[bytes | str | int] = [desc.block_size, desc.page_format, len(segments)]
+    fields: list[bytes | str | int] = [desc.block_size, len(segments)]
     for seg in segments:
         fields += [seg.nbytes, len(seg.runs)]
         for r in seg.runs:
             fields += [r.tensor, r.dtype, r.nbytes, len(r.physical), *r.physical]
+    # only where a host names one, so the pages of hosts without one keep their fingerprint
+    if desc.page_format:
+        fields += ["page_format", desc.page_format]
     return digest16(_PAGES_DOMAIN, fields)
