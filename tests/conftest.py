@@ -20,6 +20,27 @@ from tests.vllm.drivers.common import RESULT_PREFIX
 SERVE_ARGS: dict[str, Any] = {"extra": TIER}
 
 
+# Session fixtures worth tens of seconds, whose users run on one worker (the tests of a group
+# stay together under `pytest -n 2 --dist loadgroup`, as `make test` runs them).
+SHARED_GROUPS = ("vllm_served",)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Keep each test file on one worker, so a module fixture (a vLLM run, a server, a Redis
+    cluster) is built once; a file that uses a shared session fixture joins that group."""
+    groups: dict[Path, str] = {}
+    for item in items:
+        shared = next((g for g in SHARED_GROUPS if g in getattr(item, "fixturenames", ())), None)
+        if shared is not None:
+            groups[item.path] = shared
+        else:
+            groups.setdefault(item.path, str(item.path))
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(groups[item.path]))
+
+
 def pytest_report_header() -> str:
     """The CPU's vector ISA at the top of every run: bf16 outputs depend on the kernels it
     selects (AVX2, AVX-512, AMX), so a failure report says which ones ran."""

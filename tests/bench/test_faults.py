@@ -135,3 +135,26 @@ def test_a_killed_tp_rank_ends_cleanly_naming_it(issue10) -> None:
     assert d["ranks_left"] == 0  # the survivor was stopped with it
     assert d["completed"] == d["verified"]  # nothing served wrong
     assert d["hits_before"] > 0
+
+
+def test_a_dead_rank_stops_the_harness_waiting_before_the_engine_loop_notices(
+    tmp_path: Path,
+) -> None:
+    """The killed-rank row raced: the server's health check refused requests for the dead rank
+    while the idle engine loop had not failed yet, and the harness asked the dead rank's agent
+    to flush, waiting its whole deadline (60 s) for an answer that could not come."""
+    from types import SimpleNamespace
+
+    from kvtier.bench.faults_inject import Control
+
+    loop = SimpleNamespace(fatal=None, dead_rank=lambda: "TP rank 1 (pid 7) exited with code -9")
+    run = object.__new__(faults_run.FaultRun)
+    run.server = SimpleNamespace(loop=loop)  # type: ignore[assignment]
+    run.stuck = None
+    assert run.fatal == "TP rank 1 (pid 7) exited with code -9"
+    # no agent answers here: without `give_up` this waits out the deadline and raises
+    ctl = Control(tmp_path / "ctl", world=2)
+    assert ctl.request("flush", timeout_s=30.0, give_up=lambda: run.fatal) == []
+    assert not list((tmp_path / "ctl").glob("*.req")), "the request was withdrawn"
+    with pytest.raises(RuntimeError, match=r"ranks \[0, 1\] did not answer 'flush' within 0.2s"):
+        ctl.request("flush", timeout_s=0.2)

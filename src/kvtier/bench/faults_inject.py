@@ -218,8 +218,14 @@ class Control:
         """Switch `flag` off."""
         (self.dir / f"{flag}.flag").unlink(missing_ok=True)
 
-    def request(self, kind: str, timeout_s: float = ACK_TIMEOUT_S) -> list[dict[str, Any]]:
-        """Ask every rank's agent for `kind`; their answers, by rank."""
+    def request(
+        self,
+        kind: str,
+        timeout_s: float = ACK_TIMEOUT_S,
+        give_up: Callable[[], str | None] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Ask every rank's agent for `kind`; their answers, by rank. `give_up` says why no
+        answer can come any more (the engine died while asking): then no answers, at once."""
         stem = f"{kind}-{next(self._seq)}"
         req = self.dir / f"{stem}.req"
         req.touch()
@@ -227,6 +233,8 @@ class Control:
         deadline = time.monotonic() + timeout_s
         try:
             while not all(a.exists() for a in acks):
+                if give_up is not None and give_up() is not None:
+                    return []
                 if time.monotonic() > deadline:
                     missing = [r for r, a in enumerate(acks) if not a.exists()]
                     raise RuntimeError(

@@ -220,8 +220,11 @@ class FaultRun:
 
     @property
     def fatal(self) -> str | None:
-        """Why the engine stopped serving (a failed step, a dead rank, stuck), or None."""
-        return self.server.loop.fatal or self.stuck
+        """Why the engine stopped serving (a failed step, a dead rank, stuck), or None. A dead
+        rank counts at once: the loop notices it only at its next wake-up, while the server's
+        health check already refuses requests, so a drained engine may not have failed yet."""
+        loop = self.server.loop
+        return loop.fatal or loop.dead_rank() or self.stuck
 
     def _within_deadline(self, coro: Any, tag: str, n: int, result: PhaseResult) -> Any:
         """`coro`'s result, or None (its `n` requests lost) once the engine is stuck."""
@@ -274,7 +277,7 @@ class FaultRun:
         self._load(prompts, f"{phase}-seed", result)
         self._idle()
         if self.fatal is None:
-            self.ctl.request("flush")
+            self.ctl.request("flush", give_up=lambda: self.fatal)
         if between is not None:
             between()
         self._engine_call(lambda e: e.reset_prefix_cache())
