@@ -1,5 +1,8 @@
 # Every target creates or reuses .venv and installs what it needs; nothing is assumed installed.
 PYTHON ?= python3.11
+# pytest workers: most tests wait on servers or engines in other processes, so two workers
+# overlap those waits on a 2-core machine; each test file stays on one worker (tests/conftest.py)
+PYTEST_WORKERS ?= 2
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvtier-installed
@@ -39,7 +42,7 @@ lint: $(STAMP)
 test:
 	@$(MAKE) --no-print-directory -j3 $(STAMP) services vllm-env aiperf-env
 	$(BIN)/ruff check src tests
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
 
 demo: $(STAMP)
 	$(BIN)/kvtier demo

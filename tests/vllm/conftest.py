@@ -18,6 +18,7 @@ import pytest
 
 from kvtier.native.modelgen import init_model
 from tests.vllm.drivers.common import RESULT_PREFIX
+from tests.vllm.forkclient import server_for
 
 REPO = Path(__file__).resolve().parents[2]
 SETUP_SCRIPT = REPO / "scripts" / "setup-vllm-env.sh"
@@ -144,7 +145,19 @@ def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def _run(cmd: list[str], env: dict[str, str], timeout_s: float) -> tuple[int, str, str]:
-    # a session of its own, so a timeout takes vLLM's worker processes down with the driver
+    """Run a driver script (`[python, script, *args]`) under `env`: (exit code, stdout,
+    stderr). Scripts under `.venv-vllm` run in a child of a fork server that imported vLLM once
+    (tests/vllm/forkserver.py); either way in a session of their own, so a timeout takes vLLM's
+    worker processes down with the driver."""
+    if Path(cmd[0]).parent.parent == VENV and cmd[1].endswith(".py"):
+        server = server_for(cmd[0], env, REPO)
+        try:
+            return server.run(cmd[1:], env, timeout_s)
+        except TimeoutError as exc:
+            raise AssertionError(
+                f"driver {cmd[1]} timed out after {timeout_s}s\n--- stderr tail ---\n"
+                f"{str(exc)[-6000:]}"
+            ) from None
     proc = subprocess.Popen(
         cmd,
         cwd=REPO,

@@ -63,6 +63,18 @@ def _free_port(cluster: bool) -> int:
     raise RedisServerError("no free loopback port pair (port, port + 10000) for a cluster node")
 
 
+def _hold_port(port: int) -> socket.socket | None:
+    """A socket bound to `port` without listening (None when someone took it already)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind(("127.0.0.1", port))
+    except OSError:
+        s.close()
+        return None
+    return s
+
+
 def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
     """Poll `check` until true; StartupError naming `what` after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
@@ -114,6 +126,9 @@ class RedisServer:
         self.socket_path = self.dir / "redis.sock"
         self.port = 0
         self._proc: subprocess.Popen[bytes] | None = None
+        # holds a killed server's port (bound, not listening: connections are refused, as by
+        # a dead server) so no other process takes it before restart()
+        self._placeholders: list[socket.socket] = []
 
     # ---- addresses -----------------------------------------------------------------------
 
@@ -150,6 +165,7 @@ class RedisServer:
         if self._proc is not None:
             raise RedisServerError("redis-server is already running; stop() or kill() it first")
         if self.unix or self.port:
+            self._release_port()
             self._launch()
             return self
         last: RedisServerError | None = None
@@ -172,6 +188,9 @@ class RedisServer:
         proc.kill()
         proc.wait(timeout=_START_S)
         self._proc = None
+        if not self.unix:
+            ports = (self.port, self.port + 10000) if self.cluster else (self.port,)
+            self._placeholders = [h for h in map(_hold_port, ports) if h is not None]
 
     def restart(self) -> RedisServer:
         """Start again on the same port or socket (empty: the server keeps no data)."""
@@ -189,7 +208,13 @@ class RedisServer:
                 proc.kill()
                 proc.wait(timeout=_START_S)
             self._proc = None
+        self._release_port()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _release_port(self) -> None:
+        for held in self._placeholders:
+            held.close()
+        self._placeholders = []
 
     def flushall(self) -> None:
         """Empty the store."""
@@ -267,7 +292,9 @@ class RedisServer:
         try:
             while True:
                 try:
-                    ready = bool(client.ping())
+                    # our process, not another server that took the port while ours failed to
+                    # bind it (a test talking to someone else's store would flush its data)
+                    ready = client.info("server").get("process_id") == proc.pid
                 except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
                     ready = False  # not listening yet (or still loading)
                 if ready:
