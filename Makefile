@@ -1,7 +1,7 @@
 # Every target creates or reuses .venv and installs what it needs; nothing is assumed installed.
 PYTHON ?= python3.11
 # pytest workers: most tests wait on servers or engines in other processes, so two workers
-# overlap those waits on a 2-core machine; each test file stays on one worker (tests/conftest.py)
+# overlap those waits on a 2-core machine; each test file stays on one worker (tests/xdist_files.py)
 PYTEST_WORKERS ?= 2
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -42,7 +42,7 @@ lint: $(STAMP)
 test:
 	@$(MAKE) --no-print-directory -j3 $(STAMP) services vllm-env aiperf-env
 	$(BIN)/ruff check src tests
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS)
 
 demo: $(STAMP)
 	$(BIN)/kvtier demo

@@ -20,25 +20,12 @@ from tests.vllm.drivers.common import RESULT_PREFIX
 SERVE_ARGS: dict[str, Any] = {"extra": TIER}
 
 
-# Session fixtures worth tens of seconds, whose users run on one worker (the tests of a group
-# stay together under `pytest -n 2 --dist loadgroup`, as `make test` runs them).
-SHARED_GROUPS = ("vllm_served",)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under `pytest -n N` (as `make test` runs): a test file per worker at a time, files that
+    share an expensive session fixture together, the slowest first (tests/xdist_files.py)."""
+    from tests.xdist_files import FileScheduling
 
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Keep each test file on one worker, so a module fixture (a vLLM run, a server, a Redis
-    cluster) is built once; a file that uses a shared session fixture joins that group."""
-    groups: dict[Path, str] = {}
-    for item in items:
-        shared = next((g for g in SHARED_GROUPS if g in getattr(item, "fixturenames", ())), None)
-        if shared is not None:
-            groups[item.path] = shared
-        else:
-            groups.setdefault(item.path, str(item.path))
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(groups[item.path]))
+    return FileScheduling(config, log)
 
 
 def pytest_report_header() -> str:
