@@ -28,10 +28,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return FileScheduling(config, log)
 
 
-def pytest_report_header() -> str:
-    """The CPU's vector ISA at the top of every run: bf16 outputs depend on the kernels it
-    selects (AVX2, AVX-512, AMX), so a failure report says which ones ran."""
-    return f"cpu vector ISA: {vector_isa()} (tests/README.md: comparing generated tokens)"
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The CPU's vector ISA at the top of every run, `-q` included: bf16 outputs depend on the
+    kernels it selects (AVX2, AVX-512, AMX), so a failure report says which ones ran."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and not hasattr(session.config, "workerinput"):
+        reporter.write_line(
+            f"cpu vector ISA: {vector_isa()} (tests/README.md: comparing generated tokens)"
+        )
 
 
 @pytest.fixture(scope="session")
