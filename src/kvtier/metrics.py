@@ -101,6 +101,7 @@ class _Families:
     step_seconds: Histogram
     load_parked_steps: Histogram
     sync_loads: Counter
+    hook_errors: Counter
 
 
 def _build(reg: CollectorRegistry) -> _Families:
@@ -205,6 +206,12 @@ def _build(reg: CollectorRegistry) -> _Families:
             buckets=_STEP_COUNT_BUCKETS,
         ),
         sync_loads=c("sync_loads", "Loads finished inside the forward of their step."),
+        hook_errors=c(
+            "hook_errors",
+            "Exceptions raised inside a kvtier hook, by hook: each cost its request a tier hit "
+            "(or its rank the tier), never the engine.",
+            "hook",
+        ),
     )
 
 
@@ -271,6 +278,9 @@ class Metrics:
 
     def hook_cpu(self, name: str) -> Counter:
         return self.f.hook_cpu_seconds.labels(str(self.rank), name)
+
+    def hook_error(self, hook: str) -> Counter:
+        return self.f.hook_errors.labels(str(self.rank), hook)
 
     def lane_cpu(self, lane: str) -> Counter:
         return self.f.lane_cpu_seconds.labels(str(self.rank), lane)

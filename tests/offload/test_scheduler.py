@@ -302,10 +302,26 @@ def test_a_load_granted_fewer_tokens_than_promised_loads_exactly_the_grant():
     assert op.tokens == granted
     # three chunks read whole; the third writes only the block inside the grant
     assert [c.block_ids for c in op.chunks] == [ids[0:2], ids[2:4], [ids[4], -1]]
-    with pytest.raises(ValueError, match="more than the"):
-        other = SlotView("b", prompt(4 * CHUNK + 1, salt=3))
-        sched.get_num_new_matched_tokens(other, 0)
-        sched.update_state_after_alloc(other, blocks(5 * CHUNK), 5 * CHUNK)
+
+
+def test_a_host_counting_more_than_promised_gets_a_load_that_fails_so_it_recomputes():
+    """A contract violation inside a hook costs its request the tier, never the engine
+    (invariant 18): the host already counts those tokens, so the ranks are sent a load they
+    fail at once and the host recomputes every block of it."""
+    sched, lookup, metrics = make(hits=4)
+    other = SlotView("b", prompt(4 * CHUNK + 1, salt=3))
+    assert sched.get_num_new_matched_tokens(other, 0) == 4 * CHUNK
+    ids = blocks(5 * CHUNK)
+    sched.update_state_after_alloc(other, ids, 5 * CHUNK)  # more than promised: no raise
+    assert metrics.value("hook_errors_total", hook="update_state_after_alloc") == 1
+    (op,) = sched.build_meta([]).loads
+    assert op.fail == "hook_error" and op.req_id == "b"
+    assert [b for c in op.chunks for b in c.block_ids] == ids[: 4 * CHUNK // BLOCK]
+    report_all(sched, op.op_id, ok=False)
+    # quarantined: it never asks the tier again, and it saves nothing
+    assert sched.get_num_new_matched_tokens(other, 0) == 0
+    assert not sched.build_meta([StepRequest(other, 4 * CHUNK + 1)]).saves
+    assert not sched.has_pending_work()
 
 
 def test_a_second_request_waits_for_the_load_of_the_same_chunks_instead_of_reading_them():
@@ -332,7 +348,7 @@ def test_preempting_a_request_whose_load_is_on_the_ranks_is_refused():
     need = sched.get_num_new_matched_tokens(view, 0)
     sched.update_state_after_alloc(view, blocks(len(p)), need)
     (op,) = sched.build_meta([]).loads
-    with pytest.raises(RuntimeError, match=r"preempted while its load a#ld\d+ is on the ranks"):
+    with pytest.raises(RuntimeError, match=r"request a was preempted while its load ld\d+ is on"):
         sched.request_preempted(view)
     assert sched.pending_load("a") == (0, need)  # the load stands, its blocks still promised
     (outcome,) = report_all(sched, op.op_id, world=1)

@@ -23,7 +23,9 @@ class LoadOp(msgspec.Struct, frozen=True):
     """Read chunks from the tier into KV blocks; `tokens` is what the load claims and
     `first_chunk` the index of its first chunk in the prompt. A `sync` load is finished inside
     `start_load_kv`, before the step's forward reads its blocks, and reports no
-    finished_recving (its request is running, not parked)."""
+    finished_recving (its request is running, not parked). A load with `fail` set reads
+    nothing: every rank reports it failed with that reason at once (the scheduler could not
+    make the load the host was promised; the host recomputes its blocks)."""
 
     op_id: str
     req_id: str
@@ -32,6 +34,7 @@ class LoadOp(msgspec.Struct, frozen=True):
     tokens: int
     first_chunk: int = 0
     sync: bool = False
+    fail: str = ""
 
 
 class SaveOp(msgspec.Struct, frozen=True):

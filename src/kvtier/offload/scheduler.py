@@ -14,19 +14,22 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvtier.config import KVTierConfig
 from kvtier.keys import chain_keys, key_seed
 from kvtier.metrics import Metrics
 from kvtier.offload.gate import LoadGate
 from kvtier.offload.heads import SavedHeads, private_tiers
+from kvtier.offload.hooks import HOOK_ERROR, HookGuard, shown_id
 from kvtier.offload.messages import ChunkRef, LoadOp, OffloadMeta, SaveOp, WorkerReport
 from kvtier.offload.protocols import LookupPort, RequestView, StepRequest
 from kvtier.offload.quorum import Quorum, Terminal
 from kvtier.offload.steps import LOOKUP, META, REPORTS, HookClock
 
 log = logging.getLogger("kvtier")
+
+T = TypeVar("T")
 
 # Skip reasons (the `reason` label of kvtier_skipped_loads_total).
 HBM_SATISFIES = "hbm_satisfies"
@@ -50,6 +53,7 @@ class _Load:
     op_id: str | None = None
     sync: bool = False  # finished inside its step's forward, its request never parked
     step: int = 0  # the engine step that sent it to the ranks
+    fail: str = ""  # sent as a load every rank fails at once (a hook failed after the promise)
 
 
 @dataclass
@@ -67,8 +71,10 @@ class _Req:
     hit_tier: str = ""  # the deepest tier of the promised run (the hit's source)
     deferred: bool = False  # already counted as waiting behind another request's load
     save_wait_t0: float | None = None  # when it began waiting for another request's save
+    load_wait_t0: float | None = None  # when it began waiting for another request's load
     hbm_floor: int | None = None  # tokens the HBM held at its first ask (computed before it)
     epoch: int = 0  # the namespace epoch its keys belong to
+    quarantined: bool = False  # a hook failed for it: no lookup, load or save from now on
 
     def busy(self) -> bool:
         return bool(self.saves) or (self.load is not None and self.load.op_id is not None)
@@ -158,6 +164,7 @@ class OffloadScheduler:
             cold_misses = private_tiers(config, saves=saves)
         self._heads = SavedHeads() if cold_misses else None
         self.clock = HookClock(metrics)
+        self.guard = HookGuard(metrics)
         self._step = 0  # engine steps so far (build_meta calls)
         self._step_t0: float | None = None  # when the busy step in flight was built
         self._sync_booked_s = 0.0  # predicted seconds of the sync loads promised this step
@@ -175,8 +182,14 @@ class OffloadScheduler:
         """
         if not self.config.enabled:
             return 0
+        rid = req.request_id
         with self.clock.time(LOOKUP):
-            return self._matched(req, num_computed_tokens)
+            return self.guard.run(
+                "get_num_new_matched_tokens",
+                rid,
+                lambda: self._matched(req, num_computed_tokens),
+                lambda: self._quarantine_to(rid, 0),
+            )
 
     def load_is_async(self, req_id: str) -> bool:
         """Whether the request's promised load runs on the load lane while it waits parked
@@ -186,6 +199,8 @@ class OffloadScheduler:
 
     def _matched(self, req: RequestView, num_computed_tokens: int) -> int | None:
         st = self._state(req)
+        if st.quarantined:
+            return 0
         if st.hbm_floor is None:
             st.hbm_floor = num_computed_tokens
         if st.epoch != self.epoch:
@@ -211,11 +226,7 @@ class OffloadScheduler:
             self._m.skipped_load(HBM_SATISFIES if best <= num_computed_tokens else TOO_SMALL).inc()
             return 0
         first = num_computed_tokens // self.chunk
-        if st.lookup is None and any(k in self._loading for k in st.keys[first:]):
-            # its blocks land in HBM when that load finishes: one tier read per chunk
-            if not st.deferred:
-                st.deferred = True
-                self._m.skipped_load(BEHIND_LOAD).inc()
+        if st.lookup is None and self._behind_load(st, first):
             return None
         if st.lookup is None and self._behind_save(st, first):
             return None
@@ -225,7 +236,7 @@ class OffloadScheduler:
         t0 = time.perf_counter()
         if st.lookup is None:
             st.lookup = self._lookup.begin(
-                st.keys, f"{st.req_id}#lk{next(self._nonce)}", lease=True
+                st.keys, f"lk{next(self._nonce)}", lease=True
             )
         result = self._lookup.poll(st.lookup, wait_ms=self.config.lookup_wait_ms)
         self._m.scheduler_lookup_seconds.observe(time.perf_counter() - t0)
@@ -265,6 +276,22 @@ class OffloadScheduler:
             self._sync_booked_s += self.gate.transfer_seconds(tokens, tier)
         st.load = _Load(hbm=num_computed_tokens, end=end, lookup_id=lookup_id, sync=sync)
         return tokens
+
+    def _behind_load(self, st: _Req, first: int) -> bool:
+        """Whether `st` waits for another request's load of its chunks: their blocks land in
+        HBM when it ends, one tier read per chunk. The wait is bounded by the loads' own
+        deadline (`lease_ttl_s`): a load whose end never reaches this scheduler parks no
+        other request for longer."""
+        if not any(k in self._loading for k in st.keys[first:]):
+            st.load_wait_t0 = None
+            return False
+        now = self._clock()
+        if st.load_wait_t0 is None:
+            st.load_wait_t0 = now
+        if not st.deferred:
+            st.deferred = True
+            self._m.skipped_load(BEHIND_LOAD).inc()
+        return now - st.load_wait_t0 < self.config.lease_ttl_s
 
     def _behind_save(self, st: _Req, first: int) -> bool:
         """Whether `st` waits for another request's save of one of its chunks to land: a
@@ -310,6 +337,21 @@ class OffloadScheduler:
         `hbm_tokens` is the HBM floor re-read after allocation when the host knows it better
         than at lookup time; a load that no longer pays off is withdrawn (0 is returned).
         """
+        rid = req.request_id
+        return self.guard.run(
+            "update_state_after_alloc",
+            rid,
+            lambda: self._after_alloc(req, block_ids, num_external_tokens, hbm_tokens),
+            lambda: self._quarantine_to(rid, 0, block_ids, num_external_tokens),
+        )
+
+    def _after_alloc(
+        self,
+        req: RequestView,
+        block_ids: Sequence[int],
+        num_external_tokens: int,
+        hbm_tokens: int | None,
+    ) -> int:
         st = self._reqs.get(req.request_id)
         if st is None or st.load is None or st.load.op_id is not None:
             return 0
@@ -334,7 +376,7 @@ class OffloadScheduler:
             # the chunk it ends in is read whole and written only up to the grant
             log.debug(
                 "kvtier: load of %s cut from %d to %d granted tokens",
-                st.req_id,
+                shown_id(st.req_id),
                 promised,
                 num_external_tokens,
             )
@@ -377,20 +419,55 @@ class OffloadScheduler:
         self._sync_done_s = 0.0
         self._step_t0 = time.perf_counter() if scheduled else None
         meta = OffloadMeta(preempted=sorted(preempted))
-        for st in self._reqs.values():
+        for st in list(self._reqs.values()):
             load = st.load
             if load is not None and load.block_ids is not None and load.op_id is None:
-                meta.loads.append(self._emit_load(st, load))
+                meta.loads.append(self._load_op(st, load))
         for item in scheduled:
-            st = self._reqs.get(item.view.request_id)
-            if st is None:
-                st = self._state(item.view)
-            op = self._emit_save(st, item)
+            op = self.guard.run(
+                "build_meta",
+                item.view.request_id,
+                lambda item=item: self._save_op(item),
+                lambda item=item: self._quarantine_to(item.view.request_id, None),
+            )
             if op is not None:
                 meta.saves.append(op)
         meta.delayed_free, self._delayed = self._delayed, []
         meta.load_terminals, self._terminals = self._terminals, {}
         return meta
+
+    def _load_op(self, st: _Req, load: _Load) -> LoadOp:
+        """The load's op for the ranks; one every rank fails at once when the load is doomed,
+        or when building it raised (the host counts those tokens: it must recompute them)."""
+
+        def doomed() -> LoadOp:
+            st.quarantined = st.load_failed = True
+            load.fail = load.fail or HOOK_ERROR
+            return self._failing_load(st, load)
+
+        if load.fail:
+            return self._failing_load(st, load)
+        return self.guard.run("build_meta", st.req_id, lambda: self._emit_load(st, load), doomed)
+
+    def _failing_load(self, st: _Req, load: _Load) -> LoadOp:
+        assert load.block_ids is not None
+        first = load.hbm // self.chunk
+        claimed = load.block_ids[load.hbm // self.block_size : -(-load.end // self.block_size)]
+        load.op_id = f"ld{next(self._nonce)}"
+        load.step = self._step
+        self._quorum.open(load.op_id)
+        self._ops[load.op_id] = (st.req_id, "load")
+        key = st.keys[first] if first < len(st.keys) else bytes(16)
+        return LoadOp(
+            load.op_id, st.req_id, load.lookup_id, [ChunkRef(key, list(claimed))],
+            load.end - load.hbm, first, sync=load.sync, fail=load.fail,
+        )  # fmt: skip
+
+    def _save_op(self, item: StepRequest) -> SaveOp | None:
+        st = self._reqs.get(item.view.request_id)
+        if st is None:
+            st = self._state(item.view)
+        return self._emit_save(st, item)
 
     def _emit_load(self, st: _Req, load: _Load) -> LoadOp:
         first = load.hbm // self.chunk
@@ -404,7 +481,8 @@ class OffloadScheduler:
                 inside = load.hbm <= token < load.end
                 ids.append(load.block_ids[token // self.block_size] if inside else -1)
             chunks.append(ChunkRef(st.keys[c], ids, _parent(st.keys, c)))
-        load.op_id = f"{st.req_id}#ld{next(self._nonce)}"
+        # kvtier's own ids: bounded whatever the host's request id is (a client's header)
+        load.op_id = f"ld{next(self._nonce)}"
         load.step = self._step
         self._quorum.open(load.op_id)
         self._ops[load.op_id] = (st.req_id, "load")
@@ -426,7 +504,7 @@ class OffloadScheduler:
         )
 
     def _emit_save(self, st: _Req, item: StepRequest) -> SaveOp | None:
-        if not self.saves:
+        if not self.saves or st.quarantined:
             return None
         if st.load is not None:
             return None  # its blocks are being filled by a load
@@ -446,7 +524,7 @@ class OffloadScheduler:
             b0 = c * self.blocks_per_chunk
             chunk_blocks = list(blocks[b0 : b0 + self.blocks_per_chunk])
             chunks.append(ChunkRef(st.keys[c], chunk_blocks, _parent(st.keys, c)))
-        op_id = f"{st.req_id}#sv{next(self._nonce)}"
+        op_id = f"sv{next(self._nonce)}"
         if self._heads is not None:
             self._heads.add(st.keys[0])
         self._quorum.open(op_id)
@@ -473,7 +551,12 @@ class OffloadScheduler:
                 for result in report.results:
                     term = self._quorum.report(report.rank, result)
                     if term is not None:
-                        outcome = self._terminal(term)
+                        outcome = self.guard.run(
+                            "update_connector_output",
+                            self._ops.get(term.op_id, ("", ""))[0] or None,
+                            lambda term=term: self._terminal(term),
+                            lambda term=term: self._forget_op(term.op_id),
+                        )
                         if outcome is not None:
                             outcomes.append(outcome)
         if self._step_t0 is not None:
@@ -509,8 +592,9 @@ class OffloadScheduler:
             self._m.save_failure(term.reason or "unknown").inc()
             st.emitted = min(st.emitted, start)  # saved again on a later step
             log.warning(
-                "kvtier: save %s of tokens [%d, %d) failed (%s); it will be retried",
+                "kvtier: save %s of request %s, tokens [%d, %d), failed (%s); it will be retried",
                 term.op_id,
+                shown_id(st.req_id),
                 start,
                 end,
                 term.reason,
@@ -541,7 +625,7 @@ class OffloadScheduler:
             "kvtier: load %s failed on some rank (%s); request %s recomputes it",
             term.op_id,
             term.reason,
-            req_id,
+            shown_id(req_id),
         )
         return LoadOutcome(req_id, False, tokens, term.reason)
 
@@ -550,6 +634,12 @@ class OffloadScheduler:
     def request_finished(self, req: RequestView) -> bool:
         """The request ended (finished or aborted). True: the host must delay freeing its blocks
         until the workers report it in `finished_sending`."""
+        rid = req.request_id
+        return self.guard.run(
+            "request_finished", rid, lambda: self._finished(req), lambda: self._finish_after(rid)
+        )
+
+    def _finished(self, req: RequestView) -> bool:
         st = self._reqs.get(req.request_id)
         if st is None:
             return False
@@ -630,6 +720,75 @@ class OffloadScheduler:
                 req.request_id, len(prompt), keys, epoch=self.epoch
             )
         return st
+
+    def quarantine(
+        self, req_id: str, block_ids: Sequence[int] | None = None, counted: int = 0
+    ) -> None:
+        """A hook failed for `req_id`: it gets no lookup, load or save from now on. A lookup
+        in flight is cancelled and a promise the host has not counted is withdrawn; one it
+        counted (`counted` external tokens over `block_ids`) goes to the ranks as a load they
+        fail at once, so the host recomputes those blocks. Ops already sent end as usual."""
+        st = self._reqs.get(req_id)
+        if st is None:
+            return
+        st.quarantined = st.load_failed = True
+        if st.lookup is not None:
+            lookup, st.lookup = st.lookup, None
+            self.guard.run("quarantine", req_id, lambda: self._lookup.cancel(lookup), lambda: None)
+        load = st.load
+        if load is None or load.op_id is not None:
+            return
+        if load.block_ids is None and counted > 0 and block_ids is not None:
+            load.block_ids = list(block_ids)
+            load.end = min(load.end, load.hbm + counted)
+            self._track(st, load, +1)
+        if load.block_ids is None:
+            self._drop_load(st, HOOK_ERROR)
+        else:
+            load.fail = HOOK_ERROR
+
+    def _quarantine_to(
+        self,
+        req_id: str,
+        answer: T,
+        block_ids: Sequence[int] | None = None,
+        counted: int = 0,
+    ) -> T:
+        self.quarantine(req_id, block_ids, counted)
+        return answer
+
+    def _forget_op(self, op_id: str) -> None:
+        """Processing an op's terminal raised: the op is gone, its request quarantined and
+        its load forgotten (so no request waits behind its chunks), its saves rolled back."""
+        req_id, kind = self._ops.pop(op_id, (None, ""))
+        self._terminals.pop(op_id, None)
+        for key in self._save_keys.pop(op_id, ()):
+            self._saving[key] -= 1
+            if self._saving[key] <= 0:
+                del self._saving[key]
+        st = self._reqs.get(req_id) if req_id is not None else None
+        if st is None:
+            return None
+        st.quarantined = st.load_failed = True
+        st.saves.pop(op_id, None)
+        if kind == "load" and st.load is not None and st.load.op_id == op_id:
+            self._track(st, st.load, -1)
+            st.load = None
+        if st.finished and not st.busy():
+            del self._reqs[st.req_id]
+        return None
+
+    def _finish_after(self, req_id: str) -> bool:
+        """`request_finished` raised: the request is done; its blocks wait for the ranks'
+        finished_sending (they report it once none of its ops is in flight there), so no save
+        still copying them can read a reused block."""
+        st = self._reqs.get(req_id)
+        if st is not None:
+            st.finished = st.quarantined = True
+            if st.load is not None and st.load.op_id is None:
+                st.load = None  # its lease expires by its deadline
+        self._delayed.append(req_id)
+        return True
 
     def _drop_load(self, st: _Req, reason: str, count: bool = True) -> None:
         assert st.load is not None and st.load.op_id is None

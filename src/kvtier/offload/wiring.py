@@ -144,12 +144,21 @@ class SchedulerWiring:
         for data in reports:
             if not data:
                 continue
-            report = messages.decode_report(data)
-            if report.metrics:
-                self.collector.update(f"rank{report.rank}", report.metrics)
-            decoded.append(report)
+            # a report that cannot be read loses its rank's results of one step (their ops end
+            # by their deadlines), never the engine
+            report = self.core.guard.run(
+                "update_connector_output", None, lambda data=data: self._decode(data), lambda: None
+            )
+            if report is not None:
+                decoded.append(report)
         self.core.process_reports(decoded)
         return decoded
+
+    def _decode(self, data: bytes) -> WorkerReport:
+        report = messages.decode_report(data)
+        if report.metrics:
+            self.collector.update(f"rank{report.rank}", report.metrics)
+        return report
 
     def close(self) -> None:
         """Close the lookup client."""

@@ -38,6 +38,7 @@ from kvtier.metrics import Metrics, snapshot
 from kvtier.offload import messages
 from kvtier.offload.codec import PageCodec
 from kvtier.offload.device import DeviceOps, Lane, ops_for
+from kvtier.offload.hooks import HOOK_ERROR, HookGuard
 from kvtier.offload.lane import WorkLane
 from kvtier.offload.messages import (
     ChunkRef,
@@ -127,6 +128,7 @@ class OffloadWorker:
         self.lookup_endpoint = lookup_endpoint
         self.ranks_on_host = ranks_on_host
         self.tag = f"kvtier[rank {rank}/{world}]"
+        self.guard = HookGuard(self.metrics, self.tag)
         self.stack: TierStack | None = None
         self.codec: PageCodec | None = None
         self.pages: KVPages | None = None
@@ -136,6 +138,7 @@ class OffloadWorker:
         self._results: list[OpResult] = []
         self._recving: list[str] = []
         self._invalid: list[int] = []
+        self.degraded = ""  # why this rank fails every op at once ("": it serves)
         self._sending: list[str] = []
         self._inflight: Counter[str] = Counter()  # req id -> ops not yet reported
         self._delayed: set[str] = set()
@@ -323,13 +326,28 @@ class OffloadWorker:
 
     # ---- per step -----------------------------------------------------------------------------
 
+    def degrade(self, reason: str) -> None:
+        """A worker hook failed and this rank's state can no longer be trusted: from now on
+        every load fails at once (its blocks recomputed) and every save fails, each reported
+        as usual, so the engine serves on without the tier on this rank."""
+        if not self.degraded:
+            log.error("%s: the tier is off on this rank from now on (%s)", self.tag, reason)
+        self.degraded = self.degraded or reason
+        # a preemption this rank may have missed: no save in flight commits another byte
+        with self._lock:
+            jobs = list(self._saving.values())
+        for job in jobs:
+            with job.lock:
+                job.cancelled = True
+
     def begin_step(self) -> None:
         """The host bound a new step's metadata: the step's time on this rank starts now."""
         self._step_t0 = time.perf_counter()
 
     def start_load_kv(self, meta: OffloadMeta) -> None:
         """Run this step's synchronous loads to completion, queue its asynchronous ones on the
-        load lane, note delayed frees, count agreed loads."""
+        load lane, note delayed frees, count agreed loads. A load that cannot even be started
+        reports failed (its blocks recomputed): none is left unreported or silently unread."""
         with self.clock.time(LOAD):
             self._start_loads(meta)
 
@@ -351,11 +369,34 @@ class OffloadWorker:
                     self._pending[p.op.op_id] = p
             self._delayed.update(meta.delayed_free)
         for p in pending:
-            if p.op.sync:
-                self._run_sync_load(p)
-            else:
-                assert self._load_lane is not None
-                self._load_lane.submit(lambda lane, p=p: self._run_load(lane, p))
+            self.guard.run(
+                "start_load_kv",
+                p.op.req_id,
+                lambda p=p: self._dispatch_load(p),
+                lambda p=p: self._fail_load(p, HOOK_ERROR),
+            )
+
+    def _dispatch_load(self, p: _PendingLoad) -> None:
+        if p.op.sync:
+            self._run_sync_load(p)
+        else:
+            assert self._load_lane is not None
+            self._load_lane.submit(lambda lane, p=p: self._run_load(lane, p))
+
+    def _fail_load(self, p: _PendingLoad, reason: str) -> None:
+        """Report a load failed without running it (nothing of it was written, or what was
+        is recomputed): its lease released, its blocks invalid, finished_recving if parked."""
+        with p.lock:
+            if p.done or p.expired:
+                return
+            p.expired = True
+        if self.stack is not None:
+            self.stack.release(p.op.lookup_id)
+        self.metrics.load_failure(reason).inc()
+        result = OpResult(p.op.op_id, False, reason)
+        with self._lock:
+            self._pending.pop(p.op.op_id, None)
+        self._record(p.op.req_id, result, recv=not p.op.sync, invalid=self._claimed_blocks(p.op))
 
     def wait_for_save(self, meta: OffloadMeta) -> None:
         """Queue this step's saves behind the forward that computed their blocks; returns
@@ -366,6 +407,14 @@ class OffloadWorker:
             self._queue_saves(meta)
 
     def _queue_saves(self, meta: OffloadMeta) -> None:
+        if self.degraded:
+            for op in meta.saves:
+                with self._lock:
+                    self._inflight[op.req_id] += 1
+                self.metrics.save_failure(self.degraded).inc()
+                self._record(op.req_id, OpResult(op.op_id, False, self.degraded), recv=False,
+                             invalid=())  # fmt: skip
+            return
         fence = self._ops_fence()
         jobs = [_PendingSave(op, fence) for op in meta.saves]
         with self._lock:
@@ -373,12 +422,33 @@ class OffloadWorker:
                 self._inflight[job.op.req_id] += 1
                 self._saving[job.op.op_id] = job
         assert self._save_lane is not None
+        save_lane = self._save_lane
         for job in jobs:
-            self._save_lane.submit(lambda lane, job=job: self._run_save(lane, job))
+            self.guard.run(
+                "wait_for_save",
+                job.op.req_id,
+                lambda job=job: save_lane.submit(lambda lane, job=job: self._run_save(lane, job)),
+                lambda job=job: self._fail_save(job, HOOK_ERROR),
+            )
+
+    def _fail_save(self, job: _PendingSave, reason: str) -> None:
+        with self._lock:
+            self._saving.pop(job.op.op_id, None)
+        self.metrics.save_failure(reason).inc()
+        self._record(job.op.req_id, OpResult(job.op.op_id, False, reason), recv=False, invalid=())
 
     def handle_preemptions(self, req_ids: Iterable[str]) -> None:
         """These requests' blocks are about to be reused: their in-flight saves commit nothing
-        read from now on (a chunk copied before this call still commits)."""
+        read from now on (a chunk copied before this call still commits). If that cannot be
+        done, no save in flight commits (the rank degrades)."""
+        self.guard.run(
+            "handle_preemptions",
+            None,
+            lambda: self._cancel_saves(req_ids),
+            lambda: self.degrade(HOOK_ERROR),
+        )
+
+    def _cancel_saves(self, req_ids: Iterable[str]) -> None:
         wanted = set(req_ids)
         if not wanted:
             return
@@ -390,9 +460,15 @@ class OffloadWorker:
 
     def take_report(self) -> WorkerReport:
         """Drain what finished since the last call into one report (loads past their deadline
-        are reported failed first)."""
+        are reported failed first); a failure here turns the tier off on this rank."""
         with self.clock.time(REPORT):
-            return self._drain_report()
+            return self.guard.run(
+                "get_finished", None, self._drain_report, lambda: self._degraded_report()
+            )
+
+    def _degraded_report(self) -> WorkerReport:
+        self.degrade(HOOK_ERROR)
+        return WorkerReport(rank=self.rank)
 
     def _drain_report(self) -> WorkerReport:
         self._expire_loads()
@@ -419,6 +495,18 @@ class OffloadWorker:
         """Wire bytes of `report` for the scheduler, with a snapshot of this rank's metrics once
         a second, or when they changed and nothing is in flight; b"" when there is nothing to
         say. Closes the rank's step: its time and its hooks' are observed here."""
+        return self.guard.run(
+            "build_connector_worker_meta",
+            None,
+            lambda: self._encode_report(report),
+            lambda: self._degraded_bytes(),
+        )
+
+    def _degraded_bytes(self) -> bytes:
+        self.degrade(HOOK_ERROR)
+        return b""
+
+    def _encode_report(self, report: WorkerReport) -> bytes:
         t0, c0 = start()
         if self._step_t0 is not None:
             self.metrics.step_seconds.observe(t0 - self._step_t0)
@@ -667,7 +755,10 @@ class OffloadWorker:
         served: Counter[str] = Counter()
         reason = ""
         try:
-            for ref in op.chunks:
+            # the scheduler could not make this load (or this rank can no longer serve):
+            # nothing is read, and the host recomputes every block it claims
+            reason = op.fail or self.degraded
+            for ref in () if reason else op.chunks:
                 tier = self._load_chunk(lane, p, ref, buf)
                 if tier is None:
                     reason = "miss"

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
 __all__ = ["SchedulerSide"]
 
 log = logging.getLogger("kvtier")
+
+T = TypeVar("T")
 
 _READY_TIMEOUT_S = 30.0
 _SOURCE_OF_TIER = {"memory": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
@@ -89,6 +92,7 @@ class SchedulerSide:
         self.collector = self.wiring.collector
         self.client = self.wiring.client
         self.core = self.wiring.core
+        self.guard = self.core.guard
         self.scope = self.wiring.scope
         # kept only when vLLM publishes KV events (routers learn what the tiers hold)
         self.events: KVEvents | None = None
@@ -106,6 +110,9 @@ class SchedulerSide:
 
     def take_stats(self) -> KVTierStats | None:
         """What changed in the merged kvtier metrics since the last call (None if nothing)."""
+        return self.guard.run("get_kv_connector_stats", None, self._take_stats, lambda: None)
+
+    def _take_stats(self) -> KVTierStats | None:
         if not self._dirty:
             return None
         now = time.monotonic()
@@ -125,6 +132,15 @@ class SchedulerSide:
         """(tokens the tier loads beyond vLLM's hit, load_async): a load predicted to take a
         small share of a step runs inside the forward of the step that admits the request
         (False), others on the ranks' load lanes while it waits in WAITING_FOR_REMOTE_KVS."""
+        rid = request.request_id
+        return self.guard.run(
+            "get_num_new_matched_tokens",
+            rid,
+            lambda: self._matched(request, num_computed_tokens),
+            lambda: self._quarantine_to(rid, (0, False)),
+        )
+
+    def _matched(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not _offloadable(request):
             return 0, False
         self._dirty = True
@@ -136,6 +152,12 @@ class SchedulerSide:
             return None, False  # not known yet: vLLM keeps it waiting and asks next step
         return (n, self.core.load_is_async(request.request_id)) if n > 0 else (0, False)
 
+    def _quarantine_to(self, req_id: str, answer: T, block_ids: list[int] | None = None,
+                       counted: int = 0) -> T:  # fmt: skip
+        self._dirty = True
+        self.core.quarantine(req_id, block_ids, counted)
+        return answer
+
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
     ) -> dict[CacheHitSource, int]:
@@ -143,8 +165,18 @@ class SchedulerSide:
         run in (vLLM has no remote source: a shared store is external_unspecified)."""
         if num_external_tokens <= 0:
             return {}
-        tier = self.core.hit_tier(request.request_id)
-        return {_SOURCE_OF_TIER.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED): num_external_tokens}
+
+        def sources() -> dict[CacheHitSource, int]:
+            tier = self.core.hit_tier(request.request_id)
+            source = _SOURCE_OF_TIER.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            return {source: num_external_tokens}
+
+        return self.guard.run(
+            "get_external_cache_hit_sources",
+            request.request_id,
+            sources,
+            lambda: {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens},
+        )
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -154,57 +186,97 @@ class SchedulerSide:
         if view is None:
             return
         self._dirty = True
-        (block_ids,) = blocks.get_block_ids()
-        view.set_block_ids(block_ids)
-        self.core.update_state_after_alloc(view, block_ids, num_external_tokens)
+        got: list[list[int]] = []
+
+        def learn() -> None:
+            (block_ids,) = blocks.get_block_ids()
+            got.append(list(block_ids))
+            view.set_block_ids(block_ids)
+            self.core.update_state_after_alloc(view, block_ids, num_external_tokens)
+
+        # vLLM counts the promised tokens as coming: a failure sends a load the ranks fail, so
+        # vLLM recomputes those blocks (a request parked for a load nobody makes would wait
+        # forever)
+        self.guard.run(
+            "update_state_after_alloc",
+            request.request_id,
+            learn,
+            lambda: self._quarantine_to(
+                request.request_id, None, got[0] if got else None, num_external_tokens
+            ),
+        )
 
     def build_connector_meta(self, out: SchedulerOutput) -> KVTierConnectorMetadata:
         """Preemptions, block tables and computed tokens of this step -> encoded OffloadMeta."""
         if out.preempted_req_ids:
             self._dirty = True
         for req_id in out.preempted_req_ids or ():
-            view = self.views.get(req_id)
-            # reset_prefix_cache(reset_running_requests=True) preempts and re-admits in one
-            # step: a load still unsent now was promised to the re-admission, not withdrawn
-            if view is not None and self.core.pending_load(req_id) is None:
-                self.core.request_preempted(view)
-                view.set_block_ids(())
+            self._per_request(req_id, lambda req_id=req_id: self._preempted(req_id))
         scheduled: list[StepRequest] = []
         prefill = 0
         for new in out.scheduled_new_reqs:
-            view = self.views.get(new.req_id)
-            if view is None:
-                continue
-            view.set_block_ids(new.block_ids[0])
-            n = out.num_scheduled_tokens.get(new.req_id, 0)
-            scheduled.append(StepRequest(view, new.num_computed_tokens + n))
-            prefill += _prefill_tokens(view, new.num_computed_tokens, n)
+            item = self._per_request(new.req_id, lambda new=new: self._scheduled_new(out, new))
+            if item is not None:
+                scheduled.append(item)
+                prefill += _prefill_tokens(item.view, new.num_computed_tokens,
+                                           out.num_scheduled_tokens.get(new.req_id, 0))  # fmt: skip
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            view = self.views.get(req_id)
-            if view is None:
-                continue
-            new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                view.set_block_ids(new_ids[0] if new_ids is not None else ())
-            elif new_ids is not None:
-                view.extend_block_ids(new_ids[0])
-            computed = cached.num_computed_tokens[i]
-            n = out.num_scheduled_tokens.get(req_id, 0)
-            scheduled.append(StepRequest(view, computed + n))
-            prefill += _prefill_tokens(view, computed, n)
+            item = self._per_request(req_id, lambda i=i: self._scheduled_cached(out, i))
+            if item is not None:
+                scheduled.append(item)
+                prefill += _prefill_tokens(item.view, cached.num_computed_tokens[i],
+                                           out.num_scheduled_tokens.get(req_id, 0))  # fmt: skip
         meta = self.wiring.build_meta(scheduled, out.preempted_req_ids or (), prefill)
         if self.events is not None:
+            events = self.events
             for op in (*meta.saves, *meta.loads):
                 view = self.views.get(op.req_id)
                 if view is not None:
-                    self.events.learn(view, op.first_chunk, op.chunks)
+                    self._per_request(
+                        op.req_id, lambda view=view, op=op: events.learn(view, op.first_chunk,
+                                                                         op.chunks))  # fmt: skip
         if self._vllm_frees:
             meta.delayed_free = [r for r in meta.delayed_free if r not in self._vllm_frees]
             self._vllm_frees.clear()
         for op in meta.loads:
             self._loading.add(op.req_id)
         return KVTierConnectorMetadata(encode_step_meta(meta))
+
+    def _per_request(self, req_id: str, body: Callable[[], T]) -> T | None:
+        """One request's share of a step hook: a failure quarantines that request only."""
+        return self.guard.run("build_connector_meta", req_id, body,
+                              lambda: self._quarantine_to(req_id, None))  # fmt: skip
+
+    def _preempted(self, req_id: str) -> None:
+        view = self.views.get(req_id)
+        # reset_prefix_cache(reset_running_requests=True) preempts and re-admits in one
+        # step: a load still unsent now was promised to the re-admission, not withdrawn
+        if view is not None and self.core.pending_load(req_id) is None:
+            self.core.request_preempted(view)
+            view.set_block_ids(())
+
+    def _scheduled_new(self, out: SchedulerOutput, new: NewRequestData) -> StepRequest | None:
+        view = self.views.get(new.req_id)
+        if view is None:
+            return None
+        view.set_block_ids(new.block_ids[0])
+        n = out.num_scheduled_tokens.get(new.req_id, 0)
+        return StepRequest(view, new.num_computed_tokens + n)
+
+    def _scheduled_cached(self, out: SchedulerOutput, i: int) -> StepRequest | None:
+        cached = out.scheduled_cached_reqs
+        req_id = cached.req_ids[i]
+        view = self.views.get(req_id)
+        if view is None:
+            return None
+        new_ids = cached.new_block_ids[i]
+        if req_id in cached.resumed_req_ids:
+            view.set_block_ids(new_ids[0] if new_ids is not None else ())
+        elif new_ids is not None:
+            view.extend_block_ids(new_ids[0])
+        n = out.num_scheduled_tokens.get(req_id, 0)
+        return StepRequest(view, cached.num_computed_tokens[i] + n)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """Every rank's report (op results, metrics) into the core's quorum."""
@@ -240,7 +312,10 @@ class SchedulerSide:
 
     def take_events(self) -> list[KVCacheEvent]:
         """KV-cache events for what the tiers stored and dropped since the last step."""
-        return [] if self.events is None else self.events.take()
+        events = self.events
+        if events is None:
+            return []
+        return self.guard.run("take_events", None, events.take, list)
 
     def reset(self) -> None:
         """A new namespace epoch: every chunk stored before is unreachable, and routers are told
