@@ -10,6 +10,8 @@ ids are client text: `shown_id` escapes and bounds them for log lines.
 from __future__ import annotations
 
 import logging
+import time
+from collections import Counter
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -23,6 +25,9 @@ T = TypeVar("T")
 HOOK_ERROR = "hook_error"
 
 _SHOWN_ID_CHARS = 80
+# a defect that repeats every step (or a client that triggers one at will) must not flood the
+# log: one line per hook per interval, the rest counted in the next line and the counter
+_LOG_EVERY_S = 1.0
 
 
 def shown_id(req_id: object) -> str:
@@ -37,10 +42,15 @@ def shown_id(req_id: object) -> str:
 class HookGuard:
     """Runs hook bodies so an exception becomes a counter, one log line and a fallback."""
 
-    def __init__(self, metrics: Metrics, tag: str = "kvtier") -> None:
+    def __init__(
+        self, metrics: Metrics, tag: str = "kvtier", clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.metrics = metrics
         self.tag = tag
+        self.clock = clock
         self._traced: set[str] = set()  # hooks whose first failure was logged with its trace
+        self._logged_at: dict[str, float] = {}
+        self._unlogged: Counter[str] = Counter()
 
     def run(
         self,
@@ -61,16 +71,24 @@ class HookGuard:
         """Count and log one hook failure (its traceback once per hook, so a repeating defect
         is diagnosable without flooding the log)."""
         self.metrics.hook_error(hook).inc()
+        now = self.clock()
+        last = self._logged_at.get(hook)
+        if last is not None and now - last < _LOG_EVERY_S:
+            self._unlogged[hook] += 1
+            return
+        self._logged_at[hook] = now
+        more = self._unlogged.pop(hook, 0)
         who = f" for request {shown_id(req_id)}" if req_id is not None else ""
         first = hook not in self._traced
         self._traced.add(hook)
         log.error(
-            "%s: hook %s failed%s (%s: %s); %s",
+            "%s: hook %s failed%s (%s: %s); %s%s",
             self.tag,
             hook,
             who,
             type(exc).__name__,
             shown_id(exc),
             "the request goes on without the tier" if req_id is not None else "see the counter",
+            f" ({more} more failures of this hook since its last line)" if more else "",
             exc_info=exc if first else None,
         )

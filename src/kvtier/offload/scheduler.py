@@ -591,6 +591,8 @@ class OffloadScheduler:
         else:
             self._m.save_failure(term.reason or "unknown").inc()
             st.emitted = min(st.emitted, start)  # saved again on a later step
+            if term.reason == HOOK_ERROR:
+                st.quarantined = True  # a defect, not a full tier: trying again fails again
             log.warning(
                 "kvtier: save %s of request %s, tokens [%d, %d), failed (%s); it will be retried",
                 term.op_id,

@@ -499,12 +499,18 @@ class OffloadWorker:
             "build_connector_worker_meta",
             None,
             lambda: self._encode_report(report),
-            lambda: self._degraded_bytes(),
+            lambda: self._carry_results(report) or self._degraded_bytes(),
         )
 
     def _degraded_bytes(self) -> bytes:
         self.degrade(HOOK_ERROR)
         return b""
+
+    def _carry_results(self, report: WorkerReport) -> None:
+        """Op results of a report that could not be sent go out with the next one (the host
+        already has its finished ids): the scheduler still learns every op's end."""
+        with self._lock:
+            self._results[:0] = report.results
 
     def _encode_report(self, report: WorkerReport) -> bytes:
         t0, c0 = start()
@@ -565,7 +571,12 @@ class OffloadWorker:
     def _run_save(self, lane: Lane, job: _PendingSave) -> None:
         result = OpResult(job.op.op_id, False, "error:unreported")
         try:
-            result = self._save(lane, job)
+            result = self.guard.run(
+                "save",
+                job.op.req_id,
+                lambda: self._save(lane, job),
+                lambda: OpResult(job.op.op_id, False, HOOK_ERROR),
+            )
         finally:
             with self._lock:
                 self._saving.pop(job.op.op_id, None)
@@ -765,10 +776,10 @@ class OffloadWorker:
                     break
                 served[tier] += 1
                 written += sum(1 for b in ref.block_ids if b >= 0)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - counted and logged by the guard, reported below
             # whatever a tier or the codec raised, the lane must live on to serve later loads
             # and this one must report: an escaped exception would park its request forever
-            log.exception("%s: load %s raised", self.tag, op.op_id)
+            self.guard.failed("load", op.req_id, e)
             reason = f"error:{type(e).__name__}"
             # the host recomputes these blocks once the failure is reported: a scatter queued
             # before the raise must not land on top of that
