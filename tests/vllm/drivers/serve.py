@@ -5,7 +5,10 @@ vLLM's prefix cache, pass 2 repeats them; then `/metrics` is read once vLLM has 
 prompt. Prints texts and token ids, cached tokens, the cache counters, the whole /metrics page
 and the server's kvtier log lines.
 Args (JSON): model, extra, and optionally n, base_len, max_tokens, startup_timeout_s, serve_args
-(extra `vllm serve` arguments), dp_ranks (send prompt i to data-parallel engine i % dp_ranks).
+(extra `vllm serve` arguments), dp_ranks (send prompt i to data-parallel engine i % dp_ranks),
+hostile_ids (after the counters are read: a prefix-cache reset, then the first prompt under
+client `X-Request-Id` headers of 300 and 4000 characters, so a tier lookup runs under each, then
+a plain request: their statuses and cached tokens).
 """
 
 from __future__ import annotations
@@ -130,6 +133,27 @@ def wait_until(check: Callable[[], bool], timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
+def hostile_ids(base: str, prompt: list[int], max_tokens: int) -> list[dict[str, Any]]:
+    """The prompt under client request ids kvtier must not choke on (vLLM takes the
+    X-Request-Id header as the request id), then a plain request: status and cached tokens."""
+    http("POST", f"{base}/reset_prefix_cache")
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True}  # fmt: skip
+    out = []
+    for rid in ("x" * 300, "y#lk" * 1000, None):
+        try:
+            r = http("POST", f"{base}/v1/completions", body, timeout=120,
+                     headers={"X-Request-Id": rid} if rid else None)  # fmt: skip
+            details = (r.get("usage") or {}).get("prompt_tokens_details") or {}
+            out.append({"id_chars": len(rid or ""), "status": 200,
+                        "cached": details.get("cached_tokens", 0)})  # fmt: skip
+        except urllib.error.HTTPError as e:
+            out.append({"id_chars": len(rid or ""), "status": e.code, "cached": 0})
+        except (urllib.error.URLError, ConnectionError) as e:
+            out.append({"id_chars": len(rid or ""), "status": 0, "error": str(e)})
+    return out
+
+
 def main() -> None:
     a = args()
     prompts = make_prompts(a.get("n", 2), a.get("base_len", 600))
@@ -199,6 +223,9 @@ def main() -> None:
             return counters(page["text"])["vllm:prefix_cache_queries_total"] >= want
 
         wait_until(counted, 30, f"vllm:prefix_cache_queries_total to reach {want}")
+        result["lines_before_hostile"] = sum(1 for line in list(log.lines) if "kvtier" in line)
+        if a.get("hostile_ids"):
+            result["hostile"] = hostile_ids(base, prompts[0], a.get("max_tokens", 16))
         result.update(
             {
                 "prompt_lens": [len(p) for p in prompts],
