@@ -118,6 +118,12 @@ def tiny_vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vllm_model_f32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama in float32, for tests whose passes cannot share a batch shape."""
+    return init_model(tmp_path_factory.mktemp("vllm-model-f32") / "tiny", dtype="float32")
+
+
+@pytest.fixture(scope="session")
 def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Environment of every driver: offline, 1 GiB of KV, caches and sockets in the test tmp."""
     root = tmp_path_factory.mktemp("vllm-run")

@@ -8,15 +8,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from kvtier.native.modelgen import init_model
 from tests.vllm.conftest import CHUNK, TIER, DriverRun, loadable_tokens, retrieved_lines
 
 
 def test_preempted_requests_restore_again_and_decode_the_same(
-    run_driver: Callable[..., DriverRun], tmp_path: Path
+    run_driver: Callable[..., DriverRun], tiny_vllm_model_f32: Path
 ) -> None:
-    model = init_model(tmp_path / "tiny-f32", dtype="float32")
-    args = {"model": str(model), "extra": TIER}
+    args = {"model": str(tiny_vllm_model_f32), "extra": TIER}
     run = run_driver("preempt", args, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     r = run.result
     n = len(r["prompt_lens"])

@@ -781,16 +781,21 @@ class OffloadScheduler:
         return None
 
     def _finish_after(self, req_id: str) -> bool:
-        """`request_finished` raised: the request is done; its blocks wait for the ranks'
-        finished_sending (they report it once none of its ops is in flight there), so no save
-        still copying them can read a reused block."""
+        """`request_finished` raised: the request is done. With an op in flight its blocks wait
+        for the ranks' finished_sending (reported once none of its ops is in flight there), so
+        no save still copying them can read a reused block; without one they are free now (a
+        delay nobody ends would hold them until some later step)."""
         st = self._reqs.get(req_id)
-        if st is not None:
-            st.finished = st.quarantined = True
-            if st.load is not None and st.load.op_id is None:
-                st.load = None  # its lease expires by its deadline
-        self._delayed.append(req_id)
-        return True
+        if st is None:
+            return False
+        st.finished = st.quarantined = True
+        if st.load is not None and st.load.op_id is None:
+            st.load = None  # its lease expires by its deadline
+        if st.busy():
+            self._delayed.append(req_id)
+            return True
+        del self._reqs[req_id]
+        return False
 
     def _drop_load(self, st: _Req, reason: str, count: bool = True) -> None:
         assert st.load is not None and st.load.op_id is None

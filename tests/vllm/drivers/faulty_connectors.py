@@ -5,6 +5,8 @@ worker sees, right before queueing it: with `verify_memory_reads: true` the read
 checksum, the load fails and vLLM must recompute the request's blocks.
 `GatedKVTierConnector` holds every load until the driver sets `GatedKVTierConnector.gate`, so
 a driver can act (abort) while a load is in flight.
+`HookFaultKVTierConnector` raises inside one kvtier hook, chosen at run time through
+`HookFaultKVTierConnector.fault` (in-process engines only): for its victim request, or once.
 
 Loaded through `kv_connector_module_path="tests.vllm.drivers.faulty_connectors"`.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from kvtier.vllm import KVTierConnector
@@ -67,6 +70,57 @@ class GatedKVTierConnector(KVTierConnector):
 
         log.info("test: holding loads %s", [op.op_id for op in meta.loads])
         threading.Thread(target=release, name="test-load-gate", daemon=True).start()
+
+
+class InjectedFault(RuntimeError):
+    """Raised by HookFaultKVTierConnector (a defect of kvtier's own, as vLLM sees it)."""
+
+
+# hook -> (half, object, method, the victim's request id from the call's args; None: once)
+HOOK_POINTS: dict[str, tuple[str, str, str, Callable[..., str] | None]] = {
+    "get_num_new_matched_tokens": ("scheduler", "core", "_matched", lambda req, n: req.request_id),
+    "update_state_after_alloc": ("scheduler", "core", "_after_alloc",
+                                 lambda req, *a: req.request_id),
+    "build_meta_load": ("scheduler", "core", "_emit_load", lambda st, load: st.req_id),
+    "build_meta_save": ("scheduler", "core", "_emit_save", lambda st, item: st.req_id),
+    "build_connector_meta": ("scheduler", "side", "_scheduled_new", lambda out, new: new.req_id),
+    "request_finished": ("scheduler", "core", "_finished", lambda req: req.request_id),
+    "start_load_kv": ("worker", "worker", "_dispatch_load", lambda p: p.op.req_id),
+    "save": ("worker", "worker", "_save", lambda lane, job: job.op.req_id),
+    "get_finished": ("worker", "worker", "_drain_report", None),
+    "build_connector_worker_meta": ("worker", "worker", "_encode_report", None),
+}  # fmt: skip
+
+
+class HookFaultKVTierConnector(KVTierConnector):
+    """kvtier with `fault = {"hook": name, "victim": request id prefix}` raising in that hook
+    (read at every call, so a driver switches it between passes)."""
+
+    fault: dict[str, str] = {}
+    fired: set[str] = set()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for hook, (half, owner_name, method, req_id) in HOOK_POINTS.items():
+            side = self._scheduler if half == "scheduler" else self._worker
+            if side is None:
+                continue
+            owner = side if owner_name == "side" else getattr(side, owner_name)
+            setattr(owner, method, self._wrap(hook, getattr(owner, method), req_id))
+
+    @classmethod
+    def _wrap(cls, hook: str, inner: Callable[..., Any], req_id: Callable[..., str] | None) -> Any:
+        def wrapped(*args: Any) -> Any:
+            if cls.fault.get("hook") == hook:
+                if req_id is None:
+                    if hook not in cls.fired:
+                        cls.fired.add(hook)
+                        raise InjectedFault(f"injected fault in {hook}")
+                elif req_id(*args).startswith(cls.fault["victim"]):
+                    raise InjectedFault(f"injected fault in {hook} for {req_id(*args)}")
+            return inner(*args)
+
+        return wrapped
 
 
 # MultiConnector finds its children's stats classes by name
