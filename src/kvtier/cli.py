@@ -300,6 +300,42 @@ def serve(
         help="Seconds with requests queued and no engine step making progress before /health "
         "answers 503 and kvtier_engine_stalled is 1.",
     ),
+    max_request_body_size: str = typer.Option(
+        "16MiB",
+        "--max-request-body-size",
+        help="Largest request body (bytes or a size with a unit); larger ones get 413, read no "
+        "further than the limit.",
+    ),
+    max_logit_bias: int = typer.Option(
+        1024, "--max-logit-bias", help="Most logit_bias entries a request may send (else 400)."
+    ),
+    max_stop_strings: int = typer.Option(
+        4, "--max-stop-strings", help="Most stop strings a request may send (vLLM's 4; else 400)."
+    ),
+    max_stop_token_ids: int = typer.Option(
+        1024, "--max-stop-token-ids", help="Most stop_token_ids a request may send (else 400)."
+    ),
+    max_queued_seqs: int = typer.Option(
+        1024,
+        "--max-queued-seqs",
+        help="Most sequences (n x prompts, all requests) in the engine at once; beyond it a "
+        "request gets 503 with Retry-After.",
+    ),
+    trust_request_chat_template: bool = typer.Option(
+        False,
+        "--trust-request-chat-template",
+        help="Render chat_template sent in requests (vLLM's flag); without it they get 400.",
+    ),
+    chat_template_timeout: float = typer.Option(
+        5.0,
+        "--chat-template-timeout",
+        help="Seconds one chat template render may take (else 400).",
+    ),
+    max_chat_template_chars: int = typer.Option(
+        32 * 2**20,
+        "--max-chat-template-chars",
+        help="Characters one chat template render may build (else 400).",
+    ),
 ) -> None:
     """Serve MODEL_DIR over an OpenAI-compatible HTTP API on the native engine.
 
@@ -308,10 +344,12 @@ def serve(
     import logging
     import os
 
-    from kvtier.config import ENV_CONFIG_FILE, KVTierConfig
+    from kvtier.config import ENV_CONFIG_FILE, KVTierConfig, parse_size
     from kvtier.errors import KVTierError
+    from kvtier.native.chat_template import RenderLimits
     from kvtier.native.config import EngineConfig
     from kvtier.native.launcher import serve as run_server
+    from kvtier.native.server import ServerLimits
     from kvtier.native.tp import WorkerError
 
     logging.basicConfig(
@@ -337,6 +375,18 @@ def serve(
         )
         if not stall_timeout > 0:
             raise _fail(f"--stall-timeout {stall_timeout} must be > 0 seconds")
+        try:
+            limits = ServerLimits(
+                max_body_bytes=parse_size(max_request_body_size, "--max-request-body-size"),
+                max_logit_bias=max_logit_bias,
+                max_stop_strings=max_stop_strings,
+                max_stop_token_ids=max_stop_token_ids,
+                max_queued_seqs=max_queued_seqs,
+                trust_request_chat_template=trust_request_chat_template,
+                render=RenderLimits(chat_template_timeout, max_chat_template_chars),
+            )
+        except ValueError as e:  # ConfigError is a ValueError too
+            raise _fail(f"{e} (kvtier serve --help lists the limits)") from None
         code = run_server(
             model_dir,
             engine_config,
@@ -345,6 +395,7 @@ def serve(
             port=port,
             served_model_name=served_model_name,
             stall_timeout_s=stall_timeout,
+            limits=limits,
         )
     except (KVTierError, WorkerError, FileNotFoundError) as e:
         raise _fail(str(e)) from None

@@ -9,36 +9,75 @@ request's sink. It also keeps what `/health` and `/metrics` need:
   emitting outputs) for `stall_timeout_s`, `health()` names the stall even while a step hangs;
 - an engine failure (`engine.step()` raised, a TP rank died): every request in flight fails with
   500, the failure is logged once, and `on_fatal` is called so the process can exit nonzero.
+
+Requests are submitted as a `Submission`: the client's request id and one engine request per
+sequence (`n` x prompts), under engine ids the loop makes (`srv-<n>`, unique for the loop's
+life), so a client's id never reaches the engine, the connector or a TP rank, whatever its
+length or content. A client id is live from `submit` until its last sequence ended; a second
+submission under a live id is refused (`DuplicateRequestId`) without touching the first, and an
+abort names its submission's engine ids, so it can only end its own sequences. One failing
+sequence (the sampler raised, the engine refused it) ends its siblings and the client gets one
+error. At most `max_queued_seqs` sequences are in the loop at once (`Overloaded` beyond).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import itertools
 import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvtier.native.detokenizer import TextStream
 from kvtier.native.engine import Engine
 from kvtier.native.sampling import SamplingParams
-from kvtier.native.sequence import RequestOutput
+from kvtier.native.sequence import RequestOutput, loggable
 from kvtier.native.serve_metrics import RequestTimes, ServeMetrics
 
-__all__ = ["EngineFailure", "EngineLoop", "EngineUnavailable", "SeqUpdate"]
+__all__ = [
+    "DuplicateRequestId", "EngineFailure", "EngineLoop", "EngineUnavailable", "Overloaded",
+    "SeqSpec", "SeqUpdate", "Submission",
+]  # fmt: skip
 
 log = logging.getLogger("kvtier.server")
 T = TypeVar("T")
 
 DEFAULT_STALL_TIMEOUT_S = 60.0
+DEFAULT_MAX_QUEUED_SEQS = 1024
+# what a client hears when its sequence failed inside the engine; the cause is in the log
+SEQ_FAILED = (
+    "the request failed in the engine; the server log has the cause (logged with the request "
+    "id) and the server keeps serving other requests"
+)
 
 
 class EngineUnavailable(RuntimeError):
     """The engine loop is not accepting work (stopped, or the engine failed)."""
+
+
+class DuplicateRequestId(ValueError):
+    """A request id that a request still in flight holds."""
+
+    def __init__(self, rid: str) -> None:
+        super().__init__(f"request id {loggable(rid)} is in flight")
+        self.rid = rid
+
+
+class Overloaded(RuntimeError):
+    """Admitting the sequences would put more than `max_queued_seqs` in the loop."""
+
+    def __init__(self, queued: int, asked: int, limit: int) -> None:
+        super().__init__(f"{queued} sequences queued, {asked} more asked, limit {limit}")
+        self.queued, self.asked, self.limit = queued, asked, limit
+
+
+class _RankDied(RuntimeError):
+    """A TP rank process exited (its message names the rank, pid and exit code)."""
 
 
 @dataclass(frozen=True)
@@ -65,18 +104,43 @@ class SeqUpdate:
 
 
 @dataclass(frozen=True)
-class _Submit:
-    rid: str
+class SeqSpec:
+    """One sequence of a submission: what it runs and where its updates go."""
+
     prompt_ids: list[int]
     params: SamplingParams
-    sink: Callable[[object], bool]
-    arrival: float
+    sink: Callable[[object], bool]  # on the loop thread; False when nobody listens
     text: TextStream
 
 
 @dataclass(frozen=True)
-class _Abort:
+class Submission:
+    """A client's request in the loop: its id and its sequences' engine ids (in order)."""
+
     rid: str
+    engine_ids: tuple[str, ...]
+
+
+@dataclass(eq=False)
+class _Group:
+    """The loop's view of one submission: how many of its sequences have not ended."""
+
+    sub: Submission
+    left: int
+    failed: bool = False
+
+
+@dataclass(frozen=True)
+class _Submit:
+    group: _Group
+    index: int
+    spec: SeqSpec
+    arrival: float
+
+
+@dataclass(frozen=True)
+class _Abort:
+    engine_ids: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -89,6 +153,8 @@ class _Call:
 class _Track:
     """What the loop knows of one live request: where updates go, its text and its times."""
 
+    group: _Group
+    index: int
     sink: Callable[[object], bool]
     params: SamplingParams
     text: TextStream
@@ -111,9 +177,12 @@ class EngineLoop:
         on_fatal: Callable[[str], None] | None = None,
         idle_wait_s: float = 0.5,
         transfer_wait_s: float = 0.001,
+        max_queued_seqs: int = DEFAULT_MAX_QUEUED_SEQS,
     ) -> None:
         if not stall_timeout_s > 0:
             raise ValueError(f"stall_timeout_s={stall_timeout_s} must be > 0 seconds")
+        if max_queued_seqs < 1:
+            raise ValueError(f"max_queued_seqs={max_queued_seqs} must be >= 1")
         self.engine = engine
         self.metrics = metrics
         self.clock = clock
@@ -126,10 +195,15 @@ class EngineLoop:
         self._stopping = False
         self._closed = False  # set by the loop thread on exit: no command is taken after it
         self._idle = threading.Event()
-        self._tracks: dict[str, _Track] = {}  # loop thread only (other threads read its size)
+        self._tracks: dict[str, _Track] = {}  # by engine id; loop thread only (size read)
         self._finished: Counter[str] = Counter()  # finished requests by reason, loop thread only
         self._progress_at = clock()  # the latest step that made progress (or the idle moment)
-        self.fatal: str | None = None
+        self.max_queued_seqs = max_queued_seqs
+        self._live: dict[str, _Group] = {}  # client id -> its submission (under _cv)
+        self._queued = 0  # sequences submitted and not ended (under _cv)
+        self._engine_ids = itertools.count()
+        self.fatal: str | None = None  # the failure in full, for the log and on_fatal
+        self.fatal_public: str | None = None  # what clients are told (no exception text)
         self._thread = threading.Thread(target=self._run, name="kvtier-engine-loop", daemon=True)
 
     # ---- any thread ----------------------------------------------------------------------------
@@ -139,22 +213,38 @@ class EngineLoop:
         self._publish()
         self._thread.start()
 
-    def submit(
-        self,
-        rid: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        sink: Callable[[object], bool],
-        arrival: float,
-        text: TextStream,
-    ) -> None:
-        """Queue a new request; raises EngineUnavailable when the loop no longer takes work."""
-        self._put(_Submit(rid, prompt_ids, params, sink, arrival, text))
+    def submit(self, rid: str, seqs: Sequence[SeqSpec], arrival: float) -> Submission:
+        """Queue a client request's sequences, all or none.
 
-    def abort(self, rid: str) -> None:
-        """Ask the loop to abort a request (a no-op once it finished or the loop stopped)."""
+        Raises DuplicateRequestId when a request in flight holds `rid`, Overloaded when the
+        sequences would pass `max_queued_seqs`, EngineUnavailable when the loop no longer
+        takes work.
+        """
+        with self._cv:
+            self._check_open()
+            if rid in self._live:
+                raise DuplicateRequestId(rid)
+            if self._queued + len(seqs) > self.max_queued_seqs:
+                raise Overloaded(self._queued, len(seqs), self.max_queued_seqs)
+            ids = tuple(f"srv-{next(self._engine_ids)}" for _ in seqs)
+            group = _Group(Submission(rid, ids), len(seqs))
+            self._live[rid] = group
+            self._queued += len(seqs)
+            for i, spec in enumerate(seqs):
+                self._enqueue(_Submit(group, i, spec, arrival))
+        return group.sub
+
+    def abort(self, sub: Submission) -> None:
+        """End a submission's sequences that have not ended (a no-op for those that did, or
+        once the loop stopped); never touches another submission, whatever its id."""
         with contextlib.suppress(EngineUnavailable):
-            self._put(_Abort(rid))
+            self._put(_Abort(sub.engine_ids))
+
+    @property
+    def queued(self) -> int:
+        """Sequences submitted and not ended (what `max_queued_seqs` bounds)."""
+        with self._cv:
+            return self._queued
 
     def call(self, fn: Callable[[Engine], T]) -> concurrent.futures.Future[T]:
         """Run `fn(engine)` on the loop thread between steps; its result comes in the future."""
@@ -183,8 +273,8 @@ class EngineLoop:
 
     def health(self) -> str | None:
         """None when the engine can serve, else why not (failed, a dead rank, stalled)."""
-        if self.fatal is not None:
-            return self.fatal
+        if self.fatal_public is not None:
+            return self.fatal_public
         if self._closed or not self._thread.is_alive():
             return "the engine loop is not running"
         dead = self.dead_rank()
@@ -208,15 +298,31 @@ class EngineLoop:
             if self._thread.is_alive():
                 log.error("engine loop did not stop within %.0f s (a step is stuck)", timeout_s)
 
-    def _put(self, cmd: _Submit | _Abort | _Call) -> None:
+    def _check_open(self) -> None:
+        if self._closed or self._stopping:
+            raise EngineUnavailable(self.fatal_public or "the server is shutting down")
+
+    def _put(self, cmd: _Abort | _Call) -> None:
         with self._cv:
-            if self._closed or self._stopping:
-                raise EngineUnavailable(self.fatal or "the server is shutting down")
-            if isinstance(cmd, _Submit) and not self._tracks and not self._inbox:
-                self._progress_at = self.clock()  # idle until now: the stall clock starts here
-            self._inbox.append(cmd)
-            self._idle.clear()
-            self._cv.notify()
+            self._check_open()
+            self._enqueue(cmd)
+
+    def _enqueue(self, cmd: _Submit | _Abort | _Call) -> None:
+        # under _cv
+        if isinstance(cmd, _Submit) and not self._tracks and not self._inbox:
+            self._progress_at = self.clock()  # idle until now: the stall clock starts here
+        self._inbox.append(cmd)
+        self._idle.clear()
+        self._cv.notify()
+
+    def _release(self, group: _Group, count: int = 1) -> None:
+        """`count` sequences of `group` ended (loop thread): free their queue places, and the
+        client id once none is left."""
+        with self._cv:
+            self._queued -= count
+            group.left -= count
+            if group.left <= 0 and self._live.get(group.sub.rid) is group:
+                del self._live[group.sub.rid]
 
     # ---- loop thread ---------------------------------------------------------------------------
 
@@ -230,13 +336,19 @@ class EngineLoop:
                     self._apply(cmd)
                 dead = self.dead_rank()
                 if dead is not None:
-                    raise RuntimeError(dead)
+                    raise _RankDied(dead)
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self._publish()
         except Exception as exc:
             # the scheduler's state after a half-done step is unknown: stop serving
             self.fatal = f"engine failed: {type(exc).__name__}: {_first_line(exc)}"
+            # clients hear the kind (a dead rank is our own words); the text stays in the log
+            self.fatal_public = (
+                f"engine failed: {exc}" if isinstance(exc, _RankDied)
+                else f"engine failed ({type(exc).__name__}); the server is exiting and its "
+                "log has the cause"
+            )  # fmt: skip
             log.error(
                 "kvtier serve: %s; failing %d requests in flight, the server exits",
                 self.fatal, len(self._tracks), exc_info=exc,
@@ -269,22 +381,54 @@ class EngineLoop:
 
     def _apply(self, cmd: _Submit | _Abort | _Call) -> None:
         if isinstance(cmd, _Submit):
-            try:
-                self.engine.add_request(cmd.prompt_ids, cmd.params, request_id=cmd.rid)
-            except ValueError as exc:  # ConfigError is a ValueError too
-                cmd.sink(EngineFailure(400, str(exc)))
+            group, spec = cmd.group, cmd.spec
+            eid = group.sub.engine_ids[cmd.index]
+            if group.failed:  # a sibling already failed: this one never starts
+                self._release(group)
                 return
-            times = RequestTimes(cmd.arrival, len(cmd.prompt_ids), cmd.params.max_tokens)
-            self._tracks[cmd.rid] = _Track(cmd.sink, cmd.params, cmd.text, times)
+            try:
+                self.engine.add_request(spec.prompt_ids, spec.params, request_id=eid)
+            except ValueError as exc:  # ConfigError is a ValueError too
+                # the engine's validation words (ours, about the prompt), never the client's id
+                self._release(group)
+                self._fail_group(group, spec.sink, EngineFailure(400, str(exc)))
+                return
+            times = RequestTimes(cmd.arrival, len(spec.prompt_ids), spec.params.max_tokens)
+            self._tracks[eid] = _Track(group, cmd.index, spec.sink, spec.params, spec.text, times)
         elif isinstance(cmd, _Abort):
-            track = self._tracks.pop(cmd.rid, None)
-            if self.engine.abort(cmd.rid) and track is not None:
-                log.info("%s: aborted (client went away)", cmd.rid)
+            for eid in cmd.engine_ids:
+                track = self._tracks.pop(eid, None)
+                if track is None:
+                    continue  # ended already: its id is never reused, so nothing else is hit
+                self.engine.abort(eid)
+                self._release(track.group)
+                log.info("%s: aborted (client went away)", self._name(track))
         elif cmd.future.set_running_or_notify_cancel():
             try:
                 cmd.future.set_result(cmd.fn(self.engine))
             except Exception as exc:  # noqa: BLE001 - the caller gets it through the future
                 cmd.future.set_exception(exc)
+
+    def _fail_group(
+        self, group: _Group, sink: Callable[[object], bool], failure: EngineFailure
+    ) -> None:
+        """A sequence of `group` failed: end its live siblings and tell the client once."""
+        if group.failed:
+            return
+        group.failed = True
+        for eid in group.sub.engine_ids:
+            track = self._tracks.pop(eid, None)
+            if track is not None:
+                self.engine.abort(eid)
+                self._release(group)
+        sink(failure)
+
+    @staticmethod
+    def _name(track: _Track) -> str:
+        """How the log names a sequence: the client's id (escaped, capped), its engine id."""
+        sub = track.group.sub
+        eid = sub.engine_ids[track.index]
+        return f"{loggable(sub.rid)} ({eid})"
 
     def _step(self) -> None:
         t0 = self.clock()
@@ -328,14 +472,19 @@ class EngineLoop:
         if reason is not None:
             self._finished[reason] += 1
             del self._tracks[out.request_id]
+            self._release(track.group)
             times.finished_at = now
             times.generated = len(out.output_token_ids)
             times.cached = out.num_cached_tokens
             times.external = out.num_external_tokens
             self._record(out, update, track)
+            if reason == "error":
+                self._fail_group(track.group, track.sink, EngineFailure(500, SEQ_FAILED))
+                return
         if not track.sink(update) and reason is None:
             self._tracks.pop(out.request_id, None)
             self.engine.abort(out.request_id)
+            self._release(track.group)
 
     def _record(self, out: RequestOutput, update: SeqUpdate, track: _Track) -> None:
         self.metrics.observe_request(track.times, track.gaps, update.finish_reason or "")
@@ -343,11 +492,11 @@ class EngineLoop:
         log.info(
             "%s: prompt=%d cached=%d (hbm=%d external=%d) completion=%d finish=%s "
             "ttft=%.3fs e2e=%.3fs%s",
-            out.request_id, out.prompt_tokens, out.num_cached_tokens + out.num_external_tokens,
+            self._name(track), out.prompt_tokens, out.num_cached_tokens + out.num_external_tokens,
             out.num_cached_tokens, out.num_external_tokens, len(out.output_token_ids),
             update.finish_reason, (t.first_token_at or t.arrival) - t.arrival,
             (t.finished_at or t.arrival) - t.arrival,
-            f" error={out.error}" if out.error else "",
+            f" error={out.error!r}" if out.error else "",
         )  # fmt: skip
 
     def _publish(self) -> None:
@@ -359,13 +508,21 @@ class EngineLoop:
             pending = list(self._inbox)
             self._inbox.clear()
             self._idle.set()
-        status, reason = (500, self.fatal) if self.fatal else (503, "the server is shutting down")
+        status, reason = (
+            (500, self.fatal_public) if self.fatal_public else (503, "the server is shutting down")
+        )
         for track in self._tracks.values():
-            track.sink(EngineFailure(status, reason))
+            self._release(track.group)
+            if not track.group.failed:
+                track.group.failed = True  # one failure per client request
+                track.sink(EngineFailure(status, reason))
         self._tracks.clear()
         for cmd in pending:
             if isinstance(cmd, _Submit):
-                cmd.sink(EngineFailure(503, reason))
+                self._release(cmd.group)
+                if not cmd.group.failed:
+                    cmd.group.failed = True
+                    cmd.spec.sink(EngineFailure(503, reason))
             elif isinstance(cmd, _Call) and cmd.future.set_running_or_notify_cancel():
                 cmd.future.set_exception(EngineUnavailable(reason))
 

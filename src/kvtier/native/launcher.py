@@ -18,7 +18,7 @@ from kvtier.config import KVTierConfig
 from kvtier.native.config import EngineConfig
 from kvtier.native.engine import Engine
 from kvtier.native.engine_loop import DEFAULT_STALL_TIMEOUT_S
-from kvtier.native.server import EngineServer, bind_socket
+from kvtier.native.server import EngineServer, ServerLimits, bind_socket
 
 __all__ = ["EXIT_ENGINE_FAILED", "bind_socket", "serve"]
 
@@ -61,12 +61,14 @@ def serve(
     served_model_name: str | None = None,
     log_level: str = "info",
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+    limits: ServerLimits | None = None,
 ) -> int:
     """Serve `model_dir` over HTTP until SIGINT/SIGTERM (returns 0) or an engine failure
     (returns `EXIT_ENGINE_FAILED`), then close the engine and its ranks.
 
-    `offload=None` runs without kvtier. Startup errors (bad config, port in use, a rank that
-    fails to start) raise before anything is served.
+    `offload=None` runs without kvtier; `limits` bounds what one client may make the server
+    do (body size, list sizes, queued sequences, chat templates). Startup errors (bad config,
+    port in use, a rank that fails to start) raise before anything is served.
     """
     import uvicorn
 
@@ -89,7 +91,7 @@ def serve(
         try:
             server = EngineServer(
                 engine, model_name=served_model_name or str(model_dir),
-                stall_timeout_s=stall_timeout_s, on_fatal=fatal,
+                stall_timeout_s=stall_timeout_s, on_fatal=fatal, limits=limits,
             ).start()  # fmt: skip
         except BaseException:
             engine.close()

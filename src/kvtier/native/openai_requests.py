@@ -8,9 +8,10 @@ prompt; each is its own engine request with the seed `seed + index`, as vLLM's c
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.native.chat_template import ChatTemplateError, RenderLimits
 from kvtier.native.protocol import (
     APIError,
     DetokenizeResponse,
@@ -25,7 +26,40 @@ from kvtier.native.protocol_requests import (
     TokenizeRequest,
 )
 from kvtier.native.sampling import SamplingParamError, SamplingParams
-from kvtier.native.tokenizer import ChatTemplateError, Tokenizer
+from kvtier.native.tokenizer import Tokenizer
+
+MiB = 2**20
+# vLLM's own error when a request brings a template the server was not told to trust
+UNTRUSTED_TEMPLATE = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template."
+)
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one client may make the server hold or do; each is a `kvtier serve` flag
+    (docs/native-server.md lists them with their status codes)."""
+
+    max_body_bytes: int = 16 * MiB  # --max-request-body-size: 413 over it
+    max_logit_bias: int = 1024  # --max-logit-bias: entries of logit_bias
+    max_stop_strings: int = 4  # --max-stop-strings: vLLM's VLLM_MAX_STOP_STRINGS default
+    max_stop_token_ids: int = 1024  # --max-stop-token-ids
+    max_queued_seqs: int = 1024  # --max-queued-seqs: sequences in the engine, all requests
+    trust_request_chat_template: bool = False  # --trust-request-chat-template (vLLM's flag)
+    render: RenderLimits = field(default_factory=RenderLimits)  # --chat-template-timeout, ...
+
+    def __post_init__(self) -> None:
+        for name, flag in (
+            ("max_body_bytes", "--max-request-body-size"), ("max_logit_bias", "--max-logit-bias"),
+            ("max_stop_strings", "--max-stop-strings"),
+            ("max_stop_token_ids", "--max-stop-token-ids"),
+            ("max_queued_seqs", "--max-queued-seqs"),
+        ):  # fmt: skip
+            value = getattr(self, name)
+            low = 0 if name in ("max_logit_bias", "max_stop_strings", "max_stop_token_ids") else 1
+            if value < low:
+                raise ValueError(f"{flag} {value} must be >= {low}")
 
 
 @dataclass(frozen=True)
@@ -52,16 +86,18 @@ class Seq:
 
     index: int  # choice index in the response (prompt * num_sequences + sequence)
     prompt: int  # which prompt of the batch
-    rid: str
     params: SamplingParams
 
 
 class RequestBuilder:
     """Bodies of the OpenAI endpoints into validated engine requests, for one served model."""
 
-    def __init__(self, tokenizer: Tokenizer | None, model: ModelInfo) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer | None, model: ModelInfo, limits: ServerLimits | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.model = model
+        self.limits = limits or ServerLimits()
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model.name:
@@ -80,7 +116,10 @@ class RequestBuilder:
         try:
             return tok.encode(text, add_special_tokens=add_special_tokens)
         except (TypeError, ValueError) as exc:
-            raise APIError(400, f"the prompt cannot be tokenized: {exc}", "prompt") from None
+            # the tokenizer's own words stay in the log's domain: the kind is enough here
+            raise APIError(
+                400, f"the prompt cannot be tokenized ({type(exc).__name__})", "prompt"
+            ) from None
 
     def _check_ids(self, ids: Sequence[int], param: str) -> None:
         vocab = self.model.vocab_size
@@ -126,21 +165,48 @@ class RequestBuilder:
         self._check_ids(list(params.logit_bias), "logit_bias")
         return params
 
-    def _seqs(self, req: Any, prompts: list[Prompt], max_tokens: list[int], tag: str) -> list[Seq]:
-        base = req.request_id or random_id(tag)
+    def _check_sizes(self, req: Any) -> None:
+        """The lists a client sizes, against the server's limits (vLLM's where it has one)."""
+        lim = self.limits
+        for param, count, limit, flag in (
+            ("logit_bias", len(req.logit_bias or {}), lim.max_logit_bias, "--max-logit-bias"),
+            ("stop", len(req.stop_strings), lim.max_stop_strings, "--max-stop-strings"),
+            ("stop_token_ids", len(req.stop_token_ids or ()), lim.max_stop_token_ids,
+             "--max-stop-token-ids"),
+        ):  # fmt: skip
+            if count > limit:
+                raise APIError(
+                    400, f"{param} has {count} entries; this server takes at most {limit} "
+                    f"(kvtier serve {flag})", param,
+                )  # fmt: skip
+
+    def _seqs(self, req: Any, max_tokens: list[int]) -> list[Seq]:
         per = req.num_sequences
+        total = len(max_tokens) * per
+        if total > self.limits.max_queued_seqs:
+            # could never be admitted, however long the client waits
+            raise APIError(
+                400, f"the request asks for {total} sequences ({len(max_tokens)} prompts x "
+                f"{per}); this server holds at most {self.limits.max_queued_seqs} at once "
+                "(kvtier serve --max-queued-seqs): send fewer prompts or a smaller n/best_of",
+                "n",
+            )  # fmt: skip
         out = []
         for p, mt in enumerate(max_tokens):
             for i in range(per):
-                index = p * per + i
-                rid = base if len(prompts) * per == 1 else f"{base}-{index}"
-                out.append(Seq(index, p, rid, self._params(req, mt, i)))
+                out.append(Seq(p * per + i, p, self._params(req, mt, i)))
         return out
+
+    @staticmethod
+    def request_id(req: Any, tag: str) -> str:
+        """The request's id: the client's `request_id`, else `tag-` and 32 hex digits."""
+        return req.request_id if req.request_id is not None else random_id(tag)
 
     def completion(self, body: bytes) -> tuple[CompletionRequest, list[Prompt], list[Seq]]:
         """Parse, validate and tokenize a `/v1/completions` body."""
         req = parse(CompletionRequest, body)
         self._check_model(req.model)
+        self._check_sizes(req)
         prompts = []
         limits = []
         for p in req.prompts():
@@ -157,7 +223,7 @@ class RequestBuilder:
             echo_only = bool(req.echo) and req.max_tokens == 0
             limits.append(self._max_tokens(len(ids), 1 if echo_only else req.max_tokens))
             prompts.append(Prompt(ids, text))
-        return req, prompts, self._seqs(req, prompts, limits, "cmpl")
+        return req, prompts, self._seqs(req, limits)
 
     def _render_chat(
         self,
@@ -170,16 +236,21 @@ class RequestBuilder:
         documents: list[dict[str, str]] | None = None,
     ) -> str:
         tok = self._need_tokenizer("chat requests cannot be served")
+        untrusted = chat_template is not None or (kwargs or {}).get("chat_template") is not None
+        if untrusted and not self.limits.trust_request_chat_template:
+            param = "chat_template" if chat_template is not None else "chat_template_kwargs"
+            raise APIError(400, UNTRUSTED_TEMPLATE, param)
         try:
             text = tok.apply_chat_template(
                 messages,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
                 documents=documents,
-                **(kwargs or {}),
+                template_kwargs=kwargs,
+                limits=self.limits.render,
             )
         except ChatTemplateError as exc:
-            raise APIError(400, str(exc), "messages") from None
+            raise APIError(400, str(exc), exc.param) from None
         if continue_final_message and messages:
             # the final message stays open: cut what the template put after its content
             last = str(messages[-1].get("content") or "")
@@ -192,6 +263,7 @@ class RequestBuilder:
         """Parse, validate, render the chat template and tokenize a chat body."""
         req = parse(ChatCompletionRequest, body)
         self._check_model(req.model)
+        self._check_sizes(req)
         text = self._render_chat(
             req.conversation(),
             add_generation_prompt=req.add_generation_prompt,
@@ -203,7 +275,7 @@ class RequestBuilder:
         ids = self._truncate(self._encode(text, req.add_special_tokens), req.truncate_prompt_tokens)
         limit = self._max_tokens(len(ids), req.requested_max_tokens)
         prompts = [Prompt(ids, text)]
-        return req, prompts, self._seqs(req, prompts, [limit], "chatcmpl")
+        return req, prompts, self._seqs(req, [limit])
 
     def tokenize(self, body: bytes) -> TokenizeResponse:
         """A `/tokenize` body's token ids (a prompt, or messages through the chat template)."""

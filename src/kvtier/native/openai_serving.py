@@ -20,8 +20,17 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from kvtier.native.detokenizer import TextStream
-from kvtier.native.engine_loop import EngineFailure, EngineLoop, EngineUnavailable, SeqUpdate
-from kvtier.native.openai_requests import ModelInfo, Prompt, RequestBuilder, Seq
+from kvtier.native.engine_loop import (
+    DuplicateRequestId,
+    EngineFailure,
+    EngineLoop,
+    EngineUnavailable,
+    Overloaded,
+    SeqSpec,
+    SeqUpdate,
+    Submission,
+)
+from kvtier.native.openai_requests import ModelInfo, Prompt, RequestBuilder, Seq, ServerLimits
 from kvtier.native.protocol import (
     APIError,
     ChatCompletionLogProb,
@@ -50,6 +59,32 @@ from kvtier.native.serve_metrics import ServeMetrics
 from kvtier.native.tokenizer import Tokenizer
 
 log = logging.getLogger("kvtier.server")
+RETRY_AFTER_S = 1  # what a client refused for a full queue is told to wait
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, read as it arrives and refused (413) as soon as it passes `limit`
+    bytes: a client cannot make the server buffer more than the limit."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit, int(declared))
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit, None)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int, declared: int | None) -> APIError:
+    got = f"{declared} bytes" if declared is not None else "more"
+    # the rest of the body is never read: the connection closes after the answer
+    return APIError(
+        413, f"the request body is {got}; this server takes at most {limit} bytes "
+        "(kvtier serve --max-request-body-size)", None, {"Connection": "close"},
+    )  # fmt: skip
 
 
 @dataclass
@@ -58,25 +93,30 @@ class _Choice:
 
     seq: Seq
     token_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    pieces: list[str] = field(default_factory=list)  # joined once at the end: linear
+    length: int = 0  # characters in pieces
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cached: int = 0
-    error: str | None = None
     offsets: list[int] = field(default_factory=list)
 
     def add(self, u: SeqUpdate) -> None:
         # a token's text starts where the text stood before it (held-back text lands later)
-        self.offsets.extend([len(self.text)] * len(u.output.new_token_ids))
+        self.offsets.extend([self.length] * len(u.output.new_token_ids))
         self.token_ids.extend(u.output.new_token_ids)
-        self.text += u.text
+        self.pieces.append(u.text)
+        self.length += len(u.text)
         if u.output.logprobs is not None:
             self.logprobs.append(u.output.logprobs)
         self.cached = u.output.num_cached_tokens + u.output.num_external_tokens
         if u.finished:
             self.finish_reason, self.stop_reason = u.finish_reason, u.stop_reason
-            self.error = u.output.error
+
+    @property
+    def text(self) -> str:
+        """All text so far."""
+        return "".join(self.pieces)
 
     @property
     def cumulative_logprob(self) -> float:
@@ -145,43 +185,62 @@ class OpenAIServing:
         tokenizer: Tokenizer | None,
         model: ModelInfo,
         clock: Callable[[], float] = time.monotonic,
+        limits: ServerLimits | None = None,
     ) -> None:
         self.loop = loop
         self.metrics = metrics
         self.tokenizer = tokenizer
         self.model = model
         self.clock = clock
-        self.requests = RequestBuilder(tokenizer, model)
+        self.limits = limits or ServerLimits()
+        self.requests = RequestBuilder(tokenizer, model, self.limits)
+
+    async def _body(self, request: Request) -> bytes:
+        return await read_body(request, self.limits.max_body_bytes)
 
     # ---- running (event loop) ------------------------------------------------------------------
 
-    def _submit(self, req: Any, seqs: list[Seq], prompts: list[Prompt], arrival: float) -> _Gather:
+    def _submit(
+        self, req: Any, rid: str, seqs: list[Seq], prompts: list[Prompt], arrival: float
+    ) -> tuple[_Gather, Submission]:
         reason = self.loop.health()
         if reason is not None:
             raise APIError(503, f"the engine cannot serve: {reason}")
         gather = _Gather(asyncio.get_running_loop())
-        self.metrics.observe_params(req.n)
-        submitted: list[str] = []
-        try:
-            for s in seqs:
-                text = TextStream(
+        specs = [
+            SeqSpec(
+                prompts[s.prompt].ids, s.params, gather.sink(s.index),
+                TextStream(
                     self.tokenizer, req.stop_strings, include_stop=req.include_stop_str_in_output,
                     skip_special_tokens=req.skip_special_tokens,
-                )  # fmt: skip
-                self.loop.submit(
-                    s.rid, prompts[s.prompt].ids, s.params, gather.sink(s.index), arrival, text
-                )
-                submitted.append(s.rid)
+                ),
+            )
+            for s in seqs
+        ]  # fmt: skip
+        try:
+            sub = self.loop.submit(rid, specs, arrival)
+        except DuplicateRequestId:
+            shown = repr(rid) if len(rid) <= 64 else f"{rid[:64]!r}... ({len(rid)} characters)"
+            raise APIError(
+                409, f"request_id {shown} is in use by a request in flight; send a request_id "
+                "no request in flight has (or none: the server makes one)", "request_id",
+            ) from None  # fmt: skip
+        except Overloaded as exc:
+            raise APIError(
+                503, f"the server is at its limit of {exc.limit} queued sequences (kvtier serve "
+                f"--max-queued-seqs; {exc.queued} queued, this request adds {exc.asked}); "
+                f"retry after {RETRY_AFTER_S} s", None, {"Retry-After": str(RETRY_AFTER_S)},
+            ) from None  # fmt: skip
         except EngineUnavailable as exc:
-            for rid in submitted:
-                self.loop.abort(rid)
             raise APIError(503, f"the engine cannot serve: {exc}") from None
-        return gather
+        self.metrics.observe_params(req.n)
+        return gather, sub
 
     async def _collect(
-        self, request: Request, gather: _Gather, seqs: list[Seq]
+        self, request: Request, gather: _Gather, seqs: list[Seq], sub: Submission
     ) -> list[_Choice] | None:
-        """Every sequence to its end; None when the client went away (all were aborted)."""
+        """Every sequence to its end; None when the client went away. On a failure (one
+        error for the request) or a disconnect the submission's other sequences are ended."""
         choices = {s.index: _Choice(s) for s in seqs}
 
         async def run() -> None:
@@ -191,24 +250,19 @@ class OpenAIServing:
 
         work = asyncio.ensure_future(run())
         gone = asyncio.ensure_future(_wait_disconnect(request))
+        complete = False
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if work.done():
+                work.result()  # raises APIError for a failed sequence or the engine's failure
+                complete = True
         finally:
             gone.cancel()
             if not work.done():
                 work.cancel()
-                for s in seqs:
-                    self.loop.abort(s.rid)
-        if not work.done() or work.cancelled():
-            return None
-        work.result()  # raises APIError for an engine failure
-        failed = [c for c in choices.values() if c.finish_reason == "error"]
-        if failed:
-            raise APIError(
-                500, f"the request failed in the engine ({failed[0].error}); the server "
-                "keeps serving other requests", None,
-            )  # fmt: skip
-        return [choices[s.index] for s in seqs]
+            if not complete:
+                self.loop.abort(sub)
+        return [choices[s.index] for s in seqs] if complete else None
 
     def _best(self, req: Any, choices: list[_Choice], per_prompt: int) -> list[_Choice]:
         if per_prompt == req.n:
@@ -281,17 +335,17 @@ class OpenAIServing:
     async def completions(self, request: Request) -> Response:
         """POST /v1/completions."""
         arrival = self.clock()
-        body = await request.body()
+        body = await self._body(request)
         req, prompts, seqs = await run_in_threadpool(self.requests.completion, body)
-        gather = self._submit(req, seqs, prompts, arrival)
-        rid = seqs[0].rid if len(seqs) == 1 else seqs[0].rid.rsplit("-", 1)[0]
+        rid = self.requests.request_id(req, "cmpl")
+        gather, sub = self._submit(req, rid, seqs, prompts, arrival)
         created = int(time.time())
         if req.stream:
             return StreamingResponse(
-                self._completion_stream(req, prompts, seqs, gather, rid, created),
+                self._completion_stream(req, prompts, seqs, gather, sub, created),
                 media_type="text/event-stream",
             )
-        choices = await self._collect(request, gather, seqs)
+        choices = await self._collect(request, gather, seqs, sub)
         if choices is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         echo_only = bool(req.echo) and req.max_tokens == 0
@@ -319,10 +373,11 @@ class OpenAIServing:
 
     async def _completion_stream(
         self, req: CompletionRequest, prompts: list[Prompt], seqs: list[Seq], gather: _Gather,
-        rid: str, created: int,
+        sub: Submission, created: int,
     ) -> AsyncIterator[str]:  # fmt: skip
         choices = {s.index: _Choice(s) for s in seqs}
         done = False
+        rid = sub.rid
 
         def chunk(choice: CompletionResponseChoice, usage: UsageInfo | None = None) -> str:
             return _sse(CompletionStreamResponse(
@@ -341,8 +396,6 @@ class OpenAIServing:
                     c = choices[index]
                     before, start = len(c.logprobs), len(c.offsets)
                     c.add(u)
-                    if u.finish_reason == "error":
-                        raise APIError(500, f"the request failed in the engine ({c.error})")
                     out = CompletionResponseChoice(
                         index=index, text=u.text, finish_reason=u.finish_reason,
                         stop_reason=u.stop_reason,
@@ -366,9 +419,8 @@ class OpenAIServing:
         except APIError as exc:
             yield _sse(error_body(exc.status, exc.message, exc.param))
         finally:
-            if not done:  # a disconnect cancels this generator mid-stream: drop the requests
-                for s in seqs:
-                    self.loop.abort(s.rid)
+            if not done:  # a failure, or a disconnect cancelling this generator mid-stream
+                self.loop.abort(sub)
         yield "data: [DONE]\n\n"
 
     # ---- chat ----------------------------------------------------------------------------------
@@ -376,18 +428,18 @@ class OpenAIServing:
     async def chat(self, request: Request) -> Response:
         """POST /v1/chat/completions."""
         arrival = self.clock()
-        body = await request.body()
+        body = await self._body(request)
         req, prompts, seqs = await run_in_threadpool(self.requests.chat, body)
-        gather = self._submit(req, seqs, prompts, arrival)
-        rid = seqs[0].rid if len(seqs) == 1 else seqs[0].rid.rsplit("-", 1)[0]
+        rid = self.requests.request_id(req, "chatcmpl")
+        gather, sub = self._submit(req, rid, seqs, prompts, arrival)
         created = int(time.time())
         echo = self._chat_echo(req)
         if req.stream:
             return StreamingResponse(
-                self._chat_stream(req, prompts, seqs, gather, rid, created, echo),
+                self._chat_stream(req, prompts, seqs, gather, sub, created, echo),
                 media_type="text/event-stream",
             )
-        choices = await self._collect(request, gather, seqs)
+        choices = await self._collect(request, gather, seqs, sub)
         if choices is None:
             return Response(status_code=499)
         out = []
@@ -418,10 +470,11 @@ class OpenAIServing:
 
     async def _chat_stream(
         self, req: ChatCompletionRequest, prompts: list[Prompt], seqs: list[Seq],
-        gather: _Gather, rid: str, created: int, echo: str,
+        gather: _Gather, sub: Submission, created: int, echo: str,
     ) -> AsyncIterator[str]:  # fmt: skip
         choices = {s.index: _Choice(s) for s in seqs}
         done = False
+        rid = sub.rid
 
         def chunk(
             choice: ChatCompletionResponseStreamChoice, usage: UsageInfo | None = None
@@ -440,8 +493,6 @@ class OpenAIServing:
                     c = choices[index]
                     before = len(c.logprobs)
                     c.add(u)
-                    if u.finish_reason == "error":
-                        raise APIError(500, f"the request failed in the engine ({c.error})")
                     out = ChatCompletionResponseStreamChoice(
                         index=index, delta=DeltaMessage(content=u.text),
                         finish_reason=u.finish_reason, stop_reason=u.stop_reason,
@@ -466,21 +517,22 @@ class OpenAIServing:
             yield _sse(error_body(exc.status, exc.message, exc.param))
         finally:
             if not done:
-                for s in seqs:
-                    self.loop.abort(s.rid)
+                self.loop.abort(sub)
         yield "data: [DONE]\n\n"
 
     # ---- tokenize ------------------------------------------------------------------------------
 
     async def tokenize(self, request: Request) -> Response:
         """POST /tokenize."""
-        return _json(await run_in_threadpool(self.requests.tokenize, await request.body()))
+        return _json(await run_in_threadpool(self.requests.tokenize, await self._body(request)))
 
     async def detokenize(self, request: Request) -> Response:
         """POST /detokenize."""
-        return _json(await run_in_threadpool(self.requests.detokenize, await request.body()))
+        return _json(await run_in_threadpool(self.requests.detokenize, await self._body(request)))
 
 
 def json_error(exc: APIError) -> JSONResponse:
     """The JSON response of an APIError."""
-    return JSONResponse(error_body(exc.status, exc.message, exc.param), status_code=exc.status)
+    return JSONResponse(
+        error_body(exc.status, exc.message, exc.param), status_code=exc.status, headers=exc.headers
+    )

@@ -7,11 +7,15 @@ parser, and the response bodies. The request bodies are `protocol_requests`.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kvtier.native.sequence import loggable
 
 log = logging.getLogger("kvtier.server")
 
@@ -20,6 +24,7 @@ _ERROR_TYPES = {
     400: "BadRequestError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    409: "ConflictError",
     413: "RequestEntityTooLargeError",
     500: "InternalServerError",
     501: "NotImplementedError",
@@ -28,13 +33,21 @@ _ERROR_TYPES = {
 
 
 class APIError(Exception):
-    """An HTTP error answered as OpenAI's error object; `param` names the offending field."""
+    """An HTTP error answered as OpenAI's error object; `param` names the offending field,
+    `headers` go on the response (`Retry-After` on 503 when the queue is full)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.headers = headers
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
@@ -54,7 +67,50 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
     return f"{where}{err['msg']}{extra}", param
 
 
-_warned: set[str] = set()
+# unknown field names already warned about: clients choose them, so the set is bounded, and
+# once it is full further names go unlogged (one line says so)
+MAX_WARNED = 256
+_SHOWN_NAMES = 8  # names one warning line shows
+
+
+class _WarnedNames:
+    """The unknown field names logged so far, at most `cap` of them."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.names: set[str] = set()
+        self.full = False
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def warn(self, model: str, names: Iterable[str]) -> None:
+        """Log the names not logged before (the first `cap` distinct names ever seen)."""
+        if self.full:
+            return
+        new: list[str] = []
+        filled = False
+        with self._lock:
+            for name in names:
+                if name in self.names:
+                    continue
+                if len(self.names) >= self.cap:
+                    filled, self.full = not self.full, True
+                    break
+                self.names.add(name)
+                new.append(name)
+        if new:
+            more = f" and {len(new) - _SHOWN_NAMES} more" if len(new) > _SHOWN_NAMES else ""
+            shown = ", ".join(loggable(n) for n in new[:_SHOWN_NAMES])
+            log.warning("ignoring unknown %s fields %s%s", model, shown, more)
+        if filled:
+            log.warning(
+                "ignoring unknown fields: %d names were logged, later ones are not", self.cap
+            )
+
+
+_warned = _WarnedNames(MAX_WARNED)
 
 
 class OpenAIBaseModel(BaseModel):
@@ -64,10 +120,8 @@ class OpenAIBaseModel(BaseModel):
 
     @model_validator(mode="after")
     def _log_extra_fields(self) -> OpenAIBaseModel:
-        extra = sorted(set(self.model_extra or ()) - _warned)
-        if extra:
-            _warned.update(extra)
-            log.warning("ignoring unknown %s fields %s", type(self).__name__, extra)
+        if self.model_extra:
+            _warned.warn(type(self).__name__, self.model_extra)
         return self
 
 

@@ -97,7 +97,7 @@ class _SamplingRequest(OpenAIBaseModel):
     n: int = 1
     best_of: int | None = None
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    stop: str | Annotated[list[str], Field(max_length=64)] | None = []
+    stop: str | list[str] | None = []  # how many: ServerLimits.max_stop_strings
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None

@@ -7,6 +7,17 @@ from dataclasses import dataclass
 
 from kvtier.native.sampling import SamplingParams, TokenLogprobs
 
+LOGGED_CHARS = 64  # of a client-chosen id or name in one log line
+
+
+def loggable(text: str, cap: int = LOGGED_CHARS) -> str:
+    """Client text (a request id, a field name) as a log line shows it: escaped like repr()
+    (no newline or control character reaches the log) and at most `cap` characters, with the
+    full length when cut."""
+    if len(text) <= cap:
+        return repr(text)
+    return f"{text[:cap]!r}... ({len(text)} chars)"
+
 
 class SequenceStatus(enum.Enum):
     """Lifecycle: WAITING -> [WAITING_FOR_REMOTE_KVS ->] RUNNING -> FINISHED (vLLM's names)."""

@@ -17,8 +17,10 @@ import asyncio
 import logging
 import socket
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -27,15 +29,31 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvtier.errors import StartupError
 from kvtier.native.engine import Engine
 from kvtier.native.engine_loop import DEFAULT_STALL_TIMEOUT_S, EngineLoop, EngineUnavailable
-from kvtier.native.openai_requests import ModelInfo
+from kvtier.native.openai_requests import ModelInfo, ServerLimits
 from kvtier.native.openai_serving import OpenAIServing, json_error
 from kvtier.native.protocol import APIError, ModelCard, ModelList, error_body
+from kvtier.native.protocol_requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from kvtier.native.sequence import loggable
 from kvtier.native.serve_metrics import CONTENT_TYPE, ServeMetrics
 from kvtier.native.tokenizer import Tokenizer
 
-__all__ = ["APIError", "EngineServer", "bind_socket"]
+__all__ = ["APIError", "EngineServer", "ServerLimits", "bind_socket"]
 
 log = logging.getLogger("kvtier.server")
+
+# the request bodies the OpenAPI document (/openapi.json, /docs) describes: the routes read
+# their bodies themselves (on a worker thread, under the size limit), so FastAPI cannot see them
+REQUEST_BODIES = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+}
 
 # served on 404 and in docs/native-server.md: what this server answers and what it refuses
 UNSUPPORTED_ROUTES = {
@@ -79,8 +97,10 @@ class EngineServer:
         close_engine: bool = True,
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
         on_fatal: Callable[[str], None] | None = None,
+        limits: ServerLimits | None = None,
     ) -> None:
         self.engine = engine
+        self.limits = limits or ServerLimits()
         self.model_name = model_name or engine.model_dir
         self.close_engine = close_engine
         has_tok = (Path(engine.model_dir) / "tokenizer.json").is_file()
@@ -89,14 +109,17 @@ class EngineServer:
         collector = getattr(engine.connector, "collector", None) if engine.has_connector else None
         self.metrics = ServeMetrics(self.model_name, collector, engine.max_model_len)
         self.loop = EngineLoop(
-            engine, self.metrics, clock=clock, stall_timeout_s=stall_timeout_s, on_fatal=on_fatal
-        )
+            engine, self.metrics, clock=clock, stall_timeout_s=stall_timeout_s, on_fatal=on_fatal,
+            max_queued_seqs=self.limits.max_queued_seqs,
+        )  # fmt: skip
         self.metrics.set_stall_source(self.loop.stall_seconds, stall_timeout_s)
         info = ModelInfo(
             self.model_name, engine.max_model_len, engine.model_config.vocab_size,
             _room_hint(engine),
         )  # fmt: skip
-        self.serving = OpenAIServing(self.loop, self.metrics, self.tokenizer, info, clock)
+        self.serving = OpenAIServing(
+            self.loop, self.metrics, self.tokenizer, info, clock, self.limits
+        )
         self.app = self._build_app()
         self._started = False
         self._closed = False
@@ -139,23 +162,31 @@ class EngineServer:
         @app.exception_handler(StarletteHTTPException)
         async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
             message = str(exc.detail)
+            path = request.url.path
+            shown = path if len(path) <= 200 else path[:200] + "..."
             if exc.status_code == 404:
-                why = UNSUPPORTED_ROUTES.get(request.url.path)
+                why = UNSUPPORTED_ROUTES.get(path)
                 message = (
-                    f"{request.url.path} is not supported by the native server: {why}"
+                    f"{path} is not supported by the native server: {why}"
                     if why
-                    else f"no route {request.method} {request.url.path}; see /docs"
+                    else f"no route {request.method} {shown}; see /docs"
                 )
             elif exc.status_code == 405:
-                message = f"{request.method} is not allowed on {request.url.path}"
+                message = f"{request.method} is not allowed on {shown}"
             return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code)
 
         @app.exception_handler(Exception)
         async def _internal(request: Request, exc: Exception) -> JSONResponse:
-            # logged with its traceback here; the client gets the kind and first line only
-            log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-            first = (str(exc).strip().splitlines() or ["(no message)"])[0][:300]
-            body = error_body(500, f"internal error: {type(exc).__name__}: {first}")
+            # the detail (exception text, traceback, paths) goes to the log only, under an id
+            # the client gets to quote
+            error_id = uuid.uuid4().hex[:16]
+            log.error(
+                "%s %s failed (error id %s)", request.method, loggable(request.url.path),
+                error_id, exc_info=exc,
+            )  # fmt: skip
+            body = error_body(
+                500, f"internal server error (error id {error_id}); the server log has the cause"
+            )
             return JSONResponse(body, status_code=500)
 
         @app.post("/v1/completions")
@@ -176,10 +207,10 @@ class EngineServer:
 
         @app.get("/v1/models")
         async def models() -> Response:
+            # root is the served name: the model's directory stays the operator's business
             card = ModelCard(
-                id=self.model_name, root=self.engine.model_dir,
-                max_model_len=self.engine.max_model_len,
-            )  # fmt: skip
+                id=self.model_name, root=self.model_name, max_model_len=self.engine.max_model_len
+            )
             return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
 
         @app.get("/health")
@@ -210,4 +241,26 @@ class EngineServer:
         async def metrics() -> Response:
             return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
+        app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
         return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document with the request bodies the routes parse themselves (cached)."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    ref = "#/components/schemas/{model}"
+    for path, model in REQUEST_BODIES.items():
+        schema = model.model_json_schema(ref_template=ref)
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+        doc["paths"][path]["post"]["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": ref.format(model=model.__name__)}}},
+        }
+    app.openapi_schema = doc
+    return doc

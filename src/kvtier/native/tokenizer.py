@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,9 @@ from typing import Any
 from tokenizers import Tokenizer as _HFTokenizer
 
 from kvtier.errors import ConfigError
+from kvtier.native.chat_template import ChatTemplateError, Renderer, RenderLimits
+
+__all__ = ["ChatTemplateError", "Tokenizer"]
 
 
 def _eos_from(path: Path) -> list[int]:
@@ -40,10 +42,6 @@ def _template_from(d: Path, config: Mapping[str, Any]) -> str | None:
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
         value = named.get("default")
     return value if isinstance(value, str) else None
-
-
-class ChatTemplateError(ValueError):
-    """A chat request the model's template cannot render (no template, or it raised)."""
 
 
 class Tokenizer:
@@ -87,21 +85,9 @@ class Tokenizer:
         return self._tok.decode([token_id], skip_special_tokens=False)
 
     @cached_property
-    def _environment(self) -> Any:
-        # jinja2 only for chat requests; the sandbox is what HF and vLLM render templates in
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message: str) -> None:
-            raise ChatTemplateError(f"the chat template refused the messages: {message}")
-
-        def tojson(value: object, indent: int | None = None) -> str:
-            return json.dumps(value, ensure_ascii=False, indent=indent)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        env.filters["tojson"] = tojson
-        return env
+    def _renderer(self) -> Renderer:
+        # jinja2 only for chat requests
+        return Renderer()
 
     def apply_chat_template(
         self,
@@ -109,11 +95,13 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
-        **kwargs: Any,
+        documents: Sequence[Mapping[str, str]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        limits: RenderLimits | None = None,
     ) -> str:
-        """The prompt text of a conversation, rendered with the model's (or the given) template."""
-        from jinja2 import TemplateError
-
+        """The prompt text of a conversation, rendered with the model's (or the given) template
+        under `limits` (time and size; defaults when None). `template_kwargs` sets variables
+        the template reads (a request's chat_template_kwargs); raises ChatTemplateError."""
         template = chat_template or self.chat_template
         if template is None:
             raise ChatTemplateError(
@@ -121,12 +109,10 @@ class Tokenizer:
                 "or chat_template.jinja); add one, pass chat_template in the request, or use "
                 "/v1/completions"
             )
-        try:
-            return self._environment.from_string(template).render(
-                messages=list(messages),
-                add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
-                **kwargs,
-            )
-        except TemplateError as exc:
-            raise ChatTemplateError(f"the chat template failed to render: {exc}") from None
+        variables = {
+            "messages": list(messages),
+            "add_generation_prompt": add_generation_prompt,
+            "documents": documents,
+            **self.special_tokens,
+        }
+        return self._renderer.render(template, variables, template_kwargs, limits or RenderLimits())
