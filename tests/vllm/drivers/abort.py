@@ -15,7 +15,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from tests.vllm.drivers.common import args, emit, kv_transfer_config, make_prompts
+from tests.vllm.drivers.common import (
+    args,
+    emit,
+    kv_transfer_config,
+    make_prompts,
+    reset_prefix_cache,
+)
 
 _DRAIN_TIMEOUT_S = 120.0
 
@@ -60,8 +66,7 @@ def main() -> None:
 
     GatedKVTierConnector.gate.set()
     out1 = generate()
-    if not llm.reset_prefix_cache():
-        raise RuntimeError("vLLM refused to reset its prefix cache")
+    reset_prefix_cache(llm)
 
     GatedKVTierConnector.gate.clear()
     engine = llm.llm_engine

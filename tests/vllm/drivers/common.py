@@ -101,6 +101,20 @@ def registry_totals(registry: Any, name: str) -> dict[str, float]:
     return out
 
 
+def reset_prefix_cache(llm: Any, timeout_s: float = 60.0, **kw: bool) -> None:
+    """`llm.reset_prefix_cache(**kw)`, stepping the engine until vLLM takes it: `generate`
+    returns while kvtier's last saves still copy, and their blocks are freed only when a later
+    engine step reports them finished (vLLM steps an idle engine for that)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not llm.reset_prefix_cache(**kw):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"vLLM refused reset_prefix_cache({kw}) for {timeout_s:g} s")
+        llm.llm_engine.step()
+        time.sleep(0.005)  # a poll interval while the save lane finishes its copies
+
+
 def kernel_report() -> dict[str, Any]:
     """Which CPU kernels this process runs: ATen's capability and the vLLM kernel library
     loaded (`_C`: AVX-512 BF16 or AMX, `_C_AVX512`, `_C_AVX2`)."""

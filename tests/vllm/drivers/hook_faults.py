@@ -20,6 +20,7 @@ from tests.vllm.drivers.common import (
     make_llm,
     make_prompts,
     registry_totals,
+    reset_prefix_cache,
 )
 from tests.vllm.drivers.faulty_connectors import HookFaultKVTierConnector
 
@@ -45,12 +46,11 @@ def main() -> None:
     result: dict[str, Any] = {}
     for i, hook in enumerate(a["hooks"]):
         prompts = make_prompts(3, 300, step=7, seed=100 + i)
-        if not llm.reset_prefix_cache(reset_connector=True):
-            raise RuntimeError("vLLM refused a connector reset")
+        reset_prefix_cache(llm, reset_connector=True)
         # the victim is the second request of whichever pass the hook fires in
         HookFaultKVTierConnector.fault = {"hook": hook, "victim": _victim_prefix(llm, 1)}
         store = run(prompts)
-        llm.reset_prefix_cache()
+        reset_prefix_cache(llm)
         m0 = llm_metrics(llm)
         HookFaultKVTierConnector.fault = {"hook": hook, "victim": _victim_prefix(llm, 1)}
         restore = run(prompts)

@@ -35,6 +35,7 @@ from tests.vllm.drivers.common import (
     llm_metrics,
     make_llm,
     make_prompts,
+    reset_prefix_cache,
 )
 
 
@@ -113,8 +114,7 @@ def main() -> None:
         return [list(o.outputs[0].token_ids) for o in outs]
 
     def reset(**kw: bool) -> None:
-        if not llm.reset_prefix_cache(**kw):
-            raise RuntimeError(f"vLLM refused reset_prefix_cache({kw})")
+        reset_prefix_cache(llm, **kw)
 
     result: dict[str, Any] = {}
     phase("store")

@@ -7,7 +7,14 @@ Args (JSON): model, extra, example_dir, parent_policy ("recompute" | "fail").
 
 from __future__ import annotations
 
-from tests.vllm.drivers.common import args, emit, make_llm, make_prompts, registry_totals
+from tests.vllm.drivers.common import (
+    args,
+    emit,
+    make_llm,
+    make_prompts,
+    registry_totals,
+    reset_prefix_cache,
+)
 
 
 def main() -> None:
@@ -60,7 +67,7 @@ def main() -> None:
                 gauge[s.labels.get("rank", "?")] = float(s.value)
     result = {"out1": out1, "why1": why1, "fails_request": gauge}
     if a["parent_policy"] == "recompute":
-        llm.reset_prefix_cache()
+        reset_prefix_cache(llm)
         out2, why2 = run()
         result.update(out2=out2, why2=why2, verify=registry_totals(REGISTRY, "verify_failures"))
     emit(result)
