@@ -29,6 +29,7 @@ from kvtier.doctor import (
     CHECK_NAMES,
     DROPPED,
     EXTERNAL,
+    HOOK_ERRORS,
     IDENTITIES,
     LEASES,
     LOAD_FAILURES,
@@ -387,6 +388,19 @@ def test_identities_warn_when_not_drained_and_fail_when_they_do_not_close():
 
 
 # ---- counters that must stay at zero ----
+
+
+def test_hook_errors_fail_naming_the_hook_and_the_rank():
+    fake = Fake().healthy()
+    assert fake.diagnose()[HOOK_ERRORS].status is Status.PASS
+    fake.sched.hook_error("update_state_after_alloc").inc(2)
+    fake.rank[1].hook_error("get_finished").inc()
+    check = fake.diagnose()[HOOK_ERRORS]
+    assert check.status is Status.FAIL
+    assert check.numbers["by"] == {"get_finished": 1, "update_state_after_alloc": 2}
+    assert check.numbers["by_rank"] == {"1": 1}
+    assert check.numbers["scheduler"] == {"update_state_after_alloc": 2}
+    assert "defect of kvtier's own" in check.detail
 
 
 def test_verify_failures_fail_naming_tier_reason_and_rank():

@@ -10,7 +10,7 @@ import httpx
 import typer
 
 from kvtier.doctor import coverage, health
-from kvtier.doctor.result import DROPPED, SAVE_FAILURES, VERIFY, Check, Status
+from kvtier.doctor.result import DROPPED, HOOK_ERRORS, SAVE_FAILURES, VERIFY, Check, Status
 from kvtier.doctor.samples import Samples, declared
 from kvtier.scrape import WORLD_SIZE, MetricSet
 
@@ -54,6 +54,12 @@ def diagnose(metrics_text: str, log_text: str | None, tp: int | None) -> list[Ch
             VERIFY, s, "kvtier_verify_failures_total", ("tier", "reason"), Status.FAIL,
             "records failed verification",
             "the tier holds corrupted bytes (each was dropped and recomputed, never used)",
+        ),
+        health.counted(
+            HOOK_ERRORS, s, "kvtier_hook_errors_total", ("hook",), Status.FAIL,
+            "exceptions inside kvtier hooks",
+            "a defect of kvtier's own: each cost a request its tier hit or a rank its tier, "
+            "never the engine; the server log holds the first traceback of each hook",
         ),
         health.leases(s),
         health.timeouts(s),

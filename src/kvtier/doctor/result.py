@@ -41,6 +41,7 @@ RETRIEVING = "every rank retrieving"
 EXTERNAL = "external queries and hits"
 IDENTITIES = "identities"
 VERIFY = "verify failures"
+HOOK_ERRORS = "hook errors"
 LEASES = "leases"
 TIMEOUTS = "lookup timeouts"
 DROPPED = "dropped writes"
@@ -61,6 +62,7 @@ CHECK_NAMES = (
     EXTERNAL,
     IDENTITIES,
     VERIFY,
+    HOOK_ERRORS,
     LEASES,
     TIMEOUTS,
     DROPPED,
