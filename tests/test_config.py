@@ -9,6 +9,7 @@ import pytest
 
 from kvtier.config import KVTierConfig, config_environ, format_size, parse_size
 from kvtier.errors import ConfigError
+from tests.record_key import RECORD_KEY
 
 GiB = 1 << 30
 SECRET = "hunter2-s3cr3t"
@@ -164,7 +165,7 @@ def test_bad_remote_scheme_is_error(url: str) -> None:
     "url", ["redis://cache:6379/0", "rediss://u@cache:6380", "unix:///run/redis.sock"]
 )
 def test_good_remote_urls_pass(url: str) -> None:
-    assert KVTierConfig.from_dict({"remote_url": url}).remote_url == url
+    assert KVTierConfig.from_dict({"remote_url": url, "record_key": RECORD_KEY}).remote_url == url
 
 
 @pytest.mark.parametrize(
@@ -283,6 +284,7 @@ def secret_config() -> KVTierConfig:
     return KVTierConfig.from_dict(
         {
             "remote_url": f"redis://admin:{SECRET}@cache:6379/0",
+            "record_key": RECORD_KEY,
             "remote_username": "admin",
             "remote_password": SECRET,
         }
@@ -311,7 +313,7 @@ def test_password_never_in_repr_str_or_to_dict() -> None:
     ],
 )
 def test_url_passwords_are_masked(url: str, masked: str) -> None:
-    cfg = KVTierConfig.from_dict({"remote_url": url})
+    cfg = KVTierConfig.from_dict({"remote_url": url, "record_key": RECORD_KEY})
     assert cfg.to_dict()["remote_url"] == masked
     assert SECRET not in repr(cfg) and SECRET not in cfg.describe()
 
@@ -354,6 +356,7 @@ def test_from_env_reads_kvtier_vars() -> None:
             "KVTIER_LOOKUP_SCOPE": "0,1",
             "KVTIER_LOAD_GATE": "off",
             "KVTIER_REMOTE_URL": "unix:///run/valkey.sock",
+            "KVTIER_RECORD_KEY": RECORD_KEY,
             "PATH": "/usr/bin",  # not ours, ignored
         }
     )
@@ -502,7 +505,7 @@ def test_one_mask_url_hides_slashed_passwords_and_bare_tokens_everywhere(
     msg = error_of(remote_url=url.replace("redis://", "http://"))  # any error quoting it
     assert SECRET not in msg
     if "/x@" not in url:  # a slashed password is not a URL urlsplit can read: only errors show it
-        cfg = KVTierConfig.from_dict({"remote_url": url})
+        cfg = KVTierConfig.from_dict({"remote_url": url, "record_key": RECORD_KEY})
         for text in (cfg.describe(), repr(cfg), str(cfg.to_dict())):
             assert SECRET not in text and masked in text
 
@@ -541,3 +544,32 @@ def test_lookup_base_port_is_a_key_both_hosts_use_and_tcp_needs() -> None:
 def test_model_revision_is_a_key() -> None:
     assert KVTierConfig(model_revision="v2").model_revision == "v2"
     assert KVTierConfig(model_revision="").model_revision is None
+
+
+def test_a_shared_store_without_a_record_key_is_refused_naming_the_fix() -> None:
+    msg = error_of(remote_url="redis://cache:6379/0")
+    assert "no record key" in msg and "KVTIER_RECORD_KEY" in msg and "record_key_file" in msg
+
+
+def test_record_key_rules_and_the_key_is_never_shown() -> None:
+    short = "s3cr3t-but-short"
+    msg = error_of(record_key=short)
+    assert "has 16 characters" in msg and "at least 32" in msg and short not in msg
+    both = error_of(record_key=RECORD_KEY, record_key_file="/etc/kvtier/key")
+    assert "both set" in both and RECORD_KEY not in both
+    cfg = KVTierConfig(record_key=RECORD_KEY)
+    assert RECORD_KEY not in repr(cfg) and RECORD_KEY not in cfg.describe()
+    assert cfg.to_dict()["record_key"] == "***"
+    assert cfg.to_dict(secrets=True)["record_key"] == RECORD_KEY
+    with pytest.raises(ConfigError) as e:
+        KVTierConfig.from_dict({"record_key": 12345678901234567890123456789012345})
+    assert "value not shown" in str(e.value) and "1234567890" not in str(e.value)
+
+
+def test_disk_and_store_policy_keys_name_their_choices() -> None:
+    assert "is negative" in error_of(disk_gc_days=-1)
+    assert "refuse, own_dir" in error_of(disk_conflict="share")
+    assert "refuse, warn" in error_of(remote_full="ignore")
+    cfg = KVTierConfig()
+    assert (cfg.disk_gc_days, cfg.disk_conflict, cfg.remote_full) == (30.0, "refuse", "refuse")
+    assert cfg.encrypt_at_rest is False

@@ -64,6 +64,12 @@ _READ_FROM = ("primary", "replica")
 _TLS_FILES = ("remote_tls_ca_file", "remote_tls_cert_file", "remote_tls_key_file")
 _TENANT_RE = re.compile(r"^[A-Za-z0-9._-]{0,64}$")
 _TRANSPORTS = ("ipc", "tcp")
+# values never shown in a message, a log line or to_dict() (unless handed to this engine's
+# own processes)
+_SECRET_KEYS = frozenset({"remote_password", "record_key"})
+_REMOTE_FULL = ("refuse", "warn")
+_DISK_CONFLICT = ("refuse", "own_dir")
+_MIN_RECORD_KEY_CHARS = 32
 # vLLM 0.32 layouts whose per-layer block pages are contiguous (LHBNC and BHLNC split a
 # layer's page by head: refused)
 _KV_LAYOUTS = ("", "BLHNC", "BLNHC", "LBHNC", "LBNHC")
@@ -105,7 +111,7 @@ def mask_url(url: str) -> str:
 
 def _show(key: str, value: Any) -> str:
     """`key=value` for messages, with secrets masked."""
-    if key == "remote_password":
+    if key in _SECRET_KEYS:
         return f"{key}={_MASK}"
     if key == "remote_url" and isinstance(value, str):
         return f"{key}={mask_url(value)!r}"
@@ -218,7 +224,7 @@ def _to_str(key: str, value: Any) -> str:
         return value
     if isinstance(value, os.PathLike):
         return os.fspath(value)  # type: ignore[return-value]
-    if key == "remote_password":
+    if key in _SECRET_KEYS:
         # never echo a secret, not even one YAML turned into a number
         raise _error(key, f"{key} must be a string (value not shown); quote it in YAML")
     raise _error(
@@ -309,6 +315,18 @@ class KVTierConfig:
     memory_bytes: int = _f(2 * _GiB, "size", "host-memory tier budget per rank")
     disk_dir: str | None = _f(None, "opt_str", "directory of the disk tier")
     disk_bytes: int = _f(0, "size", "disk tier budget per rank; 0 = no disk tier")
+    disk_gc_days: float = _f(
+        30.0,
+        "float",
+        "namespace directories of disk_dir unused for this many days are removed at startup "
+        "(old model revisions, other TP sizes); 0 = never",
+    )
+    disk_conflict: str = _f(
+        "refuse",
+        "str",
+        "when another live process holds this disk namespace: 'refuse' (startup error naming "
+        "its pid) or 'own_dir' (this process uses a directory of its own)",
+    )
     remote_url: str | None = _f(
         None, "opt_str", "redis://, rediss://, redis+cluster://, rediss+cluster:// or unix:// URL"
     )
@@ -325,7 +343,29 @@ class KVTierConfig:
     remote_tls_cert_file: str | None = _f(None, "opt_str", "PEM client certificate (mTLS)")
     remote_tls_key_file: str | None = _f(None, "opt_str", "PEM client key (mTLS)")
     remote_tls_insecure: bool = _f(False, "bool", "skip TLS certificate verification")
-    tenant: str = _f("", "str", "key prefix separating tenants on a shared store")
+    tenant: str = _f(
+        "", "str", "tenant of this engine: its own namespace, key prefix and record key on a "
+        "shared store (letters, digits, '.', '_', '-')"
+    )
+    record_key: str | None = _f(
+        None,
+        "opt_str",
+        "deployment secret authenticating (and encrypting) records outside the process, at "
+        "least 32 characters (secret; prefer KVTIER_RECORD_KEY or record_key_file); required "
+        "with remote_url, generated in disk_dir for a disk tier when unset",
+    )
+    record_key_file: str | None = _f(
+        None, "opt_str", "file holding record_key (readable by its owner only)"
+    )
+    encrypt_at_rest: bool = _f(
+        False, "bool", "AES-GCM-encrypt records on disk and in the shared store (a key per tenant)"
+    )
+    remote_full: str = _f(
+        "refuse",
+        "str",
+        "a store that evicts nothing (maxmemory-policy noeviction) with remote_ttl_s=0 fills "
+        "up and refuses every write: 'refuse' stops startup, 'warn' logs it and serves on",
+    )
     lookup_scope: tuple[int, ...] | None = _f(None, "scope", "ranks asked on lookup; None = all")
     lookup_timeout_ms: int = _f(200, "int", "deadline of one lookup across ranks")
     lookup_wait_ms: float = _f(
@@ -429,6 +469,18 @@ class KVTierConfig:
                 f"disk_dir={self.disk_dir!r} is set but disk_bytes=0 means no disk tier; "
                 "set disk_bytes (e.g. 64GiB) or unset disk_dir",
             )
+        if self.disk_gc_days < 0:
+            raise _error(
+                "disk_gc_days",
+                f"disk_gc_days={self.disk_gc_days:g} is negative; use 0 to never remove old "
+                "namespaces, or a number of days",
+            )
+        if self.disk_conflict not in _DISK_CONFLICT:
+            raise _error(
+                "disk_conflict",
+                f"{_show('disk_conflict', self.disk_conflict)} is not one of "
+                f"{', '.join(_DISK_CONFLICT)}",
+            )
 
     def _validate_remote(self) -> None:
         url = self.remote_url
@@ -452,6 +504,35 @@ class KVTierConfig:
             raise _error(
                 "remote_ttl_s",
                 f"remote_ttl_s={self.remote_ttl_s} is negative; use 0 for no expiry or seconds > 0",
+            )
+        if self.remote_full not in _REMOTE_FULL:
+            raise _error(
+                "remote_full",
+                f"{_show('remote_full', self.remote_full)} is not one of {', '.join(_REMOTE_FULL)}",
+            )
+        self._validate_record_key()
+
+    def _validate_record_key(self) -> None:
+        if self.record_key is not None and self.record_key_file is not None:
+            raise _error(
+                ("record_key", "record_key_file"),
+                "record_key and record_key_file are both set; keep one (record_key_file, or "
+                "KVTIER_RECORD_KEY in the environment, keeps the secret out of logged configs)",
+            )
+        if self.record_key is not None and len(self.record_key) < _MIN_RECORD_KEY_CHARS:
+            raise _error(
+                "record_key",
+                f"record_key has {len(self.record_key)} characters (value not shown); use at "
+                f"least {_MIN_RECORD_KEY_CHARS}, e.g. the output of "
+                "`python -c 'import secrets; print(secrets.token_hex(32))'`",
+            )
+        if self.remote_url is not None and self.record_key is None and self.record_key_file is None:
+            raise _error(
+                ("record_key", "remote_url"),
+                "remote_url is set but no record key is: records in a shared store must be "
+                "authenticated, with the same secret on every engine that writes or reads the "
+                "store; set KVTIER_RECORD_KEY (at least 32 characters, e.g. `python -c 'import "
+                "secrets; print(secrets.token_hex(32))'`) or record_key_file",
             )
 
     def _validate_remote_url(self, url: str) -> None:
@@ -615,7 +696,7 @@ class KVTierConfig:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if not secrets and f.name == "remote_password" and value is not None:
+            if not secrets and f.name in _SECRET_KEYS and value is not None:
                 value = _MASK
             elif not secrets and f.name == "remote_url" and value is not None:
                 value = mask_url(value)

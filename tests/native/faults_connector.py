@@ -22,6 +22,7 @@ from kvtier.native.connector import ConnectorContext, ConnectorRole
 from kvtier.native.offload import WorkerHalf, connector_spec
 from kvtier.native.offload import build as build_kvtier
 from kvtier.offload.worker import OffloadWorker
+from tests.record_key import RECORD_KEY
 
 FAULTS = ("raise", "stuck")
 # a stuck read gives up after this long even if nobody releases it (keeps a failing test bounded)
@@ -104,6 +105,8 @@ def kvtier_engine(
     """A native engine on `model` with kvtier (64-token chunks, no load gate unless given);
     with `fault`, its worker halves come from this module's `build` with those arguments."""
     cfg.setdefault("chunk_size", 64)
+    if "remote_url" in cfg:
+        cfg.setdefault("record_key", RECORD_KEY)
     cfg.setdefault("memory_bytes", "64MiB")
     cfg.setdefault("load_gate", False)
     # hit counts are asserted: on 2 oversubscribed cores a rank's lookup can miss 200 ms

@@ -13,10 +13,13 @@ from kvtier.errors import ConfigError
 from kvtier.native import Engine, EngineConfig
 from kvtier.native.offload import connector_spec
 from tests.native.conftest import GREEDY, make_prompts
+from tests.record_key import RECORD_KEY
 
 
 def kvtier_engine(model: Path, tmp_path: Path, tp: int = 1, **cfg) -> Engine:
     cfg.setdefault("chunk_size", 64)
+    if "remote_url" in cfg:
+        cfg.setdefault("record_key", RECORD_KEY)
     cfg.setdefault("memory_bytes", "64MiB")
     cfg.setdefault("load_gate", False)
     # exact hit counts below: on 2 oversubscribed cores a rank's lookup thread can miss 200 ms

@@ -14,6 +14,7 @@ from kvtier.offload.messages import OpResult, WorkerReport
 from kvtier.offload.protocols import StepRequest
 from kvtier.offload.scheduler import OffloadScheduler
 from tests.offload.fakes import FakeLookup, FakeResult, SlotView
+from tests.record_key import RECORD_KEY
 
 CHUNK = 32
 BLOCK = 16
@@ -82,7 +83,7 @@ def test_once_its_first_chunk_is_saved_a_prefix_asks_the_ranks_and_hits():
     "cfg",
     [
         {"disk_dir": "/tmp/kvtier-heads-test", "disk_bytes": 1 << 20},
-        {"remote_url": "redis://127.0.0.1:1"},
+        {"remote_url": "redis://127.0.0.1:1", "record_key": RECORD_KEY},
     ],
     ids=["disk", "remote"],
 )

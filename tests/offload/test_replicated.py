@@ -17,6 +17,7 @@ from kvtier.offload.messages import ChunkRef, OffloadMeta, SaveOp
 from kvtier.offload.pages import KVCacheDescription
 from kvtier.offload.worker import OffloadWorker
 from tests.offload.vllm_views import build, mla
+from tests.record_key import RECORD_KEY
 
 NB, BS, CHUNK = 8, 16, 32
 KEY = b"k" * 16
@@ -27,6 +28,7 @@ def workers(tmp: Path, url: str, replicated: bool) -> list[OffloadWorker]:
         {
             "memory_bytes": "4MiB", "chunk_size": CHUNK, "disk_dir": str(tmp / "disk"),
             "disk_bytes": "64MiB", "remote_url": url,
+            "record_key": RECORD_KEY,
         }
     )  # fmt: skip
     out = []

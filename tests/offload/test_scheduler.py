@@ -10,6 +10,7 @@ from kvtier.offload.messages import OpResult, WorkerReport
 from kvtier.offload.protocols import StepRequest
 from kvtier.offload.scheduler import OffloadScheduler
 from tests.offload.fakes import FakeLookup, SlotView
+from tests.record_key import RECORD_KEY
 
 CHUNK = 32
 BLOCK = 16
@@ -477,7 +478,8 @@ def test_sync_loads_of_one_step_share_its_budget():
 def test_a_stack_with_lower_tiers_keeps_every_load_asynchronous():
     # a read from disk or a remote store may block: it never runs inside the forward
     sched, _, metrics = make(
-        hits=3, world=1, sync_load_fraction=1e9, remote_url="redis://127.0.0.1:6379/0"
+        hits=3, world=1, sync_load_fraction=1e9, remote_url="redis://127.0.0.1:6379/0",
+        record_key=RECORD_KEY,
     )
     sched.gate.observe_step(1.0)
     _admit(sched, "a", 3 * CHUNK + 4)

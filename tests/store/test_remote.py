@@ -22,6 +22,7 @@ from kvtier.store.breaker import ShardBreakers, State
 from kvtier.store.factory import build_stack
 from kvtier.store.remote import RemoteTier, mask_url
 from kvtier.store.remote_transport import Timeouts
+from tests.record_key import RECORD_KEY
 
 from .conftest import FakeClock, key_of, payload_of
 
@@ -300,6 +301,7 @@ def test_from_config_reads_remote_and_breaker_fields(
     config = KVTierConfig(
         remote_url=auth_server.url,
         remote_password=PASSWORD,
+        record_key=RECORD_KEY,
         remote_ttl_s=30,
         remote_timeout_ms=250,
         breaker_failures=2,
@@ -546,7 +548,7 @@ def test_two_stacks_share_chunks_through_the_remote_tier(
 ) -> None:
     """Engine A saves through its TierStack; engine B (empty memory) loads A's chunk remotely."""
     slot = 4096
-    config = KVTierConfig(memory_bytes=slot * 4, remote_url=server.url)
+    config = KVTierConfig(memory_bytes=slot * 4, remote_url=server.url, record_key=RECORD_KEY)
     a = build_stack(config, namespace, slot, Metrics(rank=0))
     b_metrics = Metrics(rank=0)
     b = build_stack(config, namespace, slot, b_metrics)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvtier.bench.redis_local import RedisServer
+from tests.record_key import RECORD_KEY
 from tests.vllm.conftest import CHUNK, TIER, DriverRun, loadable_tokens, retrieved_lines
 
 
@@ -16,7 +17,7 @@ def test_a_consumer_decodes_from_the_prefix_a_producer_stored(
 ) -> None:
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     with RedisServer() as srv:
-        extra = {**TIER, "remote_url": srv.url}
+        extra = {**TIER, "remote_url": srv.url, "record_key": RECORD_KEY}
         lens = [600 + 37 * i for i in range(3)]
         chunks = sum(n // CHUNK for n in lens)
         # every whole chunk of every prompt, plus the producer's self-test chunk

@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import os
 import random
+import secrets
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -515,6 +516,8 @@ def kvtier_config(
         if store is None:
             raise ConfigError(f"fault {fault.name!r} needs the bench's redis-server")
         cfg["remote_url"] = store.url
+        # a throwaway store of this bench run: a key of this run authenticates its records
+        cfg["record_key"] = secrets.token_hex(32)
     else:
         cfg["disk_dir"] = str(disk_dir or work / "disk")
         cfg["disk_bytes"] = disk_bytes or 256 * chunk_bytes
