@@ -220,8 +220,12 @@ class EngineServer:
                 return JSONResponse(error_body(503, reason), status_code=503)
             return JSONResponse({"status": "ok"})
 
-        @app.api_route("/ping", methods=["GET", "POST"])
+        @app.get("/ping")
         async def ping() -> Response:
+            return await health()
+
+        @app.post("/ping")
+        async def ping_post() -> Response:
             return await health()
 
         @app.get("/version")
