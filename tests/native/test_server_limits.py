@@ -14,7 +14,9 @@ from typing import Any
 
 import httpx
 import psutil
+from typer.testing import CliRunner
 
+from kvtier.cli import app as cli_app
 from kvtier.native import protocol
 from kvtier.native.detokenizer import MAX_PENDING_TOKENS, Detokenizer, TextStream
 from kvtier.native.openai_requests import ServerLimits
@@ -69,19 +71,37 @@ def test_a_body_over_the_limit_gets_413_and_is_read_no_further(make_engine):
 
 
 def test_a_64mib_body_leaves_the_served_process_memory_flat(tiny_model, tmp_path):
-    with kvtier_serve(
-        tiny_model, tmp_path, tp=1, config=CONFIG, extra=("--no-offload",)
-    ) as srv, httpx.Client(base_url=srv.base, timeout=120.0) as c:
+    # the measured case: one 64 MiB completion body drove the server past 12 GB; the flags
+    # reach the server from the command line
+    extra = ("--no-offload", "--max-request-body-size", "8MiB", "--trust-request-chat-template")
+    with kvtier_serve(tiny_model, tmp_path, tp=1, config=CONFIG, extra=extra) as srv, \
+            httpx.Client(base_url=srv.base, timeout=120.0) as c:  # fmt: skip
         proc = psutil.Process(srv.proc.pid)
         assert c.post("/v1/completions", json={"prompt": "ka", "max_tokens": 1}).status_code == 200
         before = proc.memory_info().rss
         r = c.post("/v1/completions", content=token_body(64 * MiB))
         after = proc.memory_info().rss
-        assert_openai_error(r, 413)
         ok = c.post("/v1/completions", json={"prompt": "ka", "max_tokens": 1})
-    assert ok.status_code == 200
-    # the default limit is 16 MiB: what the server held of the body, never the 64 MiB
-    assert after - before < 64 * MiB, (before, after)
+        templated = c.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "ka"}], "max_tokens": 1,
+            "chat_template": "{{ messages[0]['content'] }}",
+        })  # fmt: skip
+    assert "at most 8388608 bytes" in assert_openai_error(r, 413)
+    assert ok.status_code == 200 and templated.status_code == 200, templated.text
+    # what the server held of the body is the limit's worth, never the 64 MiB
+    assert after - before < 48 * MiB, (before, after)
+
+
+def test_cli_refuses_limits_out_of_range(tiny_model):
+    for args, words in (
+        (["--max-queued-seqs", "0"], "--max-queued-seqs 0 must be >= 1"),
+        (["--max-request-body-size", "lots"], "--max-request-body-size='lots' is not a size"),
+        (["--chat-template-timeout", "0"], "chat template timeout 0.0 must be > 0 seconds"),
+        (["--max-stop-strings", "-1"], "--max-stop-strings -1 must be >= 0"),
+    ):
+        result = CliRunner().invoke(cli_app, ["serve", str(tiny_model), "--no-offload", *args])
+        assert result.exit_code == 2, result.output
+        assert words in result.output and "Traceback" not in result.output, result.output
 
 
 def test_lists_a_client_sizes_are_bounded_with_a_400_naming_the_flag(make_engine):
