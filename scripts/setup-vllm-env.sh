@@ -22,7 +22,7 @@ TORCH_SPEC="torch==2.13.0+cpu"
 # lookups, config and metrics; no CLI, plotting or HTTP server (tests/test_extras.py checks this
 # list against the code). vLLM brings most of them; the rest are installed at kvtier's pins,
 # and an already present one is never replaced (vLLM's pin wins).
-KVTIER_RUNTIME=(blake3 xxhash msgspec pyzmq prometheus-client pyyaml redis valkey-glide-sync)
+KVTIER_RUNTIME=(blake3 cryptography xxhash msgspec pyzmq prometheus-client pyyaml redis valkey-glide-sync)
 # test tools the vLLM drivers use themselves (tests/vllm/drivers/fuzz_hooks.py), at the dev pins
 TEST_TOOLS=(hypothesis)
 

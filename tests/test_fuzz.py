@@ -42,6 +42,7 @@ from kvtier.store import record
 from kvtier.store.memory import MemoryTier
 from kvtier.store.stack import TierStack
 from tests.lookup_helpers import make_keys
+from tests.record_key import codec_for_tests
 
 MAX_FRAME = 1024  # small, so oversized frames are cheap to send
 HELD = 3  # leading keys the rank's memory tier holds
@@ -314,35 +315,43 @@ def test_frame_over_the_hard_cap_drops_only_that_peer(rank: Rank) -> None:
 
 PAYLOAD = bytes(range(256)) * 3
 KEY = KEYS[0]
-VALID_RECORD = record.encode(NS, KEY, PAYLOAD)
+CODECS = {enc: codec_for_tests(NS, encrypt=enc) for enc in (False, True)}
+VALID = {enc: c.encode(KEY, PAYLOAD) for enc, c in CODECS.items()}
+# magic 0:4, version 4:6, flags 6:8, namespace 8:24, key 24:40, length 40:48, nonce 48:60,
+# tag 60:92
+FIELDS = [(0, 4), (4, 6), (6, 8), (8, 24), (24, 40), (40, 48), (48, 60), (60, 92)]
 
 
 @st.composite
-def record_bytes(draw: st.DrawFn) -> bytes:
-    """Random bytes, or a valid record truncated, extended, bit-flipped or with a header field
-    overwritten (lengths up to 2**64-1 included)."""
+def record_bytes(draw: st.DrawFn) -> tuple[bool, bytes]:
+    """(encrypted?, bytes): random bytes, or a valid record truncated, extended, bit-flipped or
+    with a header field overwritten (lengths up to 2**64-1 included)."""
+    enc = draw(st.booleans())
     how = draw(st.sampled_from(["random", "truncate", "extend", "flip", "field"]))
-    data = bytearray(VALID_RECORD)
+    data = bytearray(VALID[enc])
     if how == "random":
-        return draw(st.binary(max_size=2 * record.HEADER_BYTES))
+        return enc, draw(st.binary(max_size=2 * record.HEADER_BYTES))
     if how == "truncate":
-        return bytes(data[: draw(st.integers(0, len(data) - 1))])
+        return enc, bytes(data[: draw(st.integers(0, len(data) - 1))])
     if how == "extend":
-        return bytes(data) + draw(st.binary(min_size=1, max_size=16))
+        return enc, bytes(data) + draw(st.binary(min_size=1, max_size=16))
     if how == "flip":
         for _ in range(draw(st.integers(1, 3))):
             i = draw(st.integers(0, len(data) - 1))
             data[i] ^= 1 << draw(st.integers(0, 7))
-        return bytes(data)
-    # magic 0:4, version 4:6, reserved 6:8, namespace 8:24, key 24:40, length 40:48, sum 48:56
-    start, end = draw(st.sampled_from([(0, 4), (4, 6), (8, 24), (24, 40), (40, 48), (48, 56)]))
+        return enc, bytes(data)
+    start, end = draw(st.sampled_from(FIELDS))
     data[start:end] = draw(st.binary(min_size=end - start, max_size=end - start))
-    return bytes(data)
+    return enc, bytes(data)
 
 
 @FUZZ
-@given(data=record_bytes())
-def test_record_verify_returns_the_written_payload_or_raises_record_error(data: bytes) -> None:
+@given(case=record_bytes())
+def test_record_open_returns_the_written_payload_or_raises_record_error(
+    case: tuple[bool, bytes],
+) -> None:
+    enc, data = case
+    codec = CODECS[enc]
     for view in (data, memoryview(data)):
         t0 = time.monotonic()
         try:
@@ -352,7 +361,7 @@ def test_record_verify_returns_the_written_payload_or_raises_record_error(data: 
         else:
             assert 0 <= header.length < 2**64
         try:
-            payload = record.verify(view, NS, KEY)
+            payload = codec.open(view, KEY)
         except record.RecordError as e:
             assert e.reason in {
                 "truncated",
@@ -361,11 +370,12 @@ def test_record_verify_returns_the_written_payload_or_raises_record_error(data: 
                 "namespace_mismatch",
                 "key_mismatch",
                 "length_mismatch",
-                "checksum_mismatch",
+                "tag_mismatch",
             }
         else:
-            # only the unchecked reserved bits can differ: the payload is the one written
-            assert bytes(payload) == PAYLOAD
+            # every header field and every payload byte is under the tag: only an unchanged
+            # record opens, and it opens to what was written
+            assert bytes(payload) == PAYLOAD and data == VALID[enc]
         with pytest.raises(record.RecordError):
-            record.verify(view, NS, KEY, expected_length=len(PAYLOAD) + 1)
+            codec.open(view, KEY, expected_length=len(PAYLOAD) + 1)
         assert time.monotonic() - t0 < 1.0

@@ -26,6 +26,7 @@ from kvtier.store import record
 from kvtier.store.remote import RemoteTier
 from tests.native.conftest import GREEDY, make_prompts
 from tests.native.faults_connector import kvtier_engine, local_worker, rank_values
+from tests.record_key import codec_for_tests
 from tests.redis_cluster import flush, redis_cluster  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[2]
@@ -153,7 +154,7 @@ def test_corrupted_remote_record_is_a_counted_miss_and_is_rewritten(
         assert outs == reference[:2]
         m = local_worker(eng).metrics
         # each load stops at its first chunk, which fails verification: a miss, never KV bytes
-        assert m.value("verify_failures_total", tier="remote", reason="checksum_mismatch") == 2
+        assert m.value("verify_failures_total", tier="remote", reason="tag_mismatch") == 2
         assert m.value("tier_hits_total", tier="remote") == 0
         assert eng.connector.metrics.value("load_failures_total", reason="miss") == 2
         assert rank_values(eng, "verify_failures_total", tier="remote") == {"0": 2.0}
@@ -166,7 +167,7 @@ def test_corrupted_remote_record_is_a_counted_miss_and_is_rewritten(
         for rkey in rkeys:
             data = admin.get(rkey)
             head = record.decode_header(data)
-            record.verify(data, head.namespace, head.key)
+            codec_for_tests(head.namespace).open(data, head.key)
     admin.close()
 
 

@@ -27,7 +27,10 @@ RECORD = record.HEADER_BYTES + SIZE
 
 
 def _files(tier: DiskTier) -> list[Path]:
-    return sorted(p for p in tier.directory.rglob("*") if p.is_file())
+    """Every file under the tier's directory but its lock file."""
+    return sorted(
+        p for p in tier.directory.rglob("*") if p.is_file() and p.name != "kvtier.lock"
+    )
 
 
 def _record_path(tier: DiskTier, key: bytes) -> Path:
@@ -78,7 +81,7 @@ def test_corrupted_record_reads_as_miss_and_is_counted(
     path.write_bytes(bytes(raw))
 
     assert tier.get(k) is None
-    assert metrics.value("verify_failures_total", tier="disk", reason="checksum_mismatch") == 1
+    assert metrics.value("verify_failures_total", tier="disk", reason="tag_mismatch") == 1
     assert not path.exists() and not tier.contains(k)
     assert tier.residency_bytes() == 0
     assert tier.get(k) is None  # now a plain miss, not a second failure
@@ -300,6 +303,7 @@ def test_namespaces_in_one_directory_stay_apart(
     assert bytes(theirs.get(k) or b"") == make_payload(1, SIZE)
 
     # a record planted under the other namespace's directory is rejected, not served
+    theirs.close()  # one live tier per namespace directory: the restart below takes it over
     planted = _record_path(theirs, make_key(5))
     planted.parent.mkdir(exist_ok=True)
     planted.write_bytes(record.encode(namespace, make_key(5), make_payload(5, SIZE)))

@@ -22,9 +22,11 @@ from kvtier.store.breaker import ShardBreakers, State
 from kvtier.store.factory import build_stack
 from kvtier.store.remote import RemoteTier, mask_url
 from kvtier.store.remote_transport import Timeouts
-from tests.record_key import RECORD_KEY
+from tests.record_key import RECORD_KEY, codec_for_tests
 
 from .conftest import FakeClock, key_of, payload_of
+
+CODEC = codec_for_tests(bytes(16))
 
 PASSWORD = "hunter2-Zq9"
 ACL_USER = "kvuser"
@@ -75,6 +77,7 @@ def make_tier(metrics: Metrics, namespace: bytes) -> Iterator[MakeTier]:
     def make(url: str, **kwargs: object) -> RemoteTier:
         ns = kwargs.pop("namespace", namespace)
         m = kwargs.pop("metrics", metrics)
+        kwargs.setdefault("codec", codec_for_tests(ns, str(kwargs.get("tenant", ""))))
         tier = RemoteTier(url, ns, m, **kwargs)  # type: ignore[arg-type]
         made.append(tier)
         return tier
@@ -132,9 +135,12 @@ def test_round_trip_bytes(server: RedisServer, make_tier: MakeTier, namespace: b
     # what sits in the server is exactly the record, under the documented key
     admin = server.client()
     key = key_of(1)
-    rkey = f"kvtier:{namespace.hex()}:{key.hex()}".encode()
+    rkey = f"kvtier::{namespace.hex()}:{key.hex()}".encode()  # the default tenant: empty
     assert tier.redis_key(key) == rkey
-    assert admin.get(rkey) == record.encode(namespace, key, payloads[key])
+    # the stored value is the sealed record: its header, then the payload as it was
+    stored = admin.get(rkey)
+    assert stored[record.HEADER_BYTES :] == bytes(payloads[key])
+    assert codec_for_tests(namespace).open(stored, key) == bytes(payloads[key])
     assert admin.ttl(rkey) == -1  # no expiry by default
     expected = sum(record.HEADER_BYTES + len(p) for p in payloads.values())
     assert tier.residency_bytes() == expected
@@ -225,7 +231,7 @@ def test_corrupted_value_is_a_counted_miss_and_deleted(
     raw[record.HEADER_BYTES + 10] ^= 0xFF
     admin.set(rkey, bytes(raw))
     assert tier.get(key) is None
-    assert metrics.value("verify_failures_total", tier="remote", reason="checksum_mismatch") == 1
+    assert metrics.value("verify_failures_total", tier="remote", reason="tag_mismatch") == 1
     assert admin.exists(rkey) == 0
     assert tier.residency_bytes() == 0
     # a truncated value found through the batched read is handled the same way
@@ -344,12 +350,14 @@ def test_auth_password_and_acl_user(
     )
     for kwargs in wrong:
         with pytest.raises(StartupError) as info:
-            RemoteTier(auth_server.url, namespace, metrics, **kwargs)  # type: ignore[arg-type]
+            RemoteTier(auth_server.url, namespace, metrics, codec=codec_for_tests(namespace),
+                       **kwargs)  # type: ignore[arg-type]  # fmt: skip
         assert auth_server.url in str(info.value)
         assert "remote_password" in str(info.value)
     # a password in the URL shows masked in the error
     with pytest.raises(StartupError) as info:
-        RemoteTier(f"redis://{ACL_USER}:wrong-{PASSWORD}@127.0.0.1:{port}/0", namespace, metrics)
+        RemoteTier(f"redis://{ACL_USER}:wrong-{PASSWORD}@127.0.0.1:{port}/0", namespace, metrics,
+                   codec=codec_for_tests(namespace))  # fmt: skip
     assert f"redis://{ACL_USER}:***@127.0.0.1:{port}/0" in str(info.value)
 
     # no secret anywhere a person or a scraper looks
@@ -368,16 +376,20 @@ def test_auth_password_and_acl_user(
 
 def test_bad_urls_and_arguments(metrics: Metrics, namespace: bytes) -> None:
     with pytest.raises(ConfigError) as info:
-        RemoteTier(f"http://u:{PASSWORD}@localhost:1/0", namespace, metrics)
+        RemoteTier(f"http://u:{PASSWORD}@localhost:1/0", namespace, metrics,
+                   codec=codec_for_tests(namespace))  # fmt: skip
     assert PASSWORD not in str(info.value) and "u:***@localhost" in str(info.value)
     with pytest.raises(ValueError, match="namespace must be 16 bytes"):
-        RemoteTier("redis://127.0.0.1:1/0", b"short", metrics)
+        RemoteTier("redis://127.0.0.1:1/0", b"short", metrics, codec=CODEC)
     with pytest.raises(ValueError, match="ttl_s=-1"):
-        RemoteTier("redis://127.0.0.1:1/0", namespace, metrics, ttl_s=-1)
+        RemoteTier("redis://127.0.0.1:1/0", namespace, metrics, ttl_s=-1,
+                   codec=codec_for_tests(namespace))  # fmt: skip
     with pytest.raises(ValueError, match="timeout_ms=0"):
-        RemoteTier("redis://127.0.0.1:1/0", namespace, metrics, timeout_ms=0)
+        RemoteTier("redis://127.0.0.1:1/0", namespace, metrics, timeout_ms=0,
+                   codec=codec_for_tests(namespace))  # fmt: skip
     with pytest.raises(ValueError, match="write_timeout_ms=50 must be >= timeout_ms=100"):
-        RemoteTier("redis://127.0.0.1:1/0", namespace, metrics, write_timeout_ms=50)
+        RemoteTier("redis://127.0.0.1:1/0", namespace, metrics, write_timeout_ms=50,
+                   codec=codec_for_tests(namespace))  # fmt: skip
 
 
 def test_mask_url() -> None:

@@ -16,6 +16,7 @@ from kvtier.metrics import Metrics
 from kvtier.store import record
 from kvtier.store.breaker import ShardBreakers, State
 from kvtier.store.remote import RemoteTier
+from tests.record_key import codec_for_tests
 from tests.redis_cluster import command_calls, flush, redis_cluster, reset_stats  # noqa: F401
 
 from .conftest import FakeClock, key_of, payload_of
@@ -38,6 +39,7 @@ def make_tier(metrics: Metrics, namespace: bytes) -> Iterator[MakeTier]:
     made: list[RemoteTier] = []
 
     def make(url: str, **kwargs: object) -> RemoteTier:
+        kwargs.setdefault("codec", codec_for_tests(namespace))
         tier = RemoteTier(url, namespace, kwargs.pop("metrics", metrics), **kwargs)  # type: ignore[arg-type]
         made.append(tier)
         return tier
@@ -154,7 +156,8 @@ def test_value_over_the_size_limit_is_refused_at_startup_and_never_trips_the_bre
     _set_limit(cluster, limit)
     try:
         with pytest.raises(StartupError) as info:
-            RemoteTier(cluster.url, namespace, Metrics(0), payload_bytes=limit)
+            RemoteTier(cluster.url, namespace, Metrics(0), payload_bytes=limit,
+                       codec=codec_for_tests(namespace))  # fmt: skip
         msg = str(info.value)
         assert "proto-max-bulk-len=1048576" in msg
         assert f"{limit + record.HEADER_BYTES} bytes" in msg

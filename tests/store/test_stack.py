@@ -13,6 +13,7 @@ import torch
 from kvtier.metrics import Metrics
 from kvtier.store.disk import DiskTier
 from kvtier.store.memory import MemoryTier
+from kvtier.store.record import HEADER_BYTES
 from kvtier.store.stack import TierStack
 
 Key = Callable[[int], bytes]
@@ -79,7 +80,7 @@ def _memory(namespace: bytes, metrics: Metrics, slots: int, clock=None) -> Memor
 
 @pytest.fixture
 def disk(tmp_path: Path, namespace: bytes, metrics: Metrics) -> DiskTier:
-    return DiskTier(tmp_path, 64 * (SIZE + 64), namespace, metrics)
+    return DiskTier(tmp_path, 64 * (SIZE + HEADER_BYTES), namespace, metrics)
 
 
 @pytest.fixture
@@ -223,7 +224,7 @@ def test_slow_tier_outliving_the_lease_still_writes_correct_bytes(
     make_payload: Payload,
 ):
     slow = BlockingTier()
-    disk = DiskTier(tmp_path, 16 * (SIZE + 64), namespace, metrics)
+    disk = DiskTier(tmp_path, 16 * (SIZE + HEADER_BYTES), namespace, metrics)
     s = TierStack(_memory(namespace, metrics, 4, clock), [slow, disk], metrics)
     try:
         k, data = make_key(0), make_payload(0, SIZE)
@@ -277,7 +278,7 @@ def test_corrupt_disk_record_is_a_miss(
     dst = _dst()
     assert stack.read_into(k, dst) is None
     assert not dst.any()  # not a byte of a bad record reached the destination
-    assert metrics.value("verify_failures_total", tier="disk", reason="checksum_mismatch") == 1
+    assert metrics.value("verify_failures_total", tier="disk", reason="tag_mismatch") == 1
     assert not stack.memory.contains(k)
 
 
@@ -310,7 +311,7 @@ def test_lookup_leases_prevent_eviction_until_released(
 def test_lookup_leases_disk_chunks_where_they_live(
     tmp_path: Path, namespace: bytes, metrics: Metrics, make_key: Key, make_payload: Payload
 ):
-    record = SIZE + 64
+    record = SIZE + HEADER_BYTES
     disk = DiskTier(tmp_path, 2 * record, namespace, metrics)
     s = TierStack(_memory(namespace, metrics, 4), [disk], metrics)
     try:
@@ -346,7 +347,7 @@ def test_lookup_without_lease_pins_nothing(
 def test_broken_lower_tier_does_not_stop_write_behind(
     tmp_path: Path, namespace: bytes, metrics: Metrics, make_key: Key, make_payload: Payload
 ):
-    disk = DiskTier(tmp_path, 16 * (SIZE + 64), namespace, metrics)
+    disk = DiskTier(tmp_path, 16 * (SIZE + HEADER_BYTES), namespace, metrics)
     s = TierStack(_memory(namespace, metrics, 4), [BrokenTier(), disk], metrics)
     try:
         for i in range(3):
@@ -361,13 +362,13 @@ def test_broken_lower_tier_does_not_stop_write_behind(
 def test_close_drains_queued_writes(
     tmp_path: Path, namespace: bytes, metrics: Metrics, make_key: Key, make_payload: Payload
 ):
-    disk = DiskTier(tmp_path, 16 * (SIZE + 64), namespace, metrics)
+    disk = DiskTier(tmp_path, 16 * (SIZE + HEADER_BYTES), namespace, metrics)
     s = TierStack(_memory(namespace, metrics, 8), [disk], metrics)
     for i in range(6):
         assert s.put(make_key(i), make_payload(i, SIZE))
     s.close()
     # a fresh disk tier on the same directory sees every chunk written before close returned
-    reopened = DiskTier(tmp_path, 16 * (SIZE + 64), namespace, Metrics(rank=0))
+    reopened = DiskTier(tmp_path, 16 * (SIZE + HEADER_BYTES), namespace, Metrics(rank=0))
     assert reopened.lookup_prefix([make_key(i) for i in range(6)]) == 6
     with pytest.raises(RuntimeError, match="closed"):
         s.put(make_key(9), make_payload(9, SIZE))
@@ -411,7 +412,7 @@ def test_lower_tier_presence_is_asked_in_one_batch(
 def test_a_leased_lookup_touches_the_run_in_every_tier_a_probe_does_not(
     namespace: bytes, metrics: Metrics, tmp_path: Path, make_key: Key, make_payload: Payload
 ):
-    disk = DiskTier(tmp_path, 3 * (SIZE + 64), namespace, metrics)
+    disk = DiskTier(tmp_path, 3 * (SIZE + HEADER_BYTES), namespace, metrics)
     stack = TierStack(_memory(namespace, metrics, 3), [disk], metrics, queue_depth=16)
     try:
         run = [make_key(i) for i in range(2)]

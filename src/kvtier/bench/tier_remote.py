@@ -8,6 +8,7 @@ bytes ride along in each row's detail (`redis_py_gbps`), so the client choice st
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -83,13 +84,15 @@ def _measure(url: str, size: int, reps: int, tag: str) -> tuple[dict[str, list[f
     """Seconds per rep of (puts, gets) for the tier, raw glide and raw redis-py."""
     metrics = Metrics(0)
     ns = digest16("kvtier.bench.tier.remote", (tag, size))
+    codec = record.RecordCodec(ns, record.RecordKeys.derive(secrets.token_bytes(32)))
     tier = RemoteTier(
-        url, ns, metrics, payload_bytes=size, timeout_ms=_TIMEOUT_MS, write_timeout_ms=_TIMEOUT_MS
-    )
+        url, ns, metrics, payload_bytes=size, timeout_ms=_TIMEOUT_MS, write_timeout_ms=_TIMEOUT_MS,
+        codec=codec,
+    )  # fmt: skip
     glide = _glide(url)
     rpy = _redis_py(url)
     payload = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
-    value = record.encode(ns, bytes(16), memoryview(payload))  # the same bytes the tier sends
+    value = codec.encode(bytes(16), memoryview(payload))  # the same bytes the tier sends
     dst = torch.zeros(size, dtype=torch.uint8)
     buf = memoryview(bytearray(len(value)))
     keys = {m: _cycle(f"{tag}.{m}.{size}") for m in ("tier", "raw", "redis_py")}

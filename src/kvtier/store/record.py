@@ -1,23 +1,39 @@
-"""Chunk records: a fixed header (magic, version, namespace, key, length, checksum) + payload.
+"""Chunk records: a fixed header (magic, version, flags, namespace, key, length, nonce, tag) and
+the payload, as every tier outside the process keeps them.
 
-Every tier that keeps bytes outside the process keeps them as records, and every read verifies
-the whole header and the checksum before a byte reaches a KV cache.
+A record is authenticated with a key derived from the deployment's secret (`record_key`): a
+keyed BLAKE3 tag over the header and payload, or, with `encrypt_at_rest`, AES-GCM, whose tag
+authenticates the header and the ciphertext. A record planted or altered by anyone without the
+secret, or moved to another namespace, key or tenant, fails its tag and is a counted miss; no
+byte of it reaches a KV cache (invariant 7). The keys are per tenant (HKDF from the secret).
 """
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 
+import blake3
 import xxhash
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 MAGIC = b"KVTR"
-VERSION = 1
+VERSION = 2
 NAMESPACE_BYTES = 16
 KEY_BYTES = 16
-# magic, version, reserved, namespace, key, payload length, checksum
-_HEADER = struct.Struct("<4sHH16s16sQQ")
+NONCE_BYTES = 12
+TAG_BYTES = 32
+_GCM_TAG_BYTES = 16
+FLAG_ENCRYPTED = 1
+# magic, version, flags, namespace, key, payload length, nonce, tag
+_HEADER = struct.Struct("<4sHH16s16sQ12s32s")
 HEADER_BYTES = _HEADER.size
+_TAG_AT = HEADER_BYTES - TAG_BYTES
+_NO_NONCE = bytes(NONCE_BYTES)
 
 
 class RecordError(ValueError):
@@ -29,7 +45,8 @@ class RecordError(ValueError):
 
 
 def checksum(namespace: bytes, key: bytes, payload: bytes | memoryview) -> int:
-    """xxh3-64 over namespace, key and payload, so a record moved under another key fails."""
+    """xxh3-64 over namespace, key and payload: the memory tier's optional read check (its
+    bytes never leave the process; records outside it carry a keyed tag instead)."""
     h = xxhash.xxh3_64()
     h.update(namespace)
     h.update(key)
@@ -37,26 +54,36 @@ def checksum(namespace: bytes, key: bytes, payload: bytes | memoryview) -> int:
     return h.intdigest()
 
 
+def _derive(secret: bytes, purpose: str, tenant: str) -> bytes:
+    info = f"kvtier record v{VERSION} {purpose} tenant={tenant}".encode()
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret)
+
+
+@dataclass(frozen=True)
+class RecordKeys:
+    """One tenant's keys, derived from the deployment secret: a tag key and an AES-256 key."""
+
+    mac_key: bytes
+    aead: AESGCM
+
+    @classmethod
+    def derive(cls, secret: bytes, tenant: str = "") -> RecordKeys:
+        """The keys of `tenant` (HKDF-SHA256 from `secret`, one purpose each)."""
+        if len(secret) < 32:
+            raise ValueError("the record secret must be at least 32 bytes")
+        return cls(_derive(secret, "tag", tenant), AESGCM(_derive(secret, "aes-gcm", tenant)))
+
+
 @dataclass(frozen=True, slots=True)
 class RecordHeader:
     """The decoded header of one record."""
 
+    flags: int
     namespace: bytes
     key: bytes
     length: int
-    checksum: int
-
-
-def encode_header(namespace: bytes, key: bytes, payload: bytes | memoryview) -> bytes:
-    """Header bytes for `payload` stored under (namespace, key)."""
-    _check_ids(namespace, key)
-    n = memoryview(payload).nbytes
-    return _HEADER.pack(MAGIC, VERSION, 0, namespace, key, n, checksum(namespace, key, payload))
-
-
-def encode(namespace: bytes, key: bytes, payload: bytes | memoryview) -> bytes:
-    """One record: header followed by the payload bytes."""
-    return encode_header(namespace, key, payload) + bytes(payload)
+    nonce: bytes
+    tag: bytes
 
 
 def decode_header(data: bytes | memoryview) -> RecordHeader:
@@ -65,41 +92,124 @@ def decode_header(data: bytes | memoryview) -> RecordHeader:
         raise RecordError(
             "truncated", f"{len(data)} bytes is shorter than a {HEADER_BYTES}-byte header"
         )
-    magic, version, _reserved, ns, key, length, csum = _HEADER.unpack_from(data, 0)
+    magic, version, flags, ns, key, length, nonce, tag = _HEADER.unpack_from(data, 0)
     if magic != MAGIC:
         raise RecordError("bad_magic", f"magic {magic!r} is not {MAGIC!r}")
     if version != VERSION:
         raise RecordError("bad_version", f"record version {version} is not {VERSION}")
-    return RecordHeader(ns, key, length, csum)
+    return RecordHeader(flags, ns, key, length, nonce, tag)
+
+
+class RecordCodec:
+    """Seals and opens the records of one namespace with one tenant's keys: a keyed BLAKE3 tag
+    over header and payload, or AES-GCM (`encrypt`: fresh random nonce per record, the header
+    as associated data)."""
+
+    def __init__(self, namespace: bytes, keys: RecordKeys, *, encrypt: bool = False) -> None:
+        if len(namespace) != NAMESPACE_BYTES:
+            raise ValueError(f"namespace must be {NAMESPACE_BYTES} bytes, got {len(namespace)}")
+        self.namespace = namespace
+        self.encrypt = encrypt
+        self._keys = keys
+
+    def seal(self, key: bytes, payload: bytes | memoryview) -> tuple[bytes, bytes | memoryview]:
+        """(header, body) of the record of `payload` under `key`: the body is the payload
+        itself (a view, no copy) or, encrypted, its ciphertext."""
+        _check_key(key)
+        n = memoryview(payload).nbytes
+        if self.encrypt:
+            nonce = os.urandom(NONCE_BYTES)
+            head = _HEADER.pack(MAGIC, VERSION, FLAG_ENCRYPTED, self.namespace, key, n, nonce,
+                                bytes(TAG_BYTES))[:_TAG_AT]  # fmt: skip
+            sealed = self._keys.aead.encrypt(nonce, payload, head)
+            tag = sealed[-_GCM_TAG_BYTES:].ljust(TAG_BYTES, b"\0")
+            return head + tag, memoryview(sealed)[:-_GCM_TAG_BYTES]
+        head = _HEADER.pack(MAGIC, VERSION, 0, self.namespace, key, n, _NO_NONCE,
+                            bytes(TAG_BYTES))[:_TAG_AT]  # fmt: skip
+        return head + self._tag(head, payload), payload
+
+    def encode(self, key: bytes, payload: bytes | memoryview) -> bytes:
+        """One record as a single bytes object (header then body)."""
+        head, body = self.seal(key, payload)
+        return head + bytes(body)
+
+    def open(
+        self, data: bytes | memoryview, key: bytes, expected_length: int | None = None
+    ) -> bytes | memoryview:
+        """The payload of a whole record read back for `key`, after every check: a view into
+        `data` (plain) or the decrypted bytes; RecordError names the first check that failed."""
+        view = memoryview(data)
+        header = decode_header(view)
+        if header.namespace != self.namespace:
+            raise RecordError("namespace_mismatch", "record belongs to another namespace")
+        if header.key != key:
+            raise RecordError("key_mismatch", "record holds another chunk key")
+        if len(view) != HEADER_BYTES + header.length:
+            raise RecordError(
+                "length_mismatch",
+                f"record has {len(view) - HEADER_BYTES} payload bytes, header says "
+                f"{header.length}",
+            )
+        if expected_length is not None and header.length != expected_length:
+            raise RecordError(
+                "length_mismatch",
+                f"payload is {header.length} bytes, layout needs {expected_length}",
+            )
+        encrypted = bool(header.flags & FLAG_ENCRYPTED)
+        if encrypted != self.encrypt:
+            # neither kind is read as the other: an attacker cannot downgrade to plain records
+            raise RecordError(
+                "tag_mismatch",
+                "record is " + ("encrypted" if encrypted else "not encrypted") + ", this tier "
+                + ("encrypts" if self.encrypt else "does not encrypt"),
+            )
+        head = bytes(view[:_TAG_AT])
+        body = view[HEADER_BYTES:]
+        if encrypted:
+            if header.tag[_GCM_TAG_BYTES:] != bytes(TAG_BYTES - _GCM_TAG_BYTES):
+                # the GCM tag fills half the field: the rest must be as written (zeros)
+                raise RecordError("tag_mismatch", "the record's tag padding was altered")
+            try:
+                return self._keys.aead.decrypt(
+                    header.nonce, bytes(body) + header.tag[:_GCM_TAG_BYTES], head
+                )
+            except InvalidTag:
+                raise RecordError(
+                    "tag_mismatch", "the record's AES-GCM tag does not verify"
+                ) from None
+        if self._tag(head, body) != header.tag:
+            raise RecordError("tag_mismatch", "the record's keyed tag does not verify")
+        return body
+
+    def _tag(self, head: bytes, payload: bytes | memoryview) -> bytes:
+        h = blake3.blake3(key=self._keys.mac_key)
+        h.update(head)
+        h.update(payload)
+        return h.digest()
+
+
+def _check_key(key: bytes) -> None:
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"chunk key must be {KEY_BYTES} bytes, got {len(key)}")
+
+
+# ---- transitional: the disk tier's calls until it takes a RecordCodec (this session) ----------
+
+_UNKEYED = RecordKeys.derive(b"kvtier transitional unkeyed disk records " * 2)
+
+
+def encode_header(namespace: bytes, key: bytes, payload: bytes | memoryview) -> bytes:
+    """Header of a record under a fixed, public key (as unkeyed as the old checksum)."""
+    return RecordCodec(namespace, _UNKEYED).seal(key, payload)[0]
+
+
+def encode(namespace: bytes, key: bytes, payload: bytes | memoryview) -> bytes:
+    """A whole record sealed like `encode_header`'s."""
+    return RecordCodec(namespace, _UNKEYED).encode(key, payload)
 
 
 def verify(
     data: bytes | memoryview, namespace: bytes, key: bytes, expected_length: int | None = None
 ) -> memoryview:
-    """Verify a whole record read back for (namespace, key); return a view of its payload."""
-    view = memoryview(data)
-    header = decode_header(view)
-    if header.namespace != namespace:
-        raise RecordError("namespace_mismatch", "record belongs to another namespace")
-    if header.key != key:
-        raise RecordError("key_mismatch", "record holds another chunk key")
-    if len(view) != HEADER_BYTES + header.length:
-        raise RecordError(
-            "length_mismatch",
-            f"record has {len(view) - HEADER_BYTES} payload bytes, header says {header.length}",
-        )
-    if expected_length is not None and header.length != expected_length:
-        raise RecordError(
-            "length_mismatch", f"payload is {header.length} bytes, layout needs {expected_length}"
-        )
-    payload = view[HEADER_BYTES:]
-    if checksum(namespace, key, payload) != header.checksum:
-        raise RecordError("checksum_mismatch", "payload checksum does not match its header")
-    return payload
-
-
-def _check_ids(namespace: bytes, key: bytes) -> None:
-    if len(namespace) != NAMESPACE_BYTES:
-        raise ValueError(f"namespace must be {NAMESPACE_BYTES} bytes, got {len(namespace)}")
-    if len(key) != KEY_BYTES:
-        raise ValueError(f"chunk key must be {KEY_BYTES} bytes, got {len(key)}")
+    """Payload of a record sealed by `encode_header`."""
+    return memoryview(RecordCodec(namespace, _UNKEYED).open(data, key, expected_length))

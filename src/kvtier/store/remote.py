@@ -1,10 +1,11 @@
-"""Shared tier on Valkey/Redis: verified records under `kvtier:<namespace hex>:<key hex>`.
+"""Shared tier on Valkey/Redis: authenticated records under
+`kvtier:<tenant>:<namespace hex>:<key hex>`.
 
 One server (`redis://`, `rediss://`, `unix://`) or a Valkey/Redis Cluster (`redis+cluster://`,
 `rediss+cluster://`): each chunk lives on its own slot's shard (no hash tags, so a prefix spreads
 over every shard), and a batch is one round trip per shard, all shards at once. The key holds
-nothing but the namespace and the chunk key, so any layout whose namespace leaves the rank out
-shares its records between ranks.
+nothing but the tenant, the namespace and the chunk key, so any layout whose namespace leaves
+the rank out shares its records between ranks.
 
 Every call runs under a timeout and behind its shard's circuit breaker, so a slow or dead shard
 costs hits, never requests: network errors and timeouts become misses (reads) or counted False
@@ -20,6 +21,7 @@ load fails, and the request recomputes the prefix.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +38,9 @@ from kvtier.store import record
 from kvtier.store.breaker import ShardBreakers
 from kvtier.store.remote_guard import ShardGuard
 from kvtier.store.remote_transport import CredentialsRefused, StoreError, Timeouts, Transport
+from kvtier.store.secret import codec_for
+
+_TENANT = re.compile(r"[A-Za-z0-9._-]{0,64}")
 
 if TYPE_CHECKING:
     from kvtier.config import KVTierConfig
@@ -85,6 +90,8 @@ class RemoteTier:
         breakers: ShardBreakers | None = None,
         max_connections: int = 16,
         clock: Callable[[], float] = time.monotonic,
+        codec: record.RecordCodec,
+        tenant: str = "",
     ) -> None:
         shown = mask_url(url)
         if len(namespace) != record.NAMESPACE_BYTES:
@@ -125,7 +132,16 @@ class RemoteTier:
         )
         self._url = shown
         self._ns = namespace
-        self._prefix = b"kvtier:" + namespace.hex().encode("ascii") + b":"
+        if codec.namespace != namespace:
+            raise ValueError("the record codec was built for another namespace")
+        self._codec = codec
+        if not _TENANT.fullmatch(tenant):
+            raise ValueError(f"tenant={tenant!r} must be at most 64 of [A-Za-z0-9._-]")
+        # kvtier:<tenant>:<namespace>:<key>: a Redis/Valkey ACL user per tenant
+        # (`~kvtier:<tenant>:*`) reaches its own records only; the default tenant's segment is
+        # empty, which no tenant name is
+        self.tenant = tenant
+        self._prefix = b"kvtier:%s:%s:" % (tenant.encode("ascii"), namespace.hex().encode("ascii"))
         self._m = metrics
         self._ttl = ttl_s
         self._breakers = breakers if breakers is not None else ShardBreakers(5, 5.0, clock)
@@ -183,6 +199,8 @@ class RemoteTier:
             tls_insecure=config.remote_tls_insecure,
             breakers=ShardBreakers(config.breaker_failures, config.breaker_probe_s, clock),
             clock=clock,
+            codec=codec_for(config, namespace),
+            tenant=config.tenant,
         )
 
     # ---- Tier protocol -------------------------------------------------------------------
@@ -231,7 +249,7 @@ class RemoteTier:
         self._check_open()
         rkey = self._rkey(key)
         view = memoryview(payload).cast("B")
-        total = record.HEADER_BYTES + view.nbytes
+        total = record.HEADER_BYTES + view.nbytes  # a sealed body is as long as its payload
         if total > self.max_value_bytes:
             # the server would drop the connection mid-value; never an outage of the store
             self._m.dropped_write(self.name, "too_large").inc()
@@ -248,10 +266,10 @@ class RemoteTier:
         if not self._breakers[shard].allow():
             self._m.dropped_write(self.name, "breaker_open").inc()
             return False
-        header = record.encode_header(self._ns, key, view)
+        header, body = self._codec.seal(key, view)
         buf = self._buffer("write", total)
         buf[: record.HEADER_BYTES] = header
-        buf[record.HEADER_BYTES :] = view
+        buf[record.HEADER_BYTES :] = body
         try:
             existed = self._transport.put(rkey, buf, self._ttl)
         except StoreError as e:
@@ -340,7 +358,7 @@ class RemoteTier:
         return self._transport.shard_of(self._rkey(key))
 
     def redis_key(self, key: bytes) -> bytes:
-        """The server-side key of chunk `key` (`kvtier:<namespace hex>:<key hex>`)."""
+        """The server-side key of chunk `key` (`kvtier:<tenant>:<namespace hex>:<key hex>`)."""
         return self._rkey(key)
 
     def __repr__(self) -> str:
@@ -457,7 +475,7 @@ class RemoteTier:
         expected_length: int | None = None,
     ) -> memoryview | None:
         try:
-            return record.verify(data, self._ns, key, expected_length)
+            return memoryview(self._codec.open(data, key, expected_length))
         except record.RecordError as e:
             self._m.verify_failure(self.name, e.reason).inc()
             log.warning(
