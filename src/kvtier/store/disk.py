@@ -10,6 +10,12 @@ files, other ranks), a write that hits ENOSPC on a filesystem that really lacks 
 the budget by what is missing, evicts that much and retries, so the tier keeps storing instead
 of failing every write; the budget follows the room back up as it returns.
 
+Data at rest belongs to its owner: what the tier creates is 0700/0600, it refuses directories
+others own, can write or redirect with a symlink, and indexes only record files of ours that
+nobody else can write (`disk_dirs`); one live process holds a namespace directory, by `flock`
+(`disk_lock`: a second one refuses, or uses `<namespace>.<n>` with disk_conflict=own_dir); and
+namespace directories unused for `gc_days` are removed at startup (`disk_gc`).
+
 Why one module over 500 lines: one class, the files and the byte budget under one lock; the
 record format (`record`) and the eviction order (`policy`) are apart already.
 """
@@ -31,6 +37,16 @@ from kvtier.config import format_size
 from kvtier.errors import StartupError
 from kvtier.metrics import Metrics
 from kvtier.store import record
+from kvtier.store.disk_dirs import (
+    PRIVATE_FILE,
+    check_private,
+    make_private_dir,
+    open_disk_dir,
+    open_private_dir,
+    untrusted,
+)
+from kvtier.store.disk_gc import Collected, collect
+from kvtier.store.disk_lock import CONFLICTS, LOCK_NAME, DirLock, claim
 from kvtier.store.lease import LeaseTable
 from kvtier.store.policy import NO_PARENT, ChainPolicy
 
@@ -43,6 +59,12 @@ _TMP_SUFFIX = ".tmp"
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # ENOSPC retries per write: each one lowers the budget and evicts what the filesystem lacks
 _NO_SPACE_RETRIES = 3
+# a tier that only reads marks its directory used this often (GC ages it by the lock's mtime)
+_TOUCH_EVERY_S = 3600.0
+_NAMESPACE_DIR = "disk namespace directory"
+_SHARD_DIR = "disk tier shard directory"
+# untrusted record files named in the startup warning; the count says how many there are
+_UNTRUSTED_NAMED = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +75,8 @@ class ScanResult:
     bytes: int
     stale_temps_removed: int
     ignored_files: int
+    # record files not indexed: not a regular file of ours, or writable by others
+    untrusted_files: int = 0
 
 
 class DiskTier:
@@ -75,21 +99,35 @@ class DiskTier:
         max_leases: int = 65536,
         clock: Callable[[], float] = time.monotonic,
         follower: bool = False,
+        gc_days: float = 30.0,
+        conflict: str = "refuse",
     ) -> None:
         """`follower`: another process (rank 0 of a replicated layout) owns the directory and
-        writes and evicts its records; this tier only reads them, finding new ones on disk."""
+        writes and evicts its records; this tier only reads them, finding new ones on disk
+        (it takes no lock and removes nothing). `gc_days` (disk_gc_days): namespace
+        directories of `directory` unused this long are removed at startup, 0 = never.
+        `conflict` (disk_conflict): when another live process holds the namespace directory,
+        "refuse" (StartupError naming its pid) or "own_dir" (use `<namespace>.<n>`)."""
         if max_bytes <= 0:
             raise ValueError(f"disk tier max_bytes must be > 0, got {max_bytes}; set a disk size")
         if len(namespace) != record.NAMESPACE_BYTES:
             raise ValueError(
                 f"namespace must be {record.NAMESPACE_BYTES} bytes, got {len(namespace)}"
             )
+        if conflict not in CONFLICTS:
+            raise ValueError(
+                f"disk tier conflict={conflict!r} is not one of {CONFLICTS}; use 'refuse' or "
+                "'own_dir' (disk_conflict)"
+            )
+        if not gc_days >= 0:
+            raise ValueError(
+                f"disk tier gc_days={gc_days!r} must be >= 0 (disk_gc_days); 0 never removes"
+            )
         self._ns = namespace
         self._limit = max_bytes  # disk_bytes, as configured
         self._max = max_bytes  # the budget in force: lower while the filesystem is full
         self._m = metrics
-        self._root = Path(directory) / namespace.hex()
-        self._root.mkdir(parents=True, exist_ok=True)
+        self.follower = follower
         self._lock = threading.Condition(threading.RLock())
         self._index: dict[bytes, int] = {}  # key -> file bytes (header + payload)
         self._policy = ChainPolicy(max_bytes)
@@ -103,14 +141,45 @@ class DiskTier:
         self._writing: Counter[bytes] = Counter()
         self._leases = LeaseTable(metrics, lease_ttl_s, max_leases, clock)
         self._closed = False
-        self.follower = follower
-        self._m.capacity(self.name).set(max_bytes)
-        self.scan = self._scan()
-        if not follower:
-            self._check_filesystem(directory)
-            with self._lock:
-                self._evict_to(self._max)
-                self._publish()
+        # keys a follower found untrusted on disk, counted once each
+        self._untrusted: set[bytes] = set()
+        # held for the tier's lifetime by the owner of the directory; a follower holds none
+        self._dir_lock: DirLock | None = None
+        self._touched = time.monotonic()
+        # namespace directories the startup GC removed
+        self.collected: tuple[Collected, ...] = ()
+        self._root = self._open_root(Path(directory), conflict, gc_days)
+        try:
+            self._m.capacity(self.name).set(max_bytes)
+            self.scan = self._scan()
+            if not follower:
+                self._check_filesystem(directory)
+                with self._lock:
+                    self._evict_to(self._max)
+                    self._publish()
+        except BaseException:
+            self._release_dir()
+            raise
+
+    def _open_root(self, base: Path, conflict: str, gc_days: float) -> Path:
+        """Check (and create) disk_dir and the namespace directory; the owner locks it (or its
+        own_dir variant) and removes unused namespaces beside it."""
+        base_fd = open_disk_dir(base)
+        try:
+            name = self._ns.hex()
+            if self.follower:
+                os.close(open_private_dir(base_fd, base, name, _NAMESPACE_DIR))
+                return base / name
+            self._dir_lock = claim(base_fd, base, name, conflict, what=_NAMESPACE_DIR)
+            try:
+                # before the space check: what GC frees is room this tier may use
+                self.collected = collect(base_fd, base, gc_days)
+            except BaseException:
+                self._release_dir()
+                raise
+            return self._dir_lock.directory
+        finally:
+            os.close(base_fd)
 
     # ---- Tier protocol -------------------------------------------------------------------
 
@@ -129,10 +198,19 @@ class DiskTier:
         """Follower: index a record file the owner wrote after this tier's scan."""
         if not self.follower:
             return False
+        path = self._path(key)
         try:
-            size = self._path(key).stat().st_size
+            st = os.lstat(path)
         except FileNotFoundError:
             return False
+        why = untrusted(st)
+        if why is not None:
+            if key not in self._untrusted:
+                self._untrusted.add(key)
+                self._m.verify_failure(self.name, "untrusted_file").inc()
+                log.warning("kvtier: disk tier follower did not index %s: %s", path, why)
+            return False
+        size = st.st_size
         self._index[key] = size
         self._bytes += size
         self._policy.insert(key, size)
@@ -159,11 +237,13 @@ class DiskTier:
             self._drop_bad(key, None, "io_error")
             return None
         try:
-            return record.verify(buf, self._ns, key, expected_length=None)
+            payload = record.verify(buf, self._ns, key, expected_length=None)
         except record.RecordError as e:
             log.warning("kvtier: disk record %s failed verification: %s", path, e)
             self._drop_bad(key, ino, e.reason)
             return None
+        self._touch_if_due()
+        return payload
 
     def put(self, key: bytes, payload: bytes | memoryview, parent: bytes = NO_PARENT) -> bool:
         """Write `payload` atomically (temp file + rename) as the chunk after `parent`; False
@@ -252,13 +332,15 @@ class DiskTier:
             return self._bytes
 
     def close(self) -> None:
-        """Forget the index; files stay on disk for the next start. Unusable afterwards."""
+        """Forget the index and release the directory's lock; files stay on disk for the next
+        start. Unusable afterwards."""
         with self._lock:
             self._closed = True
             self._index.clear()
             self._policy.clear()
             self._bytes = 0
             self._publish()
+            self._release_dir()
 
     # ---- extras shared with MemoryTier ---------------------------------------------------
 
@@ -292,7 +374,8 @@ class DiskTier:
 
     @property
     def directory(self) -> Path:
-        """The namespace directory this tier owns."""
+        """The namespace directory this tier owns: `<disk_dir>/<namespace hex>`, or
+        `<namespace hex>.<n>` when another process held that one (disk_conflict=own_dir)."""
         return self._root
 
     # ---- internals -----------------------------------------------------------------------
@@ -308,10 +391,11 @@ class DiskTier:
             raise RuntimeError("DiskTier is closed; build a new one to use the directory again")
 
     def _write_temp(self, path: Path, header: bytes, payload: bytes | memoryview) -> Path:
-        """Write header + payload to a fresh temp file beside `path`; removed again on error."""
-        path.parent.mkdir(exist_ok=True)
+        """Write header + payload to a fresh private temp file beside `path`; removed again on
+        error."""
+        make_private_dir(path.parent)
         tmp = path.with_name(f"{path.stem}.{os.getpid()}.{threading.get_ident()}{_TMP_SUFFIX}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = _create_private(tmp)
         try:
             _write_all(fd, memoryview(header))
             _write_all(fd, memoryview(payload).cast("B"))
@@ -418,6 +502,27 @@ class DiskTier:
             )
             self._set_budget(room)
 
+    def _touch_if_due(self) -> None:
+        """A tier that only reads still marks its directory used (for other processes' GC)."""
+        if self._dir_lock is None or time.monotonic() - self._touched < _TOUCH_EVERY_S:
+            return
+        self._touched = time.monotonic()
+        try:
+            self._dir_lock.touch()
+        except OSError as e:
+            log.warning("kvtier: disk tier could not touch %s: %s", self._dir_lock.path, e)
+
+    def _release_dir(self) -> None:
+        """Mark the directory used now and let go of its lock (idempotent)."""
+        held, self._dir_lock = self._dir_lock, None
+        if held is None:
+            return
+        try:
+            held.touch()
+        except OSError as e:
+            log.warning("kvtier: disk tier could not touch %s: %s", held.path, e)
+        held.release()
+
     def _set_budget(self, budget: int) -> None:
         self._max = budget
         self._m.capacity(self.name).set(budget)
@@ -470,24 +575,37 @@ class DiskTier:
         self._m.residency(self.name).set(self._bytes)
 
     def _scan(self) -> ScanResult:
-        """Index the record files already in the namespace directory, oldest first."""
+        """Index the record files already in the namespace directory, oldest first: only
+        regular files of ours that nobody else can write; the owner removes temp files of
+        writes a crash cut short (the lock says no live process is writing here)."""
         found: list[tuple[int, bytes, int]] = []
         stale = ignored = 0
-        for shard in self._root.iterdir():
-            if not (shard.is_dir() and _SHARD_NAME.match(shard.name)):
+        distrusted: list[str] = []
+        with os.scandir(self._root) as it:
+            shards = [e for e in it if e.name != LOCK_NAME]
+        for shard in shards:
+            if not _SHARD_NAME.match(shard.name):
                 ignored += 1
                 continue
-            for f in shard.iterdir():
-                if f.name.endswith(_TMP_SUFFIX):
-                    # a write cut short by a crash; never renamed, so never a record
-                    _remove(f)
-                    stale += 1
-                    continue
-                if not (_RECORD_NAME.match(f.name) and f.name[:2] == shard.name and f.is_file()):
-                    ignored += 1
-                    continue
-                st = f.stat()
-                found.append((st.st_mtime_ns, bytes.fromhex(f.name[:32]), st.st_size))
+            # writes go through it: a symlink, another user's or writable by others stops here
+            check_private(Path(shard.path), shard.stat(follow_symlinks=False), _SHARD_DIR)
+            with os.scandir(shard.path) as files:
+                for f in files:
+                    if f.name.endswith(_TMP_SUFFIX):
+                        if not self.follower:
+                            # a write cut short by a crash; never renamed, so never a record
+                            _remove(Path(f.path))
+                            stale += 1
+                        continue
+                    if not (_RECORD_NAME.match(f.name) and f.name[:2] == shard.name):
+                        ignored += 1
+                        continue
+                    st = f.stat(follow_symlinks=False)
+                    why = untrusted(st)
+                    if why is not None:
+                        distrusted.append(f"{f.path} ({why})")
+                        continue
+                    found.append((st.st_mtime_ns, bytes.fromhex(f.name[:32]), st.st_size))
         found.sort()
         for _, key, size in found:
             self._index[key] = size
@@ -497,7 +615,19 @@ class DiskTier:
             log.warning(
                 "kvtier: disk tier ignored %d unexpected entries in %s", ignored, self._root
             )
-        return ScanResult(len(found), self._bytes, stale, ignored)
+        if distrusted:
+            self._m.verify_failure(self.name, "untrusted_file").inc(len(distrusted))
+            log.warning(
+                "kvtier: disk tier did not index %d record files in %s that are not regular "
+                "files of uid %d or that others can write: %s%s; remove them (a record this "
+                "tier writes under the same key replaces its file)",
+                len(distrusted),
+                self._root,
+                os.geteuid(),
+                ", ".join(distrusted[:_UNTRUSTED_NAMED]),
+                " ..." if len(distrusted) > _UNTRUSTED_NAMED else "",
+            )
+        return ScanResult(len(found), self._bytes, stale, ignored, len(distrusted))
 
 
 def _write_all(fd: int, data: memoryview) -> None:
@@ -506,9 +636,23 @@ def _write_all(fd: int, data: memoryview) -> None:
         data = data[n:]
 
 
+def _create_private(path: Path) -> int:
+    """A new file only this uid can read or write, opened for writing; never through a
+    symlink, never an existing file (one left by an earlier attempt of this thread is
+    replaced)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, flags, PRIVATE_FILE)
+    except FileExistsError:
+        # the name holds this pid and thread: only a write of ours that failed to clean up
+        _remove(path)
+        return os.open(path, flags, PRIVATE_FILE)
+
+
 def _read_file(path: Path) -> tuple[bytearray, int]:
-    """The whole file and its inode number."""
-    with open(path, "rb", buffering=0) as f:
+    """The whole file and its inode number (never read through a symlink)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with open(fd, "rb", buffering=0) as f:
         st = os.fstat(f.fileno())
         buf = bytearray(st.st_size)
         view = memoryview(buf)
