@@ -15,7 +15,7 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, StartupError
 from kvtier.metrics import Metrics
 from kvtier.offload.codec import PageCodec
-from kvtier.offload.device import CudaOps, Lane
+from kvtier.offload.device import CpuOps, CudaOps, Lane
 from kvtier.offload.messages import ChunkRef, LoadOp, OffloadMeta, SaveOp
 from kvtier.offload.pages import KVCacheDescription, manager_view
 from kvtier.offload.selftest import SELF_TEST_KEY
@@ -274,3 +274,58 @@ def test_a_tier_over_the_hosts_ram_is_refused_before_anything_is_allocated() -> 
     with pytest.raises(ConfigError, match=r"memory_bytes=1TiB per rank x 8 rank\(s\)"):
         worker.register_kv_caches(KVCacheDescription(views, NB, BS, "LBHNC"))
     assert worker.stack is None
+
+
+def test_a_zero_copy_load_holds_its_slot_until_the_scatter_copied_it() -> None:
+    """A CPU load scatters straight from the memory tier's slot. Only the lookup's lease kept
+    that slot, and a lease can expire (or be pushed out by max_leases) while the scatter runs:
+    the slot was then free to be reused by another chunk, and the KV blocks got its bytes."""
+    # host KV blocks and the CPU's own ops: the load scatters from the slot, no staging copy
+    raw, views = build(gqa(block_size=BS), NB, "LBNHC")
+    raw.copy_(torch.randint(-60, 60, raw.shape, generator=torch.Generator().manual_seed(9),
+                            dtype=torch.int8))  # fmt: skip
+    worker = rank0(config(memory_bytes="64KiB"), CpuOps())
+    worker.register_kv_caches(KVCacheDescription(views, NB, BS, "LBNHC"))
+    try:
+        stack, codec = worker.stack, worker.codec
+        assert stack is not None and codec is not None
+        want = blocks(views, [3, 4])
+        save(worker, "r1", KEY_A, [3, 4])
+        assert worker.wait_idle(WAIT_S)
+        worker.take_report()
+        assert stack.lookup([KEY_A], "lk1") == 1
+        entered, proceed = threading.Event(), threading.Event()
+        scatter = codec.scatter
+
+        def held_scatter(src: torch.Tensor, block_ids: list[int]) -> None:
+            entered.set()
+            assert proceed.wait(WAIT_S), "the test never let the scatter go on"
+            scatter(src, block_ids)
+
+        codec.scatter = held_scatter  # type: ignore[method-assign]
+        load = LoadOp("ld1", "r2", "lk1", [ChunkRef(KEY_A, [9, 8])], CHUNK)
+        worker.start_load_kv(OffloadMeta(loads=[load]))
+        assert entered.wait(WAIT_S)
+        # mid-scatter: the lease ends, and chunks used more often than A take every slot the
+        # tier can give (each is touched twice, so A is the policy's oldest frequent entry)
+        stack.release("lk1")
+        memory = stack.memory
+        for i in range(4 * memory.num_slots):
+            key = bytes([0xEE, i]) * 8
+            slot = memory.reserve(key)
+            if slot is None:
+                continue
+            slot.fill_(0x55)
+            memory.commit(key)
+            memory.touch([key])
+            memory.touch([key])
+        evicted = not memory.contains(KEY_A)
+        proceed.set()
+        assert worker.wait_idle(WAIT_S)
+        report = worker.take_report()
+        assert [r.ok for r in report.results] == [True]
+        assert all(torch.equal(a, b) for a, b in zip(blocks(views, [9, 8]), want, strict=True))
+        # the scatter's pin kept A's slot: A could not even be evicted while it was read
+        assert not evicted
+    finally:
+        worker.close()

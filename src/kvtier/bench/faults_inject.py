@@ -50,7 +50,7 @@ _PROBE_KEY = bytes(record.KEY_BYTES)  # never a chunk key: a presence probe thro
 def intercept_reads(stack: TierStack, before_read: Callable[[bytes], None]) -> None:
     """Call `before_read(key)` ahead of every chunk read of `stack`, so that it can break the
     read (raise) or hold it (block)."""
-    read_into, read_view = stack.read_into, stack.read_view
+    read_into, pinned_view = stack.read_into, stack.pinned_view
 
     def checked_read(key: bytes, dst: Any, *rest: Any) -> str | None:
         before_read(key)
@@ -58,12 +58,12 @@ def intercept_reads(stack: TierStack, before_read: Callable[[bytes], None]) -> N
 
     def checked_view(key: bytes) -> Any:
         before_read(key)
-        return read_view(key)
+        return pinned_view(key)
 
     # instance attributes shadow the methods for every caller (the load lane included; on the
-    # CPU it scatters from a leased slot's view, else reads into device staging)
+    # CPU it scatters from a pinned slot's view, else reads into device staging)
     stack.read_into = checked_read  # type: ignore[method-assign]
-    stack.read_view = checked_view  # type: ignore[method-assign]
+    stack.pinned_view = checked_view  # type: ignore[method-assign]
 
 
 class FaultWorkerHalf(WorkerHalf):

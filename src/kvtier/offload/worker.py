@@ -18,6 +18,7 @@ reason `deadline`, and the lane writes no further block for it when it comes bac
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -732,11 +733,13 @@ class OffloadWorker:
         load lane's) and scatter it into its blocks; the serving tier's name, or None on a miss
         or once the load expired (then nothing is written)."""
         assert self.stack is not None and self.codec is not None
-        with lane.active():
+        with lane.active(), contextlib.ExitStack() as held:
             src = None
             if self._load_staging is None:
-                # the KV cache is host memory: scatter straight from the leased slot, one copy
-                src = self.stack.read_view(ref.key)
+                # the KV cache is host memory: scatter straight from the slot, one copy; the
+                # slot stays pinned until the scatter's copy finished (lane.finish below), so
+                # neither a lease expiring nor eviction can hand it to another chunk meanwhile
+                src = held.enter_context(self.stack.pinned_view(ref.key))
                 tier = self.stack.memory.name if src is not None else None
             if src is None:
                 if buf is None:

@@ -8,11 +8,12 @@ lease, evict, verify); the buffer (`arena`) and the eviction order (`policy`) ar
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -212,6 +213,24 @@ class MemoryTier:
         """True if `key` is resident and pinned by a lease (so a `view` of it stays valid)."""
         with self._lock:
             return key in self._index and self._leases.is_pinned(key)
+
+    @contextlib.contextmanager
+    def pinned_view(self, key: bytes) -> Iterator[torch.Tensor | None]:
+        """A zero-copy, verified uint8 view of `key`'s payload (None on a miss or mismatch),
+        its slot pinned against eviction and reuse until the block ends: a copy out of the view
+        must finish inside the block. No lease is needed, and none can end it early."""
+        slot, n, want = self._begin_read(key)
+        if slot < 0:
+            yield None
+            return
+        bad = False
+        try:
+            off = slot * self.slot_bytes
+            if self.verify_reads:
+                bad = checksum(self.namespace, key, memoryview(self._np[off : off + n])) != want
+            yield None if bad else self._buf[off : off + n]
+        finally:
+            self._end_read(key, slot, bad)
 
     def view(self, key: bytes) -> torch.Tensor | None:
         """A zero-copy, verified uint8 view of the payload of `key`, or None on a miss/mismatch.

@@ -9,12 +9,13 @@ chunk's parent key down to every tier, which evicts leaves first.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -257,15 +258,15 @@ class TierStack:
 
     # ---- reads ---------------------------------------------------------------------------
 
-    def read_view(self, key: bytes) -> torch.Tensor | None:
-        """A zero-copy, verified view of `key`'s payload in memory when a lease pins it there
-        (valid while that lease lasts); None otherwise: `read_into` a buffer instead."""
-        if not self._memory.is_leased(key):
-            return None
-        view = self._memory.view(key)
-        if view is not None:
-            self._m.tier_hit(self._memory.name).inc()
-        return view
+    @contextlib.contextmanager
+    def pinned_view(self, key: bytes) -> Iterator[torch.Tensor | None]:
+        """A zero-copy, verified view of `key`'s payload in memory, its slot pinned until the
+        block ends (copy out of it inside the block); None when memory does not hold it:
+        `read_into` a buffer instead."""
+        with self._memory.pinned_view(key) as view:
+            if view is not None:
+                self._m.tier_hit(self._memory.name).inc()
+            yield view
 
     def read_into(self, key: bytes, dst: torch.Tensor, parent: bytes = NO_PARENT) -> str | None:
         """Fill `dst` from the highest tier holding a verified copy; the serving tier's name,
