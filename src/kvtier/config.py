@@ -87,20 +87,21 @@ def _error(keys: str | tuple[str, ...], message: str) -> KeyedConfigError:
     return KeyedConfigError((keys,) if isinstance(keys, str) else keys, message)
 
 
-_QUERY_PASSWORD_RE = re.compile(r"(?i)([?&]password=)[^&#]*")
+_QUERY_PASSWORD_RE = re.compile(r"(?i)[?&]password=")
 
 
 def mask_url(url: str) -> str:
-    """`url` with its userinfo secret and any `?password=` value replaced by `***`: the one
-    masking function for every log line and error message that shows a store URL."""
-    url = _QUERY_PASSWORD_RE.sub(lambda m: m.group(1) + _MASK, url)
+    """`url` with its secrets replaced by `***`: the one masking function for every log line,
+    error message and shard name that shows a store URL. A query `password=` hides the rest of
+    the URL (a password may hold '&' or '#'); the userinfo ends at the URL's last '@' (a
+    password may hold '/', '?', '#', '@' or ':'). Over-masking a path is harmless."""
+    m = _QUERY_PASSWORD_RE.search(url)
+    if m:
+        url = url[: m.end()] + _MASK
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url
-    # the userinfo ends at the last '@' before the query: searching past the first '/' too
-    # keeps a password holding an unescaped '/' hidden (over-masking a path is harmless)
-    cut = min((i for i in (rest.find("?"), rest.find("#")) if i != -1), default=len(rest))
-    at = rest.rfind("@", 0, cut)
+    at = rest.rfind("@")
     if at == -1:
         return url
     user, colon, _secret = rest[:at].partition(":")

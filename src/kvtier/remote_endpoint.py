@@ -8,7 +8,7 @@ Redis Cluster through one or more comma-separated seed nodes (the client discove
 from __future__ import annotations
 
 from dataclasses import dataclass
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, unquote
 
 SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 DEFAULT_PORT = 6379
@@ -54,12 +54,13 @@ def parse(url: str) -> RemoteEndpoint:
         raise ValueError(f"scheme {scheme or '(none)'!r} is not one of {', '.join(SCHEMES)}")
     if scheme == "unix":
         return _parse_unix(url)
-    cut = min((i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i != -1),
-              default=len(rest))  # fmt: skip
-    # the userinfo ends at the last '@' before the path, so a password may hold '@' or ':'
-    authority, tail = rest[:cut], rest[cut:]
-    userinfo, at, hosts = authority.rpartition("@")
+    # the userinfo ends at the URL's last '@' (no host, path or query holds one), so a password
+    # may hold '/', '?', '#', '@' or ':' unescaped
+    userinfo, at, after = rest.rpartition("@")
     username, password = _userinfo(userinfo) if at else (None, None)
+    cut = min((i for i in (after.find("/"), after.find("?"), after.find("#")) if i != -1),
+              default=len(after))  # fmt: skip
+    hosts, tail = after[:cut], after[cut:]
     if "?" in tail or "#" in tail:
         raise ValueError(
             "query options are not read for TCP URLs; set TLS and timeouts with the "
@@ -83,20 +84,28 @@ def _is_cluster(scheme: str) -> bool:
 
 
 def _parse_unix(url: str) -> RemoteEndpoint:
-    parts = urlsplit(url)
-    if not parts.path:
+    rest = url.partition("://")[2]
+    username = password = None
+    if not rest.startswith("/"):
+        # unix://user:secret@/path: the path starts with '/', so the userinfo ends at the first
+        # '@/' (a password may hold '/', '?', '#' or '@' unescaped)
+        userinfo, at, path_query = rest.partition("@/")
+        if not at:
+            raise ValueError("names no socket path (unix:///path/to/redis.sock)")
+        username, password = _userinfo(userinfo)
+        rest = "/" + path_query
+    path, _, query_text = rest.partition("?")
+    if not path:
         raise ValueError("names no socket path")
-    username = unquote(parts.username) if parts.username else None
-    password = unquote(parts.password) if parts.password else None
     # a socket is served by redis-py, which reads these two from the query as well
-    query = parse_qs(parts.query, keep_blank_values=True)
+    query = parse_qs(query_text.partition("#")[0], keep_blank_values=True)
     other = sorted(set(query) - {"db", "password"})
     if other:
         raise ValueError(f"query options {other} are not read; use kvtier's remote_* config keys")
     db = _db(query["db"][-1]) if "db" in query else 0
     if "password" in query:
         password = query["password"][-1]
-    return RemoteEndpoint("unix", (), parts.path, db, username, password)
+    return RemoteEndpoint("unix", (), unquote(path), db, username, password)
 
 
 def _userinfo(userinfo: str) -> tuple[str | None, str | None]:

@@ -14,6 +14,7 @@ from redis.backoff import NoBackoff
 from redis.maint_notifications import MaintNotificationsConfig
 from redis.retry import Retry
 
+from kvtier import remote_endpoint
 from kvtier.store.remote_transport import CredentialsRefused, StoreError, Timeouts
 
 # The store did not answer in time or the connection broke. AuthenticationError is a
@@ -51,7 +52,9 @@ class SocketTransport:
         password: str | None,
         max_connections: int = 16,
     ) -> None:
-        self._shard = url.partition("?")[0]
+        # named by its path alone: a shard name reaches logs and errors, the URL's userinfo
+        # and query may hold a password
+        self._shard = f"unix:{remote_endpoint.parse(url).socket_path}"
         self._timeouts = timeouts
         self._redis = redis.Redis(
             connection_pool=_pool(url, username, password, max_connections, timeouts, False)
@@ -164,8 +167,15 @@ def _pool(
     timeouts: Timeouts,
     write: bool,
 ) -> redis.BlockingConnectionPool:
-    pool = redis.BlockingConnectionPool.from_url(
-        url,
+    # redis-py is handed the socket and database only: kvtier parsed the URL already, and
+    # redis-py's own parse breaks on passwords holding '[', '#' or '?'
+    ep = remote_endpoint.parse(url)
+    username = username if username is not None else ep.username
+    password = password if password is not None else ep.password
+    pool = redis.BlockingConnectionPool(
+        connection_class=redis.UnixDomainSocketConnection,
+        path=ep.socket_path,
+        db=ep.db,
         max_connections=max_connections,
         # waiting for a free pooled connection is bounded like any other call
         timeout=timeouts.presence_s,
