@@ -10,6 +10,7 @@ import os
 import time
 from pathlib import Path
 
+import kvtier.store.disk as disk_module
 from kvtier.metrics import Metrics
 from kvtier.store import record
 from kvtier.store.disk import DiskTier
@@ -153,3 +154,22 @@ def test_gc_never_locks_a_recent_namespace(
         str(d / "kvtier.lock") for d in (old, disk / _ns(3).hex())
     )
     assert recent.is_dir()
+
+
+def test_a_tier_that_only_reads_keeps_marking_its_directory_used(
+    tmp_path, metrics, make_key, make_payload, monkeypatch
+):
+    # a server up for longer than disk_gc_days that only reads: if it then dies, its lock
+    # file's mtime, not its start, is what other processes' GC ages the directory by
+    disk = tmp_path / "disk"
+    ns_dir = _used(disk, _ns(1), 1, make_key, make_payload)
+    tier = DiskTier(disk, CAP, _ns(1), metrics)
+    try:
+        _age(ns_dir, 40)
+        lock_file = ns_dir / "kvtier.lock"
+        aged = lock_file.stat().st_mtime
+        monkeypatch.setattr(disk_module, "_TOUCH_EVERY_S", 0.0)
+        assert tier.get(make_key(0)) is not None
+        assert lock_file.stat().st_mtime > aged + 39 * DAY
+    finally:
+        tier.close()
