@@ -14,7 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
-from kvtier.native import Engine
+from kvtier.config import KVTierConfig
+from kvtier.native import Engine, EngineConfig
+from kvtier.native.offload import connector_spec
 from kvtier.native.server import EngineServer
 from tests.native.test_server import assert_openai_error, client, engine_stats, sse_events
 
@@ -181,3 +183,43 @@ def test_client_request_ids_of_any_length_and_content_are_served(plain_server, c
         assert len(m) < 1000, m[:200]
     assert any(r"'a\nb\r\x00c\u2028d\x1b[31m'" in m for m in finished), finished
     assert any("'xxxxxxxx" in m and "100000 chars" in m for m in finished)
+
+
+def test_odd_client_ids_never_reach_the_offload_core(tiny_model, tmp_path, prompts, baseline):
+    # with kvtier's tier on, a long or odd client id used to travel into the engine, the
+    # connector and the tier's lookups; now each sequence runs under the server's own id
+    config = KVTierConfig(chunk_size=64, memory_bytes="64MiB", load_gate=False)
+    spec = connector_spec(config, tiny_model, run_dir=tmp_path)
+    engine = Engine(tiny_model, EngineConfig(num_threads=1, num_blocks=256), spec)
+    try:
+        srv = EngineServer(engine, model_name="tiny")
+    except BaseException:
+        engine.close()
+        raise
+    seen: list[str] = []
+    real_add = engine.add_request
+
+    def add(*args: Any, **kwargs: Any) -> str:
+        seen.append(kwargs["request_id"])
+        return real_add(*args, **kwargs)
+
+    engine.add_request = add  # type: ignore[method-assign]
+    with srv:
+
+        async def go() -> list[httpx.Response]:
+            async with client(srv) as c:
+                return [
+                    await c.post("/v1/completions", json={
+                        "prompt": prompts[0], "max_tokens": 8, "temperature": 0,
+                        "ignore_eos": True, "return_token_ids": True, "request_id": rid,
+                    })  # fmt: skip
+                    for rid in ODD_IDS
+                ]
+
+        responses = asyncio.run(go())
+    for rid, r in zip(ODD_IDS, responses, strict=True):
+        assert r.status_code == 200, r.text[:300]
+        assert r.json()["id"] == rid and r.json()["choices"][0]["token_ids"] == baseline[0]
+    # the second pass onwards restored the prompt from the tier: the ids changed, the keys not
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert len(seen) == len(ODD_IDS) and all(e.startswith("srv-") and len(e) < 16 for e in seen)

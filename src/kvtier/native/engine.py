@@ -49,7 +49,7 @@ from kvtier.native.model import ModelConfig
 from kvtier.native.runner import LocalExecutor, build_step_input, connector_context
 from kvtier.native.sampling import SamplingParams
 from kvtier.native.scheduler import RankReport, Scheduler
-from kvtier.native.sequence import RequestOutput, Sequence
+from kvtier.native.sequence import RequestOutput, Sequence, loggable
 from kvtier.native.tokenizer import Tokenizer
 from kvtier.native.tp import MultiprocExecutor
 
@@ -168,7 +168,7 @@ class Engine:
         arrival = next(self._arrivals)
         rid = request_id if request_id is not None else f"req-{arrival}"
         if self.scheduler.get(rid) is not None or rid in self.scheduler.held:
-            raise ValueError(f"request id {rid!r} is still in use; pick another id")
+            raise ValueError(f"request id {loggable(rid)} is still in use; pick another id")
         params = params or SamplingParams()
         seed = params.seed if params.seed is not None else (self.config.seed << 20) + arrival
         self.scheduler.add(Sequence(rid, ids, params, seed & _SEED_MASK, arrival))

@@ -22,7 +22,13 @@ from kvtier.native.connector import (
     external_cache_hit_sources,
 )
 from kvtier.native.sampling import TokenLogprobs
-from kvtier.native.sequence import ExternalLoad, RequestOutput, Sequence, SequenceStatus
+from kvtier.native.sequence import (
+    ExternalLoad,
+    RequestOutput,
+    Sequence,
+    SequenceStatus,
+    loggable,
+)
 
 log = logging.getLogger("kvtier.native")
 
@@ -280,9 +286,9 @@ class Scheduler:
             return None, False
         if ext < 0 or hbm + ext > seq.num_tokens - 1:
             raise RuntimeError(
-                f"connector offered {ext} external tokens to {seq.request_id} beyond an HBM hit "
-                f"of {hbm} with {seq.num_tokens} tokens; it must leave the last token to compute "
-                "(a full hit answers num_tokens - 1 - hbm)"
+                f"connector offered {ext} external tokens to {loggable(seq.request_id)} beyond "
+                f"an HBM hit of {hbm} with {seq.num_tokens} tokens; it must leave the last token "
+                "to compute (a full hit answers num_tokens - 1 - hbm)"
             )
         return ext, bool(is_async) and ext > 0
 
@@ -315,7 +321,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.stats.num_preemptions += 1
-        log.debug("preempted %s (recompute)", seq.request_id)
+        log.debug("preempted %s (recompute)", loggable(seq.request_id))
 
     # ---- results ------------------------------------------------------------------------------
 
@@ -423,7 +429,7 @@ class Scheduler:
             self.stats.external_load_failures += 1
             log.warning(
                 "external load of %s failed from block %d: recomputing tokens [%d, %d)",
-                seq.request_id, load.first_bad_block, good, load.end,
+                loggable(seq.request_id), load.first_bad_block, good, load.end,
             )  # fmt: skip
 
     def _advance(
@@ -450,7 +456,9 @@ class Scheduler:
             self._finish(seq, "error", wait_recv=False)
             return self._output(seq, [], "error", error=error)
         if token < 0:
-            raise RuntimeError(f"rank 0 sampled no token for {seq.request_id}, which needed one")
+            raise RuntimeError(
+                f"rank 0 sampled no token for {loggable(seq.request_id)}, which needed one"
+            )
         if not seq.output_token_ids:
             self.stats.prompt_tokens += seq.num_prompt_tokens
         seq.append_token(token)
