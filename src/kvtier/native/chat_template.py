@@ -51,6 +51,7 @@ RESERVED = frozenset(
      "bos_token", "eos_token", "chat_template", "tokenize", _ITER, _OUT, _CONCAT, *_GLOBALS}
 )  # fmt: skip
 _CACHED = 32  # compiled templates kept (the model's own, and trusted request templates)
+_CACHED_SOURCE = 256 * 1024  # larger sources compile per render: the cache holds no megabytes
 _TICK_EVERY = 1024  # nodes a size estimate visits between deadline checks
 _SPEC_NUMBER = re.compile(r"\d+")
 _PERCENT_SPEC = re.compile(r"%(?:\([^)]*\))?[#0\- +]*(\*|\d+)?(?:\.(\*|\d+))?")
@@ -439,10 +440,11 @@ class Renderer:
             compiled = _Compiled(self._env.from_string(_Guard().visit(tree)), variables)
         except TemplateError as exc:
             raise ChatTemplateError(f"the chat template does not compile: {exc}") from None
-        with self._lock:
-            self._cache[source] = compiled
-            while len(self._cache) > _CACHED:
-                self._cache.popitem(last=False)
+        if len(source) <= _CACHED_SOURCE:
+            with self._lock:
+                self._cache[source] = compiled
+                while len(self._cache) > _CACHED:
+                    self._cache.popitem(last=False)
         return compiled
 
     def render(

@@ -50,14 +50,14 @@ class ServerLimits:
     render: RenderLimits = field(default_factory=RenderLimits)  # --chat-template-timeout, ...
 
     def __post_init__(self) -> None:
-        for name, flag in (
-            ("max_body_bytes", "--max-request-body-size"), ("max_logit_bias", "--max-logit-bias"),
-            ("max_stop_strings", "--max-stop-strings"),
-            ("max_stop_token_ids", "--max-stop-token-ids"),
-            ("max_queued_seqs", "--max-queued-seqs"),
-        ):  # fmt: skip
-            value = getattr(self, name)
-            low = 0 if name in ("max_logit_bias", "max_stop_strings", "max_stop_token_ids") else 1
+        # (value, its flag, the least it may be: 0 turns a list off, a body or queue needs 1)
+        for value, flag, low in (
+            (self.max_body_bytes, "--max-request-body-size", 1),
+            (self.max_logit_bias, "--max-logit-bias", 0),
+            (self.max_stop_strings, "--max-stop-strings", 0),
+            (self.max_stop_token_ids, "--max-stop-token-ids", 0),
+            (self.max_queued_seqs, "--max-queued-seqs", 1),
+        ):
             if value < low:
                 raise ValueError(f"{flag} {value} must be >= {low}")
 
