@@ -87,6 +87,7 @@ class _Families:
     rejected_frames: Counter
     dropped_tier_changes: Counter
     breaker_open: Gauge
+    writes_refused_seconds: Gauge
     queue_depth: Gauge
     lookup_scope: Gauge
     world_size: Gauge
@@ -158,6 +159,13 @@ def _build(reg: CollectorRegistry) -> _Families:
             "Tier stores/evictions not reported as KV events (the rank's bounded buffer was full).",
         ),
         breaker_open=g("breaker_open", "1 while a tier's circuit breaker is open.", "tier"),
+        writes_refused_seconds=g(
+            "tier_writes_refused_seconds",
+            "How long a tier has refused every write (a full store at maxmemory-policy "
+            "noeviction, a read-only replica, missing permissions), as of its last refusal; "
+            "0 once a write is accepted.",
+            "tier",
+        ),
         queue_depth=g("queue_depth", "Items waiting per queue.", "queue"),
         lookup_scope=g(
             "lookup_scope", "1 for each rank the scheduler's lookup client asks.", "target"
@@ -326,6 +334,9 @@ class Metrics:
 
     def breaker(self, tier: str) -> Gauge:
         return self.f.breaker_open.labels(str(self.rank), tier)
+
+    def writes_refused(self, tier: str) -> Gauge:
+        return self.f.writes_refused_seconds.labels(str(self.rank), tier)
 
     def queue(self, name: str) -> Gauge:
         return self.f.queue_depth.labels(str(self.rank), name)

@@ -35,6 +35,7 @@ from kvtier.scrape import (
 LOOKUP_TIMEOUT_FAIL_SHARE = 0.5
 # store-failure reasons after which a tier takes no write until space or rights come back
 WRITE_REFUSED = ("enospc", "read_only", "no_permission")
+WRITES_REFUSED = "kvtier_tier_writes_refused_seconds"
 FAILS_REQUEST = "kvtier_load_failure_fails_request"
 
 
@@ -181,15 +182,31 @@ def store_failures(s: Samples) -> Check:
         {k.split("/")[0] for k in by if k.split("/")[1] in WRITE_REFUSED}
         - {t for t, v in evicted.items() if v > 0}
     )
+    # how long each tier has refused every write, as of its last refusal (0: it accepts)
+    refusing: dict[str, float] = {}
+    for (tier, _rank), v in s.group(WRITES_REFUSED, "tier", "rank").items():
+        if v > 0:
+            refusing[tier] = max(refusing.get(tier, 0.0), v)  # the longest rank's, not a sum
     numbers = {
         "by_tier_reason": {k: num(v) for k, v in sorted(by.items())},
         "by_rank": {str(r): num(v) for r, v in s.per_rank(STORE_FAILED).items() if v},
         "evictions_by_tier": {t: num(v) for t, v in sorted(evicted.items())},
         "frozen_tiers": frozen,
+        "writes_refused_seconds": {t: num(v) for t, v in sorted(refusing.items())},
     }
     if not by:
         return Check(STORE_FAILURES, Status.PASS, "no tier write failed", numbers)
     said = f"{num(sum(by.values()))} tier writes failed, by tier/reason: {fmt(by)}"
+    if refusing:
+        shown = ", ".join(f"{t} tier writes refused for {v:.0f} s" for t, v in refusing.items())
+        return Check(
+            STORE_FAILURES,
+            Status.FAIL,
+            f"{shown} ({said}): nothing new is stored there (a full store at maxmemory-policy "
+            "noeviction: set allkeys-lru, or volatile-lru with remote_ttl_s; a read-only "
+            "replica; missing permissions)",
+            numbers,
+        )
     if frozen:
         return Check(
             STORE_FAILURES,

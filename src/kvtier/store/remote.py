@@ -92,6 +92,7 @@ class RemoteTier:
         clock: Callable[[], float] = time.monotonic,
         codec: record.RecordCodec,
         tenant: str = "",
+        full: str = "refuse",
     ) -> None:
         shown = mask_url(url)
         if len(namespace) != record.NAMESPACE_BYTES:
@@ -159,10 +160,14 @@ class RemoteTier:
             max_connections=max_connections,
             clock=clock,
         )
-        self._guard = ShardGuard(self._transport, self._breakers, metrics, shown, self.name)
+        self._guard = ShardGuard(
+            self._transport, self._breakers, metrics, shown, self.name, clock=clock
+        )
         self._publish()
         reachable = self._check_server()
         self.max_value_bytes = self._value_limit(reachable, payload_bytes)
+        if reachable:
+            self._check_eviction(full)
 
     @classmethod
     def from_config(
@@ -201,6 +206,7 @@ class RemoteTier:
             clock=clock,
             codec=codec_for(config, namespace),
             tenant=config.tenant,
+            full=config.remote_full,
         )
 
     # ---- Tier protocol -------------------------------------------------------------------
@@ -276,6 +282,7 @@ class RemoteTier:
             self._guard.failed(e, write=True)
             return False
         self._guard.succeeded(shard)
+        self._guard.write_accepted()
         if not existed:
             with self._lock:
                 self._resident += total
@@ -443,6 +450,26 @@ class RemoteTier:
         for shard in self._transport.shards():
             self._guard.transition(shard, self._breakers[shard].success(), None)
         return True
+
+    def _check_eviction(self, full: str) -> None:
+        """A store that evicts nothing, with records that never expire, fills up and then
+        refuses every write: kvtier would stop storing without a word. Refused at startup
+        (`remote_full: refuse`) or warned about (`warn`), naming both settings and the fix."""
+        stuck = [(m, p) for m, p in self._transport.memory_policies() if p == "noeviction" and m]
+        if not stuck or self._ttl > 0:
+            return
+        maxmemory = min(m for m, _ in stuck)
+        msg = (
+            f"remote tier {self._url}: the server evicts nothing (maxmemory-policy noeviction, "
+            f"maxmemory {maxmemory} bytes) and remote_ttl_s=0 sets no expiry, so once full it "
+            "refuses every write and kvtier stores nothing more; set maxmemory-policy "
+            "allkeys-lru on the server (CONFIG SET maxmemory-policy allkeys-lru), or "
+            "volatile-lru with remote_ttl_s > 0, or remote_full: warn to serve anyway"
+        )
+        if full == "refuse":
+            self.close()
+            raise StartupError(msg)
+        log.warning("kvtier: %s", msg)
 
     def _value_limit(self, reachable: bool, payload_bytes: int | None) -> int:
         """The server's `proto-max-bulk-len`; a chunk record over it stops startup by name."""

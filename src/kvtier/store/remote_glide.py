@@ -44,7 +44,12 @@ from glide_sync import (
 from redis.crc import key_slot
 
 from kvtier.remote_endpoint import RemoteEndpoint
-from kvtier.store.remote_transport import CredentialsRefused, StoreError, Timeouts
+from kvtier.store.remote_transport import (
+    CredentialsRefused,
+    StoreError,
+    Timeouts,
+    parse_info_memory,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +64,7 @@ _REFUSALS: tuple[tuple[str, str], ...] = (
     ("OOM", "oom"),
     ("READONLY", "read_only"),
     ("NOPERM", "no_permission"),
+    ("PermissionDenied", "no_permission"),  # glide's name for a NOPERM reply (ACL key patterns)
     ("Moved", "moved"),
     ("MOVED", "moved"),
     ("Ask:", "moved"),
@@ -254,6 +260,18 @@ class GlideTransport:
             return None
         values = [int(v) for v in _find(reply, b"proto-max-bulk-len")]
         return min(values) if values else None
+
+    def memory_policies(self) -> list[tuple[int, str]]:
+        try:
+            if self._cluster:
+                reply: Any = self._presence.custom_command(["INFO", "memory"], AllPrimaries())
+            else:
+                reply = self._presence.custom_command(["INFO", "memory"])
+        except GlideError as e:
+            log.debug("kvtier: INFO memory refused: %s", e)
+            return []
+        texts = list(reply.values()) if isinstance(reply, dict) else [reply]
+        return [p for p in map(parse_info_memory, texts) if p is not None]
 
     def exists(self, rkeys: Sequence[bytes]) -> list[bool | StoreError]:
         batch = self._batch()

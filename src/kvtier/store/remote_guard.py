@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -19,6 +20,9 @@ from kvtier.store.breaker import ShardBreakers, Transition
 from kvtier.store.remote_transport import StoreError, Transport
 
 # the remote tier's logger: operators filter on it, whichever module logs
+# write refusals that last until the store's operator acts (not a timeout or a lost connection)
+WRITE_REFUSALS = frozenset({"oom", "read_only", "no_permission"})
+
 log = logging.getLogger("kvtier.store.remote")
 
 _T = TypeVar("_T")
@@ -35,6 +39,7 @@ class ShardGuard:
         metrics: Metrics,
         url: str,
         name: str = "remote",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.transport = transport
         self.breakers = breakers
@@ -44,6 +49,8 @@ class ShardGuard:
         self._lock = threading.Lock()
         self._logged: set[str] = set()
         self._epoch = -1
+        self._clock = clock
+        self._refused_since: float | None = None  # the first refused write of the streak
         self.publish()
 
     def shard(self, rkey: bytes) -> str:
@@ -115,9 +122,13 @@ class ShardGuard:
         self.transition(e.shard, self.breakers[e.shard].failure(), e)
 
     def rejected(self, e: StoreError, write: bool) -> None:
-        """The server refused a call it answered in time: counted, logged once per reason."""
+        """The server refused a call it answered in time: counted, logged once per reason; a
+        write refused for a standing reason (full, read-only, no permission) starts or extends
+        the refusal streak `kvtier_tier_writes_refused_seconds` shows."""
         reason = e.reason if write else f"read_{e.reason}"
         self._m.store_failure(self._name, reason).inc()
+        if write and e.reason in WRITE_REFUSALS:
+            self._refused(e)
         self.log_once(
             reason,
             "kvtier: remote tier %s refused a %s (%s); counted as store_failures{reason=%s}",
@@ -126,6 +137,38 @@ class ShardGuard:
             e,
             reason,
         )
+
+    def write_accepted(self) -> None:
+        """A write went in: a refusal streak, if any, is over."""
+        if self._refused_since is None:
+            return
+        with self._lock:
+            since, self._refused_since = self._refused_since, None
+        if since is not None:
+            self._m.writes_refused(self._name).set(0)
+            log.warning(
+                "kvtier: remote tier %s accepts writes again after refusing them for %.0f s",
+                self._url,
+                self._clock() - since,
+            )
+
+    def _refused(self, e: StoreError) -> None:
+        now = self._clock()
+        with self._lock:
+            started = self._refused_since is None
+            if started:
+                self._refused_since = now
+            since = self._refused_since
+        assert since is not None
+        self._m.writes_refused(self._name).set(now - since)
+        if started:
+            log.warning(
+                "kvtier: remote tier %s refuses every write (%s): nothing more is stored there "
+                "until it accepts them again (a full store needs maxmemory-policy allkeys-lru, "
+                "or volatile-lru with remote_ttl_s > 0)",
+                self._url,
+                e,
+            )
 
     def log_once(self, what: str, msg: str, *args: object) -> None:
         """WARNING the first time for `what`, DEBUG afterwards."""

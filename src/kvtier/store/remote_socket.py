@@ -92,6 +92,16 @@ class SocketTransport:
         value = reply.get("proto-max-bulk-len") if isinstance(reply, dict) else None
         return None if value is None else int(value)
 
+    def memory_policies(self) -> list[tuple[int, str]]:
+        try:
+            info = self._redis.info("memory")
+        except (*_NET_ERRORS, redis.exceptions.ResponseError):
+            return []
+        try:
+            return [(int(info["maxmemory"]), str(info["maxmemory_policy"]))]
+        except (KeyError, ValueError):
+            return []
+
     def exists(self, rkeys: Sequence[bytes]) -> list[bool | StoreError]:
         def call() -> list[object]:
             pipe = self._redis.pipeline(transaction=False)

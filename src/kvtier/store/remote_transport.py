@@ -61,6 +61,11 @@ class Transport(Protocol):
         say (CONFIG refused)."""
         ...
 
+    def memory_policies(self) -> list[tuple[int, str]]:
+        """(`maxmemory` bytes, `maxmemory-policy`) of every primary, from INFO memory (which
+        managed services answer where they refuse CONFIG); [] when nobody says."""
+        ...
+
     def exists(self, rkeys: Sequence[bytes]) -> list[bool | StoreError]:
         """Presence of each key, one batch (one round trip per shard)."""
         ...
@@ -93,3 +98,14 @@ class Transport(Protocol):
     def close(self) -> None:
         """Drop every connection."""
         ...
+
+
+def parse_info_memory(text: bytes | str) -> tuple[int, str] | None:
+    """(maxmemory, maxmemory_policy) from an INFO memory reply; None when it lacks them."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    try:
+        return int(fields["maxmemory"].strip()), fields["maxmemory_policy"].strip()
+    except (KeyError, ValueError):
+        return None
