@@ -1,4 +1,5 @@
-"""Fake lookup backends and a subprocess server entry point for tests/test_lookup.py."""
+"""Fake lookup backends, a subprocess server entry point and a raw client's framing (the
+engine's MAC on what it sends, checked on what it gets) for the lookup tests."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.lookup import serve_until
+import zmq
+
+from kvtier.lookup import FrameMac, serve_until
+from kvtier.lookup.auth import REPLIES, REQUESTS
 
 
 def make_keys(n: int, salt: str = "k") -> list[bytes]:
@@ -69,3 +73,17 @@ def run_fake_server(rank: int, endpoint: str, held: int, events: Any, stop: Any)
     `stop` is set."""
     backend = FakeBackend(rank, make_keys(held), events)
     serve_until(stop, rank, backend, endpoint)
+
+
+def signed(key: bytes, body: bytes) -> list[bytes]:
+    """The message `[MAC, body]` the engine's client sends: `body` under the engine's `key`."""
+    return [FrameMac(key, REQUESTS).of(body), body]
+
+
+def recv_signed(sock: zmq.Socket, key: bytes, timeout_ms: int = 5000) -> bytes:
+    """The body of the next message on `sock` within `timeout_ms`, asserting it carries the
+    engine's reply MAC."""
+    assert sock.poll(timeout_ms), f"no reply within {timeout_ms} ms"
+    mac, body = sock.recv_multipart()
+    assert FrameMac(key, REPLIES).matches(mac, body), "a reply without the engine's MAC"
+    return body

@@ -31,11 +31,12 @@ from kvtier.lookup import (
     Pong,
     ReleaseRequest,
     endpoint_for,
+    engine_key,
     format_client_line,
     make_run_dir,
 )
 from kvtier.metrics import Metrics
-from tests.lookup_helpers import FakeBackend, make_keys, run_fake_server
+from tests.lookup_helpers import FakeBackend, make_keys, recv_signed, run_fake_server, signed
 
 CHUNK = 16
 HELD = {0: 8, 1: 3, 2: 6, 3: 5}  # leading chunks each rank's backend holds
@@ -266,10 +267,9 @@ def test_a_lookup_in_flight_never_blocks_its_caller_past_the_wait(run_dir: Path)
             s.close()
 
 
-def _raw_reply(sock: zmq.Socket) -> LookupReply:
-    assert sock.poll(5000), "server sent no error reply"
-    msg = Codec().decode(sock.recv())
-    assert isinstance(msg, LookupReply)
+def _raw_reply(sock: zmq.Socket, key: bytes) -> LookupReply | Pong:
+    msg = Codec().decode(recv_signed(sock, key))
+    assert isinstance(msg, LookupReply | Pong)
     return msg
 
 
@@ -280,40 +280,58 @@ def test_malformed_frames_are_rejected_counted_and_the_server_keeps_serving(
     servers, eps = _servers(run_dir, {0: FakeBackend(0, keys[:3])}, max_frame_bytes=4096)
     server = servers[0]
     sm = server._m
+    key = engine_key(run_dir)
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(eps[0])
     enc = msgspec.msgpack.encode
     k = keys[0]
-    hostile: list[tuple[str, list[bytes]]] = [
-        ("garbage", [b"\xc1" + os.urandom(64)]),
-        ("version", [enc(["lookup", 2, "id", 1, [k], True])]),
-        ("version", [enc(["lookup", 2, "id", 1, [k], True, "new-field"])]),
-        ("schema", [enc(["lookup", 1, "id", 1, "not-a-list", True])]),
-        ("schema", [enc(["lookup", 1, "id", 1, [b"short-key"], True])]),
-        ("schema", [enc({"lookup_id": "id"})]),
-        ("oversized", [b"\x00" * 4097]),
-        ("frames", [enc(Ping(PROTOCOL_VERSION, 1)), b"extra"]),
-        ("unexpected", [enc(Pong(PROTOCOL_VERSION, 1, 0, 0, 0, 0))]),
+    ping = enc(Ping(PROTOCOL_VERSION, 1))
+    # bodies under the engine's MAC that are no message this server takes: answered with an
+    # error reply naming why (a client of the engine with a bug, or of another version)
+    hostile: list[tuple[str, bytes]] = [
+        ("garbage", b"\xc1" + os.urandom(64)),
+        ("version", enc(["lookup", 2, "id", 1, [k], True])),
+        ("version", enc(["lookup", 2, "id", 1, [k], True, "new-field"])),
+        ("schema", enc(["lookup", 1, "id", 1, "not-a-list", True])),
+        ("schema", enc(["lookup", 1, "id", 1, [b"short-key"], True])),
+        ("schema", enc({"lookup_id": "id"})),
+        ("unexpected", enc(Pong(PROTOCOL_VERSION, 1, 0, 0, 0, 0))),
+    ]
+    # messages refused before their body is read: counted, never answered
+    refused: list[tuple[str, list[bytes]]] = [
+        ("oversized", signed(key, b"\x00" * 4097)),
+        ("frames", [*signed(key, ping), b"extra"]),
+        ("frames", [b"a", b"b", b"c", b"d"]),
+        ("auth", [ping]),
+        ("auth", [os.urandom(32), ping]),
     ]
     m = Metrics(0)
     c = LookupClient(eps, m, chunk_size=CHUNK, world=1, timeout_ms=2000)
     try:
         c.wait_ready(10.0)
-        for reason, frames in hostile:
-            raw.send_multipart(frames)
-            reply = _raw_reply(raw)
+        for reason, body in hostile:
+            raw.send_multipart(signed(key, body))
+            reply = _raw_reply(raw, key)
+            assert isinstance(reply, LookupReply)
             assert reply.error is not None and reply.error.startswith(f"rejected: {reason}")
             assert (reply.rank, reply.hit_chunks) == (0, 0)
             # ... and a well-formed lookup right after is answered correctly.
             res = c.lookup(keys, f"after-{reason}")
             assert (res.hit_chunks, res.timed_out) == (3, ())
-        for reason in {r for r, _ in hostile}:
-            n = sum(1 for r, _ in hostile if r == reason)
-            assert sm.value("rejected_frames_total", reason=reason) == n, reason
-        pong = c.server_stats(2000)[0]
-        assert pong is not None
-        assert (pong.rejected, pong.served) == (len(hostile), len(hostile))
+        for nonce, (reason, frames) in enumerate(refused, start=100):
+            raw.send_multipart(frames)
+            # one connection's messages are handled in order: the first answer this socket
+            # gets is the one to its next ping, so the refused message got none
+            raw.send_multipart(signed(key, enc(Ping(PROTOCOL_VERSION, nonce))))
+            pong = _raw_reply(raw, key)
+            assert isinstance(pong, Pong) and pong.nonce == nonce, (reason, pong)
+        every = [r for r, _ in hostile] + [r for r, _ in refused]
+        for reason in set(every):
+            assert sm.value("rejected_frames_total", reason=reason) == every.count(reason), reason
+        stats = c.server_stats(2000)[0]
+        assert stats is not None
+        assert (stats.rejected, stats.served) == (len(every), len(hostile))
     finally:
         raw.close()
         c.close()
@@ -483,10 +501,12 @@ def test_tcp_binds_loopback_only_unless_allowed(caplog: pytest.LogCaptureFixture
         endpoint_for(0, transport="udp")
 
 
-def test_tcp_loopback_round_trip() -> None:
+def test_tcp_loopback_round_trip(run_dir: Path) -> None:
     keys = make_keys(3)
-    server = LookupServer(0, FakeBackend(0, keys), "tcp://127.0.0.1:*", Metrics(0)).start()
-    c = LookupClient({0: server.bound_endpoint}, Metrics(0), chunk_size=CHUNK, world=1)
+    key = engine_key(run_dir)
+    ep = "tcp://127.0.0.1:*"
+    server = LookupServer(0, FakeBackend(0, keys), ep, Metrics(0), key=key).start()
+    c = LookupClient({0: server.bound_endpoint}, Metrics(0), chunk_size=CHUNK, world=1, key=key)
     try:
         c.wait_ready(10.0)
         assert c.lookup(keys, "tcp").hit_tokens == 3 * CHUNK

@@ -12,12 +12,16 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import zmq
 
 from kvtier.errors import ConfigError, StartupError, TopologyError
-from kvtier.lookup.endpoints import parse_endpoint
+from kvtier.lookup.auth import REPLIES, REQUESTS, FrameMac, RefusalLog, check_key
+from kvtier.lookup.endpoints import key_dir_of, parse_endpoint
+from kvtier.lookup.keyfile import engine_key
 from kvtier.lookup.messages import (
     DEFAULT_MAX_FRAME_BYTES,
     KEY_BYTES,
     MAX_LOOKUP_ID_CHARS,
     PROTOCOL_VERSION,
+    REJECT_AUTH,
+    REJECT_FRAMES,
     REJECT_RANGE,
     Codec,
     FrameError,
@@ -54,6 +58,10 @@ class LookupClient:
     `lookup_timeout(target)` and `rejected_frame(reason)` for bad replies; `lookups` is counted
     by each server. Calls are serialised, so several threads may share a client.
 
+    Every request carries a MAC under the engine's `key` and every reply must carry one (a
+    reply without it is dropped and counted as `auth`); without `key`, the key is read from
+    the run dir the endpoints name (`lookup/keyfile.py`), which must be one engine's.
+
     A rank that misses `miss_limit` deadlines in a row is down: lookups stop waiting for it
     (it counts as a timeout at once) and probe it again every `probe_interval_s` of `clock`;
     its socket is replaced so requests queued behind a stuck server are dropped. Any answer,
@@ -74,6 +82,7 @@ class LookupClient:
         probe_interval_s: float = 1.0,
         context: zmq.Context | None = None,
         clock: Callable[[], float] = time.monotonic,
+        key: bytes | None = None,
     ) -> None:
         if not endpoints:
             raise TopologyError("lookup client needs at least one rank endpoint, got none")
@@ -93,6 +102,10 @@ class LookupClient:
             )
         for ep in endpoints.values():
             parse_endpoint(ep)
+        key = _one_engine_key(endpoints) if key is None else check_key(key)
+        self._mac_out = FrameMac(key, REQUESTS)
+        self._mac_in = FrameMac(key, REPLIES)
+        self._refusals = RefusalLog(log, "lookup client")
         self.ranks: tuple[int, ...] = tuple(sorted(endpoints))
         self.world = world
         self.chunk_size = chunk_size
@@ -177,7 +190,7 @@ class LookupClient:
             now = self._clock()
             peers = self._peers.by_rank
             targets = [p.rank for p in peers.values() if not self._peers.is_down(p, now)]
-            sent, unsent = self._peers.send_all(frame, [peers[r] for r in targets])
+            sent, unsent = self._peers.send_all(self._signed(frame), [peers[r] for r in targets])
             p = PendingLookup(lookup_id, req, len(keys), t0, deadline, now, targets, sent, unsent)
             self._inflight[req] = p
         return p
@@ -270,10 +283,10 @@ class LookupClient:
             self._check_open()
             for start in range(0, len(ids), _RELEASE_BATCH):
                 batch = ids[start : start + _RELEASE_BATCH]
-                frame = self._codec.encode(ReleaseRequest(PROTOCOL_VERSION, batch))
+                frames = self._signed(self._codec.encode(ReleaseRequest(PROTOCOL_VERSION, batch)))
                 for rank, peer in self._peers.by_rank.items():
                     try:
-                        peer.sock.send(frame, zmq.NOBLOCK)
+                        peer.sock.send_multipart(frames, zmq.NOBLOCK)
                     except zmq.Again:
                         self.dropped_releases[rank] += 1
                         # A rank already known to be missing was logged when it went missing.
@@ -311,8 +324,8 @@ class LookupClient:
                     pongs[rank] = msg
                 return True
 
-            frame = self._codec.encode(Ping(PROTOCOL_VERSION, nonce))
-            waiting, _ = self._peers.send_all(frame, list(self._peers.by_rank.values()))
+            frames = self._signed(self._codec.encode(Ping(PROTOCOL_VERSION, nonce)))
+            waiting, _ = self._peers.send_all(frames, list(self._peers.by_rank.values()))
             self._gather(lambda: not waiting, deadline, accept)
             for rank, pong in pongs.items():
                 if pong is not None:
@@ -369,13 +382,17 @@ class LookupClient:
 
         Every readable socket is drained: a lookup reply goes to its in-flight lookup, anything
         else to `accept`; late replies of finished requests are discarded (counted in
-        `stale_replies`) instead of waiting to be mistaken for answers.
+        `stale_replies`) instead of waiting to be mistaken for answers. A reply without the
+        engine's MAC is dropped before it is decoded (whoever sent it is not the engine's rank).
         """
         while not done():
             left_ms = (deadline - time.perf_counter()) * 1000.0
             if left_ms <= 0:
                 return
-            for rank, frame in self._peers.received(math.ceil(left_ms)):
+            for rank, frames in self._peers.received(math.ceil(left_ms)):
+                frame = self._authentic(rank, frames)
+                if frame is None:
+                    continue
                 try:
                     msg = self._codec.decode(frame)
                 except FrameError as e:
@@ -389,6 +406,26 @@ class LookupClient:
                 if not taken:
                     self.stale_replies += 1
 
+    def _signed(self, body: bytes) -> tuple[bytes, bytes]:
+        """The message `[MAC, body]` every request travels as."""
+        return self._mac_out.of(body), body
+
+    def _authentic(self, rank: int, frames: list[bytes]) -> bytes | None:
+        """The body of a reply whose MAC the engine's key made; None (counted) otherwise."""
+        if len(frames) != 2:
+            self._m.rejected_frame(REJECT_FRAMES).inc()
+            self._refusals.refused(f"rank {rank}'s endpoint sent {len(frames)} frames, not 2")
+            return None
+        mac, body = frames
+        if not self._mac_in.matches(mac, body):
+            self._m.rejected_frame(REJECT_AUTH).inc()
+            self._refusals.refused(
+                f"a reply on rank {rank}'s endpoint does not carry the engine's MAC (is "
+                "another process listening there?)"
+            )
+            return None
+        return body
+
     def _wait_writable(self, ranks: Iterable[int], timeout_ms: int) -> list[int]:
         """Wait up to `timeout_ms` for any of `ranks` to be writable; returns the unwritable."""
         with self._lock:
@@ -398,6 +435,26 @@ class LookupClient:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("lookup client is closed")
+
+
+def _one_engine_key(endpoints: Mapping[int, str]) -> bytes:
+    """The key of the one engine every endpoint belongs to; ConfigError if they name engines
+    with different keys (one client asks the ranks of one engine)."""
+    keys: dict[bytes, list[int]] = {}
+    by_dir: dict[str, bytes] = {}
+    for rank, ep in sorted(endpoints.items()):
+        run = str(key_dir_of(ep))
+        if run not in by_dir:
+            by_dir[run] = engine_key(run)
+        keys.setdefault(by_dir[run], []).append(rank)
+    if len(keys) > 1:
+        groups = sorted(keys.values())
+        raise ConfigError(
+            f"lookup ranks {groups} belong to engines with different keys (run dirs "
+            f"{sorted(by_dir)}); one client asks the ranks of one engine: derive every "
+            "endpoint from the same run dir"
+        )
+    return next(iter(keys))
 
 
 def _check_lookup_id(lookup_id: str) -> None:

@@ -2,6 +2,9 @@
 
 One run directory per engine replica keeps replicas apart: two replicas that shared a socket
 path would read each other's hits (the failure mode of a socket path shared across DP replicas).
+The run directory also holds the engine's lookup key (`lookup/keyfile.py`), over either
+transport: an endpoint names the directory its key lives in (an ipc socket's own directory, or
+the run dir a `LookupEndpoint` carries).
 """
 
 from __future__ import annotations
@@ -35,6 +38,38 @@ def make_run_dir(prefix: str = "kvtier-", base: str | Path | None = None) -> Pat
     return path
 
 
+class LookupEndpoint(str):
+    """A zmq endpoint string that also names the run directory holding its engine's key.
+
+    It is the endpoint everywhere a string is (zmq, logs, comparisons); servers and clients
+    read `key_dir` to find the key, so a tcp endpoint derived for one engine carries that
+    engine's key with it through code that only passes endpoints along.
+    """
+
+    key_dir: Path | None
+
+    def __new__(cls, endpoint: str, key_dir: str | Path | None = None) -> LookupEndpoint:
+        self = super().__new__(cls, endpoint)
+        self.key_dir = None if key_dir is None else Path(key_dir).absolute()
+        return self
+
+
+def key_dir_of(endpoint: str) -> Path:
+    """The run directory holding the key of `endpoint`'s engine; ConfigError when it names none
+    (a tcp endpoint built without the engine's run dir)."""
+    key_dir = getattr(endpoint, "key_dir", None)
+    if key_dir is not None:
+        return Path(key_dir)
+    transport, address = parse_endpoint(endpoint)
+    if transport == "ipc":
+        return Path(address).parent
+    raise ConfigError(
+        f"lookup endpoint {endpoint!r} names no run dir holding its engine's key; build it with "
+        "endpoint_for(rank, transport='tcp', run_dir=<the engine's run dir>, base_port=...) "
+        "or pass the key (kvtier.lookup.engine_key(run_dir)) as key="
+    )
+
+
 def endpoint_for(
     rank: int,
     *,
@@ -45,7 +80,9 @@ def endpoint_for(
     allow_remote_bind: bool = False,
 ) -> str:
     """The zmq endpoint of `rank`'s lookup server: `ipc://<run_dir>/lookup-rank<r>.sock` or
-    `tcp://<host>:<base_port + rank>`; tcp is loopback-only unless `allow_remote_bind`."""
+    `tcp://<host>:<base_port + rank>`; tcp is loopback-only unless `allow_remote_bind`. With
+    `run_dir`, the endpoint carries it (`LookupEndpoint.key_dir`): the engine's key lives there,
+    whatever the transport; `run_dir` is only read when a server or client takes the key."""
     if not isinstance(rank, int) or rank < 0:
         raise ConfigError(f"lookup rank={rank!r} must be an int >= 0")
     if transport == "ipc":
@@ -58,7 +95,7 @@ def endpoint_for(
         check_private_dir(run)
         path = str(run.absolute() / f"lookup-rank{rank}.sock")
         check_ipc_path(path)
-        return f"ipc://{path}"
+        return LookupEndpoint(f"ipc://{path}", run)
     if transport == "tcp":
         if base_port is None:
             raise ConfigError(
@@ -72,7 +109,7 @@ def endpoint_for(
             )
         check_tcp_host(host, allow_remote_bind)
         shown = f"[{host}]" if ":" in host else host
-        return f"tcp://{shown}:{port}"
+        return LookupEndpoint(f"tcp://{shown}:{port}", run_dir)
     raise ConfigError(f"lookup transport={transport!r} is not one of {TRANSPORTS}")
 
 
@@ -111,12 +148,13 @@ def check_tcp_host(host: str, allow_remote_bind: bool) -> None:
         return
     if not allow_remote_bind:
         raise ConfigError(
-            f"lookup tcp host {host!r} is not a loopback address; the lookup service has no "
-            "authentication, so it binds 127.0.0.1 unless allow_remote_bind=True"
+            f"lookup tcp host {host!r} is not a loopback address; lookup servers bind "
+            "127.0.0.1 unless allow_remote_bind=True"
         )
     log.warning(
-        "kvtier: lookup endpoint on non-loopback host %s (allow_remote_bind=True): "
-        "anyone who can reach it can query and lease chunks",
+        "kvtier: lookup endpoint on non-loopback host %s (allow_remote_bind=True): frames "
+        "without the engine's key are refused, but anyone who can reach it can make the rank "
+        "check their MACs",
         host,
     )
 

@@ -1,7 +1,9 @@
 """Lookup wire messages: msgspec Structs, msgpack-encoded, one tagged union, no pickle.
 
 Every message is encoded as an array `[tag, version, fields...]`, so `version` is always at index
-1 and a frame from another protocol version is recognised even when its layout differs.
+1 and a frame from another protocol version is recognised even when its layout differs. On the
+wire a message travels as two zmq frames, `[MAC, body]`: the body is these bytes, the MAC their
+keyed BLAKE3 under the engine's key (`lookup/auth.py`), checked before the body is decoded.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ MAX_LOOKUP_ID_CHARS: Final = 256
 DEFAULT_MAX_FRAME_BYTES: Final = 4 * 1024 * 1024
 
 # Reasons a frame is rejected (label of `kvtier_rejected_frames_total`).
+REJECT_AUTH: Final = "auth"  # no MAC, or one the engine's key did not make (lookup/auth.py)
 REJECT_OVERSIZED: Final = "oversized"  # longer than max_frame_bytes
-REJECT_FRAMES: Final = "frames"  # wrong number of zmq frames in the message
+REJECT_FRAMES: Final = "frames"  # wrong number of zmq frames in the message (not [MAC, body])
 REJECT_GARBAGE: Final = "garbage"  # not msgpack at all
 REJECT_SCHEMA: Final = "schema"  # msgpack, but not a known message of this version
 REJECT_VERSION: Final = "version"  # a message of another protocol version

@@ -6,7 +6,7 @@ queued behind a stuck server are dropped. Any answer brings it back."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import zmq
 
@@ -137,13 +137,14 @@ class Peers:
         ready = {socks[s] for s, _ in poller.poll(timeout_ms)}
         return [r for r in down if r not in ready]
 
-    def send_all(self, frame: bytes, peers: list[Peer]) -> tuple[set[int], set[int]]:
-        """Send `frame` to `peers` without blocking; returns (sent, unsendable) ranks."""
+    def send_all(self, frames: Sequence[bytes], peers: list[Peer]) -> tuple[set[int], set[int]]:
+        """Send the message `frames` to `peers` without blocking; returns (sent, unsendable)
+        ranks. zmq queues a message whole or not at all."""
         pending: set[int] = set()
         unsent: set[int] = set()
         for peer in peers:
             try:
-                peer.sock.send(frame, zmq.NOBLOCK)
+                peer.sock.send_multipart(frames, zmq.NOBLOCK)
             except zmq.Again:
                 # No live connection, or a full queue behind a stuck server.
                 unsent.add(peer.rank)
@@ -151,17 +152,17 @@ class Peers:
                 pending.add(peer.rank)
         return pending, unsent
 
-    def received(self, timeout_ms: int) -> Iterator[tuple[int, bytes]]:
-        """Every frame waiting on any socket within `timeout_ms`, with its rank; each readable
-        socket is drained."""
+    def received(self, timeout_ms: int) -> Iterator[tuple[int, list[bytes]]]:
+        """Every message (its frames) waiting on any socket within `timeout_ms`, with its rank;
+        each readable socket is drained."""
         for sock, _ in self._poller.poll(timeout_ms):
             rank = self._rank_of[sock]
             while True:
                 try:
-                    frame = sock.recv(zmq.NOBLOCK)
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                yield rank, frame
+                yield rank, frames
 
     def close(self) -> None:
         """Close every socket (no linger)."""

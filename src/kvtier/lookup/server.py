@@ -15,6 +15,7 @@ from typing import Protocol
 import zmq
 
 from kvtier.errors import ConfigError, StartupError
+from kvtier.lookup.auth import REPLIES, REQUESTS, FrameMac, RefusalLog, check_key
 from kvtier.lookup.endpoints import (
     check_ipc_path,
     check_tcp_host,
@@ -23,10 +24,13 @@ from kvtier.lookup.endpoints import (
     parse_endpoint,
     tcp_host,
 )
+from kvtier.lookup.keyfile import endpoint_key
 from kvtier.lookup.messages import (
     DEFAULT_MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
+    REJECT_AUTH,
     REJECT_FRAMES,
+    REJECT_OVERSIZED,
     REJECT_UNEXPECTED,
     Codec,
     FrameError,
@@ -70,6 +74,11 @@ class LookupServer:
 
     Counts `metrics.lookups` (one per lookup answered) and `metrics.rejected_frame(reason)`.
     Hit tokens and latency are counted by the client, which knows the chunk size.
+
+    A message is `[MAC, body]` (`lookup/auth.py`). One that is not, whose body is over the
+    frame cap, or whose MAC the engine's `key` did not make is refused before it is decoded:
+    counted (`frames`, `oversized`, `auth`), never answered, leased or released for. Without
+    `key`, the key is read from the run dir the endpoint names (`lookup/keyfile.py`).
     """
 
     def __init__(
@@ -82,6 +91,7 @@ class LookupServer:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         allow_remote_bind: bool = False,
         context: zmq.Context | None = None,
+        key: bytes | None = None,
     ) -> None:
         if rank < 0:
             raise ConfigError(f"lookup server rank={rank} must be >= 0")
@@ -90,6 +100,10 @@ class LookupServer:
             check_tcp_host(tcp_host(address), allow_remote_bind)
         else:
             check_ipc_path(address)
+        key = endpoint_key(endpoint) if key is None else check_key(key)
+        self._mac_in = FrameMac(key, REQUESTS)
+        self._mac_out = FrameMac(key, REPLIES)
+        self._refusals = RefusalLog(log, f"lookup server rank {rank}")
         self.rank = rank
         self.endpoint = endpoint
         self._transport = transport
@@ -218,10 +232,11 @@ class LookupServer:
 
     def _handle(self, router: zmq.Socket, frames: list[bytes]) -> None:
         peer = frames[0]
+        body = self._authentic(frames)
+        if body is None:
+            return
         try:
-            if len(frames) != 2:
-                raise FrameError(REJECT_FRAMES, f"{len(frames) - 1} frames, expected 1")
-            msg = self._codec.decode(frames[1])
+            msg = self._codec.decode(body)
         except FrameError as e:
             self._reject(router, peer, e)
             return
@@ -233,7 +248,7 @@ class LookupServer:
             pong = Pong(
                 PROTOCOL_VERSION, msg.nonce, self.rank, self.served, self.released, self.rejected
             )
-            router.send_multipart((peer, self._codec.encode(pong)))
+            self._send(router, peer, self._codec.encode(pong))
         else:
             self._reject(router, peer, FrameError(REJECT_UNEXPECTED, type(msg).__name__))
 
@@ -261,7 +276,7 @@ class LookupServer:
         reply = LookupReply(
             PROTOCOL_VERSION, req.lookup_id, req.req, self.rank, hit, error, tier if hit else ""
         )
-        router.send_multipart((peer, self._codec.encode(reply)))
+        self._send(router, peer, self._codec.encode(reply))
         self.served += 1
         self._m.lookups.inc()
 
@@ -276,12 +291,40 @@ class LookupServer:
             else:
                 self.released += 1
 
+    def _authentic(self, frames: list[bytes]) -> bytes | None:
+        """The body of a `[peer, MAC, body]` message whose MAC the engine's key made; None for
+        anything else, counted and never answered (its sender need not be the engine's)."""
+        refusal: tuple[str, str] | None = None
+        if len(frames) == 2:
+            refusal = REJECT_AUTH, "a message without a MAC frame"
+        elif len(frames) != 3:
+            refusal = REJECT_FRAMES, f"{len(frames) - 1} frames, expected 2"
+        elif len(frames[2]) > self._codec.max_frame_bytes:
+            # refused before any work on it: hashing is linear in its length
+            cap = self._codec.max_frame_bytes
+            refusal = REJECT_OVERSIZED, f"{len(frames[2])} bytes > max_frame_bytes={cap}"
+        elif not self._mac_in.matches(frames[1], frames[2]):
+            refusal = REJECT_AUTH, "its MAC was not made with the engine's key"
+        if refusal is None:
+            return frames[2]
+        reason, detail = refusal
+        self.rejected += 1
+        self._m.rejected_frame(reason).inc()
+        # a flood of them must not fill the log
+        self._refusals.refused(f"{reason}: {detail}")
+        return None
+
     def _reject(self, router: zmq.Socket, peer: bytes, err: FrameError) -> None:
+        """Answer an authenticated message this side cannot take (the engine's own client,
+        of another version or with a bug) with an error reply naming why."""
         self.rejected += 1
         self._m.rejected_frame(err.reason).inc()
         log.warning("kvtier: lookup server rank %d rejected a frame: %s", self.rank, err)
         reply = LookupReply(PROTOCOL_VERSION, "", -1, self.rank, 0, f"rejected: {err}")
-        router.send_multipart((peer, self._codec.encode(reply)))
+        self._send(router, peer, self._codec.encode(reply))
+
+    def _send(self, router: zmq.Socket, peer: bytes, body: bytes) -> None:
+        router.send_multipart((peer, self._mac_out.of(body), body))
 
 
 def _check_socket_dir(directory: Path) -> None:
@@ -307,11 +350,12 @@ def serve_until(
     metrics: Metrics | None = None,
     *,
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    key: bytes | None = None,
 ) -> None:
     """Serve `rank` on `endpoint` until `stop` is set (a subprocess target for tests/benches).
 
     `stop` may be a `multiprocessing.Event`; it only needs `wait()`.
     """
     metrics = metrics if metrics is not None else Metrics(rank)
-    with LookupServer(rank, backend, endpoint, metrics, max_frame_bytes=max_frame_bytes):
+    with LookupServer(rank, backend, endpoint, metrics, max_frame_bytes=max_frame_bytes, key=key):
         stop.wait()

@@ -34,7 +34,8 @@ READY_TIMEOUT_S = 30.0
 @dataclass(frozen=True)
 class OffloadSpec:
     """What both halves of one engine share: the config, the model's identity, the topology
-    and the lookup endpoint of every rank of the engine replica."""
+    and the lookup endpoint of every rank of the engine replica (derived endpoints carry the
+    run dir holding the replica's lookup key: `kvtier.lookup.LookupEndpoint`)."""
 
     config: KVTierConfig
     model_id: str
@@ -57,7 +58,9 @@ class OffloadSpec:
         base_port: int | None,
     ) -> OffloadSpec:
         """The spec with every rank's lookup endpoint: an ipc socket in `run_dir`, or tcp on
-        `base_port + rank`, as `config.lookup_transport` says (every half derives the same)."""
+        `base_port + rank`, as `config.lookup_transport` says (every half derives the same).
+        Over either transport the replica's lookup key lives in `run_dir`: the first server or
+        client built from these endpoints creates it, the others read it."""
         endpoints = {
             rank: endpoint_for(
                 rank,

@@ -2,7 +2,8 @@
 
 vLLM gives every process of an engine the same `kv_transfer_config.engine_id` (workers even
 re-broadcast TP rank 0's), so the directory name is a digest of it plus the DP rank: identical
-within one engine replica, distinct across replicas and engines.
+within one engine replica, distinct across replicas and engines. The directory also holds the
+replica's lookup key (`kvtier.lookup.keyfile`, over ipc and tcp alike), which goes with it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
 from kvtier.lookup.endpoints import check_private_dir
+from kvtier.lookup.keyfile import KEY_FILE
 from kvtier.offload.wiring import OffloadSpec
 from kvtier.topology import Topology
 
@@ -71,7 +73,14 @@ def run_dir_for(engine_id: str, dp_rank: int, lookup_dir: str | None = None) -> 
 
 
 def remove_if_empty(path: Path) -> None:
-    """Remove the run directory once the last socket in it is gone (either role may be last)."""
+    """Remove the run directory, and the lookup key in it, once the last socket in it is gone
+    (either role may be last; every process read the key when it started)."""
+    try:
+        entries = [e.name for e in path.iterdir()]
+    except FileNotFoundError:
+        return  # the other role removed it
+    if entries == [KEY_FILE]:
+        (path / KEY_FILE).unlink(missing_ok=True)
     try:
         path.rmdir()
     except OSError as e:
@@ -104,8 +113,9 @@ def sweep_stale(
     """Remove this user's run directories left by engines that are gone.
 
     vLLM often ends its workers with SIGTERM/SIGKILL, so their sockets outlive them. A directory
-    goes only when it is older than `min_age_s`, holds nothing but sockets, has at least one
-    (an engine still starting has none yet) and every one refuses connections.
+    goes only when it is older than `min_age_s`, holds nothing but sockets and the engine's
+    lookup key, has at least one socket (an engine still starting, or one on tcp, has none)
+    and every one refuses connections.
     """
     removed: list[Path] = []
     for d in sorted(_base_dir(lookup_dir).glob(f"{_prefix()}*-dp*")):
@@ -119,7 +129,8 @@ def sweep_stale(
         if st.st_uid != os.getuid() or clock() - st.st_mtime < min_age_s:
             continue
         socks = [e for e in entries if e.suffix == ".sock" and e.is_socket()]
-        if not socks or len(socks) != len(entries) or any(_live(e) for e in socks):
+        others = [e for e in entries if e not in socks and e.name != KEY_FILE]
+        if not socks or others or any(_live(e) for e in socks):
             continue
         for e in socks:
             e.unlink(missing_ok=True)

@@ -1,0 +1,88 @@
+"""Frame authentication: every lookup frame travels with a keyed BLAKE3 MAC under the engine key.
+
+The key never travels: each side proves it holds the key by the MAC over the frame's bytes.
+Requests and replies are MAC'd under two keys derived from the engine key, so a frame of one
+direction is never taken for the other. A frame whose MAC does not match is dropped before it
+is decoded: it is never answered, never leases and never releases.
+
+Not covered: replay of a frame recorded off the wire (loopback and ipc traffic cannot be read
+by another unprivileged user), and root, who can read the key file.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import Callable
+from typing import Final
+
+import blake3
+
+from kvtier.errors import ConfigError
+from kvtier.lookup.keyfile import ENGINE_KEY_BYTES
+
+MAC_BYTES: Final = 32
+# BLAKE3 key-derivation contexts: globally unique, fixed forever for this wire format
+REQUESTS: Final = "kvtier 2026-05 lookup request frames"
+REPLIES: Final = "kvtier 2026-05 lookup reply frames"
+# a flood of refused frames is logged once per this many seconds, with the count in between
+_LOG_EVERY_S = 60.0
+
+
+def check_key(key: object) -> bytes:
+    """`key` if it is an engine key (32 bytes), else ConfigError naming the fix."""
+    if not isinstance(key, bytes) or len(key) != ENGINE_KEY_BYTES:
+        size = len(key) if isinstance(key, bytes | bytearray) else "?"
+        raise ConfigError(
+            f"lookup key is {type(key).__name__} of length {size}; it must be the engine's "
+            f"{ENGINE_KEY_BYTES}-byte key (kvtier.lookup.engine_key(run_dir))"
+        )
+    return key
+
+
+class FrameMac:
+    """MACs of one direction's frames (`REQUESTS` or `REPLIES`) under an engine key."""
+
+    def __init__(self, key: bytes, direction: str) -> None:
+        if direction not in (REQUESTS, REPLIES):
+            raise ValueError(f"direction {direction!r} is not REQUESTS or REPLIES")
+        self._key = blake3.blake3(check_key(key), derive_key_context=direction).digest()
+
+    def of(self, body: bytes) -> bytes:
+        """The MAC of `body`."""
+        return blake3.blake3(body, key=self._key).digest()
+
+    def matches(self, mac: bytes, body: bytes) -> bool:
+        """Whether `mac` is `body`'s MAC (compared in constant time)."""
+        return len(mac) == MAC_BYTES and hmac.compare_digest(mac, self.of(body))
+
+
+class RefusalLog:
+    """Logs refused frames without letting a flood of them fill the log: the first at once,
+    then at most one line per `every_s` of `clock`, counting the ones in between."""
+
+    def __init__(
+        self,
+        log: logging.Logger,
+        what: str,
+        every_s: float = _LOG_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._log = log
+        self._what = what
+        self._every = every_s
+        self._clock = clock
+        self._next = float("-inf")
+        self._quiet = 0
+
+    def refused(self, detail: str) -> None:
+        """Log (or count for the next line) one refused frame."""
+        now = self._clock()
+        if now < self._next:
+            self._quiet += 1
+            return
+        more = f" ({self._quiet} more since the last line)" if self._quiet else ""
+        self._log.warning("kvtier: %s refused a frame: %s%s", self._what, detail, more)
+        self._quiet = 0
+        self._next = now + self._every
