@@ -3,6 +3,7 @@ never answered, never leases and never releases, and is counted as `auth`."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -314,3 +315,19 @@ def run_dir() -> Iterator[Path]:
     d = make_run_dir(base="/tmp")
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_flood_of_foreign_frames_is_counted_whole_and_logged_once(
+    rank: Rank, caplog: pytest.LogCaptureFixture
+) -> None:
+    n = 500
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        for i in range(n):
+            rank.foreign.send(_lookup_frame(f"lk{i}"))
+        rank.settled(n)
+    assert rank.metrics.value("rejected_frames_total", reason="auth") == n
+    assert not rank.leased()
+    lines = [r.message for r in caplog.records if "refused a frame" in r.message]
+    assert lines == [
+        "kvtier: lookup server rank 0 refused a frame: auth: a message without a MAC frame"
+    ]
