@@ -52,7 +52,7 @@ def test_round_trip_bytes(tmp_path, namespace, metrics, make_key: Key, make_payl
     # the file on disk is exactly one record under the namespaced, sharded path
     path = _record_path(tier, k)
     assert path.parent.parent == tmp_path / namespace.hex()
-    assert path.read_bytes() == record.encode(namespace, k, data)
+    assert path.read_bytes() == tier.codec.encode(k, data)
     assert _files(tier) == [path]  # no temp file left behind
 
 
@@ -306,7 +306,7 @@ def test_namespaces_in_one_directory_stay_apart(
     theirs.close()  # one live tier per namespace directory: the restart below takes it over
     planted = _record_path(theirs, make_key(5))
     planted.parent.mkdir(exist_ok=True)
-    planted.write_bytes(record.encode(namespace, make_key(5), make_payload(5, SIZE)))
+    planted.write_bytes(mine.codec.encode(make_key(5), make_payload(5, SIZE)))
     m2 = Metrics(rank=0)
     restarted = DiskTier(tmp_path, 10 * RECORD, other_namespace, m2)
     assert restarted.contains(make_key(5))

@@ -14,6 +14,7 @@ import kvtier.store.disk as disk_module
 from kvtier.metrics import Metrics
 from kvtier.store import record
 from kvtier.store.disk import DiskTier
+from kvtier.store.secret import GENERATED_NAME
 
 SIZE = 4096
 RECORD = record.HEADER_BYTES + SIZE
@@ -92,7 +93,8 @@ def test_gc_removes_old_kvtier_namespaces_oldest_first_and_nothing_else(
             assert not os.path.lexists(path)
             assert f"removed {path} ({size} bytes, unused for {days}" in caplog.text
         assert sorted(p.name for p in disk.iterdir()) == sorted(
-            [_ns(i).hex() for i in (3, 4, 6, 7)] + [_ns(5).hex(), "ab" * 16, "cd" * 16, "models"]
+            [_ns(i).hex() for i in (3, 4, 6, 7)]
+            + [_ns(5).hex(), "ab" * 16, "cd" * 16, "models", GENERATED_NAME]
         )
         assert (foreign / "data").read_bytes() == b"x"
         assert len(list(outside.rglob("*.kvr"))) == 1

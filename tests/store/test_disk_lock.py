@@ -21,6 +21,7 @@ from kvtier.errors import StartupError
 from kvtier.metrics import Metrics
 from kvtier.store import disk_lock
 from kvtier.store.disk import DiskTier
+from kvtier.store.secret import GENERATED_NAME
 from tests.store.disk_holder import TIER_BYTES, payload_of
 
 REPO = Path(__file__).resolve().parents[2]
@@ -129,6 +130,7 @@ def test_own_dir_gives_the_second_process_its_own_directory_and_both_serve(
         assert not mine.contains(a)
         assert holder.ask("put", b) and holder.ask("get", b)
         assert sorted(p.name for p in tmp_path.iterdir()) == [
+            GENERATED_NAME,  # the disk tier's own record key, one per disk_dir
             namespace.hex(),
             f"{namespace.hex()}.1",
         ]

@@ -49,6 +49,7 @@ from kvtier.store.disk_gc import Collected, collect
 from kvtier.store.disk_lock import CONFLICTS, LOCK_NAME, DirLock, claim
 from kvtier.store.lease import LeaseTable
 from kvtier.store.policy import NO_PARENT, ChainPolicy
+from kvtier.store.secret import generated_secret
 
 log = logging.getLogger(__name__)
 
@@ -101,13 +102,16 @@ class DiskTier:
         follower: bool = False,
         gc_days: float = 30.0,
         conflict: str = "refuse",
+        codec: record.RecordCodec | None = None,
     ) -> None:
         """`follower`: another process (rank 0 of a replicated layout) owns the directory and
         writes and evicts its records; this tier only reads them, finding new ones on disk
         (it takes no lock and removes nothing). `gc_days` (disk_gc_days): namespace
         directories of `directory` unused this long are removed at startup, 0 = never.
         `conflict` (disk_conflict): when another live process holds the namespace directory,
-        "refuse" (StartupError naming its pid) or "own_dir" (use `<namespace>.<n>`)."""
+        "refuse" (StartupError naming its pid) or "own_dir" (use `<namespace>.<n>`). `codec`
+        seals and opens the records (the deployment's `record_key`); without one, a key this
+        disk tier generates once in `directory` (a private disk tier needs no setup)."""
         if max_bytes <= 0:
             raise ValueError(f"disk tier max_bytes must be > 0, got {max_bytes}; set a disk size")
         if len(namespace) != record.NAMESPACE_BYTES:
@@ -124,6 +128,13 @@ class DiskTier:
                 f"disk tier gc_days={gc_days!r} must be >= 0 (disk_gc_days); 0 never removes"
             )
         self._ns = namespace
+        if codec is None:
+            keys = record.RecordKeys.derive(generated_secret(Path(directory)))
+            codec = record.RecordCodec(namespace, keys)
+        elif codec.namespace != namespace:
+            raise ValueError("the record codec was built for another namespace")
+        self.codec = codec
+        self._codec = codec
         self._limit = max_bytes  # disk_bytes, as configured
         self._max = max_bytes  # the budget in force: lower while the filesystem is full
         self._m = metrics
@@ -216,7 +227,7 @@ class DiskTier:
         self._policy.insert(key, size)
         return True
 
-    def get(self, key: bytes) -> memoryview | None:
+    def get(self, key: bytes) -> bytes | memoryview | None:
         """The verified payload of `key`, or None. A bad or unreadable file is deleted + counted."""
         with self._lock:
             self._check_open()
@@ -237,7 +248,7 @@ class DiskTier:
             self._drop_bad(key, None, "io_error")
             return None
         try:
-            payload = record.verify(buf, self._ns, key, expected_length=None)
+            payload = self._codec.open(buf, key)
         except record.RecordError as e:
             log.warning("kvtier: disk record %s failed verification: %s", path, e)
             self._drop_bad(key, ino, e.reason)
@@ -258,8 +269,8 @@ class DiskTier:
                 # keys are content hashes inside the namespace: the file already holds these bytes
                 self._resident_again(key, parent)
                 return True
-        # checksum outside the lock: hashing a 32 MiB chunk must not stall readers
-        header = record.encode_header(self._ns, key, payload)
+        # sealed outside the lock: tagging (or encrypting) a 32 MiB chunk must not stall readers
+        header, payload = self._codec.seal(key, payload)
         size = len(header) + memoryview(payload).nbytes
         with self._lock:
             self._check_open()

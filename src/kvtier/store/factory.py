@@ -45,6 +45,7 @@ def build_stack(
     if config.disk_bytes > 0:
         from kvtier.store.disk import DiskTier
         from kvtier.store.record import HEADER_BYTES
+        from kvtier.store.secret import codec_for
 
         record_bytes = slot_bytes + HEADER_BYTES
         if config.disk_bytes < record_bytes:
@@ -65,6 +66,9 @@ def build_stack(
                     lease_ttl_s=config.lease_ttl_s,
                     max_leases=config.max_leases,
                     follower=not writes_lower,
+                    gc_days=config.disk_gc_days,
+                    conflict=config.disk_conflict,
+                    codec=codec_for(config, shared),
                 )
             )
         except OSError as e:

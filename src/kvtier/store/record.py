@@ -191,25 +191,3 @@ class RecordCodec:
 def _check_key(key: bytes) -> None:
     if len(key) != KEY_BYTES:
         raise ValueError(f"chunk key must be {KEY_BYTES} bytes, got {len(key)}")
-
-
-# ---- transitional: the disk tier's calls until it takes a RecordCodec (this session) ----------
-
-_UNKEYED = RecordKeys.derive(b"kvtier transitional unkeyed disk records " * 2)
-
-
-def encode_header(namespace: bytes, key: bytes, payload: bytes | memoryview) -> bytes:
-    """Header of a record under a fixed, public key (as unkeyed as the old checksum)."""
-    return RecordCodec(namespace, _UNKEYED).seal(key, payload)[0]
-
-
-def encode(namespace: bytes, key: bytes, payload: bytes | memoryview) -> bytes:
-    """A whole record sealed like `encode_header`'s."""
-    return RecordCodec(namespace, _UNKEYED).encode(key, payload)
-
-
-def verify(
-    data: bytes | memoryview, namespace: bytes, key: bytes, expected_length: int | None = None
-) -> memoryview:
-    """Payload of a record sealed by `encode_header`."""
-    return memoryview(RecordCodec(namespace, _UNKEYED).open(data, key, expected_length))

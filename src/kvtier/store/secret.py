@@ -16,6 +16,7 @@ from pathlib import Path
 
 from kvtier.config import KVTierConfig
 from kvtier.errors import StartupError
+from kvtier.store.disk_dirs import open_disk_dir
 from kvtier.store.record import RecordCodec, RecordKeys
 
 GENERATED_NAME = ".kvtier-record-key"
@@ -29,8 +30,15 @@ def record_secret(config: KVTierConfig) -> bytes | None:
     if config.record_key_file is not None:
         return _read(Path(config.record_key_file), "record_key_file")
     if config.disk_bytes > 0 and config.disk_dir is not None:
-        return _generated(Path(config.disk_dir) / GENERATED_NAME)
+        return generated_secret(Path(config.disk_dir))
     return None
+
+
+def generated_secret(disk_dir: Path) -> bytes:
+    """The key a disk tier generates for itself in `disk_dir` (made once, 0600), the directory
+    made and checked as the disk tier makes it (private, ours, no symlink)."""
+    os.close(open_disk_dir(disk_dir))
+    return _generated(disk_dir / GENERATED_NAME)
 
 
 def codec_for(config: KVTierConfig, namespace: bytes) -> RecordCodec:
@@ -82,7 +90,6 @@ def _read(path: Path, what: str) -> bytes:
 def _generated(path: Path) -> bytes:
     """The disk tier's generated key: made once (written aside, then linked into place, so a
     rank starting at the same moment reads a whole key or makes its own attempt fail)."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     if not path.exists():
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
