@@ -1,10 +1,12 @@
 """Fuzz the two parsers that take bytes from outside the process: the lookup wire (a running
 LookupServer on a real zmq socket) and chunk records (`record.verify` / `decode_header`).
 
-Nothing may crash or hang: every frame is answered or (a release) silently taken, within a
-deadline; every rejection is counted under the reason the wire's own codec gives; the server
-keeps answering valid lookups afterwards. Records either verify to the very payload that was
-written or raise `RecordError`. Hypothesis runs derandomized, so every run is the same.
+Nothing may crash or hang: a message under the engine's MAC is answered or (a release)
+silently taken, within a deadline, and one without it (no MAC, a wrong one, the wrong number
+of frames, an oversized body) is never answered; every rejection is counted under the reason
+the wire's own codec gives; the server keeps answering valid lookups afterwards. Records
+either verify to the very payload that was written or raise `RecordError`. Hypothesis runs
+derandomized, so every run is the same.
 """
 
 from __future__ import annotations
@@ -34,14 +36,21 @@ from kvtier.lookup import (
     Pong,
     ReleaseRequest,
     endpoint_for,
+    engine_key,
     make_run_dir,
 )
-from kvtier.lookup.messages import REJECT_FRAMES, REJECT_UNEXPECTED
+from kvtier.lookup.auth import REQUESTS, FrameMac
+from kvtier.lookup.messages import (
+    REJECT_AUTH,
+    REJECT_FRAMES,
+    REJECT_OVERSIZED,
+    REJECT_UNEXPECTED,
+)
 from kvtier.metrics import Metrics
 from kvtier.store import record
 from kvtier.store.memory import MemoryTier
 from kvtier.store.stack import TierStack
-from tests.lookup_helpers import make_keys
+from tests.lookup_helpers import make_keys, recv_signed, signed
 from tests.record_key import codec_for_tests
 
 MAX_FRAME = 1024  # small, so oversized frames are cheap to send
@@ -154,10 +163,12 @@ frames = st.one_of(
     huge_lengths(),
     st.sampled_from(VALID_FRAMES),
 )
-# a message is one frame, or several (the wire takes exactly one)
-messages = st.one_of(
-    frames.map(lambda f: [f]),
-    st.lists(frames, min_size=2, max_size=12),
+# a message is one frame, or several (the wire takes exactly one body), sent under the engine's
+# MAC (a MAC frame of the first in front: the codec behind the MAC is fuzzed) or as it is (no
+# MAC, or a made-up one: refused before decoding)
+messages = st.tuples(
+    st.booleans(),
+    st.one_of(frames.map(lambda f: [f]), st.lists(frames, min_size=2, max_size=12)),
 )
 
 
@@ -166,13 +177,15 @@ messages = st.one_of(
 
 @dataclass
 class Rank:
-    """A LookupServer over a real TierStack, a raw DEALER to abuse it and a well-behaved client."""
+    """A LookupServer over a real TierStack, a raw DEALER to abuse it (holding the engine's
+    key, so it can also send what the engine's client would) and a well-behaved client."""
 
     server: LookupServer
     metrics: Metrics
     raw: zmq.Socket
     client: LookupClient
     oracle: Codec
+    key: bytes
     expected: Counter[str]
     nonce: int = 0
 
@@ -193,7 +206,7 @@ def rank() -> Iterator[Rank]:
     client = LookupClient({0: endpoint}, Metrics("client"), chunk_size=16, world=1, timeout_ms=2000)
     client.wait_ready(10.0)
     try:
-        yield Rank(server, metrics, raw, client, Codec(MAX_FRAME), Counter())
+        yield Rank(server, metrics, raw, client, Codec(MAX_FRAME), engine_key(run_dir), Counter())
     finally:
         client.close()
         raw.close()
@@ -202,13 +215,26 @@ def rank() -> Iterator[Rank]:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _classify(codec: Codec, message: list[bytes]) -> tuple[str, str]:
-    """What the server must do with `message`: ("reject", reason), ("answer", kind) or
-    ("silent", "release"), by the wire's own codec."""
-    if len(message) != 1:
-        return "reject", REJECT_FRAMES
+def _wire(key: bytes, message: tuple[bool, list[bytes]]) -> list[bytes]:
+    """The frames sent for `message`: under the engine's MAC, or as they are."""
+    under_mac, parts = message
+    return [*signed(key, parts[0]), *parts[1:]] if under_mac else parts
+
+
+def _classify(codec: Codec, key: bytes, wire: list[bytes]) -> tuple[str, str]:
+    """What the server must do with the frames `wire`: ("refuse", reason) (never answered),
+    ("reject", reason), ("answer", kind) or ("silent", "release"), by the wire's own codec."""
+    if len(wire) == 1:
+        return "refuse", REJECT_AUTH
+    if len(wire) != 2:
+        return "refuse", REJECT_FRAMES
+    mac, body = wire
+    if len(body) > codec.max_frame_bytes:
+        return "refuse", REJECT_OVERSIZED
+    if not FrameMac(key, REQUESTS).matches(mac, body):
+        return "refuse", REJECT_AUTH
     try:
-        msg = codec.decode(message[0])
+        msg = codec.decode(body)
     except FrameError as e:
         return "reject", e.reason
     if isinstance(msg, LookupRequest):
@@ -220,26 +246,31 @@ def _classify(codec: Codec, message: list[bytes]) -> tuple[str, str]:
     return "reject", REJECT_UNEXPECTED
 
 
-def _recv(sock: zmq.Socket, codec: Codec) -> LookupReply | Pong:
-    """The next reply within the deadline; whatever the server sends must decode."""
-    assert sock.poll(int(REPLY_DEADLINE_S * 1000)), "the server did not answer within the deadline"
-    msg = codec.decode(sock.recv())
+def _recv(r: Rank) -> LookupReply | Pong:
+    """The next reply within the deadline; whatever the server sends carries the engine's MAC
+    and decodes."""
+    msg = r.oracle.decode(recv_signed(r.raw, r.key, int(REPLY_DEADLINE_S * 1000)))
     assert isinstance(msg, LookupReply | Pong), msg
     return msg
 
 
-def _round(r: Rank, batch: list[list[bytes]]) -> None:
-    """Send `batch`, then a ping; check every reply in order up to that ping's pong."""
-    plan = [_classify(r.oracle, m) for m in batch]
+def _round(r: Rank, batch: list[tuple[bool, list[bytes]]]) -> None:
+    """Send `batch`, then a ping; check every reply in order up to that ping's pong (one
+    connection's messages are handled in order, so a refused message answered would show)."""
+    wires = [_wire(r.key, m) for m in batch]
+    plan = [_classify(r.oracle, r.key, w) for w in wires]
     t0 = time.monotonic()
-    for message in batch:
-        r.raw.send_multipart(message)
+    for wire in wires:
+        r.raw.send_multipart(wire)
     r.nonce += 1
-    r.raw.send(_enc(Ping(PROTOCOL_VERSION, r.nonce)))
-    for (what, detail), message in zip(plan, batch, strict=True):
+    r.raw.send_multipart(signed(r.key, _enc(Ping(PROTOCOL_VERSION, r.nonce))))
+    for (what, detail), message in zip(plan, wires, strict=True):
+        if what == "refuse":
+            r.expected[detail] += 1
+            continue
         if what == "silent":
             continue
-        reply = _recv(r.raw, r.oracle)
+        reply = _recv(r)
         if what == "reject":
             r.expected[detail] += 1
             assert isinstance(reply, LookupReply), (message, reply)
@@ -250,7 +281,7 @@ def _round(r: Rank, batch: list[list[bytes]]) -> None:
             assert (reply.rank, reply.hit_chunks) == (0, 0)
         elif detail == "lookup":
             assert isinstance(reply, LookupReply) and reply.error is None, (message, reply)
-            sent = r.oracle.decode(message[0])
+            sent = r.oracle.decode(message[1])
             assert isinstance(sent, LookupRequest)
             assert (reply.lookup_id, reply.req) == (sent.lookup_id, sent.req)
             held = 0
@@ -261,7 +292,7 @@ def _round(r: Rank, batch: list[list[bytes]]) -> None:
             assert reply.hit_chunks == held
         else:
             assert isinstance(reply, Pong), (message, reply)
-    pong = _recv(r.raw, r.oracle)
+    pong = _recv(r)
     assert isinstance(pong, Pong) and pong.nonce == r.nonce, pong
     assert time.monotonic() - t0 < REPLY_DEADLINE_S
     # every rejection so far is counted, under the reason it was rejected for
@@ -273,7 +304,7 @@ def _round(r: Rank, batch: list[list[bytes]]) -> None:
 def test_lookup_server_survives_hostile_frames_and_counts_every_rejection(rank: Rank) -> None:
     @FUZZ
     @given(batch=st.lists(messages, min_size=1, max_size=6))
-    def fuzz(batch: list[list[bytes]]) -> None:
+    def fuzz(batch: list[tuple[bool, list[bytes]]]) -> None:
         _round(rank, batch)
         # a well-formed lookup from the engine's client is still answered correctly
         res = rank.client.lookup(KEYS, "after-fuzz")
@@ -283,6 +314,7 @@ def test_lookup_server_survives_hostile_frames_and_counts_every_rejection(rank: 
     fuzz()
     # the generated frames reached every reason a lone frame can be rejected for
     assert set(rank.expected) >= {
+        "auth",
         "garbage",
         "schema",
         "version",
