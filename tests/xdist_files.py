@@ -39,6 +39,7 @@ SLOW_FIRST = (
     "tests/bench/test_faults.py",
     "tests/native/test_faults.py",
     "tests/store/test_remote_cluster.py",
+    "tests/native/test_fuzz_api.py",
 )
 
 

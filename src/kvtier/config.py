@@ -376,7 +376,9 @@ class KVTierConfig:
     lookup_base_port: int | None = _f(
         None, "opt_int", "tcp: rank r's lookup server listens on this port + r"
     )
-    lookup_dir: str | None = _f(None, "opt_str", "directory of the ipc sockets")
+    lookup_dir: str | None = _f(
+        None, "opt_str", "directory of the engines' run dirs (ipc sockets and the lookup key)"
+    )
     lookup_bind_host: str = _f("127.0.0.1", "str", "address lookup servers bind on tcp")
     allow_remote_bind: bool = _f(False, "bool", "permit a non-loopback lookup_bind_host")
     lease_ttl_s: float = _f(30.0, "float", "lease deadline in seconds")
@@ -600,8 +602,9 @@ class KVTierConfig:
             raise _error(
                 ("lookup_bind_host", "allow_remote_bind"),
                 f"{_show('lookup_bind_host', host)} is not a loopback address, so lookup "
-                "servers would listen off this host; use 127.0.0.1, or set "
-                "allow_remote_bind=true if other hosts must reach them",
+                "servers would listen off this host (every rank of an engine runs on one host, "
+                "and only frames under the engine's run-dir key are answered); use 127.0.0.1, "
+                "or set allow_remote_bind=true to listen there anyway",
             )
 
     def _validate_lookup_port(self) -> None:
