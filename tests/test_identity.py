@@ -89,3 +89,50 @@ def test_snapshot_revision_names_the_commit_and_dir_without_config_is_refused(tm
     (bare / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match="holds no weight files"):
         model_identity(bare)
+
+
+@pytest.fixture
+def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private XDG cache for the weights digests of one test."""
+    home = tmp_path / "xdg-cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home))
+    return home
+
+
+def test_a_partial_fine_tune_between_sampled_windows_is_a_new_identity(tmp_path, cache_home):
+    """The identity hashed 16 windows of 64 KiB per weight file: a fine-tune that changed
+    only bytes between them (same config.json, same size, same header) kept the identity and
+    was served the old weights' KV."""
+    d = checkpoint(tmp_path, seed=0, rows=65536)  # 16 MiB of weights
+    base = model_identity(d)
+    raw = bytearray((d / "model.safetensors").read_bytes())
+    raw[len(raw) // 2] ^= 0x01  # halfway: between the 8th and 9th sampled windows
+    (d / "model.safetensors").write_bytes(raw)
+    assert model_identity(d) != base
+
+
+def test_the_weights_digest_is_hashed_once_and_again_only_when_a_file_changes(
+    tmp_path, cache_home, monkeypatch, caplog
+):
+    import logging
+
+    from kvtier import identity
+
+    d = checkpoint(tmp_path, seed=0)
+    hashed: list[str] = []
+    real = identity._hash_file
+    monkeypatch.setattr(identity, "_hash_file", lambda p: hashed.append(p.name) or real(p))
+    caplog.set_level(logging.INFO, logger="kvtier")
+    first = model_identity(d)
+    assert hashed == ["model.safetensors"]
+    assert "hashed 1 weight files" in caplog.text and "later starts read it from" in caplog.text
+    assert model_identity(d) == first and hashed == ["model.safetensors"]  # a restart: cached
+    # the cache is private: another user can neither read what was hashed nor plant a digest
+    cache = next(cache_home.rglob("*.json"))
+    assert (cache.stat().st_mode & 0o777, cache.parent.stat().st_mode & 0o777) == (0o600, 0o700)
+    st = (d / "model.safetensors").stat()
+    os.utime(d / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert model_identity(d) == first and len(hashed) == 2  # touched: hashed again, same bytes
+    # a cache others could write is not believed: the weights are hashed instead
+    cache.parent.chmod(0o777)
+    assert model_identity(d) == first and len(hashed) == 3

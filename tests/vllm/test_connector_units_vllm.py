@@ -11,6 +11,7 @@ from tests.vllm.conftest import DriverRun
 CHECKS = (
     "check_reset_cache_starts_a_new_epoch_and_returns_true",
     "check_model_id_is_the_identity_of_the_weights",
+    "check_kv_changing_vllm_settings_are_in_the_model_identity",
     "check_pages_of_other_kernel_isas_never_share_a_namespace",
 )
 

@@ -14,6 +14,7 @@ for the native engine. vLLM itself is not patched.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -92,12 +93,41 @@ def _ensure_logging() -> None:
 
 def model_id_for(vllm_config: VllmConfig, config: KVTierConfig) -> str:
     """The namespace's model identity (`kvtier.identity`) of the weights vLLM serves: its
-    local directory, or the Hugging Face cache snapshot a hub id resolved to."""
+    local directory, or the Hugging Face cache snapshot a hub id resolved to, with vLLM's
+    settings that change the KV without changing the files."""
     mc = vllm_config.model_config
     path = Path(mc.model)
     if not path.is_dir():
         path = _hub_snapshot(str(mc.model), mc.revision)
-    return model_identity(path, config.model_revision)
+    return model_identity(path, config.model_revision, runtime_settings(vllm_config))
+
+
+# vLLM 0.32 settings outside the weight files that change what the KV cache holds (KV scales
+# come with the quantization config and the checkpoint, which the identity covers)
+_KV_MODEL_SETTINGS = ("hf_overrides", "model_class_overrides", "quantization")
+_KV_CACHE_SETTINGS = (
+    "cache_dtype",
+    "kv_cache_dtype_skip_layers",
+    "mamba_cache_dtype",
+    "mamba_ssm_cache_dtype",
+)
+
+
+def runtime_settings(vllm_config: VllmConfig) -> list[str]:
+    """`name=value` of every vLLM setting outside the weight files that changes what the KV
+    cache holds (`--hf-overrides` for rope scaling or head counts, the KV cache dtype and the
+    layers it skips, state dtypes, class overrides, quantization): engines that differ in one
+    never share a namespace."""
+    out = []
+    for section, names in (("model_config", _KV_MODEL_SETTINGS),
+                           ("cache_config", _KV_CACHE_SETTINGS)):  # fmt: skip
+        cfg = getattr(vllm_config, section, None)
+        for name in names:
+            value = getattr(cfg, name, None)
+            if callable(value):
+                value = f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', '?')}"
+            out.append(f"{name}={json.dumps(value or None, sort_keys=True, default=repr)}")
+    return out
 
 
 def _hub_snapshot(repo_id: str, revision: str | None) -> Path:

@@ -43,7 +43,7 @@ def check_model_id_is_the_identity_of_the_weights() -> None:
 
     from kvtier.errors import ConfigError
     from kvtier.identity import model_identity
-    from kvtier.vllm.connector import model_id_for
+    from kvtier.vllm.connector import model_id_for, runtime_settings
 
     model = TMP / "model"
     model.mkdir()
@@ -53,15 +53,58 @@ def check_model_id_is_the_identity_of_the_weights() -> None:
     def vc(name: str) -> SimpleNamespace:
         return SimpleNamespace(model_config=SimpleNamespace(model=name, revision=None))
 
-    assert model_id_for(vc(str(model)), KVTierConfig()) == model_identity(model)
+    runtime = runtime_settings(vc(str(model)))
+    assert model_id_for(vc(str(model)), KVTierConfig()) == model_identity(model, None, runtime)
     revised = model_id_for(vc(str(model)), KVTierConfig(model_revision="r2"))
-    assert revised == model_identity(model, "r2") != model_identity(model)
+    assert revised == model_identity(model, "r2", runtime) != model_identity(model, None, runtime)
     try:
         model_id_for(vc("no-such-org/no-such-model"), KVTierConfig())
     except ConfigError as e:
         assert "neither a local directory nor in the Hugging Face cache" in str(e), e
     else:
         raise AssertionError("an unresolvable hub id must be a startup error")
+
+
+def check_kv_changing_vllm_settings_are_in_the_model_identity() -> None:
+    """Settings outside the weight files that change the KV (rope scaling through
+    --hf-overrides, an fp8 KV cache, its skipped layers) give another identity; vLLM's real
+    config classes carry every field read."""
+    import dataclasses
+
+    import torch
+    from safetensors.torch import save_file
+    from vllm.config import CacheConfig, ModelConfig
+
+    from kvtier.vllm.connector import _KV_CACHE_SETTINGS, _KV_MODEL_SETTINGS, model_id_for
+
+    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    cache_fields = {f.name for f in dataclasses.fields(CacheConfig)}
+    assert set(_KV_MODEL_SETTINGS) <= model_fields, set(_KV_MODEL_SETTINGS) - model_fields
+    assert set(_KV_CACHE_SETTINGS) <= cache_fields, set(_KV_CACHE_SETTINGS) - cache_fields
+
+    model = TMP / "model-runtime"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    save_file({"w": torch.arange(64.0)}, str(model / "model.safetensors"))
+
+    def vc(**kw: object) -> SimpleNamespace:
+        mc = {"model": str(model), "revision": None, "hf_overrides": None, "quantization": None,
+              "model_class_overrides": None}  # fmt: skip
+        cc = {"cache_dtype": "auto", "kv_cache_dtype_skip_layers": None}
+        mc.update({k: v for k, v in kw.items() if k in mc})
+        cc.update({k: v for k, v in kw.items() if k in cc})
+        return SimpleNamespace(model_config=SimpleNamespace(**mc),
+                               cache_config=SimpleNamespace(**cc))  # fmt: skip
+
+    base = model_id_for(vc(), KVTierConfig())
+    assert model_id_for(vc(), KVTierConfig()) == base
+    rope = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    others = [
+        model_id_for(vc(hf_overrides=rope), KVTierConfig()),
+        model_id_for(vc(cache_dtype="fp8_e4m3"), KVTierConfig()),
+        model_id_for(vc(cache_dtype="fp8_e4m3", kv_cache_dtype_skip_layers=["0"]), KVTierConfig()),
+    ]
+    assert len({base, *others}) == 4, others
 
 
 def check_pages_of_other_kernel_isas_never_share_a_namespace() -> None:
@@ -94,6 +137,7 @@ def check_pages_of_other_kernel_isas_never_share_a_namespace() -> None:
 CHECKS: tuple[Callable[[], None], ...] = (
     check_reset_cache_starts_a_new_epoch_and_returns_true,
     check_model_id_is_the_identity_of_the_weights,
+    check_kv_changing_vllm_settings_are_in_the_model_identity,
     check_pages_of_other_kernel_isas_never_share_a_namespace,
 )
 
