@@ -184,6 +184,9 @@ def run(
     t0 = time.perf_counter()
     _bench_memory(report, plan, chunk_bytes, say)
     _bench_disk(report, plan, chunk_bytes, disk_root, say)
+    from kvtier.bench.tier_crypto import bench_encryption
+
+    bench_encryption(report, plan, disk_root, remote, say)
     _bench_lookup(report, plan, say)
     if remote:
         from kvtier.bench.tier_remote import bench_remote
