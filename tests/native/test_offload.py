@@ -12,6 +12,7 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
 from kvtier.native import Engine, EngineConfig
 from kvtier.native.offload import connector_spec
+from kvtier.offload.selftest import SELF_TEST_KEY
 from tests.native.conftest import GREEDY, make_prompts
 from tests.record_key import RECORD_KEY
 
@@ -314,3 +315,41 @@ def test_a_failed_sync_load_is_recomputed_in_the_next_step(tiny_model, tmp_path,
         assert eng.stats()["external_prefix_cache_hits"] == 0
         assert eng.stats()["external_load_failures"] == 8
         assert rank_total(eng, "retrieved_tokens_total") == 0
+
+
+def test_an_encrypted_disk_tier_restores_exactly_and_holds_no_plaintext(
+    tiny_model, tmp_path, whole_chunk_prompts, whole_chunk_baseline
+):
+    """encrypt_at_rest: the disk tier holds AES-GCM records only (no chunk's KV bytes appear in
+    any file), restores pass 2 from them token for token, and a record altered on disk is a
+    counted miss that recomputes."""
+    prompts = whole_chunk_prompts[:4]
+    disk = tmp_path / "disk"
+    # a memory tier of a few chunks: most of pass 2 comes from the disk
+    with kvtier_engine(tiny_model, tmp_path, memory_bytes="1MiB", disk_dir=str(disk),
+                       disk_bytes="64MiB", encrypt_at_rest=True) as eng:  # fmt: skip
+        first = [o.output_token_ids for o in eng.generate(prompts, GREEDY)]
+        stack = _worker(eng).stack
+        assert stack is not None and stack.flush(30.0)
+        memory = stack.memory
+        sample = next(k for k in memory._index if k != SELF_TEST_KEY)
+        plain = bytes(memory.get(sample) or b"")
+        files = sorted(disk.rglob("*.kvr"))
+        assert files and len(plain) > 4096
+        for f in files:
+            assert plain[1024:1088] not in f.read_bytes()  # ciphertext only on disk
+        eng.reset_prefix_cache()
+        second = [o.output_token_ids for o in eng.generate(prompts, GREEDY)]
+        m = _worker(eng).metrics
+        assert m.value("tier_hits_total", tier="disk") > 0
+        # an altered record of a chunk only the disk holds: its tag fails, a counted miss
+        only_disk = [f for f in files if bytes.fromhex(f.stem) not in memory._index]
+        assert only_disk
+        for f in only_disk:
+            raw = bytearray(f.read_bytes())
+            raw[-1] ^= 0x01
+            f.write_bytes(raw)
+        eng.reset_prefix_cache()
+        third = [o.output_token_ids for o in eng.generate(prompts, GREEDY)]
+        assert m.value("verify_failures_total", tier="disk", reason="tag_mismatch") >= 1
+    assert first == second == third == whole_chunk_baseline[:4]
