@@ -32,6 +32,7 @@ FOUNDATION = frozenset(
         "identity",
         "remote_endpoint",
         "cpus",
+        "private_file",
     }
 )
 TOOLS = frozenset(

@@ -10,15 +10,13 @@ else is refused, because whoever can read or replace the key can speak for the e
 
 from __future__ import annotations
 
-import errno
-import os
 import secrets
-import stat
 from pathlib import Path
 from typing import Final
 
 from kvtier.errors import ConfigError, StartupError
 from kvtier.lookup.endpoints import check_private_dir, key_dir_of
+from kvtier.private_file import PrivateFileError, create_once, read_private
 
 KEY_FILE: Final = "lookup.key"
 ENGINE_KEY_BYTES: Final = 32
@@ -60,30 +58,13 @@ def read_key(path: Path) -> bytes | None:
     """The key in `path`, None if there is no such file; ConfigError for a file that is not a
     private 32-byte regular file of this user."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise ConfigError(
-                f"lookup key {str(path)!r} is a symlink; remove it (the engine writes its own)"
-            ) from None
+        data = read_private(path)
+    except PrivateFileError as e:
         raise ConfigError(
-            f"lookup key {str(path)!r} cannot be opened ({e.strerror}); it must be a regular "
-            "file readable by this user"
+            f"lookup key {str(path)!r} {e.why}: whoever can read or replace it can speak for "
+            "the engine; remove it (the engine writes its own, mode 0600)"
         ) from None
-    try:
-        st = os.fstat(fd)
-        _check_key_file(path, st)
-        data = b""
-        while len(data) < ENGINE_KEY_BYTES:
-            chunk = os.read(fd, ENGINE_KEY_BYTES - len(data))
-            if not chunk:
-                break
-            data += chunk
-    finally:
-        os.close(fd)
-    if len(data) != ENGINE_KEY_BYTES:
+    if data is not None and len(data) != ENGINE_KEY_BYTES:
         raise ConfigError(
             f"lookup key {str(path)!r} holds {len(data)} bytes, not {ENGINE_KEY_BYTES}; remove "
             "it while no process of this engine runs (the next one writes a new key)"
@@ -91,50 +72,12 @@ def read_key(path: Path) -> bytes | None:
     return data
 
 
-def _check_key_file(path: Path, st: os.stat_result) -> None:
-    if not stat.S_ISREG(st.st_mode):
-        raise ConfigError(f"lookup key {str(path)!r} is not a regular file; remove it")
-    if st.st_uid != os.getuid():
-        raise ConfigError(
-            f"lookup key {str(path)!r} is owned by uid {st.st_uid}, not by this user (uid "
-            f"{os.getuid()}): whoever wrote it can speak for the engine; remove it"
-        )
-    mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o077:
-        raise ConfigError(
-            f"lookup key {str(path)!r} has mode {oct(mode)}: the group or others can read it; "
-            "remove it (the engine writes a new one with mode 0o600)"
-        )
-    if st.st_size != ENGINE_KEY_BYTES:
-        raise ConfigError(
-            f"lookup key {str(path)!r} is {st.st_size} bytes, not {ENGINE_KEY_BYTES}; remove "
-            "it while no process of this engine runs (the next one writes a new key)"
-        )
-
-
 def _publish(path: Path) -> None:
-    """Write a fresh key aside and link it to `path`; a key already linked there wins."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(tmp, flags, 0o600)
+    """A fresh key linked to `path`, unless another process of the engine linked one first."""
     try:
-        try:
-            # exact mode whatever the umask: the readers refuse anything but owner-only
-            os.fchmod(fd, 0o600)
-            key = secrets.token_bytes(ENGINE_KEY_BYTES)
-            written = 0
-            while written < len(key):
-                written += os.write(fd, key[written:])
-        finally:
-            os.close(fd)
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            pass  # another process of the engine linked its key first: that one is the key
-        except OSError as e:
-            raise ConfigError(
-                f"cannot create the lookup key {str(path)!r} ({e.strerror}); the run dir must "
-                "be on a local filesystem with hard links (set lookup_dir, e.g. /tmp)"
-            ) from None
-    finally:
-        tmp.unlink(missing_ok=True)
+        create_once(path, secrets.token_bytes(ENGINE_KEY_BYTES))
+    except OSError as e:
+        raise ConfigError(
+            f"cannot create the lookup key {str(path)!r} ({e.strerror}); the run dir must "
+            "be on a local filesystem with hard links (set lookup_dir, e.g. /tmp)"
+        ) from None

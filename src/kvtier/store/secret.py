@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import os
 import secrets
-import stat
 from pathlib import Path
 
 from kvtier.config import KVTierConfig
 from kvtier.errors import StartupError
+from kvtier.private_file import PrivateFileError, create_once, read_private
 from kvtier.store.disk_dirs import open_disk_dir
 from kvtier.store.record import RecordCodec, RecordKeys
 
@@ -56,28 +56,15 @@ def codec_for(config: KVTierConfig, namespace: bytes) -> RecordCodec:
 def _read(path: Path, what: str) -> bytes:
     """A key file's secret, refused unless it is a regular file of ours that only we read."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as e:
+        data = read_private(path)
+    except PrivateFileError as e:
         raise StartupError(
-            f"{what} {path} cannot be opened ({e.strerror}); it must be a regular file (not a "
-            "symlink) readable by this user"
+            f"{what} {path} {e.why}: whoever can read or replace it can forge records; make it "
+            f"a regular file of this user with `chmod 600 {path}` (and `chown`)"
         ) from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise StartupError(f"{what} {path} is not a regular file")
-        if st.st_uid != os.geteuid():
-            raise StartupError(
-                f"{what} {path} is owned by uid {st.st_uid}, not by this user "
-                f"(uid {os.geteuid()}): anyone who can replace it can forge records; "
-                f"`chown {os.geteuid()} {path}`"
-            )
-        if st.st_mode & 0o077:
-            raise StartupError(
-                f"{what} {path} has mode {stat.S_IMODE(st.st_mode):o}: the group or others can "
-                f"read or change the secret; `chmod 600 {path}`"
-            )
-        text = f.read().strip()
+    if data is None:
+        raise StartupError(f"{what} {path} does not exist; create it or unset it")
+    text = data.strip()
     if len(text) < _MIN_CHARS:
         raise StartupError(
             f"{what} {path} holds {len(text)} characters (not shown); use at least "
@@ -88,18 +75,7 @@ def _read(path: Path, what: str) -> bytes:
 
 
 def _generated(path: Path) -> bytes:
-    """The disk tier's generated key: made once (written aside, then linked into place, so a
-    rank starting at the same moment reads a whole key or makes its own attempt fail)."""
+    """The disk tier's generated key: made once, so every rank and restart reads the same."""
     if not path.exists():
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_hex(32) + "\n")
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                pass  # another rank linked its key first: that one is the deployment's
-        finally:
-            tmp.unlink(missing_ok=True)
+        create_once(path, secrets.token_hex(32).encode() + b"\n")
     return _read(path, "the disk tier's generated record key")
