@@ -68,6 +68,7 @@ class _Families:
     lookup_timeouts: Counter
     retrieved_tokens: Counter
     retrieved_bytes: Counter
+    readmitted_retrieved_tokens: Counter
     stored_tokens: Counter
     stored_bytes: Counter
     load_failures: Counter
@@ -128,6 +129,11 @@ def _build(reg: CollectorRegistry) -> _Families:
         lookup_timeouts=c("lookup_timeouts", "Rank lookups that missed the deadline.", "target"),
         retrieved_tokens=c("retrieved_tokens", "Tokens loaded from the tier into KV blocks."),
         retrieved_bytes=c("retrieved_bytes", "Bytes loaded from the tier into KV blocks."),
+        readmitted_retrieved_tokens=c(
+            "readmitted_retrieved_tokens",
+            "Of the retrieved tokens, those of requests admitted again after a preemption "
+            "(vLLM counts those admissions apart from its external prefix-cache hits).",
+        ),
         stored_tokens=c("stored_tokens", "Tokens saved into the tier."),
         stored_bytes=c("stored_bytes", "Bytes saved into the tier."),
         load_failures=c("load_failures", "Loads that failed, by reason.", "reason"),
@@ -267,6 +273,7 @@ class Metrics:
         self.lookup_hit_tokens = f.lookup_hit_tokens.labels(r)
         self.retrieved_tokens = f.retrieved_tokens.labels(r)
         self.retrieved_bytes = f.retrieved_bytes.labels(r)
+        self.readmitted_retrieved_tokens = f.readmitted_retrieved_tokens.labels(r)
         self.stored_tokens = f.stored_tokens.labels(r)
         self.stored_bytes = f.stored_bytes.labels(r)
         self.lease_releases = f.lease_releases.labels(r)

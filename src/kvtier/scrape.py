@@ -20,6 +20,7 @@ HBM_HITS = "vllm:prefix_cache_hits_total"
 EXT_QUERIES = "vllm:external_prefix_cache_queries_total"
 EXT_HITS = "vllm:external_prefix_cache_hits_total"
 RETRIEVED = "kvtier_retrieved_tokens_total"
+READMITTED = "kvtier_readmitted_retrieved_tokens_total"
 RESIDENCY = "kvtier_tier_residency_bytes"
 WORLD_SIZE = "kvtier_world_size"
 CACHE_CONFIG = "vllm:cache_config_info"
@@ -47,6 +48,7 @@ SAMPLED = {
     "ext_queries": EXT_QUERIES,
     "ext_hits": EXT_HITS,
     "retrieved": RETRIEVED,
+    "readmitted": READMITTED,
 }
 
 LabelKey = tuple[tuple[str, str], ...]
@@ -118,6 +120,9 @@ class Counters:
     ext_hits: float
     retrieved_by_rank: dict[str, float]
     has_external: bool
+    # of the retrieved tokens, those loaded for admissions after a preemption: the hosts
+    # count such admissions apart from their external hits (vLLM's PrefixCacheStats)
+    readmitted_by_rank: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def of_samples(cls, first: Mapping[str, float], last: Mapping[str, float]) -> Counters:
@@ -135,12 +140,14 @@ class Counters:
             ext_hits=d("ext_hits"),
             retrieved_by_rank={"all": d("retrieved")},
             has_external="ext_queries" in last or "ext_hits" in last,
+            readmitted_by_rank={"all": d("readmitted")},
         )
 
     @classmethod
     def of(cls, delta: MetricSet) -> Counters:
         """Pick the counters out of a window's delta; `rank="scheduler"` holds no retrievals."""
         ranks = {r: v for r, v in delta.by_label(RETRIEVED, "rank").items() if r != SCHEDULER}
+        again = {r: v for r, v in delta.by_label(READMITTED, "rank").items() if r != SCHEDULER}
         return cls(
             prompt_tokens=delta.total(PROMPT_TOKENS),
             hbm_queries=delta.total(HBM_QUERIES),
@@ -149,12 +156,18 @@ class Counters:
             ext_hits=delta.total(EXT_HITS),
             retrieved_by_rank=dict(sorted(ranks.items())),
             has_external=delta.has(EXT_QUERIES) or delta.has(EXT_HITS),
+            readmitted_by_rank=dict(sorted(again.items())),
         )
 
     @property
     def retrieved(self) -> float:
         """Tokens retrieved, summed over ranks."""
         return sum(self.retrieved_by_rank.values())
+
+    @property
+    def readmitted(self) -> float:
+        """Of `retrieved`, the tokens loaded again for requests preempted after a load."""
+        return sum(self.readmitted_by_rank.values())
 
     @property
     def hbm_hit_rate(self) -> float:
@@ -176,6 +189,7 @@ class Counters:
         out: dict[str, object] = asdict(self)
         out.update(
             retrieved=self.retrieved,
+            readmitted=self.readmitted,
             hbm_hit_rate=self.hbm_hit_rate,
             external_hit_rate=self.external_hit_rate,
             hit_rate=self.hit_rate,
@@ -226,8 +240,9 @@ def identities(
     c: Counters, tp: int, offload: bool, *, has_retrieved: bool = True
 ) -> list[Identity]:
     """The counter identities of a drained window: with offload, HBM misses are exactly what the
-    connector was asked and the ranks' retrieved tokens are the external hits TP times over
-    (only where the server exports kvtier's retrieved counter: `has_retrieved`); without, no
+    connector was asked and the ranks' retrieved tokens, less those loaded again for preempted
+    requests, are the external hits TP times over (only where the server exports kvtier's
+    retrieved counter: `has_retrieved`); without, no
     external hit at all. Hits never exceed queries in either."""
     if tp < 1:
         raise ValueError(f"tp={tp} must be >= 1")
@@ -252,9 +267,9 @@ def identities(
                 [
                     Identity(
                         "retrieved_eq_external_hits",
-                        f"sum_ranks kvtier_retrieved_tokens / TP({tp}) "
-                        "== external_prefix_cache_hits",
-                        c.retrieved / tp,
+                        f"sum_ranks (kvtier_retrieved_tokens - kvtier_readmitted_retrieved_tokens)"
+                        f" / TP({tp}) == external_prefix_cache_hits",
+                        (c.retrieved - c.readmitted) / tp,
                         c.ext_hits,
                     )
                 ]

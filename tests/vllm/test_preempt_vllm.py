@@ -26,3 +26,9 @@ def test_preempted_requests_restore_again_and_decode_the_same(
     assert [x.failed for x in lines] == [None] * 2 * n
     assert sum(x.got for x in lines) == 2 * loadable_tokens(r["prompt_lens"], CHUNK)
     assert r["out2"] == r["out1"]
+    # counters that add up: vLLM counts the re-admissions apart from its external hits, and
+    # kvtier counts their loads apart from the retrieved tokens that match those hits
+    k = r["kvtier2"]
+    assert k["readmitted_retrieved_tokens"] == loadable_tokens(r["prompt_lens"], CHUNK)
+    ext_hits = r["pass2"]["vllm:external_prefix_cache_hits"]
+    assert k["retrieved_tokens"] - k["readmitted_retrieved_tokens"] == ext_hits

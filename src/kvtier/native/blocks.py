@@ -37,8 +37,11 @@ class BlockManager:
         self.hash_to_block: dict[bytes, int] = {}
         # ref-count-0 blocks; the first is taken first (cached ones stay until then)
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.prefix_cache_queries = 0  # prompt tokens looked up at admission
+        self.prefix_cache_queries = 0  # prompt tokens looked up at first admissions
         self.prefix_cache_hits = 0  # of which found in the cache
+        # the same for admissions after a preemption (vLLM's PrefixCacheStats keeps them apart)
+        self.preempted_queries = 0
+        self.preempted_hits = 0
 
     # ---- hashing ------------------------------------------------------------------------------
 
@@ -97,8 +100,12 @@ class BlockManager:
         seq.num_hashed_blocks = len(hits)
         seq.num_computed_tokens = len(hits) * self.block_size
         self._grow(seq, num_tokens)
-        self.prefix_cache_queries += seq.num_tokens
-        self.prefix_cache_hits += seq.num_computed_tokens
+        if seq.preempted:
+            self.preempted_queries += seq.num_tokens
+            self.preempted_hits += seq.num_computed_tokens
+        else:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += seq.num_computed_tokens
 
     def can_append(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether `seq` can grow to hold `num_tokens` tokens."""

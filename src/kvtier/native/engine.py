@@ -278,6 +278,11 @@ class Engine:
             "external_prefix_cache_queries": s.external_prefix_cache_queries,
             "external_prefix_cache_hits": s.external_prefix_cache_hits,
             "external_load_failures": s.external_load_failures,
+            # admissions after a preemption, counted apart (vLLM's PrefixCacheStats fields)
+            "preempted_queries": bm.preempted_queries,
+            "preempted_hits": bm.preempted_hits,
+            "preempted_external_queries": s.preempted_external_queries,
+            "preempted_external_hits": s.preempted_external_hits,
             "prompt_tokens": s.prompt_tokens,
             "generation_tokens": s.generation_tokens,
             "num_preemptions": s.num_preemptions,

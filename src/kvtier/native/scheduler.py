@@ -94,6 +94,9 @@ class SchedulerStats:
     requests_failed: int = 0  # sampling raised: finished with reason "error"
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
+    # external queries and hits of admissions after a preemption, apart (as vLLM counts them)
+    preempted_external_queries: int = 0
+    preempted_external_hits: int = 0
     external_load_failures: int = 0
     # external hits by the tier that served them (vLLM's CacheHitSource values)
     external_hits_by_source: dict[str, int] = field(default_factory=dict)
@@ -299,8 +302,10 @@ class Scheduler:
         hbm = seq.num_computed_tokens
         if ext == 0 and seq.num_cached_tokens < 0:
             seq.num_cached_tokens, seq.num_external_tokens = hbm, 0
-        if self.has_connector:
+        if self.has_connector and not seq.preempted:
             self.stats.external_prefix_cache_queries += seq.num_tokens - hbm
+        elif self.has_connector:
+            self.stats.preempted_external_queries += seq.num_tokens - hbm
         seq.load = ExternalLoad(hbm, hbm + ext, is_async) if ext > 0 else None
         self.connector.update_state_after_alloc(seq, list(seq.block_ids), ext)
 
@@ -315,6 +320,7 @@ class Scheduler:
         else:
             self.ready.remove(seq)  # loaded; its good blocks stay in the prefix cache
         self.connector.request_preempted(seq)
+        seq.preempted = True
         self.bm.free(seq)
         seq.num_computed_tokens = 0
         seq.load = None
@@ -422,9 +428,12 @@ class Scheduler:
     def _count_load(self, seq: Sequence, load: ExternalLoad, good: int) -> None:
         if seq.num_cached_tokens < 0:  # the first admission's outcome, reported once
             seq.num_cached_tokens, seq.num_external_tokens = load.start, good - load.start
-        self.stats.external_prefix_cache_hits += good - load.start
-        if good > load.start:
-            self._loaded.append((seq, good - load.start))
+        if seq.preempted:
+            self.stats.preempted_external_hits += good - load.start
+        else:
+            self.stats.external_prefix_cache_hits += good - load.start
+            if good > load.start:  # by source too: first admissions only, as vLLM counts
+                self._loaded.append((seq, good - load.start))
         if load.first_bad_block is not None:
             self.stats.external_load_failures += 1
             log.warning(

@@ -51,6 +51,7 @@ class Sequence:
         "num_hashed_blocks",
         "output_token_ids",
         "params",
+        "preempted",
         "prompt_token_ids",
         "request_id",
         "seed",
@@ -82,6 +83,8 @@ class Sequence:
         self.num_external_tokens = 0
         self.load: ExternalLoad | None = None
         self.finish_reason: str | None = None
+        # admitted again after a preemption: its admissions count apart, as vLLM's do
+        self.preempted = False
 
     @property
     def num_tokens(self) -> int:

@@ -81,6 +81,28 @@ _COUNTERS = (
     ("vllm:prompt_tokens", "prompt_tokens", "Prefill tokens processed."),
     ("vllm:generation_tokens", "generation_tokens", "Generation tokens processed."),
     ("vllm:num_preemptions", "num_preemptions", "Cumulative preemptions."),
+    # admissions after a preemption, kept apart from the four above as vLLM's PrefixCacheStats
+    # keeps them (vLLM does not export them; kvtier's names carry its field names)
+    (
+        "kvtier_engine_preempted_prefix_cache_queries",
+        "preempted_queries",
+        "Prefix-cache (HBM) tokens queried by requests admitted again after a preemption.",
+    ),
+    (
+        "kvtier_engine_preempted_prefix_cache_hits",
+        "preempted_hits",
+        "Prefix-cache (HBM) tokens hit by requests admitted again after a preemption.",
+    ),
+    (
+        "kvtier_engine_preempted_external_prefix_cache_queries",
+        "preempted_external_queries",
+        "Tokens asked of the KV connector by requests admitted again after a preemption.",
+    ),
+    (
+        "kvtier_engine_preempted_external_prefix_cache_hits",
+        "preempted_external_hits",
+        "Tokens loaded by the KV connector for requests admitted again after a preemption.",
+    ),
 )
 _GAUGES = (
     ("vllm:num_requests_running", "num_requests_running", "Requests in model execution."),

@@ -35,6 +35,9 @@ class LoadOp(msgspec.Struct, frozen=True):
     first_chunk: int = 0
     sync: bool = False
     fail: str = ""
+    # its request was admitted again after a preemption: the hosts count such admissions
+    # apart from their external hits, so its tokens are counted apart too
+    readmitted: bool = False
 
 
 class SaveOp(msgspec.Struct, frozen=True):

@@ -75,6 +75,7 @@ class _Req:
     hbm_floor: int | None = None  # tokens the HBM held at its first ask (computed before it)
     epoch: int = 0  # the namespace epoch its keys belong to
     quarantined: bool = False  # a hook failed for it: no lookup, load or save from now on
+    readmitted: bool = False  # preempted once: later admissions are not first admissions
 
     def busy(self) -> bool:
         return bool(self.saves) or (self.load is not None and self.load.op_id is not None)
@@ -460,7 +461,7 @@ class OffloadScheduler:
         key = st.keys[first] if first < len(st.keys) else bytes(16)
         return LoadOp(
             load.op_id, st.req_id, load.lookup_id, [ChunkRef(key, list(claimed))],
-            load.end - load.hbm, first, sync=load.sync, fail=load.fail,
+            load.end - load.hbm, first, sync=load.sync, fail=load.fail, readmitted=st.readmitted,
         )  # fmt: skip
 
     def _save_op(self, item: StepRequest) -> SaveOp | None:
@@ -501,6 +502,7 @@ class OffloadScheduler:
             load.end - load.hbm,
             first,
             sync=load.sync,
+            readmitted=st.readmitted,
         )
 
     def _emit_save(self, st: _Req, item: StepRequest) -> SaveOp | None:
@@ -659,6 +661,7 @@ class OffloadScheduler:
         """The host takes the request's blocks back; an unsent load is withdrawn (its lease
         released). A load already sent cannot be: the ranks may still write those blocks, so a
         host preempts such a request only after its load's terminal (finished_recving)."""
+        self.mark_readmitted(req.request_id)
         st = self._reqs.get(req.request_id)
         if st is None or st.load is None:
             return
@@ -668,6 +671,13 @@ class OffloadScheduler:
                 "ranks, which may still write its blocks; wait for the load's finished_recving"
             )
         self._drop_load(st, WITHDRAWN)
+
+    def mark_readmitted(self, req_id: str) -> None:
+        """The request was preempted: its later admissions (and the load one of them may
+        already hold) are counted apart from first admissions, as the hosts count them."""
+        st = self._reqs.get(req_id)
+        if st is not None:
+            st.readmitted = True
 
     def reset(self) -> None:
         """Start a new namespace epoch: lookups and saves from now on chain from a fresh random

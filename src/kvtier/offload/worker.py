@@ -144,7 +144,7 @@ class OffloadWorker:
         self._inflight: Counter[str] = Counter()  # req id -> ops not yet reported
         self._delayed: set[str] = set()
         # loads that succeeded here, awaiting the agreed terminal: op id -> (tokens, bytes)
-        self._uncounted: dict[str, tuple[int, int]] = {}
+        self._uncounted: dict[str, tuple[int, int, bool]] = {}
         self.metrics_dirty = False
         self._last_snapshot = 0.0
         self._clock = clock
@@ -359,10 +359,12 @@ class OffloadWorker:
         pending = [_PendingLoad(op, now, now + ttl, fence) for op in meta.loads]
         with self._lock:
             for op_id, ok in meta.load_terminals.items():
-                tokens, nbytes = self._uncounted.pop(op_id, (0, 0))
+                tokens, nbytes, readmitted = self._uncounted.pop(op_id, (0, 0, False))
                 if ok and tokens:
                     self.metrics.retrieved_tokens.inc(tokens)
                     self.metrics.retrieved_bytes.inc(nbytes)
+                    if readmitted:
+                        self.metrics.readmitted_retrieved_tokens.inc(tokens)
                     self.metrics_dirty = True
             for p in pending:
                 self._inflight[p.op.req_id] += 1
@@ -801,7 +803,7 @@ class OffloadWorker:
             self.metrics.load_failure(reason).inc()
         else:
             with self._lock:
-                self._uncounted[op.op_id] = (got, nbytes)
+                self._uncounted[op.op_id] = (got, nbytes, op.readmitted)
         log.info(
             "%s: Retrieved %d of %d required tokens (%.3f GiB, %.2f GB/s, %s)%s",
             self.tag,

@@ -255,6 +255,8 @@ class SchedulerSide:
         if view is not None and self.core.pending_load(req_id) is None:
             self.core.request_preempted(view)
             view.set_block_ids(())
+        elif view is not None:
+            self.core.mark_readmitted(req_id)
 
     def _scheduled_new(self, out: SchedulerOutput, new: NewRequestData) -> StepRequest | None:
         view = self.views.get(new.req_id)

@@ -22,8 +22,19 @@ from tests.vllm.drivers.common import (
     llm_metrics,
     make_llm,
     make_prompts,
+    registry_totals,
     reset_prefix_cache,
 )
+
+# kvtier's families reach vLLM's frontend registry through the connector-stats path
+KVTIER_COUNTERS = ("retrieved_tokens", "readmitted_retrieved_tokens")
+
+
+def kvtier_totals() -> dict[str, float]:
+    """kvtier's retrieval counters summed over ranks."""
+    from prometheus_client import REGISTRY
+
+    return {n: sum(registry_totals(REGISTRY, n).values()) for n in KVTIER_COUNTERS}
 
 
 def main() -> None:
@@ -42,6 +53,7 @@ def main() -> None:
     ]
     reset_prefix_cache(llm)
     m1 = llm_metrics(llm)
+    k1 = kvtier_totals()
 
     engine = llm.llm_engine
     ids = [f"pre{i}" for i in range(len(prompts))]
@@ -71,6 +83,7 @@ def main() -> None:
             if not engine.reset_prefix_cache(reset_running_requests=True):
                 raise RuntimeError("vLLM could not preempt its running requests")
     m2 = llm_metrics(llm)
+    k2 = kvtier_totals()
     emit(
         {
             "prompt_lens": [len(p) for p in prompts],
@@ -78,6 +91,7 @@ def main() -> None:
             "out2": [final[rid] for rid in ids],
             "preempted_at": preempted_at,
             "pass2": delta(m2, m1),
+            "kvtier2": delta(k2, k1),
         }
     )
 
