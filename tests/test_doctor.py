@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 
 from kvtier.config import KVTierConfig
 from kvtier.doctor import (
+    ADMISSION,
     BREAKERS,
     CHECK_NAMES,
     DROPPED,
@@ -726,3 +727,37 @@ def test_a_multiconnector_parent_that_fails_requests_on_load_errors_fails_its_ch
     check = fake.diagnose(log=client_line([0, 1], 2), tp=2)[POLICY]
     assert check.status is Status.FAIL
     assert '"kv_load_failure_policy": "recompute" on the MultiConnector' in check.detail
+
+
+# ---- admission ----
+
+
+def admission_fake(pressure: float, rejected_back: int) -> Fake:
+    fake = Fake().healthy()
+    fake.sched.admission("admitted").inc(4000)
+    fake.sched.admission("rejected").inc(2000)
+    fake.sched.admission_return("admitted").inc(900)
+    if rejected_back:
+        fake.sched.admission_return("rejected").inc(rejected_back)
+    fake.sched.admission_pressure.set(pressure)
+    return fake
+
+
+def test_admission_shows_what_it_kept_out_and_passes_under_pressure() -> None:
+    # a tier too small for what comes back: rejected chunks returning is the price, no alarm
+    check = admission_fake(pressure=0.7, rejected_back=400).diagnose()[ADMISSION]
+    assert check.status is Status.PASS
+    assert check.numbers["decided"] == {"admitted": 4000, "rejected": 2000}
+    assert check.numbers["returns"] == {"admitted": 900, "rejected": 400}
+
+
+def test_admission_warns_when_it_rejected_what_a_roomy_tier_would_have_served() -> None:
+    check = admission_fake(pressure=0.0, rejected_back=400).diagnose()[ADMISSION]
+    assert check.status is Status.WARN
+    assert "400 rejected chunks came back" in check.detail
+
+
+def test_admission_without_regret_passes_without_pressure_too() -> None:
+    assert admission_fake(pressure=0.0, rejected_back=10).diagnose()[ADMISSION].status is (
+        Status.PASS
+    )

@@ -68,6 +68,9 @@ _TRANSPORTS = ("ipc", "tcp")
 # own processes)
 _SECRET_KEYS = frozenset({"remote_password", "record_key"})
 _REMOTE_FULL = ("refuse", "warn")
+# the admission policy's modes (kvtier.offload.admission)
+ADMISSION_MODES = ("adaptive", "all")
+_ADMISSION = ADMISSION_MODES
 _DISK_CONFLICT = ("refuse", "own_dir")
 _MIN_RECORD_KEY_CHARS = 32
 # vLLM 0.32 layouts whose per-layer block pages are contiguous (LHBNC and BHLNC split a
@@ -388,6 +391,19 @@ class KVTierConfig:
         "opt_int",
         "smallest load worth doing; None = one host block (the load gate decides the rest)",
     )
+    admission: str = _f(
+        "adaptive",
+        "str",
+        "which computed chunks are written to the tiers: 'adaptive' (those whose kind comes "
+        "back in time to be read, learnt from the traffic; write-through while the tier keeps "
+        "what returns) or 'all' (write-through)",
+    )
+    admission_history: int = _f(
+        0,
+        "int",
+        "chunk keys the admission policy remembers to measure what comes back; 0 = 16 x the "
+        "tiers' chunks per rank (65536 with a shared store), at most 1048576",
+    )
     write_queue_depth: int = _f(256, "int", "bound of each write-behind queue")
     load_gate: bool = _f(True, "bool", "skip loads predicted slower than recompute")
     sync_load_fraction: float = _f(
@@ -507,6 +523,17 @@ class KVTierConfig:
             raise _error(
                 "remote_ttl_s",
                 f"remote_ttl_s={self.remote_ttl_s} is negative; use 0 for no expiry or seconds > 0",
+            )
+        if self.admission not in _ADMISSION:
+            raise _error(
+                "admission",
+                f"{_show('admission', self.admission)} is not one of {', '.join(_ADMISSION)}",
+            )
+        if self.admission_history < 0:
+            raise _error(
+                "admission_history",
+                f"admission_history={self.admission_history} is negative; use 0 (sized from "
+                "the tiers) or a number of chunk keys",
             )
         if self.remote_full not in _REMOTE_FULL:
             raise _error(

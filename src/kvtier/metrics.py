@@ -104,6 +104,9 @@ class _Families:
     load_parked_steps: Histogram
     sync_loads: Counter
     hook_errors: Counter
+    admission: Counter
+    admission_returns: Counter
+    admission_pressure: Gauge
 
 
 def _build(reg: CollectorRegistry) -> _Families:
@@ -226,6 +229,23 @@ def _build(reg: CollectorRegistry) -> _Families:
             "(or its rank the tier), never the engine.",
             "hook",
         ),
+        admission=c(
+            "admission",
+            "Chunks the scheduler's admission policy decided (those past the tier's hit), by "
+            "decision: admitted, rejected (never written), forced (a save the host needs).",
+            "decision",
+        ),
+        admission_returns=c(
+            "admission_returns",
+            "Decided chunks that came back in a later prompt needing the tier, by the decision "
+            "made for them; rejected ones are hits the policy gave up.",
+            "decision",
+        ),
+        admission_pressure=g(
+            "admission_pressure",
+            "Share of the admitted chunks that came back needing the tier and were gone from it "
+            "(0: the tier keeps what returns).",
+        ),
     )
 
 
@@ -274,6 +294,7 @@ class Metrics:
         self.retrieved_tokens = f.retrieved_tokens.labels(r)
         self.retrieved_bytes = f.retrieved_bytes.labels(r)
         self.readmitted_retrieved_tokens = f.readmitted_retrieved_tokens.labels(r)
+        self.admission_pressure = f.admission_pressure.labels(r)
         self.stored_tokens = f.stored_tokens.labels(r)
         self.stored_bytes = f.stored_bytes.labels(r)
         self.lease_releases = f.lease_releases.labels(r)
@@ -308,6 +329,12 @@ class Metrics:
 
     def save_failure(self, reason: str) -> Counter:
         return self.f.save_failures.labels(str(self.rank), reason)
+
+    def admission(self, decision: str) -> Counter:
+        return self.f.admission.labels(str(self.rank), decision)
+
+    def admission_return(self, decision: str) -> Counter:
+        return self.f.admission_returns.labels(str(self.rank), decision)
 
     def skipped_load(self, reason: str) -> Counter:
         return self.f.skipped_loads.labels(str(self.rank), reason)

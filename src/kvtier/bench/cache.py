@@ -32,6 +32,7 @@ from kvtier.cachemodel.predict import predict, tally
 from kvtier.cachemodel.stream import Request, from_trace, hbm_floors, working_set
 from kvtier.cachemodel.trace import MOONCAKE_BLOCK, read_trace_rows
 from kvtier.errors import ConfigError
+from kvtier.offload.admission import ADAPTIVE
 
 DEFAULT_TRACE = Path("../shared/data/mooncake-synthetic-trace.jsonl")
 DEFAULT_JSON = Path("runs/bench-cache.json")
@@ -121,6 +122,7 @@ def run(
                 cap = max(1, round(cap_f * ws))
                 opt = tally(requests, floors, optimal_leading(requests, cap))
                 kv = predict(requests, cap, floors)
+                adm = predict(requests, cap, floors, admission=ADAPTIVE)
                 old = legacy_predict(requests, cap, floors)
                 rows.append(
                     {
@@ -131,6 +133,10 @@ def run(
                         "optimum": 100 * opt.rate,
                         "infinite": 100 * infinite.rate,
                         "kvtier": 100 * kv.rate,
+                        "admission": 100 * adm.rate,
+                        "written": kv.written,
+                        "admission_written": adm.written,
+                        "admission_rejected_returns": adm.regret,
                         "previous": 100 * old.rate,
                         "missed_chunks": kv.missed,
                     }
@@ -217,6 +223,9 @@ def print_table(doc: dict[str, Any], console: Console | None = None) -> None:
         ("previous", "right"),
         ("/opt", "right"),
         ("Δ pts", "right"),
+        ("admission", "right"),
+        ("/opt", "right"),
+        ("writes", "right"),
         ("result", "left"),
     ):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
@@ -234,6 +243,9 @@ def print_table(doc: dict[str, Any], console: Console | None = None) -> None:
             f"{t:.1f}%",
             _fmt_ratio(_ratio(t, o)),
             f"{k - t:+.1f}",
+            f"{r['admission']:.1f}%",
+            _fmt_ratio(_ratio(r["admission"], o)),
+            _fmt_ratio(_ratio(r["admission_written"], r["written"])),
             Text(PASS, style="bold green") if ok else Text(MISS, style="bold red"),
         )
     out = console or report_console()

@@ -4,8 +4,10 @@ and the accounting every tool shares: chunks the HBM missed, and how many of tho
 Per request, as `OffloadScheduler` and `OffloadWorker` do: the HBM floor is known; when a load
 could pay (at least `min_load` chunks past the floor) the scheduler looks the chain up under a
 lease, which touches the matched run; the load reads the chunks above the floor; the lease is
-released; the prompt's full chunks past the lookup hit that the tier lacks are then saved,
-deepest first, each under its parent. A lookup the scheduler skips saves from chunk 0.
+released; the scheduler's admission policy (`kvtier.offload.admission`, the real class) decides
+the request; the prompt's full chunks past the lookup hit that the tier lacks are then saved,
+deepest first, each under its parent, when admitted. A lookup the scheduler skips saves from
+chunk 0.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from kvtier.cachemodel.stream import Request
 from kvtier.metrics import Metrics
+from kvtier.offload.admission import ALL, REJECTED, AdmissionPolicy
 from kvtier.store.disk import DiskTier
 from kvtier.store.memory import MemoryTier
 from kvtier.store.record import HEADER_BYTES
@@ -40,6 +43,8 @@ class TierHits:
     usable: int  # leading chunks a hit could cover, summed over requests
     hbm: int  # of those, the HBM's
     served: int  # of the rest, the tier's
+    written: int = 0  # chunks saved into the tier
+    regret: int = 0  # chunks admission rejected that came back needing the tier
 
     @property
     def missed(self) -> int:
@@ -58,6 +63,8 @@ class TierHits:
             "usable_chunks": self.usable,
             "hbm_chunks": self.hbm,
             "served_chunks": self.served,
+            "written_chunks": self.written,
+            "rejected_returns": self.regret,
             "rate": self.rate,
         }
 
@@ -74,7 +81,13 @@ def served(request: Request, floor: int, leading: int, min_load: int = 1) -> int
 
 
 def tally(
-    requests: Sequence[Request], floors: Sequence[int], leads: Sequence[int], min_load: int = 1
+    requests: Sequence[Request],
+    floors: Sequence[int],
+    leads: Sequence[int],
+    min_load: int = 1,
+    *,
+    written: int = 0,
+    regret: int = 0,
 ) -> TierHits:
     """The stream's totals given each request's HBM floor and tier leading run."""
     return TierHits(
@@ -82,6 +95,8 @@ def tally(
         sum(r.usable for r in requests),
         sum(floors),
         sum(served(r, h, n, min_load) for r, h, n in zip(requests, floors, leads, strict=True)),
+        written,
+        regret,
     )
 
 
@@ -149,11 +164,24 @@ class _DiskPort:
         self.disk.put(key, self._payload, parent=parent)
 
 
+@dataclass(slots=True)
+class Drive:
+    """One drive's lookup results (0 when skipped), chunks written, rejected chunks back."""
+
+    leads: list[int]
+    written: int = 0
+    regret: int = 0
+
+
 def drive(
-    port: _Port, requests: Sequence[Request], floors: Sequence[int], min_load: int
-) -> list[int]:
-    """Run the engine flow over `port`; each request's lookup result (0 when skipped)."""
-    leads = []
+    port: _Port,
+    requests: Sequence[Request],
+    floors: Sequence[int],
+    min_load: int,
+    admission: AdmissionPolicy | None = None,
+) -> Drive:
+    """Run the engine flow over `port` (every request admitted without a policy)."""
+    out = Drive([])
     for i, (r, h) in enumerate(zip(requests, floors, strict=True)):
         keys = [key_of(c) for c in r.chunks]
         start = n = 0
@@ -164,11 +192,17 @@ def drive(
                 for c in range(h, min(n, r.usable)):
                     port.read(keys[c], keys[c - 1] if c else b"")
             port.release(lease)
-        for c in range(len(keys) - 1, start - 1, -1):
+        limit = len(keys)
+        if admission is not None and keys:
+            decision, seen = admission.decide(keys, hbm_chunks=h, tier_chunks=n)
+            limit = decision.limit
+            out.regret += seen.returns[REJECTED]
+        for c in range(limit - 1, start - 1, -1):
             if not port.holds(keys[c]):
                 port.save(keys[c], keys[c - 1] if c else b"")
-        leads.append(n)
-    return leads
+                out.written += 1
+        out.leads.append(n)
+    return out
 
 
 def predict(
@@ -178,12 +212,15 @@ def predict(
     *,
     tier: str = MEMORY,
     min_load: int = 1,
+    admission: str = ALL,
 ) -> TierHits:
     """Tier hits of the real `tier` ("memory": a rank's TierStack over a MemoryTier; "disk": a
-    DiskTier in a temporary directory) of `capacity` chunks, driven as the engine drives it."""
+    DiskTier in a temporary directory) of `capacity` chunks, driven as the engine drives it
+    with the scheduler's `admission` mode ("all": write-through; "adaptive")."""
     if capacity < 1:
         return tally(requests, floors, [0] * len(requests), min_load)
     metrics = Metrics()
+    policy = AdmissionPolicy(admission, capacity=capacity, history=max(16 * capacity, 4096))
     if tier == MEMORY:
         memory = MemoryTier(
             _PAYLOAD,
@@ -196,16 +233,16 @@ def predict(
         )
         stack = TierStack(memory, (), metrics)
         try:
-            leads = drive(_StackPort(stack), requests, floors, min_load)
+            done = drive(_StackPort(stack), requests, floors, min_load, policy)
         finally:
             stack.close()
     elif tier == DISK:
         with tempfile.TemporaryDirectory(prefix="kvtier-cachemodel-") as root:
             disk = DiskTier(root, capacity * (HEADER_BYTES + _PAYLOAD), _NAMESPACE, metrics)
             try:
-                leads = drive(_DiskPort(disk), requests, floors, min_load)
+                done = drive(_DiskPort(disk), requests, floors, min_load, policy)
             finally:
                 disk.close()
     else:
         raise ValueError(f"tier={tier!r} is not {MEMORY!r} or {DISK!r}")
-    return tally(requests, floors, leads, min_load)
+    return tally(requests, floors, done.leads, min_load, written=done.written, regret=done.regret)

@@ -21,6 +21,7 @@ from kvtier.doctor.command import (
     render_table,
 )
 from kvtier.doctor.result import (
+    ADMISSION,
     BREAKERS,
     CHECK_NAMES,
     DROPPED,
@@ -46,6 +47,7 @@ from kvtier.doctor.result import (
 from kvtier.doctor.samples import parse_client_line
 
 __all__ = [
+    "ADMISSION",
     "BREAKERS",
     "CHECK_NAMES",
     "DROPPED",

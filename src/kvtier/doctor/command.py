@@ -77,6 +77,7 @@ def diagnose(metrics_text: str, log_text: str | None, tp: int | None) -> list[Ch
         health.skipped(s),
         health.breakers(s),
         health.policy(s),
+        health.admission(s),
     ]  # fmt: skip
 
 

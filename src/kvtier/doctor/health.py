@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvtier.doctor.result import (
+    ADMISSION,
     BREAKERS,
     LEASES,
     LOAD_FAILURES,
@@ -37,6 +38,15 @@ LOOKUP_TIMEOUT_FAIL_SHARE = 0.5
 WRITE_REFUSED = ("enospc", "read_only", "no_permission")
 WRITES_REFUSED = "kvtier_tier_writes_refused_seconds"
 FAILS_REQUEST = "kvtier_load_failure_fails_request"
+ADMITTED_TOTAL = "kvtier_admission_total"
+RETURNS_TOTAL = "kvtier_admission_returns_total"
+PRESSURE = "kvtier_admission_pressure"
+# rejected chunks that came back, as a share of all that came back, that a tier without
+# pressure should not see (it had room for them)
+REGRET_WARN_SHARE = 0.05
+REGRET_WARN_MIN = 64
+# pressure below this: the tier kept what came back
+LOW_PRESSURE = 0.1
 
 
 def absent(name: str, family: str) -> Check:
@@ -292,3 +302,39 @@ def policy(s: Samples) -> Check:
             {"fails_request": fails},
         )
     return Check(POLICY, Status.PASS, "a failed tier load is recomputed", {"fails_request": 0})
+
+
+def admission(s: Samples) -> Check:
+    """What the admission policy kept out of the tiers, and whether it cost hits the tier had
+    room for (rejected chunks coming back while the tier lost none of the admitted ones)."""
+    if not s.exported(ADMITTED_TOTAL):
+        return absent(ADMISSION, ADMITTED_TOTAL)
+    decided = {d: v for (d,), v in s.group(ADMITTED_TOTAL, "decision").items() if v}
+    back = {d: v for (d,), v in s.group(RETURNS_TOTAL, "decision").items() if v}
+    pressure = s.scheduler_value(PRESSURE) or 0.0
+    numbers: dict[str, Any] = {
+        "decided": {d: num(v) for d, v in sorted(decided.items())},
+        "returns": {d: num(v) for d, v in sorted(back.items())},
+        "pressure": pressure,
+    }
+    regret = back.get("rejected", 0.0)
+    came_back = sum(back.values())
+    said = (
+        f"chunks decided: {fmt(decided)}; came back: {fmt(back) if back else 'none yet'}; "
+        f"pressure {pressure:.2f}"
+    )
+    if (
+        pressure < LOW_PRESSURE
+        and regret >= REGRET_WARN_MIN
+        and regret > REGRET_WARN_SHARE * came_back
+    ):
+        return Check(
+            ADMISSION,
+            Status.WARN,
+            f"{said}: {num(regret)} rejected chunks came back although the tier kept the "
+            "admitted ones that did (it had room): those were hits given up; admission=all "
+            "writes everything",
+            numbers,
+        )
+    return Check(ADMISSION, Status.PASS, said if decided else "no chunk decided yet", numbers)
+

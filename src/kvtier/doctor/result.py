@@ -51,6 +51,7 @@ STORE_FAILURES = "store failures"
 SKIPPED = "skipped loads"
 BREAKERS = "breakers"
 POLICY = "failed loads recompute"
+ADMISSION = "admission"
 FAILS_REQUEST = "kvtier_load_failure_fails_request"
 
 CHECK_NAMES = (
@@ -72,4 +73,5 @@ CHECK_NAMES = (
     SKIPPED,
     BREAKERS,
     POLICY,
+    ADMISSION,
 )

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from kvtier.config import KVTierConfig
 from kvtier.keys import chain_keys, key_seed
 from kvtier.metrics import Metrics
+from kvtier.offload.admission import DECISIONS, AdmissionPolicy
 from kvtier.offload.gate import LoadGate
 from kvtier.offload.heads import SavedHeads, private_tiers
 from kvtier.offload.hooks import HOOK_ERROR, HookGuard, shown_id
@@ -76,6 +77,7 @@ class _Req:
     epoch: int = 0  # the namespace epoch its keys belong to
     quarantined: bool = False  # a hook failed for it: no lookup, load or save from now on
     readmitted: bool = False  # preempted once: later admissions are not first admissions
+    admit_limit: int | None = None  # chunks admission lets it save (None: not decided yet)
 
     def busy(self) -> bool:
         return bool(self.saves) or (self.load is not None and self.load.op_id is not None)
@@ -164,6 +166,11 @@ class OffloadScheduler:
         if cold_misses is None:
             cold_misses = private_tiers(config, saves=saves)
         self._heads = SavedHeads() if cold_misses else None
+        self.admission = AdmissionPolicy(
+            config.admission,
+            capacity=_tier_chunks(config, bytes_per_token),
+            history=_admission_history(config, bytes_per_token),
+        )
         self.clock = HookClock(metrics)
         self.guard = HookGuard(metrics)
         self._step = 0  # engine steps so far (build_meta calls)
@@ -236,9 +243,7 @@ class OffloadScheduler:
             return 0
         t0 = time.perf_counter()
         if st.lookup is None:
-            st.lookup = self._lookup.begin(
-                st.keys, f"lk{next(self._nonce)}", lease=True
-            )
+            st.lookup = self._lookup.begin(st.keys, f"lk{next(self._nonce)}", lease=True)
         result = self._lookup.poll(st.lookup, wait_ms=self.config.lookup_wait_ms)
         self._m.scheduler_lookup_seconds.observe(time.perf_counter() - t0)
         if result is None:
@@ -513,7 +518,9 @@ class OffloadScheduler:
         if st.epoch != self.epoch:
             return None  # computed before a reset: nothing of it enters the new epoch
         computed = min(item.computed_after_step, st.prompt_len)
-        aligned = (computed // self.chunk) * self.chunk
+        if st.admit_limit is None:
+            st.admit_limit = self._admit(st)
+        aligned = (min(computed, st.admit_limit * self.chunk) // self.chunk) * self.chunk
         if aligned <= st.emitted:
             return None
         blocks = item.view.block_ids
@@ -541,6 +548,24 @@ class OffloadScheduler:
         op = SaveOp(op_id, st.req_id, chunks, aligned - st.emitted, st.emitted // self.chunk)
         st.emitted = aligned
         return op
+
+    def _admit(self, st: _Req) -> int:
+        """Decide once, before its first save, how many chunks the request may save."""
+        hbm = (st.hbm_floor or 0) // self.chunk
+        decision, seen = self.admission.decide(
+            st.keys,
+            hbm_chunks=hbm,
+            tier_chunks=min(st.saved // self.chunk, len(st.keys)),
+            # a prefill producer's saves are what its consumer loads
+            forced=not self.loads,
+        )
+        if decision.candidates:
+            self._m.admission(decision.decision).inc(decision.candidates)
+        for label in DECISIONS:
+            if seen.returns[label]:
+                self._m.admission_return(label).inc(seen.returns[label])
+        self._m.admission_pressure.set(self.admission.pressure)
+        return decision.limit
 
     # ---- reports ------------------------------------------------------------------------------
 
@@ -820,3 +845,20 @@ class OffloadScheduler:
 def _parent(keys: Sequence[bytes], c: int) -> bytes:
     """The key of the chunk before chunk `c` (b"" for the first)."""
     return keys[c - 1] if c else b""
+
+
+def _tier_chunks(config: KVTierConfig, bytes_per_token: int | None) -> int | None:
+    """Chunks a rank's own tiers hold (None: unknown, or a shared store behind them)."""
+    if not bytes_per_token or config.remote_url:
+        return None
+    return max(
+        1, (config.memory_bytes + config.disk_bytes) // (config.chunk_size * bytes_per_token)
+    )
+
+
+def _admission_history(config: KVTierConfig, bytes_per_token: int | None) -> int:
+    """Chunk keys the admission policy remembers: the config's, else 16 x the tiers' chunks."""
+    if config.admission_history:
+        return config.admission_history
+    chunks = _tier_chunks(config, bytes_per_token)
+    return 65536 if chunks is None else min(max(16 * chunks, 4096), 1 << 20)
