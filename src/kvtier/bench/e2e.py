@@ -73,7 +73,8 @@ DEFAULT_JSON = Path("runs/bench-e2e.json")
 # The tiny model (hidden 256, 4 layers) prefills so fast on a CPU that recompute costs about as
 # much as a lookup round trip; the small one (hidden 512, 8 layers) is where a tier can pay.
 MODEL_PRESETS: dict[str, dict[str, int]] = {
-    "tiny": {},
+    # 8192 positions: the Mooncake trace at 16 tokens per hash id has prompts past 4096
+    "tiny": {"max_position": 8192},
     "small": {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 4, "intermediate": 1536},
 }
 DEFAULT_MEMORY_BYTES = "256MiB"
@@ -196,11 +197,19 @@ def ensure_model(model_dir: str | Path | None, preset: str = "small") -> Path:
     if preset not in MODEL_PRESETS:
         raise ConfigError(f"model preset {preset!r} is unknown; use one of {sorted(MODEL_PRESETS)}")
     path = Path("runs") / f"{preset}-model"
-    if not (path / "model.safetensors").is_file():
+    if not (path / "model.safetensors").is_file() or not _preset_matches(path, preset):
         from kvtier.native.modelgen import init_model
 
         init_model(path, dtype="float32", **MODEL_PRESETS[preset])
     return path
+
+
+def _preset_matches(path: Path, preset: str) -> bool:
+    """Whether the model generated at `path` has the preset's context length (a model made
+    before the preset changed is made again)."""
+    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    want = MODEL_PRESETS[preset].get("max_position", 4096)
+    return int(config.get("max_position_embeddings", 0)) == want
 
 
 def tier_chunks_per_rank(

@@ -41,12 +41,14 @@ from kvtier import __version__, scrape
 from kvtier.bench import analysis
 from kvtier.bench.aiperf import AiperfRun, export_path, load_profile_export
 from kvtier.bench.arms import (
+    OFF_AGAIN,
     ArmSpec,
     alternate,
     flag_value,
     pool_mismatches,
     run_endpoint_arm,
 )
+from kvtier.bench.breakdown import breakdown
 from kvtier.bench.ceiling import Ceiling, hbm_ceiling, infinite_ceiling, tier_ceiling
 from kvtier.bench.client import OUTPUTS, LoadOptions, Record, read_jsonl
 from kvtier.bench.table import Report, Row, Target, write_json
@@ -69,6 +71,9 @@ from kvtier.bench.workload import (
 )
 from kvtier.errors import ConfigError
 from kvtier.scrape import Counters, MetricSet
+
+ADMISSION = "kvtier_admission_total"
+ADMISSION_RETURNS = "kvtier_admission_returns_total"
 
 Say = Callable[[str], None]
 
@@ -488,9 +493,7 @@ def _analyse_rep(
         tp = (
             meta.get("tp")
             or scrape.world_size(after)
-            or int_or_none(
-                flag_value(arm_meta.get("argv") or [], "--tp", "--tensor-parallel-size")
-            )
+            or int_or_none(flag_value(arm_meta.get("argv") or [], "--tp", "--tensor-parallel-size"))
             or 1
         )
         if offload is None:
@@ -512,6 +515,11 @@ def _analyse_rep(
         }
     ceilings = _ceilings(data, records, r.started, cut)
     samples = r.scrapes.get("samples") or []
+    steps = writes = None
+    if before is not None and after is not None and offload and after.has(scrape.RETRIEVED):
+        delta = after.delta(before)
+        steps = breakdown(delta, int(tp or 1)).to_json()
+        writes = _writes(delta, int(tp or 1), int(meta["ceiling"].get("chunk_size") or 0))
     return {
         "arm": r.arm,
         "rep": r.rep,
@@ -530,11 +538,34 @@ def _analyse_rep(
         "identities": [i.to_json() for i in idents],
         "client_server": [i.to_json() for i in client_server],
         "cache_config": {} if after is None else scrape.cache_config(after),
+        "steps": steps,
+        "writes": writes,
         "series": {
             "buckets": [b.to_json() for b in analysis.time_series(records, r.started, bucket)],
             "residency": analysis.residency_series(samples, r.started),
             "server_hit": analysis.server_hit_series(samples, r.started),
         },
+    }
+
+
+def _writes(delta: MetricSet, tp: int, chunk: int) -> dict[str, float] | None:
+    """What the tier was written per rank, next to what write-through would have written: the
+    stored tokens plus the chunks admission rejected (counted once, by the scheduler)."""
+    stored = sum(
+        v for r, v in delta.by_label(scrape.STORED, "rank").items() if r != scrape.SCHEDULER
+    ) / max(tp, 1)
+    decided = delta.by_label(ADMISSION, "decision")
+    rejected_tokens = decided.get("rejected", 0.0) * chunk
+    through = stored + rejected_tokens
+    return {
+        "stored_tokens": stored,
+        "rejected_tokens": rejected_tokens,
+        "write_through_tokens": through,
+        "share": stored / through if through > 0 else 1.0,
+        "admitted_chunks": decided.get("admitted", 0.0),
+        "rejected_chunks": decided.get("rejected", 0.0),
+        "forced_chunks": decided.get("forced", 0.0),
+        "rejected_returns": delta.by_label(ADMISSION_RETURNS, "decision").get("rejected", 0.0),
     }
 
 
@@ -675,7 +706,10 @@ def _table(doc: Mapping[str, Any]) -> Report:
     )
     windows = [FULL] + ([CUT] if cut > 0 else [])
     _metric_rows(report, doc, windows, shown)
+    _aa_rows(report, doc)
     _hit_rows(report, doc, windows)
+    _write_rows(report, doc)
+    _step_rows(report, doc)
     _check_rows(report, doc["checks"])
     _aiperf_rows(report, doc["aiperf"])
     return report
@@ -697,6 +731,149 @@ def _metric_rows(
         for name in shown:
             for key, label, unit in METRICS:
                 _add(report, arms, name, baseline, w, key, f"{name}: {label}{suffix}", unit)
+
+
+# the metrics judged against the A/A pair, and which way is better
+_AA_METRICS = (
+    ("output_throughput", "output tok/s", ">="),
+    ("request_throughput", "requests/s", ">="),
+    ("ttft_p50_ms", "TTFT p50", "<="),
+)
+
+
+def _rep_ratios(doc: Mapping[str, Any], name: str, baseline: str, key: str) -> list[float]:
+    """`name` over `baseline` per repetition (full window), where both are known."""
+    by: dict[tuple[str, int], float | None] = {
+        (x["arm"], x["rep"]): (x["windows"].get(FULL) or {}).get(key) for x in doc["runs"]
+    }
+    out = []
+    for (arm, rep), v in sorted(by.items(), key=lambda kv: kv[0][1]):
+        base = by.get((baseline, rep))
+        if arm == name and v is not None and base:
+            out.append(v / base)
+    return out
+
+
+def _aa_rows(report: Report, doc: Mapping[str, Any]) -> None:
+    """With an A/A arm (the baseline once more, right after it): each other arm's ratio to the
+    baseline against the band the A/A ratios span, every repetition; PASS when the mean ratio
+    lies beyond the A/A pair's worst repetition in the better direction."""
+    baseline = doc["baseline"]
+    if baseline is None or OFF_AGAIN not in doc["arms"]:
+        return
+    note = report.note(
+        f"A/A: {OFF_AGAIN} is the {baseline} arm started once more right after it; its "
+        f"ratios to {baseline} are what the machine alone moves a ratio by. A ratio is outside "
+        "the A/A band when it is beyond every repetition's A/A ratio in the better direction"
+    )
+    for name in doc["arms"]:
+        if name in (baseline, OFF_AGAIN):
+            continue
+        for i, (key, label, better) in enumerate(_AA_METRICS):
+            ratios = _rep_ratios(doc, name, baseline, key)
+            aa = _rep_ratios(doc, OFF_AGAIN, baseline, key)
+            if not ratios or not aa:
+                continue
+            bound = max(aa) if better == ">=" else min(aa)
+            detail: dict[str, float | int | str] = {
+                "aa_min": min(aa), "aa_max": max(aa),
+                **{f"rep{j}": r for j, r in enumerate(ratios)},
+                **{f"aa_rep{j}": r for j, r in enumerate(aa)},
+            }  # fmt: skip
+            report.add(
+                Row(
+                    f"aa.{name}.{key}",
+                    f"{name}/{baseline} {label}, beyond the A/A band"
+                    + (f" {note}" if i == 0 else ""),
+                    sum(ratios) / len(ratios),
+                    "x",
+                    target=Target("value", better, bound),  # type: ignore[arg-type]
+                    detail=detail,
+                )
+            )
+
+
+def _write_rows(report: Report, doc: Mapping[str, Any]) -> None:
+    """Per arm with a tier: what it wrote over what write-through would have written (its
+    stored tokens plus the chunks admission rejected), and the rejected chunks that came back."""
+    for name in doc["arms"]:
+        ws = [x["writes"] for x in doc["runs"] if x["arm"] == name and x.get("writes")]
+        if not ws:
+            continue
+        share = sum(w["share"] for w in ws) / len(ws)
+        report.add(
+            Row(
+                f"writes.{name}.share",
+                f"{name}: tier writes / write-through's (admission)",
+                share,
+                "x",
+                detail={
+                    "stored_tokens": sum(w["stored_tokens"] for w in ws) / len(ws),
+                    "rejected_chunks": sum(w["rejected_chunks"] for w in ws) / len(ws),
+                    "rejected_returns": sum(w["rejected_returns"] for w in ws) / len(ws),
+                },
+            )
+        )
+
+
+def _step_rows(report: Report, doc: Mapping[str, Any]) -> None:
+    """Per arm with a tier: its engine step time and what each kvtier hook took of it (ms per
+    step, means over repetitions; ratio = share of the step), and the lookup calls' wait."""
+    for name in doc["arms"]:
+        steps = [x["steps"] for x in doc["runs"] if x["arm"] == name and x.get("steps")]
+        p50s = [b["step_p50_ms"] for b in steps if b.get("step_p50_ms") is not None]
+        if not p50s:
+            continue
+        means = [b["step_mean_ms"] for b in steps if b.get("step_mean_ms") is not None]
+        step_mean = sum(means) / len(means) if means else None
+        note = report.note(
+            "step breakdown from the kvtier histograms on /metrics: step = one engine step on a "
+            "rank, from its metadata to its report; a hook's value is its total time per engine "
+            "step (ratio = its share of the step's mean); lookup call = the scheduler loop's "
+            "wait per lookup call"
+        )
+        report.add(
+            Row(
+                f"steps.{name}.step_ms",
+                f"{name}: engine step per rank, p50 (raw = mean) {note}",
+                sum(p50s) / len(p50s),
+                "ms",
+                raw=step_mean if step_mean else None,
+                detail={"steps": sum(b["steps"] for b in steps) / len(steps)},
+            )
+        )
+        for hook in steps[0]["hooks"]:
+            per = [
+                h["per_step_ms"]
+                for b in steps
+                for h in b["hooks"]
+                if h["hook"] == hook["hook"] and h["per_step_ms"] is not None
+            ]
+            if not per or not any(h["steps"] for b in steps for h in b["hooks"]):
+                continue
+            report.add(
+                Row(
+                    f"steps.{name}.{hook['side']}.{hook['hook']}",
+                    f"{name}: {hook['side']} hook {hook['hook']}, ms per step",
+                    sum(per) / len(per),
+                    "ms",
+                    raw=step_mean if step_mean else None,
+                )
+            )
+        calls = [b for b in steps if b.get("lookup_call_p50_ms") is not None]
+        if calls:
+            report.add(
+                Row(
+                    f"steps.{name}.lookup_call_ms",
+                    f"{name}: scheduler wait per lookup call, p50 (detail: p99)",
+                    sum(b["lookup_call_p50_ms"] for b in calls) / len(calls),
+                    "ms",
+                    detail={
+                        "p99_ms": sum(b["lookup_call_p99_ms"] or 0.0 for b in calls) / len(calls),
+                        "calls": sum(b["lookup_calls"] for b in calls) / len(calls),
+                    },
+                )
+            )
 
 
 def _hit_rows(report: Report, doc: Mapping[str, Any], windows: Sequence[str]) -> None:

@@ -3,6 +3,7 @@ load and the ceiling's cache sizes) for `bench/replay.py` to run and analyse."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import time
@@ -14,7 +15,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from kvtier.bench.arms import ArmSpec, ServerConfig, parse_arm
+from kvtier.bench.arms import OFF, OFF_AGAIN, ArmSpec, ServerConfig, parse_arm
 from kvtier.bench.client import HISTORY_MODES, OUTPUTS, LoadOptions
 from kvtier.bench.replay import (
     CACHE_BUST,
@@ -123,6 +124,14 @@ _MaxBatchedTokens = Annotated[
     int, typer.Option("--max-batched-tokens", help="ON/OFF arms: tokens computed per step.")
 ]
 _Repeat = Annotated[int, typer.Option("--repeat", help="Repetitions; arm order alternates.")]
+_AA = Annotated[
+    bool,
+    typer.Option(
+        "--aa/--no-aa",
+        help="ON/OFF arms: OFF once more right after OFF (off_again), the A/A pair that "
+        "measures the machine's noise; ratios are then judged against it.",
+    ),
+]
 _Baseline = Annotated[
     str | None, typer.Option("--baseline", help="The arm others are compared with [default: off].")
 ]
@@ -186,6 +195,7 @@ def bench_run_command(
     tier_tokens: _TierTokens = None,
     max_batched_tokens: _MaxBatchedTokens = 1024,
     repeat: _Repeat = 1,
+    aa: _AA = False,
     baseline: _Baseline = None,
     warmup: _Warmup = 0,
     reset: _Reset = False,
@@ -277,6 +287,7 @@ def config_from_options(
     tier_tokens: int | None,
     max_batched_tokens: int,
     repeat: int,
+    aa: bool,
     baseline: str | None,
     warmup: int,
     reset: bool,
@@ -295,10 +306,18 @@ def config_from_options(
     duration_s = None if duration is None else parse_seconds(duration, "--duration")
     if duration_s is not None and duration_s <= 0:
         raise ConfigError(f"--duration {duration!r} must be > 0")
+    if aa and (arm or url):
+        raise ConfigError(
+            "--aa adds an OFF arm to the default ON/OFF arms; with --arm, pass the A/A arm "
+            "yourself (the baseline's command under another name)"
+        )
     arms, vocab, ceiling = _arms_and_ceiling(
         arm, url, vocab, model_dir, tp, hbm_blocks, block_size, chunk_size, tier_tokens,
         concurrency, max_batched_tokens,
     )  # fmt: skip
+    if aa:
+        off = next(a for a in arms if a.name == OFF)
+        arms = (*arms, dataclasses.replace(off, name=OFF_AGAIN))
     wc = WorkloadConfig(
         kind=WORKLOADS[workload], seed=seed, vocab=vocab, requests=requests, osl=osl, isl=isl,
         prefixes=prefixes, prefix_len=prefix_len, conversations=conversations, turns=turns,
