@@ -25,6 +25,7 @@ correctness (a P/D producer's, a retained session's) are `forced`.
 from __future__ import annotations
 
 import bisect
+import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,6 +51,8 @@ _LENGTH_BUCKETS = 8
 # return ages kept for the age distribution, and how many decided chunks between two plans
 _AGES = 4096
 _REPLAN = 256
+# a plan admits the fewest classes whose expected hits are within this share of the best
+_GAIN_SLACK = 0.03
 
 
 @dataclass(slots=True)
@@ -216,7 +219,7 @@ class AdmissionPolicy:
         # unmeasured classes are always admitted; measured ones join most reused first
         base = sum(s.decided for c, s in self._classes.items() if c not in measured)
         order = sorted(measured, key=lambda c: measured[c], reverse=True)
-        best_gain, best_k = -1.0, len(order)
+        gains: list[float] = []
         admitted = base
         value = sum(s.decided * s.reuse for c, s in self._classes.items() if c not in measured)
         for k in range(len(order) + 1):
@@ -225,14 +228,12 @@ class AdmissionPolicy:
                 admitted += s.decided
                 value += s.decided * s.reuse
             share = admitted / total
-            if share <= 0:
-                continue
-            horizon = self.capacity / share
-            kept = bisect.bisect_right(ages, horizon) / len(ages)
-            gain = value * kept
-            if gain > best_gain * (1 + 1e-9):
-                best_gain, best_k = gain, k
-        return frozenset(order[best_k:])
+            horizon = self.capacity / share if share > 0 else math.inf
+            gains.append(value * bisect.bisect_right(ages, horizon) / len(ages))
+        # writes cost copies and slots: the fewest classes within a few percent of the best
+        best = max(gains)
+        k = next(i for i, g in enumerate(gains) if g >= (1 - _GAIN_SLACK) * best)
+        return frozenset(order[k:])
 
     def _remember(self, key: bytes, cls: Class, decision: str) -> None:
         if key in self._ghost:
