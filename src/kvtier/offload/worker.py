@@ -39,6 +39,7 @@ from kvtier.metrics import Metrics, snapshot
 from kvtier.offload import messages
 from kvtier.offload.codec import PageCodec
 from kvtier.offload.device import DeviceOps, Lane, ops_for
+from kvtier.offload.group_codec import GroupedCodec, codec_for
 from kvtier.offload.hooks import HOOK_ERROR, HookGuard
 from kvtier.offload.lane import WorkLane
 from kvtier.offload.messages import (
@@ -131,7 +132,7 @@ class OffloadWorker:
         self.tag = f"kvtier[rank {rank}/{world}]"
         self.guard = HookGuard(self.metrics, self.tag)
         self.stack: TierStack | None = None
-        self.codec: PageCodec | None = None
+        self.codec: PageCodec | GroupedCodec | None = None
         self.pages: KVPages | None = None
         self.server: LookupServer | None = None
         self._ops = ops
@@ -183,7 +184,8 @@ class OffloadWorker:
             )
         self.pages = pages = describe_pages(desc)
         ops = self._ops = self._ops or ops_for(pages.device)
-        self.codec = codec = PageCodec(pages, chunk // desc.block_size, ops)
+        # a hybrid registration gets one codec per KV cache group (kvtier.offload.group_codec)
+        self.codec = codec = codec_for(pages, chunk // desc.block_size, ops)
         ns = Namespace(
             model_id=self.model_id,
             layout_fingerprint=pages.fingerprint,
@@ -303,7 +305,8 @@ class OffloadWorker:
                 raise RuntimeError("the load path missed the saved chunk")
 
         try:
-            codec_round_trip(desc, self.codec.ops, self.codec.blocks_per_chunk, save, load)
+            bpc = self.config.chunk_size // desc.block_size  # a chunk's blocks in each group
+            codec_round_trip(desc, self.codec.ops, bpc, save, load)
         except Exception as e:
             assert self.pages is not None
             raise fail_startup(self.tag, self.pages.device, self.pages.layout, e) from e
