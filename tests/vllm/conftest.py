@@ -123,6 +123,37 @@ def tiny_vllm_model_f32(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_model(tmp_path_factory.mktemp("vllm-model-f32") / "tiny", dtype="float32")
 
 
+SLIDING_WINDOW = 128
+
+
+def make_hybrid_model(directory: Path, pattern: tuple[str, ...], window: int) -> Path:
+    """The tiny bf16 Llama with per-layer attention kinds (`layer_types`, gpt-oss-shaped:
+    sliding-window layers of `window` tokens next to full-attention ones), which vLLM's Llama
+    reads and its hybrid memory allocator turns into one KV cache group per kind."""
+    model = init_model(directory, dtype="bfloat16", layers=len(pattern))
+    path = model / "config.json"
+    config = json.loads(path.read_text())
+    config.update({"layer_types": list(pattern), "sliding_window": window})
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """gpt-oss-shaped tiny model: sliding-window (128 tokens) and full attention alternating."""
+    pattern = ("sliding_attention", "full_attention") * 2
+    return make_hybrid_model(tmp_path_factory.mktemp("vllm-hybrid") / "tiny", pattern,
+                             SLIDING_WINDOW)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tiny_sliding_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every layer sliding-window attention: one SlidingWindowSpec group (refused)."""
+    pattern = ("sliding_attention",) * 2
+    return make_hybrid_model(tmp_path_factory.mktemp("vllm-sliding") / "tiny", pattern,
+                             SLIDING_WINDOW)  # fmt: skip
+
+
 @pytest.fixture(scope="session")
 def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Environment of every driver: offline, 1 GiB of KV, caches and sockets in the test tmp."""

@@ -13,6 +13,7 @@ from vllm.platforms import current_platform
 
 from kvtier.config import KVTierConfig
 from kvtier.offload import messages
+from kvtier.offload.groups import GroupSpec
 from kvtier.offload.messages import OffloadMeta, WorkerReport
 from kvtier.offload.pages import KVCacheDescription
 from kvtier.offload.wiring import build_worker, decode_step_meta
@@ -48,9 +49,11 @@ def kv_description(
     vllm_config: VllmConfig,
     kv_cache_config: KVCacheConfig | None,
     block_size: int,
+    groups: tuple[GroupSpec, ...] | None = None,
 ) -> KVCacheDescription:
     """What vLLM resolved, as kvtier's page description: per-layer `[B, H, N, C]` views (kernel
-    blocks on dim 0 when the kernel block is smaller), the manager block count, the layout."""
+    blocks on dim 0 when the kernel block is smaller), the manager block count, the layout, and
+    a hybrid model's KV cache groups (their layers alias one block pool)."""
     layout = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(
         vllm_config.cache_config, "kv_cache_layout", None
     )
@@ -66,6 +69,7 @@ def kv_description(
         layout_fix=LAYOUT_FIX,
         replicated=replicated_across_tp(kv_cache_config, vllm_config),
         page_format=kernel_page_format(vllm_config, kv_caches),
+        groups=groups or (),
     )
 
 
@@ -117,8 +121,10 @@ class WorkerSide:
         model_id: str,
         block_size: int,
         kv_cache_config: KVCacheConfig | None = None,
+        groups: tuple[GroupSpec, ...] | None = None,
     ) -> None:
         topo = resolve(vllm_config, rank=_replica_rank(vllm_config))
+        self.groups = groups
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.rank = topo.rank
@@ -139,7 +145,9 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Build the rank's pages, codec, tiers and lookup server over vLLM's KV views."""
-        desc = kv_description(kv_caches, self.vllm_config, self.kv_cache_config, self.block_size)
+        desc = kv_description(
+            kv_caches, self.vllm_config, self.kv_cache_config, self.block_size, self.groups
+        )
         self.worker.register_kv_caches(desc)
 
     def handle_preemptions(self, meta: KVConnectorMetadata) -> None:

