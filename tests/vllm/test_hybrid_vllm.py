@@ -83,6 +83,7 @@ UNIT_CHECKS = (
     "check_connector_supports_hma",
     "check_grouped_pages_codec_and_self_test_over_vllms_hybrid_pool",
     "check_default_layout_is_split_into_kernel_blocks_by_vllm",
+    "check_kv_events_carry_the_group",
 )
 
 

@@ -874,8 +874,9 @@ class OffloadScheduler:
         if load is None or load.op_id is not None:
             return
         if load.block_ids is None and counted > 0 and block_ids is not None:
-            if self.groups is not None:
-                # a hybrid host hands every group's table
+            if self.groups is not None and block_ids and not isinstance(block_ids[0], int):
+                # a hybrid host hands every group's table; given one flat table only, the
+                # failing load claims it alone (the host recomputes every group's tokens)
                 load.tables = [list(t) for t in block_ids]  # type: ignore[arg-type]
                 block_ids = max(load.tables, key=len)
             load.block_ids = list(block_ids)

@@ -18,7 +18,7 @@ from kvtier.offload.protocols import StepRequest
 from kvtier.offload.steps import STATS
 from kvtier.offload.wiring import SchedulerWiring, encode_step_meta
 from kvtier.topology import Topology, resolve
-from kvtier.vllm.events import KVEvents, kv_events_enabled
+from kvtier.vllm.events import KVEvents, event_groups, kv_events_enabled
 from kvtier.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
 from kvtier.vllm.request_view import VLLMRequestView
 from kvtier.vllm.rundir import offload_spec
@@ -120,7 +120,10 @@ class SchedulerSide:
         # kept only when vLLM publishes KV events (routers learn what the tiers hold)
         self.events: KVEvents | None = None
         if kv_events_enabled(vllm_config):
-            self.events = KVEvents(block_size, config.chunk_size, self.metrics)
+            groups = []
+            if self.hybrid is not None:
+                groups = event_groups(kv_cache_config, self.hybrid.positions)
+            self.events = KVEvents(block_size, config.chunk_size, self.metrics, groups)
         self.views: dict[str, VLLMRequestView] = {}
         # requests with a load in flight: vLLM itself delays their frees until finished_recving
         self._loading: set[str] = set()

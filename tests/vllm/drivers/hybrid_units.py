@@ -244,6 +244,33 @@ def check_default_layout_is_split_into_kernel_blocks_by_vllm() -> None:
         raise AssertionError("vLLM split BLHNC pages into kernel blocks")
 
 
+def check_kv_events_carry_the_group() -> None:
+    from kvtier.metrics import Metrics
+    from kvtier.offload.messages import ChunkRef, TierChange
+    from kvtier.vllm.events import KVEvents, event_groups
+    from kvtier.vllm.request_view import VLLMRequestView
+
+    cfg = config((["s0"], sliding(BS)), (["f1"], attn()))
+    events = KVEvents(BS, 2 * BS, Metrics(rank="scheduler"), event_groups(cfg, (1, 2)))
+    request = SimpleNamespace(
+        request_id="r", prompt_token_ids=list(range(4 * BS)), block_hashes=[b"h0", b"h1", b"h2"]
+    )
+    events.learn(VLLMRequestView(request), 0, [ChunkRef(b"k" * 16, [])])
+    events.changed([TierChange("stored", "memory", b"k" * 16)])
+    stored = events.take()
+    got = [(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window,
+            len(e.block_hashes), len(e.token_ids), e.medium) for e in stored]  # fmt: skip
+    assert got == [
+        (0, "sliding_window", BS, 1, BS, "CPU"),
+        (1, "full_attention", None, 2, 2 * BS, "CPU"),
+    ], got
+    # the sliding-window group's block is the chunk's last; its parent the block before it
+    assert stored[0].parent_block_hash == stored[1].block_hashes[0]
+    events.changed([TierChange("removed", "memory", b"k" * 16)])
+    removed = events.take()
+    assert [(e.group_idx, len(e.block_hashes)) for e in removed] == [(0, 1), (1, 2)]
+
+
 def _gathered(codec: Any, ids: Any) -> torch.Tensor:
     buf = torch.empty(codec.chunk_bytes, dtype=torch.uint8)
     codec.gather(ids, buf)
