@@ -126,11 +126,13 @@ def tiny_vllm_model_f32(tmp_path_factory: pytest.TempPathFactory) -> Path:
 SLIDING_WINDOW = 128
 
 
-def make_hybrid_model(directory: Path, pattern: tuple[str, ...], window: int) -> Path:
+def make_hybrid_model(
+    directory: Path, pattern: tuple[str, ...], window: int, dtype: str = "bfloat16"
+) -> Path:
     """The tiny bf16 Llama with per-layer attention kinds (`layer_types`, gpt-oss-shaped:
     sliding-window layers of `window` tokens next to full-attention ones), which vLLM's Llama
     reads and its hybrid memory allocator turns into one KV cache group per kind."""
-    model = init_model(directory, dtype="bfloat16", layers=len(pattern))
+    model = init_model(directory, dtype=dtype, layers=len(pattern))
     path = model / "config.json"
     config = json.loads(path.read_text())
     config.update({"layer_types": list(pattern), "sliding_window": window})
@@ -144,6 +146,14 @@ def tiny_hybrid_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pattern = ("sliding_attention", "full_attention") * 2
     return make_hybrid_model(tmp_path_factory.mktemp("vllm-hybrid") / "tiny", pattern,
                              SLIDING_WINDOW)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_model_f32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The gpt-oss-shaped tiny model in float32, for passes that cannot share a batch shape."""
+    pattern = ("sliding_attention", "full_attention") * 2
+    return make_hybrid_model(tmp_path_factory.mktemp("vllm-hybrid-f32") / "tiny", pattern,
+                             SLIDING_WINDOW, "float32")  # fmt: skip
 
 
 @pytest.fixture(scope="session")

@@ -109,3 +109,39 @@ def test_a_model_of_sliding_window_layers_only_is_refused_at_startup(
         and "single-group sliding-window model" in e
         for e in run.result["errors"]
     ), run.result["errors"]
+
+
+def test_tp2_hybrid_restores_every_group_on_every_rank(
+    run_driver: Callable[..., DriverRun], tiny_hybrid_model: Path
+) -> None:
+    tp2 = {**IN_PROCESS, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    extra = {**TIER, "lookup_scope": [0, 1]}
+    run = run_driver(
+        "two_pass", {"model": str(tiny_hybrid_model), "tp": 2, "extra": extra}, tp2, timeout_s=280
+    )
+    r = run.result
+    want = loadable_tokens(r["prompt_lens"], CHUNK)
+    assert len(r["kv_cache_groups"]) == 2
+    lines = retrieved_lines(run.stderr)
+    for rank in (0, 1):
+        mine = [x for x in lines if x.rank == rank]
+        assert [(x.world, x.failed) for x in mine] == [(2, None)] * len(r["prompt_lens"]), mine
+        assert sum(x.got for x in mine) == want
+    assert r["pass2"]["vllm:prefix_cache_hits"] == 0
+    assert r["pass2"]["vllm:external_prefix_cache_hits"] == want > 0
+    assert r["out2"] == r["out1"], "restored KV changed the greedy output"
+
+
+def test_preempted_hybrid_requests_restore_again_and_decode_the_same(
+    run_driver: Callable[..., DriverRun], tiny_hybrid_model_f32: Path
+) -> None:
+    # vLLM preempts every running request and re-admits it in the next step: each restores its
+    # prefix, every group of it, a second time (float32: pass 2's batch shapes are not pass 1's)
+    run = run_driver("preempt", {"model": str(tiny_hybrid_model_f32), "extra": TIER}, IN_PROCESS)
+    r = run.result
+    n = len(r["prompt_lens"])
+    assert r["pass2"]["vllm:num_preemptions"] == n
+    lines = retrieved_lines(run.stderr)
+    assert [x.failed for x in lines] == [None] * 2 * n
+    assert sum(x.got for x in lines) == 2 * loadable_tokens(r["prompt_lens"], CHUNK)
+    assert r["out2"] == r["out1"]
