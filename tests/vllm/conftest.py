@@ -141,16 +141,9 @@ def make_hybrid_model(
 
 
 @pytest.fixture(scope="session")
-def tiny_hybrid_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """gpt-oss-shaped tiny model: sliding-window (128 tokens) and full attention alternating."""
-    pattern = ("sliding_attention", "full_attention") * 2
-    return make_hybrid_model(tmp_path_factory.mktemp("vllm-hybrid") / "tiny", pattern,
-                             SLIDING_WINDOW)  # fmt: skip
-
-
-@pytest.fixture(scope="session")
 def tiny_hybrid_model_f32(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The gpt-oss-shaped tiny model in float32, for passes that cannot share a batch shape."""
+    """gpt-oss-shaped tiny model, float32: sliding-window (128 tokens) and full attention
+    alternating (float32: tests/vllm/test_hybrid_vllm.py says why)."""
     pattern = ("sliding_attention", "full_attention") * 2
     return make_hybrid_model(tmp_path_factory.mktemp("vllm-hybrid-f32") / "tiny", pattern,
                              SLIDING_WINDOW, "float32")  # fmt: skip

@@ -3,7 +3,10 @@ next to full-attention layers) runs under vLLM's hybrid memory allocator, which 
 supports (`SupportsHMA`): two KV cache groups, a two-pass restore from the tier, and the host
 bytes per cached token against the same model with `--disable-hybrid-kv-cache-manager`.
 
-Both passes send the same prompts in one `generate` call (same batch shape, tests/README.md)."""
+Both passes send the same prompts in one `generate` call, in float32 (tests/README.md): in bf16
+pass 2's tail-only prefill rounds vLLM's CPU sliding-window attention differently from pass 1's
+whole-prompt prefill, and one prompt's greedy output flipped at its 12th token while the float32
+runs of the same passes agree token for token."""
 
 from __future__ import annotations
 
@@ -37,11 +40,12 @@ def _restored(run: DriverRun) -> int:
 
 
 def test_two_pass_restore_of_a_sliding_window_hybrid(
-    run_driver: Callable[..., DriverRun], tiny_hybrid_model: Path
+    run_driver: Callable[..., DriverRun], tiny_hybrid_model_f32: Path
 ) -> None:
+    model = str(tiny_hybrid_model_f32)
     hybrid = run_driver(
         "two_pass",
-        {"model": str(tiny_hybrid_model), "extra": TIER, "async_scheduling": True},
+        {"model": model, "dtype": "float32", "extra": TIER, "async_scheduling": True},
         IN_PROCESS,
     )
     assert hybrid.result["kv_cache_groups"] == ["SlidingWindowSpec", "FullAttentionSpec"] or (
@@ -55,7 +59,8 @@ def test_two_pass_restore_of_a_sliding_window_hybrid(
     full = run_driver(
         "two_pass",
         {
-            "model": str(tiny_hybrid_model),
+            "model": model,
+            "dtype": "float32",
             "extra": TIER,
             "llm_kwargs": {"disable_hybrid_kv_cache_manager": True},
         },
@@ -69,6 +74,7 @@ def test_two_pass_restore_of_a_sliding_window_hybrid(
     }
     # vLLM's CPU block holds 128 tokens, a chunk 2 blocks: a sliding-window layer stores the one
     # block its 128-token window reads, so half the layers cost half: 3/4 of the full layout
+    # (fp32 here; the ratio is the dtype's)
     assert per_token["hybrid"] * 4 == per_token["full"] * 3, per_token
     print(f"host bytes per cached token: {per_token}")
 
@@ -112,13 +118,12 @@ def test_a_model_of_sliding_window_layers_only_is_refused_at_startup(
 
 
 def test_tp2_hybrid_restores_every_group_on_every_rank(
-    run_driver: Callable[..., DriverRun], tiny_hybrid_model: Path
+    run_driver: Callable[..., DriverRun], tiny_hybrid_model_f32: Path
 ) -> None:
     tp2 = {**IN_PROCESS, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     extra = {**TIER, "lookup_scope": [0, 1]}
-    run = run_driver(
-        "two_pass", {"model": str(tiny_hybrid_model), "tp": 2, "extra": extra}, tp2, timeout_s=280
-    )
+    args = {"model": str(tiny_hybrid_model_f32), "dtype": "float32", "tp": 2, "extra": extra}
+    run = run_driver("two_pass", args, tp2, timeout_s=280)
     r = run.result
     want = loadable_tokens(r["prompt_lens"], CHUNK)
     assert len(r["kv_cache_groups"]) == 2

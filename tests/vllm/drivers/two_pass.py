@@ -8,7 +8,7 @@ and optionally connector, module, n, base_len, max_tokens, async_scheduling (vLL
 GPUs, which its CPU platform turns off: the driver turns it back on after the platform hook),
 serial (one prompt per `generate` call in both passes: a request that recomputes after a failed
 load then runs alone, as in pass 1, instead of lagging a batch whose shape pass 1 never had),
-llm_kwargs (more `LLM` arguments, e.g. disable_hybrid_kv_cache_manager).
+llm_kwargs (more `LLM` arguments, e.g. disable_hybrid_kv_cache_manager), dtype (bfloat16).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def main() -> None:
     t0 = time.perf_counter()
     llm = LLM(
         model=a["model"],
-        dtype="bfloat16",
+        dtype=a.get("dtype", "bfloat16"),
         max_model_len=2048,
         tensor_parallel_size=a.get("tp", 1),
         pipeline_parallel_size=a.get("pp", 1),
