@@ -150,3 +150,28 @@ def test_preempted_hybrid_requests_restore_again_and_decode_the_same(
     assert [x.failed for x in lines] == [None] * 2 * n
     assert sum(x.got for x in lines) == 2 * loadable_tokens(r["prompt_lens"], CHUNK)
     assert r["out2"] == r["out1"]
+
+
+def test_saves_whose_window_blocks_vllm_reallocates_never_commit(
+    run_driver: Callable[..., DriverRun], tiny_hybrid_model_f32: Path
+) -> None:
+    # pass 1's saves wait until its generate returned, on a 48-block pool with 256-token prefill
+    # steps: vLLM frees every request's out-of-window blocks and hands them to the others while
+    # the saves that read them wait; pass 2 restores the prompts' first 600 tokens (a hit at 512
+    # reads the window block vLLM freed first) and must decode what a recompute decodes
+    args = {"model": str(tiny_hybrid_model_f32), "extra": TIER}
+    run = run_driver("hybrid_reuse", args, IN_PROCESS)
+    r = run.result
+    assert r["pass3"]["vllm:external_prefix_cache_hits"] == 0
+    assert r["out2"] == r["out3"], "a restored window block held another request's KV"
+    cancelled = r["kvtier"]["save_failures"].get("rank=0,reason=preempted", 0)
+    assert cancelled > 0, r["kvtier"]
+    hits = r["pass2"]["vllm:external_prefix_cache_hits"]
+    assert r["kvtier"]["retrieved_tokens"]["rank=0"] == hits
+
+    # the mutation: kvtier never hears of the reallocations, so those saves commit whatever the
+    # other requests wrote into the blocks, and pass 2 restores it
+    mutant = run_driver("hybrid_reuse", {**args, "no_cancel": True}, IN_PROCESS).result
+    assert mutant["pass2"]["vllm:external_prefix_cache_hits"] > 0
+    assert not mutant["kvtier"]["save_failures"]
+    assert mutant["out2"] != mutant["out3"]

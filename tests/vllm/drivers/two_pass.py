@@ -30,6 +30,7 @@ KVTIER_COUNTERS = (
     "retrieved_tokens",
     "stored_tokens",
     "stored_bytes",
+    "save_failures",
     "load_failures",
     "verify_failures",
     "skipped_loads",
