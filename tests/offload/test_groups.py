@@ -252,3 +252,16 @@ def test_hybrid_load_cut_inside_the_window_fails_for_a_recompute():
     (load,) = sched.build_meta([]).loads
     assert load.fail == WINDOW
     assert sorted(load.chunks[0].block_ids) == [10, 11, 12, 22]
+
+
+def test_hbm_floor_is_the_latest_asks_local_hit_and_none_after_a_preemption():
+    sched, _ = hybrid_scheduler()
+    view = HybridView("a", prompt(600), tables(40))
+    assert sched.hbm_floor("a") == 0
+    sched.get_num_new_matched_tokens(view, 256)
+    assert sched.hbm_floor("a") == 256
+    # asked again after vLLM's own cache lost a block: the allocation writes from 128 on
+    sched.get_num_new_matched_tokens(view, 128)
+    assert sched.hbm_floor("a") == 128
+    sched.mark_readmitted("a")
+    assert sched.hbm_floor("a") == 0

@@ -79,6 +79,7 @@ class _Req:
     save_wait_t0: float | None = None  # when it began waiting for another request's save
     load_wait_t0: float | None = None  # when it began waiting for another request's load
     hbm_floor: int | None = None  # tokens the HBM held at its first ask (computed before it)
+    asked_hbm: int = 0  # tokens the HBM held at its latest ask (the allocation that follows)
     epoch: int = 0  # the namespace epoch its keys belong to
     quarantined: bool = False  # a hook failed for it: no lookup, load or save from now on
     readmitted: bool = False  # preempted once: later admissions are not first admissions
@@ -227,6 +228,7 @@ class OffloadScheduler:
 
     def _matched(self, req: RequestView, num_computed_tokens: int) -> int | None:
         st = self._state(req)
+        st.asked_hbm = num_computed_tokens
         if st.quarantined:
             return 0
         if st.hbm_floor is None:
@@ -831,6 +833,15 @@ class OffloadScheduler:
         lookup found ("memory", "disk", "remote"; "" when unknown)."""
         st = self._reqs.get(req_id)
         return "" if st is None else st.hit_tier
+
+    def hbm_floor(self, req_id: str) -> int:
+        """Tokens of the request's own prefix-cache hit that the allocation following its
+        latest ask keeps (0 when unknown or after a preemption): blocks below it are shared
+        and only read."""
+        st = self._reqs.get(req_id)
+        if st is None or st.hbm_floor is None or st.readmitted:
+            return 0
+        return min(st.hbm_floor, st.asked_hbm)
 
     def pending_load(self, req_id: str) -> tuple[int, int] | None:
         """(floor, end) of the request's promised load, for hosts and tests."""

@@ -223,7 +223,7 @@ class SchedulerSide:
                 groups = [_held(ids) for ids in blocks.get_block_ids()]
                 tables.append(groups)
                 view.set_group_block_ids(groups)
-                self.core.blocks_allocated(b for ids in groups for b in ids if b >= 0)
+                self.core.blocks_allocated(self._handed_out(request.request_id, groups))
                 block_ids = max(groups, key=len)
             else:
                 (block_ids,) = blocks.get_block_ids()
@@ -309,11 +309,17 @@ class SchedulerSide:
         if self.hybrid is not None:
             groups = [_held(ids) for ids in new.block_ids]
             view.set_group_block_ids(groups)
-            self.core.blocks_allocated(b for ids in groups for b in ids if b >= 0)
+            self.core.blocks_allocated(self._handed_out(new.req_id, groups))
         else:
             view.set_block_ids(new.block_ids[0])
         n = out.num_scheduled_tokens.get(new.req_id, 0)
         return StepRequest(view, new.num_computed_tokens + n, new.num_computed_tokens)
+
+    def _handed_out(self, req_id: str, groups: list[list[int]]) -> list[int]:
+        """The blocks a new request's allocation may write: past its own prefix-cache hit
+        (those blocks are shared and only read), in every group."""
+        skip = self.core.hbm_floor(req_id) // self.core.block_size
+        return [b for ids in groups for b in ids[skip:] if b >= 0]
 
     def _scheduled_cached(self, out: SchedulerOutput, i: int) -> StepRequest | None:
         cached = out.scheduled_cached_reqs
