@@ -671,3 +671,12 @@ def test_sliding_window_layers_cost_window_bytes_per_chunk_in_the_tier() -> None
     # a dense config is unchanged
     dense = {k: v for k, v in GPT_OSS_LIKE.items() if k != "layer_types"}
     assert plan(dense, hbm_tokens=1024, tier_bytes=GiB, workload=work).tier_bytes_per_token == 0
+
+
+def test_hybrid_tier_bytes_need_whole_blocks_per_chunk_and_print_in_the_table() -> None:
+    work = SyntheticWorkload(1, 100)
+    with pytest.raises(ConfigError, match="--chunk-size 100 is not a whole number of --block-size"):
+        plan(GPT_OSS_LIKE, hbm_tokens=1024, tier_bytes=GiB, workload=work, chunk_size=100)
+    r = plan(GPT_OSS_LIKE, hbm_tokens=1024, tier_bytes=GiB, workload=work, chunk_size=1024)
+    # 1024-token chunks of 16-token blocks: a sliding layer stores 8 of 64 blocks
+    assert r.tier_token_bytes == 2 * 512 + 2 * 512 * 8 // 64

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from kvtier.errors import ConfigError
 from kvtier.layout import KVGeometry
 from kvtier.offload.groups import SLIDING, GroupSpec
 
@@ -31,6 +32,12 @@ def tier_bytes_per_token(
     window = cfg.get("sliding_window") if isinstance(cfg, Mapping) else None
     if not types or "sliding_attention" not in types or not isinstance(window, int):
         return geometry.bytes_per_token
+    if chunk_size < block_size or chunk_size % block_size:
+        fit = max(1, 256 // block_size) * block_size
+        raise ConfigError(
+            f"--chunk-size {chunk_size} is not a whole number of --block-size {block_size} "
+            f"blocks; give a multiple of {block_size}, e.g. {fit}"
+        )
     blocks = chunk_size // block_size
     stored = GroupSpec(SLIDING, block_size, reach=window - 1).positions(blocks)
     total = 0
