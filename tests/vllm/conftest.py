@@ -157,6 +157,57 @@ def tiny_sliding_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
                              SLIDING_WINDOW)  # fmt: skip
 
 
+# Qwen3-Next-shaped (gated delta net linear attention next to full attention), tiny; vLLM's CPU
+# backend starts it with random weights (load_format "dummy")
+GDN_HYBRID = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "vocab_size": 2048,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "full_attention"] * 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 64,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_value_head_dim": 64,
+    "max_position_embeddings": 4096,
+    "mlp_only_layers": [],
+    "decoder_sparse_step": 1,
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "partial_rotary_factor": 0.25,
+    "rope_parameters": {
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 10000.0,
+        "rope_type": "default",
+    },  # fmt: skip
+    "rms_norm_eps": 1e-6,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "dtype": "bfloat16",
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_gdn_hybrid_model(tmp_path_factory: pytest.TempPathFactory, tiny_vllm_model: Path) -> Path:
+    """A config-only Qwen3-Next-shaped model directory (tokenizer of the tiny Llama)."""
+    out = tmp_path_factory.mktemp("vllm-gdn") / "tiny"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(GDN_HYBRID, indent=2) + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (out / name).write_bytes((tiny_vllm_model / name).read_bytes())
+    return out
+
+
 @pytest.fixture(scope="session")
 def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Environment of every driver: offline, 1 GiB of KV, caches and sockets in the test tmp."""

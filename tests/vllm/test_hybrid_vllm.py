@@ -175,3 +175,20 @@ def test_saves_whose_window_blocks_vllm_reallocates_never_commit(
     assert mutant["pass2"]["vllm:external_prefix_cache_hits"] > 0
     assert not mutant["kvtier"]["save_failures"]
     assert mutant["out2"] != mutant["out3"]
+
+
+def test_a_gated_delta_net_hybrid_is_refused_at_startup_by_name(
+    run_driver: Callable[..., DriverRun], tiny_gdn_hybrid_model: Path
+) -> None:
+    # Qwen3-Next-shaped: vLLM's CPU backend builds it (random weights), its linear-attention
+    # layers one MambaSpec group next to full attention; kvtier does not store states yet
+    args = {"model": str(tiny_gdn_hybrid_model), "extra": TIER, "load_format": "dummy"}
+    run = run_driver("bad_startup", args, IN_PROCESS)
+    assert run.result["started"] is False
+    assert any(
+        "kvtier.errors.LayoutError: kvtier cannot offload KV cache group 0 (MambaSpec, layers "
+        "model.layers.0.linear_attn, model.layers.2.linear_attn): Mamba / linear-attention"
+        in e
+        and "serve this model without KVTierConnector" in e
+        for e in run.result["errors"]
+    ), run.result["errors"]
