@@ -171,12 +171,14 @@ class HybridView:
 def hybrid_scheduler(hits: int = 0) -> tuple[OffloadScheduler, FakeLookup]:
     lookup = FakeLookup(hits)
     sched = OffloadScheduler(
-        KVTierConfig(chunk_size=CHUNK, load_gate=False),
+        # any load would fit in the forward: a hybrid one still runs asynchronously
+        KVTierConfig(chunk_size=CHUNK, load_gate=False, sync_load_fraction=1.0),
         lookup,
         model_id="m",
         block_size=BS,
         world=1,
         metrics=Metrics(rank=0),
+        load_tokens_per_s=1e12,
         cold_misses=False,
         groups=ChunkGroups([FA, SW], CHUNK),
     )
@@ -223,8 +225,11 @@ def test_a_save_whose_window_block_is_handed_out_again_is_cancelled():
 
 def test_hybrid_load_restores_every_group_above_the_floor():
     sched, lookup = hybrid_scheduler(hits=2)
+    sched.gate.observe_step(1.0)  # a measured step: a dense load this fast runs in the forward
     view = HybridView("a", prompt(512), tables(32))
     assert sched.get_num_new_matched_tokens(view, 0) == 511
+    # vLLM takes a hybrid model's failed load back only while its request waits for it
+    assert sched.load_is_async("a")
     assert sched.update_state_after_alloc(view, view.block_ids, 511) == 511
     (load,) = sched.build_meta([]).loads
     assert [len(c.block_ids) for c in load.chunks] == [24, 24]

@@ -192,3 +192,31 @@ def test_a_gated_delta_net_hybrid_is_refused_at_startup_by_name(
         and "serve this model without KVTierConnector" in e
         for e in run.result["errors"]
     ), run.result["errors"]
+
+
+def test_a_failed_hybrid_load_is_recomputed_whole(
+    run_driver: Callable[..., DriverRun], tiny_hybrid_model_f32: Path
+) -> None:
+    # a worker corrupts one stored chunk before the first load; vLLM cannot take back a hybrid
+    # model's blocks by id (its ids are per group), so kvtier names the request as failed
+    # (failed_recving) and vLLM recomputes it whole; one prompt per call in both passes
+    args = {
+        "model": str(tiny_hybrid_model_f32),
+        "dtype": "float32",
+        "extra": {**TIER, "verify_memory_reads": True},
+        "connector": "CorruptingKVTierConnector",
+        "module": "tests.vllm.drivers.faulty_connectors",
+        "serial": True,
+    }
+    run = run_driver("two_pass", args, IN_PROCESS)
+    r = run.result
+    want = loadable_tokens(r["prompt_lens"], CHUNK)
+    lines = retrieved_lines(run.stderr)
+    failed = [x for x in lines if x.failed]
+    assert [(x.got, x.failed) for x in failed] == [(0, "miss")]
+    assert len(lines) == len(r["prompt_lens"])
+    assert r["out2"] == r["out1"]
+    assert r["pass2"]["vllm:prompt_tokens_cached"] == want - failed[0].required
+    kv = r["kvtier"]
+    assert kv["load_failures"] == {"rank=0,reason=miss": 1.0, "rank=scheduler,reason=miss": 1.0}
+    assert kv["retrieved_tokens"]["rank=0"] == want - failed[0].required

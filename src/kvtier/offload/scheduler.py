@@ -297,8 +297,14 @@ class OffloadScheduler:
         # only runs every rank holds in host memory qualify (a lookup that names no tier: only
         # a memory-only stack's)
         tier = st.hit_tier or self._sync_tier
-        sync = tier == "memory" and self.gate.runs_in_forward(
-            tokens, self.config.sync_load_fraction, self._sync_booked_s, tier
+        # a hybrid host can only take back a whole request whose load failed while it waits
+        # (vLLM's failed_recving; block ids are per group), so a hybrid load never runs sync
+        sync = (
+            self.groups is None
+            and tier == "memory"
+            and self.gate.runs_in_forward(
+                tokens, self.config.sync_load_fraction, self._sync_booked_s, tier
+            )
         )
         if sync:
             self._sync_booked_s += self.gate.transfer_seconds(tokens, tier)

@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -352,11 +353,23 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             return None, None
         return self._worker.get_finished()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished`, plus the requests whose load failed on this rank when the model is
+        hybrid (vLLM recomputes them whole: its block ids are per group)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = set() if self._worker is None else set(self._worker.failed_recving)
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            failed_recving=failed,
+        )
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks of failed loads, reported with their request's finished_recving."""
+        """Blocks of failed loads, reported with their request's finished_recving (none for a
+        hybrid model: `get_transfer_results` names its failed requests instead)."""
         if self._worker is None:
             return set()
-        return set(self._worker.report.invalid_block_ids)
+        return self._worker.load_error_blocks()
 
     def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
         """This rank's op results (and a metrics snapshot) for the scheduler's quorum."""

@@ -142,6 +142,10 @@ class WorkerSide:
         self.metrics = self.worker.metrics
         self.meta = OffloadMeta()
         self.report = WorkerReport(rank=topo.rank)
+        # a hybrid model's loads in flight (op id -> request id): vLLM takes a failed one back
+        # by request (failed_recving), never by block id (ids are per group)
+        self._loads: dict[str, str] = {}
+        self.failed_recving: set[str] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Build the rank's pages, codec, tiers and lookup server over vLLM's KV views."""
@@ -166,6 +170,8 @@ class WorkerSide:
                 "the scheduler and workers of one engine must all run KVTierConnector"
             )
         self.meta = decode_step_meta(meta.data)
+        if self.groups:
+            self._loads.update((op.op_id, op.req_id) for op in self.meta.loads)
         self.worker.begin_step()
 
     def clear(self) -> None:
@@ -175,7 +181,18 @@ class WorkerSide:
     def get_finished(self) -> tuple[set[str], set[str]]:
         """Take the rank's report; (finished_sending, finished_recving) request ids."""
         self.report = self.worker.take_report()
+        self.failed_recving = set()
+        if self.groups:
+            for result in self.report.results:
+                req_id = self._loads.pop(result.op_id, None)
+                if req_id is not None and not result.ok:
+                    self.failed_recving.add(req_id)
         return set(self.report.finished_sending), set(self.report.finished_recving)
+
+    def load_error_blocks(self) -> set[int]:
+        """Blocks of this step's failed loads for vLLM to recompute; none for a hybrid model,
+        whose failed loads go back whole by request (`failed_recving`)."""
+        return set() if self.groups else set(self.report.invalid_block_ids)
 
     def encoded_report(self) -> bytes:
         """The step's report (with a metrics snapshot when it changed), or b"" if empty."""
