@@ -84,6 +84,7 @@ UNIT_CHECKS = (
     "check_chunked_local_is_refused_alone_and_in_a_hybrid",
     "check_mamba_hybrid_is_refused_by_name",
     "check_only_sliding_window_groups_are_refused",
+    "check_a_hybrid_draft_group_is_refused_by_name",
     "check_full_and_sliding_window_groups_are_a_hybrid_registration",
     "check_one_group_that_keeps_every_block_is_stored_as_before",
     "check_connector_supports_hma",

@@ -142,6 +142,13 @@ def group_specs(kv_cache_config: KVCacheConfig | None) -> tuple[GroupSpec, ...] 
                 f"kvtier cannot offload {_where(i, group, group.kv_cache_spec)}: its layers mix "
                 f"{sorted(kinds)}; {_NO_HMA}"
             )
+        if getattr(group, "is_eagle_group", False):
+            raise LayoutError(
+                f"kvtier cannot offload {_where(i, group, group.kv_cache_spec)}: it holds "
+                "EAGLE/MTP draft layers, which the drafter writes after the target model's "
+                "forward and kvtier does not order a hybrid model's saves after it yet; serve "
+                "without speculative decoding or without KVTierConnector"
+            )
         if not getattr(group, "enable_kv_transfer", True):
             raise LayoutError(
                 f"kvtier cannot offload {_where(i, group, group.kv_cache_spec)}: vLLM marks it "

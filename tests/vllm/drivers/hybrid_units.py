@@ -103,6 +103,23 @@ def check_only_sliding_window_groups_are_refused() -> None:
     assert "next to a full-attention group" in msg, msg
 
 
+def check_a_hybrid_draft_group_is_refused_by_name() -> None:
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    cfg = KVCacheConfig(
+        num_blocks=NB,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["s0"], sliding()),
+            KVCacheGroupSpec(["f1"], attn()),
+            KVCacheGroupSpec(["draft.0"], attn(), is_eagle_group=True),
+        ],
+    )
+    msg = refused("eagle_group", cfg)
+    assert "KV cache group 2 (FullAttentionSpec, layers draft.0)" in msg, msg
+    assert "EAGLE/MTP draft layers" in msg, msg
+
+
 def check_full_and_sliding_window_groups_are_a_hybrid_registration() -> None:
     from kvtier.offload.groups import FULL, SLIDING
     from kvtier.vllm.groups import group_specs
