@@ -114,6 +114,8 @@ class MemoryTier:
         self._reserved_parent: dict[bytes, bytes] = {}  # key -> parent given to reserve()
         # parents of chunks being written: a slot for a child never comes from its parent
         self._writing: Counter[bytes] = Counter()
+        # chunks a client asked to keep (`protect`): never victims while retained
+        self._retained: Callable[[bytes], bool] = _never
         # slots of entries dropped as corrupt while a lease or a reader could still see them
         self._quarantine: dict[int, bytes] = {}
         self._closed = False
@@ -356,6 +358,23 @@ class MemoryTier:
             self._done_writing(self._reserved_parent.pop(key))
             self._free.append(slot)
 
+    def delete(self, key: bytes) -> bool:
+        """Drop `key` now (False when absent): no read can find it from here on; its slot is
+        freed once the reads and leases that hold it end."""
+        with self._lock:
+            self._check_open()
+            slot = self._index.get(key)
+            if slot is None:
+                return False
+            self._unlink(key)
+            self._quarantine[slot] = key
+            self._reclaim()
+            return True
+
+    def protect(self, retained: Callable[[bytes], bool]) -> None:
+        """Never evict a chunk while `retained(key)` is true (a client's retention hint)."""
+        self._retained = retained
+
     # ---- leases --------------------------------------------------------------------------------
 
     def lease(self, lease_id: str, keys: Sequence[bytes], counted: bool = True) -> int:
@@ -371,6 +390,19 @@ class MemoryTier:
                     break
                 leading += 1
             self._leases.acquire(lease_id, present, counted)
+        return leading
+
+    def lease_run(self, lease_id: str, keys: Sequence[bytes]) -> int:
+        """Pin the leading run of `keys` this tier holds under `lease_id`, in one step; its
+        length. (A lookup leases its run here at once instead of key by key.)"""
+        with self._lock:
+            self._check_open()
+            leading = 0
+            for k in keys:
+                if k not in self._index:
+                    break
+                leading += 1
+            self._leases.acquire(lease_id, keys[:leading])
         return leading
 
     def release(self, lease_id: str) -> None:
@@ -464,6 +496,7 @@ class MemoryTier:
             not self._leases.is_pinned(key)
             and self._readers[self._index[key]] == 0
             and key not in self._writing
+            and not self._retained(key)
         )
 
     def _done_writing(self, parent: bytes) -> None:
@@ -556,3 +589,7 @@ def _spend_readonly_buffer_warning() -> None:
 
 
 _spend_readonly_buffer_warning()
+
+
+def _never(key: bytes) -> bool:
+    return False
