@@ -404,6 +404,26 @@ class KVTierConfig:
         "chunk keys the admission policy remembers to measure what comes back; 0 = 16 x the "
         "tiers' chunks per rank (65536 with a shared store), at most 1048576",
     )
+    retention_budget: float = _f(
+        0.5,
+        "float",
+        "share of the tiers' chunks that clients' retention hints may hold (prompt_cache_key "
+        "+ prompt_cache_retention, cache_control ttl, kv_transfer_params); hints beyond it are "
+        "clipped or rejected; 0 disables retention",
+    )
+    retention_tenant_share: float = _f(
+        0.5,
+        "float",
+        "share of the retention budget one tenant (the request's user) may hold",
+    )
+    retention_ttl_s: float = _f(
+        300.0,
+        "float",
+        "retention of a hint that names no TTL (OpenAI in_memory, Anthropic's default 5m)",
+    )
+    retention_max_ttl_s: float = _f(
+        86400.0, "float", "longest retention a hint may ask for; longer ones are clipped to it"
+    )
     write_queue_depth: int = _f(256, "int", "bound of each write-behind queue")
     load_gate: bool = _f(True, "bool", "skip loads predicted slower than recompute")
     sync_load_fraction: float = _f(
@@ -534,6 +554,16 @@ class KVTierConfig:
                 "admission_history",
                 f"admission_history={self.admission_history} is negative; use 0 (sized from "
                 "the tiers) or a number of chunk keys",
+            )
+        for name in ("retention_budget", "retention_tenant_share"):
+            share = getattr(self, name)
+            if not 0.0 <= share <= 1.0:
+                raise _error(name, f"{name}={share} must lie in [0, 1]; 0.5 is the default")
+        if not 0 < self.retention_ttl_s <= self.retention_max_ttl_s:
+            raise _error(
+                "retention_ttl_s",
+                f"retention_ttl_s={self.retention_ttl_s} must be > 0 and <= "
+                f"retention_max_ttl_s={self.retention_max_ttl_s}",
             )
         if self.remote_full not in _REMOTE_FULL:
             raise _error(

@@ -49,6 +49,7 @@ from kvtier.store.disk_gc import Collected, collect
 from kvtier.store.disk_lock import CONFLICTS, LOCK_NAME, DirLock, claim
 from kvtier.store.lease import LeaseTable
 from kvtier.store.policy import NO_PARENT, ChainPolicy
+from kvtier.store.retention import RETENTION_FILE, RETENTION_TEMP_PREFIX
 from kvtier.store.secret import generated_secret
 
 log = logging.getLogger(__name__)
@@ -618,7 +619,13 @@ class DiskTier:
         stale = ignored = 0
         distrusted: list[str] = []
         with os.scandir(self._root) as it:
-            shards = [e for e in it if e.name != LOCK_NAME]
+            # the lock and the rank's retention table live beside the shards
+            shards = [
+                e
+                for e in it
+                if e.name not in (LOCK_NAME, RETENTION_FILE)
+                and not e.name.startswith(RETENTION_TEMP_PREFIX)
+            ]
         for shard in shards:
             if not _SHARD_NAME.match(shard.name):
                 ignored += 1

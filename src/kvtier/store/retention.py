@@ -12,12 +12,17 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 log = logging.getLogger("kvtier")
+
+# the table's file in a disk tier's namespace directory, and the prefix of its temp files
+RETENTION_FILE = "retention.json"
+RETENTION_TEMP_PREFIX = ".retention.json."
 
 # A saved table larger than this is not read (each entry is ~60 bytes of JSON).
 _MAX_FILE_BYTES = 64 << 20
@@ -87,7 +92,7 @@ class RetentionTable:
     def save(self, path: Path) -> None:
         """Write the live entries to `path` (a private file, replaced atomically)."""
         entries = {k.hex(): v for k, v in self.live().items()}
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp = path.with_name(f"{RETENTION_TEMP_PREFIX}{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump({"version": 1, "until": entries}, f)
@@ -97,7 +102,13 @@ class RetentionTable:
         """Take the live entries a previous process saved at `path`; how many. The file is
         untrusted input: anything malformed is logged and ignored, never raised."""
         try:
-            if path.stat().st_size > _MAX_FILE_BYTES:
+            st = path.stat(follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+                # whoever else could write it could pin this rank's tiers
+                log.warning("kvtier: retention file %s is not a private file of ours; ignored",
+                            path)
+                return 0
+            if st.st_size > _MAX_FILE_BYTES:
                 log.warning("kvtier: retention file %s is over %d bytes; ignored", path,
                             _MAX_FILE_BYTES)
                 return 0
