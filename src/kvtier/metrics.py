@@ -107,6 +107,8 @@ class _Families:
     admission: Counter
     admission_returns: Counter
     admission_pressure: Gauge
+    retention: Counter
+    retained_chunks: Gauge
 
 
 def _build(reg: CollectorRegistry) -> _Families:
@@ -246,6 +248,16 @@ def _build(reg: CollectorRegistry) -> _Families:
             "Share of the admitted chunks that came back needing the tier and were gone from it "
             "(0: the tier keeps what returns).",
         ),
+        retention=c(
+            "retention",
+            "Clients' retention hints by what the budget granted: retained, clipped (the "
+            "leading chunks or a shorter TTL), rejected.",
+            "status",
+        ),
+        retained_chunks=g(
+            "retained_chunks",
+            "Chunks clients' hints retain now (the scheduler's ledger, within retention_budget).",
+        ),
     )
 
 
@@ -295,6 +307,7 @@ class Metrics:
         self.retrieved_bytes = f.retrieved_bytes.labels(r)
         self.readmitted_retrieved_tokens = f.readmitted_retrieved_tokens.labels(r)
         self.admission_pressure = f.admission_pressure.labels(r)
+        self.retained_chunks = f.retained_chunks.labels(r)
         self.stored_tokens = f.stored_tokens.labels(r)
         self.stored_bytes = f.stored_bytes.labels(r)
         self.lease_releases = f.lease_releases.labels(r)
@@ -332,6 +345,9 @@ class Metrics:
 
     def admission(self, decision: str) -> Counter:
         return self.f.admission.labels(str(self.rank), decision)
+
+    def retention(self, status: str) -> Counter:
+        return self.f.retention.labels(str(self.rank), status)
 
     def admission_return(self, decision: str) -> Counter:
         return self.f.admission_returns.labels(str(self.rank), decision)

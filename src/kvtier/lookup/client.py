@@ -284,19 +284,9 @@ class LookupClient:
             for start in range(0, len(ids), _RELEASE_BATCH):
                 batch = ids[start : start + _RELEASE_BATCH]
                 frames = self._signed(self._codec.encode(ReleaseRequest(PROTOCOL_VERSION, batch)))
-                for rank, peer in self._peers.by_rank.items():
-                    try:
-                        peer.sock.send_multipart(frames, zmq.NOBLOCK)
-                    except zmq.Again:
-                        self.dropped_releases[rank] += 1
-                        # A rank already known to be missing was logged when it went missing.
-                        log.log(
-                            logging.DEBUG if peer.misses else logging.WARNING,
-                            "kvtier: release of %d lookup ids not sent to rank %d (unreachable); "
-                            "its leases will expire",
-                            len(batch),
-                            rank,
-                        )
+                self._send_nowait(
+                    frames, f"release of {len(batch)} lookup ids (their leases will expire)"
+                )
 
     def ping(self, timeout_ms: int | None = None) -> dict[int, bool]:
         """Which ranks answered a ping with their own rank before the deadline."""
@@ -356,6 +346,33 @@ class LookupClient:
                 else:
                     answers[rank] = AdminAnswer(before.count + got.count, got.error or before.error)
         return answers
+
+    def admin_send(self, op: str, keys: Sequence[bytes], until: float = 0.0) -> None:
+        """`admin` without answers: queued to every rank at once, never blocking or raising for
+        a rank (one that cannot take it is counted in `dropped_releases` and logged)."""
+        if op not in ADMIN_OPS:
+            raise ValueError(f"admin op {op!r} is not one of {', '.join(ADMIN_OPS)}")
+        _check_keys(keys)
+        with self._lock:
+            self._check_open()
+            for start in range(0, len(keys), _ADMIN_BATCH):
+                batch = list(keys[start : start + _ADMIN_BATCH])
+                req = AdminRequest(PROTOCOL_VERSION, next(self._reqs), op, batch, until, False)
+                self._send_nowait(self._signed(self._codec.encode(req)), f"admin {op}")
+
+    def _send_nowait(self, frames: tuple[bytes, bytes], what: str) -> None:
+        for rank, peer in self._peers.by_rank.items():
+            try:
+                peer.sock.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again:
+                self.dropped_releases[rank] += 1
+                # a rank already known to be missing was logged when it went missing
+                log.log(
+                    logging.DEBUG if peer.misses else logging.WARNING,
+                    "kvtier: %s not sent to rank %d (unreachable)",
+                    what,
+                    rank,
+                )
 
     def _admin_batch(
         self, op: str, keys: list[bytes], until: float, timeout_ms: int | None

@@ -103,6 +103,7 @@ class AdminRequest(msgspec.Struct, tag="admin", array_like=True, frozen=True):
     op: AdminOp
     keys: list[Key]
     until: float = 0.0
+    reply: bool = True  # False: fire-and-forget (a hook's retain), no AdminReply
 
 
 class AdminReply(msgspec.Struct, tag="admin_reply", array_like=True, frozen=True):

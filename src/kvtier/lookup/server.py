@@ -310,8 +310,9 @@ class LookupServer:
                     exc_info=True,
                 )
                 error = f"backend: {type(e).__name__}: {e}"
-        reply = AdminReply(PROTOCOL_VERSION, req.req, self.rank, max(count, 0), error)
-        self._send(router, peer, self._codec.encode(reply))
+        if req.reply:
+            reply = AdminReply(PROTOCOL_VERSION, req.req, self.rank, max(count, 0), error)
+            self._send(router, peer, self._codec.encode(reply))
 
     def _release(self, msg: ReleaseRequest) -> None:
         for lookup_id in msg.lookup_ids:
