@@ -40,7 +40,7 @@ ENV_PREFIX = "KVTIER_"
 ENV_CONFIG_FILE = "KVTIER_CONFIG"
 # KVTIER_* variables that are not config fields: the bench's bearer token and the GPU check's
 # device; the config loader passes them by, and `config_environ` leaves them out
-ENV_NOT_CONFIG = frozenset({"KVTIER_BENCH_API_KEY", "KVTIER_TEST_DEVICE"})
+ENV_NOT_CONFIG = frozenset({"KVTIER_BENCH_API_KEY", "KVTIER_TEST_DEVICE", "KVTIER_ADMIN_KEY"})
 _MASK = "***"
 _GiB = 1 << 30
 

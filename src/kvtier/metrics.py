@@ -69,6 +69,7 @@ class _Families:
     retrieved_tokens: Counter
     retrieved_bytes: Counter
     readmitted_retrieved_tokens: Counter
+    prefetched_chunks: Counter
     stored_tokens: Counter
     stored_bytes: Counter
     load_failures: Counter
@@ -134,6 +135,10 @@ def _build(reg: CollectorRegistry) -> _Families:
         lookup_timeouts=c("lookup_timeouts", "Rank lookups that missed the deadline.", "target"),
         retrieved_tokens=c("retrieved_tokens", "Tokens loaded from the tier into KV blocks."),
         retrieved_bytes=c("retrieved_bytes", "Bytes loaded from the tier into KV blocks."),
+        prefetched_chunks=c(
+            "prefetched_chunks",
+            "Chunks a prefetch brought from disk or the shared store into host memory.",
+        ),
         readmitted_retrieved_tokens=c(
             "readmitted_retrieved_tokens",
             "Of the retrieved tokens, those of requests admitted again after a preemption "
@@ -306,6 +311,7 @@ class Metrics:
         self.retrieved_tokens = f.retrieved_tokens.labels(r)
         self.retrieved_bytes = f.retrieved_bytes.labels(r)
         self.readmitted_retrieved_tokens = f.readmitted_retrieved_tokens.labels(r)
+        self.prefetched_chunks = f.prefetched_chunks.labels(r)
         self.admission_pressure = f.admission_pressure.labels(r)
         self.retained_chunks = f.retained_chunks.labels(r)
         self.stored_tokens = f.stored_tokens.labels(r)

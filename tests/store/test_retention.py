@@ -149,12 +149,16 @@ def test_prefetch_brings_a_session_up_from_disk_and_the_shared_store(
         keys = [key_of(100 + i) for i in range(4)]
         assert disk.put(keys[0], payload_of(0, SIZE)) and disk.put(keys[1], payload_of(1, SIZE))
         assert remote.put(keys[2], payload_of(2, SIZE))
-        # keys[3] is nowhere: prefetch stops there
+        # keys[3] is nowhere: prefetch stops there; the reads run off the lookup thread
         assert s.admin("prefetch", keys, 0.0) == 3
+        assert s.wait_prefetched(1, timeout_s=10.0)
         for i in range(3):
             assert s.memory.get(keys[i]) == payload_of(i, SIZE)
         assert not s.memory.contains(keys[3])
+        assert metrics.value("prefetched_chunks_total") == 3
         assert s.admin("prefetch", keys, 0.0) == 0  # already up
+        assert s.wait_prefetched(2, timeout_s=10.0)
+        assert metrics.value("prefetched_chunks_total") == 3
     finally:
         s.close()
 

@@ -46,6 +46,8 @@ BEHIND_LOAD = "behind_inflight_load"
 BEHIND_SAVE = "behind_inflight_save"
 # retention decisions kept for hosts to read; an unread one goes after this many newer ones
 _DECISIONS_KEPT = 4096
+# an admin call waits this long for the ranks (prefetch and forget touch disk and the store)
+_ADMIN_TIMEOUT_MS = 5000
 # a retention budget the scheduler cannot size (chunk bytes unknown): the ranks bound it
 _UNBOUNDED = 1 << 40
 
@@ -809,7 +811,11 @@ class OffloadScheduler:
 
     def retain(self, prompt: Sequence[int], hint: RetentionHint) -> RetentionDecision:
         """Retain a prompt as a hint on a request would, and wait for the ranks' answers."""
-        keys = self.keys_for(prompt)
+        return self.retain_keys(self.keys_for(prompt), hint)
+
+    def retain_keys(self, keys: Sequence[bytes], hint: RetentionHint) -> RetentionDecision:
+        """Retain chunk `keys` (a prompt's or a conversation's) within the budget, waiting for
+        the ranks."""
         decision, granted, until = self.retention.decide(keys, hint, self.chunk)
         self._m.retention(decision.status).inc()
         if granted:
@@ -822,10 +828,9 @@ class OffloadScheduler:
         if op in ("release", "forget"):
             self.retention.release(keys)
             self._m.retained_chunks.set(self.retention.retained_chunks())
-        if op == "forget" and self._heads is not None:
-            # a forgotten head may be written again: never answer it from memory of a save
-            self._heads.clear()
-        return dict(self._lookup.admin(op, keys))
+        # a forgotten chain's head stays in the saved heads: its next lookup asks the ranks,
+        # which answer the truth (a miss)
+        return dict(self._lookup.admin(op, keys, timeout_ms=_ADMIN_TIMEOUT_MS))
 
     def quarantine(
         self, req_id: str, block_ids: Sequence[int] | None = None, counted: int = 0

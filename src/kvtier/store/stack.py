@@ -99,13 +99,17 @@ class TierStack:
         self._lease_lock = threading.Lock()
         self._closed = False
         self._abandon = threading.Event()
+        self._prefetches: queue.Queue[list[bytes] | object] = queue.Queue(maxsize=64)
+        self._prefetcher: threading.Thread | None = None
+        self._prefetched = 0
         self.retention = RetentionTable(retention_limit, *(() if clock is None else (clock,)))
         self._retention_file = self._retention_path()
         if self._retention_file is not None:
             kept = self.retention.load(self._retention_file)
             if kept:
-                log.info("kvtier: %d retained chunks carried over from %s", kept,
-                         self._retention_file)
+                log.info(
+                    "kvtier: %d retained chunks carried over from %s", kept, self._retention_file
+                )
         for t in (memory, *self._lower):
             protect = getattr(t, "protect", None)
             if protect is not None:
@@ -440,7 +444,7 @@ class TierStack:
         elif op == "release":
             n = self.retention.release(keys)
         elif op == "prefetch":
-            return self.prefetch(keys)
+            return self._queue_prefetch(keys)
         elif op == "forget":
             n = self.forget(keys)
         else:
@@ -465,6 +469,51 @@ class TierStack:
             if self._memory.put(key, payload, keys[i - 1] if i else NO_PARENT):
                 moved += 1
         return moved
+
+    def _queue_prefetch(self, keys: Sequence[bytes]) -> int:
+        """Hand `keys` to the prefetch thread (reads from disk or the store must not hold up
+        the rank's lookups); how many of them only a lower tier holds now."""
+        up = [not self._memory.contains(k) for k in keys]
+        below: list[bool] = [False] * len(keys)
+        for t in self._lower:
+            held = t.contains_many(keys)
+            below = [b or (u and h) for b, u, h in zip(below, up, held, strict=True)]
+        with self._cond:
+            if self._prefetcher is None:
+                self._prefetcher = threading.Thread(
+                    target=self._prefetch_loop, name="kvtier-prefetch", daemon=True
+                )
+                self._prefetcher.start()
+        try:
+            self._prefetches.put_nowait(list(keys))
+        except queue.Full:
+            log.warning(
+                "kvtier: prefetch of %d keys dropped: %d prefetches queued",
+                len(keys),
+                self._prefetches.maxsize,
+            )
+            return 0
+        return sum(below)
+
+    def _prefetch_loop(self) -> None:
+        while True:
+            keys = self._prefetches.get()
+            if keys is _STOP:
+                return
+            try:
+                moved = self.prefetch(keys)
+            except Exception:  # one failed prefetch must not end the rank's later ones
+                log.exception("kvtier: prefetch of %d keys failed", len(keys))
+                continue
+            self._m.prefetched_chunks.inc(moved)
+            with self._cond:
+                self._prefetched += 1
+                self._cond.notify_all()
+
+    def wait_prefetched(self, count: int, timeout_s: float) -> bool:
+        """Wait until `count` prefetches in all have finished (for tests and tools)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._prefetched >= count, timeout=timeout_s)
 
     def forget(self, keys: Sequence[bytes]) -> int:
         """Delete `keys` from every tier (the shared store included) and stop retaining them;
@@ -523,6 +572,12 @@ class TierStack:
             if self._thread.is_alive():
                 log.warning("kvtier: write-behind thread still busy after %.1fs", timeout_s)
         self._save_retention()
+        if self._prefetcher is not None:
+            try:
+                self._prefetches.put(_STOP, timeout=timeout_s)
+            except queue.Full:
+                log.warning("kvtier: prefetch queue stuck; a lower tier is not returning")
+            self._prefetcher.join(timeout_s)
         for t in self._all():
             t.close()
 
