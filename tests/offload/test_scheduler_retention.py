@@ -150,3 +150,27 @@ def test_a_hinted_prompt_is_saved_even_where_admission_rejects_its_kind() -> Non
     assert serve(sched, SlotView("plain", one_off(10_000)), len(one_off(10_000))) == 0
     hinted = HintedView("hinted", one_off(10_001), RetentionHint(session="agent"))
     assert serve(sched, hinted, len(one_off(10_001))) == 8
+
+
+def test_hints_from_request_parameters_in_openais_names() -> None:
+    import pytest
+
+    from kvtier.offload.retention import hint_from_params
+
+    assert hint_from_params({}) is None
+    assert hint_from_params({"prompt_cache_key": "c", "user": "u"}) == RetentionHint(
+        session="c", tenant="u", retain=False
+    )
+    day = hint_from_params({"prompt_cache_retention": "24h", "prompt_cache_key": "c"})
+    assert (day.ttl_s, day.session, day.retain) == (86400.0, "c", True)
+    assert hint_from_params({"prompt_cache_retention": "in_memory"}).ttl_s is None  # default
+    custom = hint_from_params({"retain_ttl_s": 42, "retain_tokens": 128})
+    assert (custom.ttl_s, custom.upto_tokens) == (42.0, 128)
+    for bad, word in (
+        ({"prompt_cache_retention": "forever"}, "prompt_cache_retention"),
+        ({"retain_ttl_s": -1}, "retain_ttl_s"),
+        ({"retain_tokens": "all"}, "retain_tokens"),
+        ({"prompt_cache_key": "k" * 257}, "prompt_cache_key"),
+    ):
+        with pytest.raises(ValueError, match=word):
+            hint_from_params(bad)

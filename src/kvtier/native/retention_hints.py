@@ -16,12 +16,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvtier.native.protocol import APIError
-from kvtier.offload.retention import RetentionHint
+from kvtier.offload.retention import MAX_SESSION_CHARS, OPENAI_RETENTION, RetentionHint
 
-# OpenAI's values (older SDKs sent "in-memory"); None: the server's retention_ttl_s
-OPENAI_RETENTION: dict[str, float | None] = {"in_memory": None, "in-memory": None, "24h": 86400.0}
 ANTHROPIC_TTL: dict[str, float] = {"5m": 300.0, "1h": 3600.0}
-MAX_KEY_CHARS = 256
+MAX_KEY_CHARS = MAX_SESSION_CHARS
 
 
 def cache_mark(messages: Sequence[Mapping[str, Any]]) -> tuple[int, float] | None:

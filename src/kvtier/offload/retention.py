@@ -16,7 +16,7 @@ import heapq
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 RETAINED = "retained"
@@ -61,6 +61,38 @@ class RetentionDecision:
         if self.reason:
             out["reason"] = self.reason
         return out
+
+
+# OpenAI's prompt_cache_retention values (older SDKs sent "in-memory"); None: the default TTL
+OPENAI_RETENTION: dict[str, float | None] = {"in_memory": None, "in-memory": None, "24h": 86400.0}
+MAX_SESSION_CHARS = 256
+
+
+def hint_from_params(params: Mapping[str, object]) -> RetentionHint | None:
+    """A hint from a request's parameters in OpenAI's names (`prompt_cache_key`,
+    `prompt_cache_retention`, `user`) plus kvtier's `retain_ttl_s` and `retain_tokens`; None
+    when they ask nothing. Raises ValueError naming a bad value."""
+    key = params.get("prompt_cache_key")
+    retention = params.get("prompt_cache_retention")
+    ttl = params.get("retain_ttl_s")
+    upto = params.get("retain_tokens")
+    user = params.get("user") or ""
+    if key is not None and (not isinstance(key, str) or len(key) > MAX_SESSION_CHARS):
+        raise ValueError(f"prompt_cache_key must be a string of at most {MAX_SESSION_CHARS} chars")
+    if retention is not None and retention not in OPENAI_RETENTION:
+        raise ValueError(f"prompt_cache_retention is {retention!r}; use 'in_memory' or '24h'")
+    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0):
+        raise ValueError(f"retain_ttl_s is {ttl!r}; use seconds > 0")
+    if upto is not None and (isinstance(upto, bool) or not isinstance(upto, int) or upto < 0):
+        raise ValueError(f"retain_tokens is {upto!r}; use a number of prompt tokens >= 0")
+    if not isinstance(user, str):
+        raise ValueError(f"user is {user!r}; use a string")
+    if key is None and retention is None and ttl is None and upto is None:
+        return None
+    if retention is None and ttl is None and upto is None:
+        return RetentionHint(session=key or "", tenant=user, retain=False)
+    seconds = float(ttl) if ttl is not None else OPENAI_RETENTION.get(str(retention))
+    return RetentionHint(ttl_s=seconds, upto_tokens=upto, session=key or "", tenant=user)
 
 
 class RetentionLedger:

@@ -408,7 +408,8 @@ class KVTierConnector(KVConnectorBase_V1):
         """True while the request's saves await their terminal (freed via finished_sending)."""
         if self._scheduler is None:
             return False, None
-        return self._scheduler.request_finished(request), None
+        delay = self._scheduler.request_finished(request)
+        return delay, self._scheduler.retention_params(request.request_id)
 
     # ---- metrics on vLLM's /metrics ---------------------------------------------------------
 

@@ -6,10 +6,15 @@ view keeps the block ids the connector learned from allocations and scheduler ou
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from kvtier.offload.retention import RetentionHint, hint_from_params
+
 __all__ = ["VLLMRequestView"]
+
+log = logging.getLogger("kvtier")
 
 
 class VLLMRequestView:
@@ -46,6 +51,19 @@ class VLLMRequestView:
     def block_ids(self) -> Sequence[int]:
         """The request's KV block table as last learned (one id per block)."""
         return self._block_ids
+
+    @property
+    def retention(self) -> RetentionHint | None:
+        """The client's retention hint from the request's `kv_transfer_params` (the only
+        per-request channel vLLM gives a connector); a bad one is logged and ignored."""
+        params = getattr(self._request, "kv_transfer_params", None)
+        if not isinstance(params, dict):
+            return None
+        try:
+            return hint_from_params(params)
+        except ValueError as e:
+            log.warning("kvtier: request %.64s: retention hint ignored: %s", self.request_id, e)
+            return None
 
     def set_block_ids(self, block_ids: Iterable[int]) -> None:
         """Replace the learned block table (allocation, new or resumed request)."""
