@@ -195,6 +195,33 @@ def bench_cache(
     cache.print_table(doc)
 
 
+@bench_app.command("retention")
+def bench_retention(
+    quick: bool = typer.Option(False, "--quick", help="A smaller workload (tests and CI)."),
+    model_dir: Path | None = typer.Option(
+        None, "--model-dir", help="Model directory (default: the tiny preset under runs/)."
+    ),
+    json_path: Path | None = typer.Option(
+        None, "--json", help="Where to write the JSON results (default: runs/bench-retention.json)."
+    ),
+) -> None:
+    """Conversations that come back: TTFT of an agent's returning turns with retention hints
+    (OpenAI's prompt_cache_key + prompt_cache_retention) vs without, same capacity."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from kvtier.bench import retention, table
+
+    progress = Console(stderr=True)
+    doc = retention.run(
+        quick=quick,
+        model_dir=model_dir,
+        json_path=json_path,
+        progress=lambda msg: progress.print(f"[dim]{escape(msg)}[/dim]"),
+    )
+    table.print_report(doc)
+
+
 @bench_app.command("e2e")
 def bench_e2e(
     model_dir: Path | None = typer.Option(

@@ -412,9 +412,10 @@ class KVTierConfig:
         "clipped or rejected; 0 disables retention",
     )
     retention_tenant_share: float = _f(
-        0.5,
+        1.0,
         "float",
-        "share of the retention budget one tenant (the request's user) may hold",
+        "share of the retention budget one tenant (the request's user) may hold; below 1 on "
+        "a server several tenants share",
     )
     retention_ttl_s: float = _f(
         300.0,
