@@ -105,12 +105,14 @@ class RetentionTable:
             st = path.stat(follow_symlinks=False)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
                 # whoever else could write it could pin this rank's tiers
-                log.warning("kvtier: retention file %s is not a private file of ours; ignored",
-                            path)
+                log.warning(
+                    "kvtier: retention file %s is not a private file of ours; ignored", path
+                )
                 return 0
             if st.st_size > _MAX_FILE_BYTES:
-                log.warning("kvtier: retention file %s is over %d bytes; ignored", path,
-                            _MAX_FILE_BYTES)
+                log.warning(
+                    "kvtier: retention file %s is over %d bytes; ignored", path, _MAX_FILE_BYTES
+                )
                 return 0
             doc = json.loads(path.read_bytes())
         except FileNotFoundError:
