@@ -5,8 +5,7 @@ budget granted; the admin API retains, reports and forgets a conversation from e
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from kvtier.native import Engine, EngineConfig
 from kvtier.native.offload import connector_spec
 from kvtier.native.server import EngineServer
 from tests.native.conftest import make_prompts
+from tests.native.test_server import client
 
 CHUNK = 64
 ADMIN = "s3cret-admin"
@@ -44,13 +44,6 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         raise
     with srv:
         yield srv
-
-
-@contextlib.asynccontextmanager
-async def client(srv: EngineServer) -> AsyncIterator[httpx.AsyncClient]:
-    transport = httpx.ASGITransport(app=srv.app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://kvtier") as c:
-        yield c
 
 
 def call(srv: EngineServer, method: str, path: str, body: Any = None, **kw: Any) -> httpx.Response:

@@ -34,6 +34,16 @@ def _disk(root: Path, namespace: bytes, metrics: Metrics, records: int) -> DiskT
     return DiskTier(root, records * (SIZE + HEADER_BYTES), namespace, metrics)
 
 
+def _three_tiers(
+    root: Path, namespace: bytes, metrics: Metrics, server: RedisServer
+) -> tuple[TierStack, DiskTier, RemoteTier]:
+    """Memory over disk over a real Redis, 8 chunks each, retention on."""
+    disk = _disk(root, namespace, metrics, 8)
+    remote = RemoteTier(server.url, namespace, metrics, codec=codec_for_tests(namespace))
+    stack = TierStack(_memory(namespace, metrics, 8), [disk, remote], metrics, retention_limit=8)
+    return stack, disk, remote
+
+
 @pytest.fixture(scope="module")
 def redis_server() -> Iterator[RedisServer]:
     with RedisServer() as srv:
@@ -142,9 +152,7 @@ def test_a_retention_file_others_could_write_is_not_believed(
 def test_prefetch_brings_a_session_up_from_disk_and_the_shared_store(
     tmp_path: Path, namespace: bytes, metrics: Metrics, redis_server: RedisServer
 ):
-    disk = _disk(tmp_path, namespace, metrics, 8)
-    remote = RemoteTier(redis_server.url, namespace, metrics, codec=codec_for_tests(namespace))
-    s = TierStack(_memory(namespace, metrics, 8), [disk, remote], metrics, retention_limit=8)
+    s, disk, remote = _three_tiers(tmp_path, namespace, metrics, redis_server)
     try:
         keys = [key_of(100 + i) for i in range(4)]
         assert disk.put(keys[0], payload_of(0, SIZE)) and disk.put(keys[1], payload_of(1, SIZE))
@@ -166,9 +174,7 @@ def test_prefetch_brings_a_session_up_from_disk_and_the_shared_store(
 def test_forget_deletes_from_memory_disk_and_the_shared_store(
     tmp_path: Path, namespace: bytes, metrics: Metrics, redis_server: RedisServer
 ):
-    disk = _disk(tmp_path, namespace, metrics, 8)
-    remote = RemoteTier(redis_server.url, namespace, metrics, codec=codec_for_tests(namespace))
-    s = TierStack(_memory(namespace, metrics, 8), [disk, remote], metrics, retention_limit=8)
+    s, disk, remote = _three_tiers(tmp_path, namespace, metrics, redis_server)
     try:
         keys = [key_of(200 + i) for i in range(3)]
         other = key_of(299)

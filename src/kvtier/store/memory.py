@@ -149,11 +149,7 @@ class MemoryTier:
         keys = list(keys)
         with self._lock:
             self._check_open()
-            n = 0
-            for key in keys:
-                if key not in self._index:
-                    break
-                n += 1
+            n = self._leading(keys)
             self._policy.touch(keys[:n])
         return n
 
@@ -384,11 +380,7 @@ class MemoryTier:
         with self._lock:
             self._check_open()
             present = [k for k in keys if k in self._index]
-            leading = 0
-            for k in keys:
-                if k not in self._index:
-                    break
-                leading += 1
+            leading = self._leading(keys)
             self._leases.acquire(lease_id, present, counted)
         return leading
 
@@ -397,11 +389,7 @@ class MemoryTier:
         length. (A lookup leases its run here at once instead of key by key.)"""
         with self._lock:
             self._check_open()
-            leading = 0
-            for k in keys:
-                if k not in self._index:
-                    break
-                leading += 1
+            leading = self._leading(keys)
             self._leases.acquire(lease_id, keys[:leading])
         return leading
 
@@ -490,6 +478,15 @@ class MemoryTier:
                 self._quarantine[slot] = key
             if slot in self._quarantine:
                 self._reclaim()
+
+    def _leading(self, keys: Sequence[bytes]) -> int:
+        """How many leading `keys` are resident (under the lock)."""
+        n = 0
+        for key in keys:
+            if key not in self._index:
+                break
+            n += 1
+        return n
 
     def _evictable(self, key: bytes) -> bool:
         return (
