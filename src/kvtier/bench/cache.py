@@ -254,9 +254,7 @@ def _retention(
         progress(f"retention, {w.name}: {len(turns):,} turns")
         for norm in NORMALIZATIONS:
             for cap_f in capacities:
-                p = hint_point(
-                    turns, norm, TARGET_HBM, cap_f, budget=budget, share=RETENTION_SHARE
-                )
+                p = hint_point(turns, norm, TARGET_HBM, cap_f, budget=budget, share=RETENTION_SHARE)
                 r = {"workload": w.name, "describe": w.describe, **p.to_json()}
                 rows.append(r)
                 report.add(
