@@ -12,7 +12,7 @@ from kvtier.bench import cache
 from kvtier.cachemodel import workloads
 from kvtier.cachemodel.hinting import DISTINCT, LIVE, base_of, hint_point
 from kvtier.cachemodel.live import live_counts, peak_live
-from kvtier.cachemodel.predict import drive_tier, key_of, tally
+from kvtier.cachemodel.predict import DISK, MEMORY, drive_tier, key_of, tally
 from kvtier.cachemodel.retention import CLIP, REJECT, SOONEST, HintingClient
 from kvtier.cachemodel.stream import Request, hbm_floors, working_set
 from kvtier.cachemodel.turns import Turn, hinting_share, link_next, requests_of
@@ -32,20 +32,23 @@ def _paused(flood_at: float = 1.0) -> list[Turn]:
     return turns
 
 
-def _served(turns: list[Turn], capacity: int, client: HintingClient | None) -> list[int]:
+def _served(
+    turns: list[Turn], capacity: int, client: HintingClient | None, tier: str = MEMORY
+) -> list[int]:
     requests = requests_of(turns)
     floors = [0] * len(requests)
-    return drive_tier(requests, capacity, floors, hinter=client).leads
+    return drive_tier(requests, capacity, floors, tier=tier, hinter=client).leads
 
 
 # ---- the client keeps what recency loses, within its budget -----------------------------------
 
 
-def test_a_hint_keeps_a_paused_conversation_that_recency_evicts() -> None:
+@pytest.mark.parametrize("tier", [MEMORY, DISK])
+def test_a_hint_keeps_a_paused_conversation_that_recency_evicts(tier: str) -> None:
     turns = _paused()
-    assert _served(turns, 4, None)[-1] == 0  # the flood evicted A under recency
+    assert _served(turns, 4, None, tier)[-1] == 0  # the flood evicted A under recency
     client = HintingClient(turns, 4, budget=0.75, audit=True)
-    assert _served(turns, 4, client)[-1] == 3  # A's whole prompt came back from the tier
+    assert _served(turns, 4, client, tier)[-1] == 3  # A's whole prompt came back from the tier
     assert client.stats.hints == 1 and client.stats.retained == 3
     assert client.stats.last_turns == 9  # one-offs and A's last turn send no hint
     assert max(client.live_after) <= client.cap == 3
