@@ -109,6 +109,20 @@ def test_the_budget_clips_a_hint_and_keeps_its_prefix() -> None:
     assert len(soonest.table.live()) <= soonest.cap
 
 
+def test_a_sooner_hint_never_displaces_its_own_shared_prefix() -> None:
+    turns = [
+        Turn(_r(1, 2, 3), 0.0, 50.0, session=0),
+        Turn(_r(1, 8, 9), 1.0, 40.0, session=1),  # chunk 1: a system prompt both share
+    ]
+    client = HintingClient(turns, 8, budget=0.5, mode=SOONEST)  # cap 4
+    for i, t in enumerate(turns):
+        client.begin(i)
+        client.end(i, [key_of(c) for c in t.request.chunks], held=3)
+    assert client.stats.displaced == 1  # A's deepest chunk, not the shared head
+    assert [client.holds(key_of(c)) for c in (1, 2, 3, 8, 9)] == [True, True, False, True, True]
+    assert client.table.until(key_of(1)) == 55.0  # A's later deadline on it is kept
+
+
 @pytest.mark.parametrize("mode", [CLIP, REJECT, SOONEST])
 def test_hints_beat_recency_on_sessions_and_never_pass_the_cap(mode: str) -> None:
     turns = workloads.session_turns(n_sessions=150, span_s=300.0, slow_s=200.0, seed=2)

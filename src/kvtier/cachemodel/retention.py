@@ -111,8 +111,9 @@ class HintingClient:
             until = turn.next_at + self.slack_s
             kept = self.table.retain(want, until)
             if kept < len(want) and self.mode == SOONEST:
-                self._displace(len(want) - kept, until)
-                kept = self.table.retain(want, until)
+                self._displace(len(want) - kept, until, set(want))
+                # the kept prefix stays retained; only the rest is asked again
+                kept += self.table.retain(want[kept:], until)
             if self.mode == SOONEST:
                 for depth, key in enumerate(want[:kept]):
                     heapq.heappush(self._latest, (-until, -depth, key))
@@ -123,16 +124,24 @@ class HintingClient:
         if self.audit:
             self.live_after.append(len(self.table.live()))
 
-    def _displace(self, need: int, until: float) -> None:
-        """Release up to `need` retained chunks due back after `until`, latest first."""
+    def _displace(self, need: int, until: float, mine: set[bytes]) -> None:
+        """Release up to `need` retained chunks due back after `until`, latest first, none of
+        `mine` (the hint's own prefix, a shared system prompt among it)."""
         freed = 0
+        spared = []
         while freed < need and self._latest:
-            neg_until, _, key = self._latest[0]
-            if -neg_until <= until:
+            top = self._latest[0]
+            if -top[0] <= until:
                 break
             heapq.heappop(self._latest)
-            if self.table.until(key) == -neg_until and self.table.release([key]):
+            if self.table.until(top[2]) != -top[0]:
+                continue  # released, expired or re-retained since: a stale entry
+            if top[2] in mine:
+                spared.append(top)
+            elif self.table.release([top[2]]):
                 freed += 1
+        for top in spared:
+            heapq.heappush(self._latest, top)
         self.stats.displaced += freed
 
     def _fits(self, keys: Sequence[bytes]) -> bool:
