@@ -137,9 +137,9 @@ class LoadPath:
             self.peak_in_flight = max(self.peak_in_flight, flights.peak)
 
     def one(self, lane: Lane, p: PendingLoad) -> LoadRun:
-        """Run one load to completion on `lane` (the self-test)."""
+        """Run one load to completion on `lane` (the self-test); it reports nothing."""
         flights: Flights[Buffers] = Flights(self._buffers)
-        run = LoadRun(p)
+        run = LoadRun(p, reported=True)
         self._run_one(lane, flights, run)
         flights.drain()
         return run

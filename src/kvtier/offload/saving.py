@@ -108,8 +108,9 @@ class SavePath:
             self.peak_in_flight = max(self.peak_in_flight, flights.peak)
 
     def one(self, lane: Lane, job: PendingSave, ref: ChunkRef) -> str:
-        """Save one chunk and wait for it (the self-test): "" when stored, else the reason."""
-        run = SaveRun(job)
+        """Save one chunk and wait for it (the self-test): "" when stored, else the reason; it
+        reports nothing."""
+        run = SaveRun(job, reported=True)
         flights: Flights[torch.Tensor | None] = Flights(self._staging)
         self._issue(lane, flights, run, ref)
         flights.drain()

@@ -86,6 +86,8 @@ def _cuda_unregister(ptr: int) -> int:
 def gpu_numa_cpus() -> tuple[int | None, frozenset[int] | None]:
     """The NUMA node of the current CUDA device and that node's CPUs, from sysfs; (None, None)
     when either cannot be read (a single-node host, a container without /sys)."""
+    if not torch.cuda.is_available():
+        return None, None
     try:
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
