@@ -245,3 +245,38 @@ def test_the_cuda_lane_orders_after_fences_of_the_current_stream_and_finish_sync
     assert log[2] == ("record", "side") and log[4] == ("record", "side")
     # host waits block in the driver instead of spinning a core
     assert log[3] == ("synchronize", True) and log[5] == ("synchronize", True)
+
+
+def test_cuda_join_orders_the_compute_stream_after_a_mark_without_a_host_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sync load's last scatter is joined into the forward's stream: `wait_event` on the
+    current stream, never `synchronize` in the forward's thread."""
+    from kvtier.offload.device import CudaOps
+
+    log: list[tuple[str, object]] = []
+    compute = _FakeStream(log, "compute")
+
+    class _FakeEvent:
+        def __init__(self, blocking: bool = False) -> None:
+            self.blocking = blocking
+
+        def record(self, stream: _FakeStream | None = None) -> None:
+            log.append(("record", (stream or compute).name))
+
+        def synchronize(self) -> None:
+            log.append(("synchronize", self.blocking))
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: _FakeStream(log, "side"))
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    ops = CudaOps(torch.device("cuda", 0))
+    lane = ops.lane()
+    ran: list[bool] = []
+    mark = lane.launch(lambda: ran.append(True))
+    ops.join(mark)
+    assert ran == [True]
+    assert [e for e, _ in log] == ["record", "compute.wait_event"]
+    assert log[0] == ("record", "side") and log[1][1] is mark.event  # type: ignore[attr-defined]
+    assert mark.event.blocking  # type: ignore[attr-defined]
