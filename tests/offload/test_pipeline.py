@@ -217,3 +217,12 @@ def _sync_load_now(r: Rig) -> None:
     assert r.worker.stack.lookup([SELF_TEST_KEY], "lk") == 1
     op = LoadOp("ld", "q", "lk", [ChunkRef(SELF_TEST_KEY, [20, 21])], CHUNK, sync=True)
     r.worker.start_load_kv(OffloadMeta(loads=[op]))
+
+
+def test_transfer_depth_outside_its_range_is_refused_naming_the_fix() -> None:
+    from kvtier.config import KVTierConfig
+    from kvtier.errors import ConfigError
+
+    for bad in (0, 9):
+        with pytest.raises(ConfigError, match=rf"transfer_depth={bad} is outside 1..8; use 2"):
+            KVTierConfig(transfer_depth=bad)
