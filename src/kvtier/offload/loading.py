@@ -32,8 +32,7 @@ from kvtier.offload.codec import PageCodec
 from kvtier.offload.device import DeviceOps, Lane, Mark
 from kvtier.offload.hooks import HookGuard
 from kvtier.offload.messages import ChunkRef, LoadOp
-from kvtier.offload.saving import _settle
-from kvtier.offload.transfer import Flights
+from kvtier.offload.transfer import Flights, settle
 from kvtier.store.stack import TierStack
 
 
@@ -158,7 +157,7 @@ class LoadPath:
                     # land after the host was told to recompute these blocks
                     self._guard.failed("load", op.req_id, e)
                     run.reason = f"error:{type(e).__name__}"
-                    _settle(lane, self._tag)
+                    settle(lane, self._tag)
                     break
                 if isinstance(got, str):
                     run.reason = got if got == _MISS else run.reason
@@ -213,7 +212,7 @@ class LoadPath:
         except Exception as e:  # noqa: BLE001 - counted by the guard, reported by the caller
             self._guard.failed("load", op.req_id, e)
             run.reason = f"error:{type(e).__name__}"
-            _settle(lane, self._tag)
+            settle(lane, self._tag)
         finally:
             self._stack.release(op.lookup_id)
         return run, last
@@ -281,7 +280,7 @@ class LoadPath:
                 p.marks.append(mark)
         except BaseException:
             # a copy queued out of the slot before the raise must land before it is unpinned
-            _settle(lane, self._tag)
+            settle(lane, self._tag)
             held.close()
             raise
         return _Issued(mark, held, tier, sum(1 for b in ids if b >= 0))

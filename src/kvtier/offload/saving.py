@@ -23,7 +23,7 @@ from kvtier.offload.codec import PageCodec
 from kvtier.offload.device import Lane
 from kvtier.offload.hooks import HOOK_ERROR, HookGuard
 from kvtier.offload.messages import ChunkRef, SaveOp
-from kvtier.offload.transfer import Flights
+from kvtier.offload.transfer import Flights, settle
 from kvtier.store.stack import TierStack
 
 log = logging.getLogger("kvtier")
@@ -98,7 +98,7 @@ class SavePath:
             # a defect of kvtier's own (the copy path's errors are caught per chunk): nothing
             # queued may land after its slot is freed, and every save still reports
             self._guard.failed("save", None, e)
-            _settle(lane, self._tag)
+            settle(lane, self._tag)
             flights.abandon(e)
             for run in runs:
                 run.reason = run.reason or HOOK_ERROR
@@ -149,7 +149,7 @@ class SavePath:
             log.exception("%s: save %s raised", self._tag, job.op.op_id)
             # the slot goes back to the free list below: a copy queued into it before the raise
             # must land first, or a later chunk written there by the CPU could be overwritten
-            _settle(lane, self._tag)
+            settle(lane, self._tag)
             run.reason = f"error:{type(e).__name__}"
         finally:
             if not issued:
@@ -180,12 +180,3 @@ class SavePath:
         if run.issued and not run.in_flight and not run.reported:
             run.reported = True
             self._report(run)
-
-
-def _settle(lane: Lane, tag: str) -> None:
-    """Wait for whatever `lane` queued; a device that fails this wait too is logged (the op
-    already reports failed)."""
-    try:
-        lane.finish()
-    except RuntimeError:
-        log.exception("%s: the device failed while copies were in flight", tag)

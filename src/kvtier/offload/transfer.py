@@ -13,12 +13,15 @@ never overwritten while a copy may still read them or a scatter has not yet cons
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from kvtier.offload.device import Mark
+from kvtier.offload.device import Lane, Mark
+
+log = logging.getLogger("kvtier")
 
 B = TypeVar("B")
 # told None when the transfer's work completed, else the device's error
@@ -71,11 +74,6 @@ class Flights(Generic[B]):
             error = e
         flight.landed(error)
 
-    def retire_done(self) -> None:
-        """Retire, without waiting, the oldest transfers that have already completed."""
-        while self._queue and self._queue[0].mark.done():
-            self.retire()
-
     def drain(self) -> None:
         """Retire every transfer in flight."""
         while self._queue:
@@ -86,3 +84,13 @@ class Flights(Generic[B]):
         lane already, so nothing of theirs is still landing)."""
         while self._queue:
             self._queue.popleft().landed(error)
+
+
+def settle(lane: Lane, tag: str) -> None:
+    """Wait for whatever `lane` queued (after an op failed mid-way: nothing of it may land
+    once its slot is freed or its failure reported); a device that fails this wait too is
+    logged (the op already reports failed)."""
+    try:
+        lane.finish()
+    except RuntimeError:
+        log.exception("%s: the device failed while copies were in flight", tag)
