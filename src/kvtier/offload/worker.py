@@ -52,7 +52,7 @@ from kvtier.offload.messages import (
 )
 from kvtier.offload.pages import KVCacheDescription, KVPages, describe_pages
 from kvtier.offload.saving import PREEMPTED, PendingSave, SavePath, SaveRun
-from kvtier.offload.selftest import SELF_TEST_KEY, codec_round_trip, fail_startup
+from kvtier.offload.selftest import SELF_TEST_KEY, codec_round_trip, fail_startup, padding
 from kvtier.offload.steps import LOAD, REPORT, SAVE, HookClock, start
 from kvtier.store.arena import check_host_memory
 from kvtier.store.factory import build_stack
@@ -168,6 +168,15 @@ class OffloadWorker:
         else:
             apply_switch_interval(self.config, self.tag)
         self.codec = codec = PageCodec(pages, chunk // desc.block_size, ops)
+        pad = sum(p.length for p in padding(pages, [0]))
+        if pad:
+            log.warning(
+                "%s: every KV block carries %d bytes of page padding (layout %s) that kvtier "
+                "does not move; the self-test checks that nothing writes there",
+                self.tag,
+                pad,
+                pages.layout,
+            )
         ns = Namespace(
             model_id=self.model_id,
             layout_fingerprint=pages.fingerprint,
@@ -301,7 +310,9 @@ class OffloadWorker:
                 raise RuntimeError(f"the load path failed: {run.reason or 'nothing read'}")
 
         try:
-            codec_round_trip(desc, self.codec.ops, self.codec.blocks_per_chunk, save, load)
+            codec_round_trip(
+                desc, self.codec.ops, self.codec.blocks_per_chunk, save, load, self.pages
+            )
         except Exception as e:
             assert self.pages is not None
             raise fail_startup(self.tag, self.pages.device, self.pages.layout, e) from e
