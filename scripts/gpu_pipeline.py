@@ -27,7 +27,7 @@ from kvtier.offload.worker import OffloadWorker
 Row = tuple[str, str, bool | None]
 RAW_RATIO_TARGET = 0.8
 STEP_SLOWDOWN_LIMIT = 1.10
-_REPS = 5
+_REPS = 3
 _IDLE_S = 120.0
 
 
@@ -49,7 +49,10 @@ def pipeline_rows(device_name: str) -> list[Row]:
     views = kv_views(model, layout, nb, device)
     metrics = Metrics(0, registry=CollectorRegistry())
     worker = OffloadWorker(
-        KVTierConfig(chunk_size=CHUNK, memory_bytes=n * (2 * chunks + 4), load_gate=False),
+        # every round's chunks stay resident (a round's save must not evict what its load reads)
+        KVTierConfig(
+            chunk_size=CHUNK, memory_bytes=n * (chunks * (_REPS + 2) + 4), load_gate=False
+        ),
         rank=0,
         world=1,
         model_id="gpu-check-pipeline",
