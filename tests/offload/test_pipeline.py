@@ -226,3 +226,35 @@ def test_transfer_depth_outside_its_range_is_refused_naming_the_fix() -> None:
     for bad in (0, 9):
         with pytest.raises(ConfigError, match=rf"transfer_depth={bad} is outside 1..8; use 2"):
             KVTierConfig(transfer_depth=bad)
+
+
+def test_a_device_fault_mid_pipeline_fails_the_save_and_commits_none_of_its_chunks(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel that fails on the device surfaces at the mark's wait (as CUDA reports an
+    asynchronous error at the next synchronisation): the chunks behind it never commit, their
+    slots go back, and the save reports failed."""
+    from kvtier.offload.codec import PageCodec
+
+    gather = PageCodec.gather
+    calls: list[int] = []
+
+    def faulty(self: PageCodec, block_ids: list[int], dst: torch.Tensor) -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected device fault")
+        gather(self, block_ids, dst)
+
+    monkeypatch.setattr(PageCodec, "gather", faulty)
+    ids = _chunks(0)
+    refs = [ChunkRef(_key(i), b) for i, b in enumerate(ids)]
+    rig.worker.wait_for_save(OffloadMeta(saves=[SaveOp("r1#sv", "r1", refs, CHUNK * N)]))
+    assert rig.worker.wait_idle(WAIT_S)
+    (result,) = rig.worker.take_report().results
+    assert (result.ok, result.reason) == (False, "error:RuntimeError")
+    stack = rig.worker.stack
+    assert stack is not None
+    # deepest first: the two chunks gathered before the fault committed, none after it
+    held = [i for i in range(N) if stack.memory.contains(_key(i))]
+    assert held == [N - 2, N - 1]
+    assert stack.memory.stats().reserved == 0
