@@ -164,18 +164,24 @@ def test_copies_and_host_waits_per_step_are_one_per_chunk(rig: Rig) -> None:
     assert stats.host_waits["MainThread"] == 0
 
 
-def test_the_serial_design_has_one_transfer_in_flight_and_is_slower() -> None:
-    took = {}
+def test_the_serial_design_keeps_one_transfer_in_flight_and_moves_the_same_bytes() -> None:
+    """`transfer_depth: 1` is the design before the pipeline (kept for the bench's comparison):
+    one chunk on the link at a time, the same bytes stored. The speed difference is the
+    bench's to measure (`kvtier bench tier --device sim`), not a test's on a shared host."""
     for depth in (1, 2):
-        for r in _rig(20_000, depth):
-            t0 = time.monotonic()
-            _save_step(r)
-            took[depth] = time.monotonic() - t0
+        for r in _rig(5_000, depth):
+            src = _save_step(r)
             saves = r.worker._saves
             assert saves is not None and saves.peak_in_flight == depth
-    # the pipeline overlaps each chunk's host work with the next copy; serial does not: on a
-    # 20 ms copy the difference is small, so only the order is asserted
-    assert took[2] <= took[1] * 1.05, took
+            want = [_blocks(r.views, b) for b in src]
+            dst = _chunks(N * K)
+            r.worker.start_load_kv(OffloadMeta(loads=[_load_op(r, "ld", dst, sync=False)]))
+            assert r.worker.wait_idle(WAIT_S)
+            assert r.worker.take_report().results[0].ok
+            loads = r.worker._loads
+            assert loads is not None and loads.peak_in_flight == depth
+            for ids, w in zip(dst, want, strict=True):
+                assert all(torch.equal(a, b) for a, b in zip(_blocks(r.views, ids), w, strict=True))
 
 
 def test_a_preempted_save_commits_nothing_on_the_simulated_device(rig: Rig) -> None:
