@@ -1,8 +1,9 @@
 """The KV device as the offload core drives it: index tensors, staging, streams and fences.
 
 Every op the codec runs touches tensors of one device only; host <-> device bytes cross in
-explicit copies. On CUDA a lane (the save or the load thread) owns a side stream, its copies are
-non-blocking from pinned memory, and its work is complete only after its event synchronised.
+explicit copies. On CUDA a lane (the save or the load thread) owns two side streams, one for
+kernels (gather, scatter) and one for copies, its copies are non-blocking from pinned memory,
+and its work is complete only once its mark (a blocking-sync event) is reached.
 On the CPU the same code runs with host tensors: no stream, no staging (the destination is
 written in place), nothing to wait for. `kvtier.offload.simdevice` models a GPU's streams and
 copy engine on the host, so the asynchronous path is tested without one.
