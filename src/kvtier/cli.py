@@ -139,7 +139,10 @@ def bench_tier(
         True, "--remote/--no-remote", help="Remote rows: a loopback server and 3-shard cluster."
     ),
     device: str = typer.Option(
-        "cpu", "--device", help="KV device of the save/load path rows: cpu, cuda or cuda:N."
+        "cpu",
+        "--device",
+        help="KV device of the save/load path rows: cpu, cuda, cuda:N, or sim (the simulated "
+        "device: pipelined vs serial at 25 and 50 GB/s modelled).",
     ),
 ) -> None:
     """Tier GB/s against raw copies (memory, disk, remote), all-rank lookup latency, save/load

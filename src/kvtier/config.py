@@ -302,6 +302,10 @@ _COERCE: dict[str, Callable[[str, Any], Any]] = {
 }
 
 
+# each chunk in flight holds a staging buffer of chunk bytes per lane on the KV device
+_MAX_TRANSFER_DEPTH = 8
+
+
 def _f(default: Any, kind: str, doc: str) -> Any:
     """A config field with its coercion kind and a one-line meaning."""
     return field(default=default, metadata={"kind": kind, "doc": doc})
@@ -438,6 +442,12 @@ class KVTierConfig:
         "float",
         "GIL switch interval set in each process kvtier runs in (lowered, never raised), so its "
         "lookup server and copy lanes wait at most this long for the GIL; 0 = the interpreter's",
+    )
+    transfer_depth: int = _f(
+        2,
+        "int",
+        "chunks each copy lane keeps in flight (one staging buffer each): the host commits or "
+        "unpins the oldest while the next ones cross the link; 1 = one chunk at a time",
     )
     lane_cpus: str = _f(
         "auto",
@@ -708,6 +718,13 @@ class KVTierConfig:
                 "sync_load_fraction",
                 f"{_show('sync_load_fraction', self.sync_load_fraction)} is negative; use 0 "
                 "for asynchronous loads only, or a share of a step such as 0.25 (the default)",
+            )
+        if not 1 <= self.transfer_depth <= _MAX_TRANSFER_DEPTH:
+            raise _error(
+                "transfer_depth",
+                f"{_show('transfer_depth', self.transfer_depth)} is outside 1.."
+                f"{_MAX_TRANSFER_DEPTH}; use 2 (the default: one chunk committed while the next "
+                "crosses the link) or 3-4 on links the host cannot keep busy",
             )
         if self.gil_switch_ms < 0:
             raise _error(

@@ -1,4 +1,4 @@
-"""`kvtier bench tier --device cuda|cpu`: save and load GB/s through the offload worker's real
+"""`kvtier bench tier --device cuda|cpu|sim`: save and load GB/s through the offload worker's real
 path (lanes, device staging, codec, memory tier), next to a raw pinned `copy_` of the same bytes
 in the same run, and the host time a step's saves hold `wait_for_save`.
 
@@ -78,7 +78,13 @@ def _sync(device: torch.device) -> None:
 
 
 def run_datapath(report: Report, device_name: str, reps: int, warmup: int, say: Callable) -> None:
-    """Add the device rows to `report` (save, load and raw copies per model; wait_for_save)."""
+    """Add the device rows to `report` (save, load and raw copies per model; wait_for_save);
+    `device_name` "sim": the simulated device's rows instead (`kvtier.bench.datapath_sim`)."""
+    if device_name == "sim":
+        from kvtier.bench.datapath_sim import run_sim
+
+        run_sim(report, max(reps // 3, 3), say)
+        return
     device = torch.device(device_name)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)

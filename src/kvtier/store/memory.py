@@ -95,7 +95,7 @@ class MemoryTier:
         self.verify_reads = verify_reads
         self._m = metrics
         # exact size (torch's pinned allocator would round it up to a power of two)
-        self._arena = HostArena(num_slots * slot_bytes, pin=pin)
+        self._arena = HostArena(num_slots * slot_bytes, pin=pin, align=slot_bytes)
         self._buf = self._arena.tensor
         # a numpy view of the same memory: zero-copy hashing and bytes-like copies
         self._np = self._buf.numpy()
@@ -428,6 +428,10 @@ class MemoryTier:
                 frequent=self._policy.frequent_count,
                 leases=len(self._leases),
             )
+
+    def abandon_arena(self) -> None:
+        """A device copy may still use the arena: `close` keeps it allocated and registered."""
+        self._arena.abandon()
 
     def close(self) -> None:
         """Free the buffer; every later read, write or lease call raises RuntimeError."""
