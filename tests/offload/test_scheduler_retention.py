@@ -174,3 +174,32 @@ def test_hints_from_request_parameters_in_openais_names() -> None:
     ):
         with pytest.raises(ValueError, match=word):
             hint_from_params(bad)
+
+
+def test_a_chunk_two_conversations_retain_stays_until_both_let_go() -> None:
+    clock = FakeClock()
+    ledger = RetentionLedger(10, tenant_share=1.0, default_ttl_s=60, max_ttl_s=600, clock=clock)
+    system = [bytes([1]) * 16, bytes([2]) * 16]  # a shared system prompt
+    a, b = [*system, bytes([3]) * 16], [*system, bytes([4]) * 16]
+    ledger.decide(a, RetentionHint(session="a", tenant="t"), 1)
+    ledger.decide(b, RetentionHint(session="b", tenant="t"), 1)
+    assert ledger.retained_chunks() == 4
+    # a lets go: only its own chunk leaves; the shared ones stay for b
+    assert ledger.release(a, ("t", "a")) == [bytes([3]) * 16]
+    assert ledger.retained_chunks() == 3
+    assert ledger.release(b, ("t", "b")) == b
+    assert ledger.retained_chunks() == 0
+
+
+def test_releasing_a_conversation_sends_the_ranks_only_what_nobody_holds() -> None:
+    sched, lookup, _ = make()
+    shared = prompt(9, 2)
+    a = [*shared, *range(50_000, 50_000 + CHUNK)]
+    b = [*shared, *range(60_000, 60_000 + CHUNK)]
+    serve(sched, HintedView("a", a, RetentionHint(session="a")), len(a))
+    serve(sched, HintedView("b", b, RetentionHint(session="b")), len(b))
+    keys_a = sched.keys_for(session="a")
+    sched.admin("release", keys_a, ("", "a"))
+    op, keys, _, _ = lookup.admins[-1]
+    assert op == "release" and keys == keys_a[2:]  # the shared two chunks stay retained
+    assert sched.retention.retained_chunks() == 3  # b's three

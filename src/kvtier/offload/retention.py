@@ -63,6 +63,14 @@ class RetentionDecision:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class AdminCount:
+    """One rank's answer to an admin call: keys acted on (None: no answer) and why not."""
+
+    count: int | None
+    error: str | None
+
+
 # OpenAI's prompt_cache_retention values (older SDKs sent "in-memory"); None: the default TTL
 OPENAI_RETENTION: dict[str, float | None] = {"in_memory": None, "in-memory": None, "24h": 86400.0}
 MAX_SESSION_CHARS = 256
@@ -118,6 +126,9 @@ class RetentionLedger:
         self._clock = clock
         self._lock = threading.Lock()
         self._until: dict[bytes, tuple[float, str]] = {}  # key -> (deadline, tenant)
+        # key -> who retains it ((tenant, session) -> deadline): a chunk several conversations
+        # share (a system prompt) stays retained until the last of them lets it go
+        self._holders: dict[bytes, dict[tuple[str, str], float]] = {}
         self._per_tenant: dict[str, int] = {}
         # (deadline, key) of every deadline set, oldest first; stale once the key moved on
         self._deadlines: list[tuple[float, bytes]] = []
@@ -152,7 +163,10 @@ class RetentionLedger:
                     tenant_room -= 1
                 granted += 1
             until = now + ttl
+            holder = (hint.tenant, hint.session)
             for key in keys[:granted]:
+                held = self._holders.setdefault(key, {})
+                held[holder] = max(held.get(holder, 0.0), until)
                 old = self._until.get(key)
                 if old is None:
                     self._per_tenant[hint.tenant] = self._per_tenant.get(hint.tenant, 0) + 1
@@ -171,10 +185,26 @@ class RetentionLedger:
         with self._lock:
             self._note(tenant, session, keys)
 
-    def release(self, keys: Sequence[bytes]) -> int:
-        """Stop counting `keys` as retained; how many were."""
+    def release(
+        self, keys: Sequence[bytes], holder: tuple[str, str | None] | None = None
+    ) -> list[bytes]:
+        """Let `holder` ((tenant, session); session None: any of the tenant's; None: everyone)
+        stop retaining `keys`; the keys nobody retains any more, which the ranks may release."""
         with self._lock:
-            return sum(self._drop(k) for k in keys)
+            gone = []
+            for key in keys:
+                held = self._holders.get(key)
+                if held is None:
+                    continue
+                if holder is not None:
+                    tenant, session = holder
+                    for h in [h for h in held if h[0] == tenant and session in (None, h[1])]:
+                        del held[h]
+                    if held:
+                        continue
+                if self._drop(key):
+                    gone.append(key)
+            return gone
 
     def keys_of(self, session: str | None, tenant: str) -> list[bytes]:
         """The keys conversation `session` of `tenant` owns, or with `session` None every key
@@ -189,7 +219,8 @@ class RetentionLedger:
             return list(out)
 
     def forget(self, session: str | None, tenant: str) -> None:
-        """Drop the conversation (every one of the tenant's with `session` None)."""
+        """Drop the conversation (every one of the tenant's with `session` None): its chunks
+        are deleted from the tiers, so nobody retains them any more."""
         with self._lock:
             for sk in [sk for sk in self._sessions if sk[0] == tenant]:
                 if session is None or sk[1] == session:
@@ -228,6 +259,7 @@ class RetentionLedger:
             self._sessions.popitem(last=False)
 
     def _drop(self, key: bytes) -> bool:
+        self._holders.pop(key, None)
         entry = self._until.pop(key, None)
         if entry is None:
             return False

@@ -29,7 +29,9 @@ class RetentionCore(Protocol):
 
     def retain_keys(self, keys: Sequence[bytes], hint: RetentionHint) -> RetentionDecision: ...
 
-    def admin(self, op: str, keys: Sequence[bytes]) -> dict[int, Any]: ...
+    def admin(
+        self, op: str, keys: Sequence[bytes], holder: tuple[str, str | None] | None = None
+    ) -> dict[int, Any]: ...
 
 
 def run_admin(
@@ -66,7 +68,9 @@ def run_admin(
     if not keys:
         out["ranks"] = {}
         return out
-    answers = core.admin(op, keys)
+    # a release by conversation or tenant lets go of what no other conversation retains
+    holder = None if prompt is not None else (tenant, None if whole_tenant else session)
+    answers = core.admin(op, keys, holder) if op == "release" else core.admin(op, keys)
     out["ranks"] = {str(r): a.count for r, a in answers.items()}
     missing = {str(r): a.error or "no answer" for r, a in answers.items() if a.count is None}
     errors = {str(r): a.error for r, a in answers.items() if a.error and a.count is not None}

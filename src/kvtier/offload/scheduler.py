@@ -26,7 +26,12 @@ from kvtier.offload.hooks import HOOK_ERROR, HookGuard, shown_id
 from kvtier.offload.messages import ChunkRef, LoadOp, OffloadMeta, SaveOp, WorkerReport
 from kvtier.offload.protocols import LookupPort, RequestView, StepRequest
 from kvtier.offload.quorum import Quorum, Terminal
-from kvtier.offload.retention import RetentionDecision, RetentionHint, RetentionLedger
+from kvtier.offload.retention import (
+    AdminCount,
+    RetentionDecision,
+    RetentionHint,
+    RetentionLedger,
+)
 from kvtier.offload.steps import LOOKUP, META, REPORTS, HookClock
 
 log = logging.getLogger("kvtier")
@@ -46,6 +51,8 @@ BEHIND_LOAD = "behind_inflight_load"
 BEHIND_SAVE = "behind_inflight_save"
 # retention decisions kept for hosts to read; an unread one goes after this many newer ones
 _DECISIONS_KEPT = 4096
+# the ranks' answer to an admin request with no key left to send
+_NOTHING = AdminCount(0, None)
 # an admin call waits this long for the ranks (prefetch and forget touch disk and the store)
 _ADMIN_TIMEOUT_MS = 5000
 # a retention budget the scheduler cannot size (chunk bytes unknown): the ranks bound it
@@ -823,11 +830,19 @@ class OffloadScheduler:
         self._m.retained_chunks.set(self.retention.retained_chunks())
         return decision
 
-    def admin(self, op: str, keys: Sequence[bytes]) -> dict[int, Any]:
-        """Release, prefetch or forget `keys` on every rank; the ranks' answers."""
-        if op in ("release", "forget"):
+    def admin(
+        self, op: str, keys: Sequence[bytes], holder: tuple[str, str | None] | None = None
+    ) -> dict[int, Any]:
+        """Release, prefetch or forget `keys` on every rank; the ranks' answers. A release by
+        `holder` (tenant, session) lets go only of what no other conversation still retains."""
+        if op == "release":
+            keys = self.retention.release(keys, holder)
+        elif op == "forget":
             self.retention.release(keys)
+        if op in ("release", "forget"):
             self._m.retained_chunks.set(self.retention.retained_chunks())
+        if not keys:
+            return {r: _NOTHING for r in range(self.world)}
         # a forgotten chain's head stays in the saved heads: its next lookup asks the ranks,
         # which answer the truth (a miss)
         return dict(self._lookup.admin(op, keys, timeout_ms=_ADMIN_TIMEOUT_MS))
