@@ -4,15 +4,14 @@ they depend on this host's load)."""
 
 from __future__ import annotations
 
-from kvtier.bench.datapath import run_datapath
-from kvtier.bench.datapath_sim import SIM_TARGET
+from kvtier.bench.datapath_sim import SIM_TARGET, run_sim
 from kvtier.bench.table import Report
 
 
 def test_sim_rows_put_the_pipeline_next_to_the_serial_design() -> None:
     report = Report("tier", "sim")
     said: list[str] = []
-    run_datapath(report, "sim", 3, 1, said.append)
+    run_sim(report, 3, said.append)
     doc = report.to_json()
     rows = {r["id"]: r for r in doc["rows"]}
     want = {

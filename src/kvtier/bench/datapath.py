@@ -19,7 +19,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from kvtier.bench.table import Report, Row, Target
-from kvtier.bench.tier import _gbps_row, _interleave, _Keys
+from kvtier.bench.tier_common import Keys, gbps_row, interleave
 from kvtier.config import KVTierConfig
 from kvtier.metrics import Metrics
 from kvtier.offload.messages import ChunkRef, LoadOp, OffloadMeta, SaveOp
@@ -79,12 +79,7 @@ def _sync(device: torch.device) -> None:
 
 def run_datapath(report: Report, device_name: str, reps: int, warmup: int, say: Callable) -> None:
     """Add the device rows to `report` (save, load and raw copies per model; wait_for_save);
-    `device_name` "sim": the simulated device's rows instead (`kvtier.bench.datapath_sim`)."""
-    if device_name == "sim":
-        from kvtier.bench.datapath_sim import run_sim
-
-        run_sim(report, max(reps // 3, 3), say)
-        return
+    the simulated device has its own (`kvtier.bench.datapath_sim`)."""
     device = torch.device(device_name)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
@@ -105,8 +100,8 @@ def run_datapath(report: Report, device_name: str, reps: int, warmup: int, say: 
         save, load, raw_d2h, raw_h2d, submit = _measure(model, layout, device, reps, warmup)
         n = model.chunk_bytes
         tag = f"datapath.{device.type}.{model.name.split(' ')[0].lower()}"
-        _gbps_row(report, f"{tag}.save", f"{model.name}: save {note}", n, save, raw_d2h, ratio)
-        _gbps_row(report, f"{tag}.load", f"{model.name}: load", n, load, raw_h2d, ratio)
+        gbps_row(report, f"{tag}.save", f"{model.name}: save {note}", n, save, raw_d2h, ratio)
+        gbps_row(report, f"{tag}.load", f"{model.name}: load", n, load, raw_h2d, ratio)
         report.add(
             Row(
                 f"{tag}.wait_for_save",
@@ -150,7 +145,7 @@ def _measure(
     devs = itertools.cycle(
         [torch.zeros(n, dtype=torch.uint8, device=device) for _ in range(CHUNKS_IN_POOL)]
     )
-    keys = _Keys(f"datapath-{model.name}")
+    keys = Keys(f"datapath-{model.name}")
     blocks = itertools.cycle([list(range(c * k, (c + 1) * k)) for c in range(CHUNKS_IN_POOL)])
     ops = itertools.count()
     # touch every slot of the tier first (saves then evict, as in service), so no timed copy
@@ -195,7 +190,7 @@ def _measure(
         return 0.0
 
     try:
-        times = _interleave(
+        times = interleave(
             {
                 "save": save,
                 "load": load,

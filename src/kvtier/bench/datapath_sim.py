@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from kvtier.bench.datapath import BLOCK, CHUNK, KVModel, kv_views
 from kvtier.bench.table import Report, Row, Target
-from kvtier.bench.tier import _Keys
+from kvtier.bench.tier_common import Keys
 from kvtier.config import KVTierConfig
 from kvtier.metrics import Metrics
 from kvtier.offload.messages import ChunkRef, LoadOp, OffloadMeta, SaveOp
@@ -125,7 +125,7 @@ def _measure(
     )
     link_bps = gbps * 1e9 / scale  # the modelled engine's bandwidth, in stretched time
     fractions: dict[str, list[float]] = {"save": [], "load": []}
-    keys = _Keys(f"datapath-sim-{gbps}-{depth}")
+    keys = Keys(f"datapath-sim-{gbps}-{depth}")
     ids = itertools.count()
     blocks = [list(range(c * k, (c + 1) * k)) for c in range(SIM_CHUNKS)]
     try:
