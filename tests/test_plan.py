@@ -640,3 +640,43 @@ def test_trace_errors_name_the_line_and_the_flag(tmp_path: Path) -> None:
     assert small_block.exit_code == 2
     want = "trace.jsonl:1: input_length 300 needs more than its 3 hash ids of 16"
     assert want in small_block.stderr
+
+
+# gpt-oss-shaped: 128-token sliding windows on every other layer (HF `layer_types`)
+GPT_OSS_LIKE = {
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "hidden_size": 512,
+    "torch_dtype": "bfloat16",
+    "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+}
+
+
+def test_sliding_window_layers_cost_window_bytes_per_chunk_in_the_tier() -> None:
+    work = SyntheticWorkload(1, 100)
+    per_layer = 2 * 2 * 64 * 2  # K and V, 2 heads, 64 dims, bf16
+    # 16-token blocks, 256-token chunks: a sliding layer stores the 8 blocks its window reads
+    r = plan(GPT_OSS_LIKE, hbm_tokens=1024, tier_bytes=GiB, workload=work, block_size=16)
+    assert r.bytes_per_token == 4 * per_layer
+    assert r.tier_token_bytes == 2 * per_layer + 2 * per_layer // 2
+    assert r.tier_tokens == GiB // r.tier_token_bytes
+    assert r.to_json()["tier_bytes_per_token_per_rank"] == 3 * per_layer
+    # a window wider than the chunk stores the whole chunk: no saving
+    wide = {**GPT_OSS_LIKE, "sliding_window": 4096}
+    r = plan(wide, hbm_tokens=1024, tier_bytes=GiB, workload=work, block_size=16)
+    assert r.tier_token_bytes == r.bytes_per_token
+    # a dense config is unchanged
+    dense = {k: v for k, v in GPT_OSS_LIKE.items() if k != "layer_types"}
+    assert plan(dense, hbm_tokens=1024, tier_bytes=GiB, workload=work).tier_bytes_per_token == 0
+
+
+def test_hybrid_tier_bytes_need_whole_blocks_per_chunk_and_print_in_the_table() -> None:
+    work = SyntheticWorkload(1, 100)
+    with pytest.raises(ConfigError, match="--chunk-size 100 is not a whole number of --block-size"):
+        plan(GPT_OSS_LIKE, hbm_tokens=1024, tier_bytes=GiB, workload=work, chunk_size=100)
+    r = plan(GPT_OSS_LIKE, hbm_tokens=1024, tier_bytes=GiB, workload=work, chunk_size=1024)
+    # 1024-token chunks of 16-token blocks: a sliding layer stores 8 of 64 blocks
+    assert r.tier_token_bytes == 2 * 512 + 2 * 512 * 8 // 64

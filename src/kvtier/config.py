@@ -465,7 +465,10 @@ class KVTierConfig:
     breaker_probe_s: float = _f(5.0, "float", "seconds before an open breaker probes again")
     self_test: bool = _f(True, "bool", "move one chunk through the codec on every rank at startup")
     preferred_kv_layout: str = _f(
-        "BLHNC", "str", "KV layout asked of vLLM ('' = no preference); BLHNC: one page per block"
+        "LBNHC",
+        "str",
+        "KV layout asked of vLLM ('' = no preference); LBNHC (layer-outer) is one vLLM splits "
+        "into kernel blocks; BLHNC (one page per block) only where no kernel split is needed",
     )
     model_revision: str | None = _f(
         None, "opt_str", "folded into the model identity; change it when weights change in place"

@@ -123,6 +123,91 @@ def tiny_vllm_model_f32(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_model(tmp_path_factory.mktemp("vllm-model-f32") / "tiny", dtype="float32")
 
 
+SLIDING_WINDOW = 128
+
+
+def make_hybrid_model(
+    directory: Path, pattern: tuple[str, ...], window: int, dtype: str = "bfloat16"
+) -> Path:
+    """The tiny bf16 Llama with per-layer attention kinds (`layer_types`, gpt-oss-shaped:
+    sliding-window layers of `window` tokens next to full-attention ones), which vLLM's Llama
+    reads and its hybrid memory allocator turns into one KV cache group per kind."""
+    model = init_model(directory, dtype=dtype, layers=len(pattern))
+    path = model / "config.json"
+    config = json.loads(path.read_text())
+    config.update({"layer_types": list(pattern), "sliding_window": window})
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_model_f32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """gpt-oss-shaped tiny model, float32: sliding-window (128 tokens) and full attention
+    alternating (float32: tests/vllm/test_hybrid_vllm.py says why)."""
+    pattern = ("sliding_attention", "full_attention") * 2
+    return make_hybrid_model(tmp_path_factory.mktemp("vllm-hybrid-f32") / "tiny", pattern,
+                             SLIDING_WINDOW, "float32")  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tiny_sliding_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every layer sliding-window attention: one SlidingWindowSpec group (refused)."""
+    pattern = ("sliding_attention",) * 2
+    return make_hybrid_model(tmp_path_factory.mktemp("vllm-sliding") / "tiny", pattern,
+                             SLIDING_WINDOW)  # fmt: skip
+
+
+# Qwen3-Next-shaped (gated delta net linear attention next to full attention), tiny; vLLM's CPU
+# backend starts it with random weights (load_format "dummy")
+GDN_HYBRID = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "vocab_size": 2048,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "full_attention"] * 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 64,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_value_head_dim": 64,
+    "max_position_embeddings": 4096,
+    "mlp_only_layers": [],
+    "decoder_sparse_step": 1,
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "partial_rotary_factor": 0.25,
+    "rope_parameters": {
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 10000.0,
+        "rope_type": "default",
+    },  # fmt: skip
+    "rms_norm_eps": 1e-6,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "dtype": "bfloat16",
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_gdn_hybrid_model(tmp_path_factory: pytest.TempPathFactory, tiny_vllm_model: Path) -> Path:
+    """A config-only Qwen3-Next-shaped model directory (tokenizer of the tiny Llama)."""
+    out = tmp_path_factory.mktemp("vllm-gdn") / "tiny"
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(GDN_HYBRID, indent=2) + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (out / name).write_bytes((tiny_vllm_model / name).read_bytes())
+    return out
+
+
 @pytest.fixture(scope="session")
 def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Environment of every driver: offline, 1 GiB of KV, caches and sockets in the test tmp."""

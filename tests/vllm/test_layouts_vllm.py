@@ -16,10 +16,11 @@ def test_rebuilt_views_equal_vllms_for_every_layout_and_split(
     cases = result["cases"]
     # MLA latents (one TP shard) are stored once below memory; GQA heads are per rank
     assert result["replicated"] == {"mla_tp2": True, "mla_tp1": False, "gqa_tp2": False}
-    # kvtier asks for the cross-layer layout off CPU (vLLM's CPU attention reads LBHNC only)
+    # off CPU kvtier asks for a layer-outer layout vLLM can split into kernel blocks (vLLM's CPU
+    # attention reads LBHNC only)
     assert result["required_layout"] == {
         "cpu": None,
-        "gpu": "BLHNC",
+        "gpu": "LBNHC",
         "gpu_no_preference": None,
         "gpu_blnhc": "BLNHC",
     }

@@ -10,6 +10,7 @@ whose row `b` is block `b`'s bytes; the codec moves whole rows and never guesses
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ import torch
 
 from kvtier.errors import LayoutError
 from kvtier.keys import digest16
+from kvtier.offload.groups import GroupSpec
 
 _PAGES_DOMAIN = "kvtier.pages.v1"
 
@@ -37,6 +39,11 @@ class KVCacheDescription:
     # CPU backend writes "amx" pages on AMX CPUs and "vec" pages elsewhere, same shape, other
     # order): part of the fingerprint, so hosts whose kernels disagree never share a record.
     page_format: str = ""
+    # A hybrid registration: one entry per KV cache group (its kind, block size and layers).
+    # Groups share one block pool, so their tensors may alias: a block id belongs to one group
+    # at a time, and each group's pages are described from its own layers only. Empty: every
+    # tensor is one group (the layout of every non-hybrid model).
+    groups: tuple[GroupSpec, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +85,9 @@ class KVPages:
     fingerprint: bytes
     dtype: str
     page_format: str = ""
+    # a hybrid registration: each group's own pages, in group order (empty otherwise)
+    groups: tuple[KVPages, ...] = ()
+    group_specs: tuple[GroupSpec, ...] = ()
 
     @property
     def bytes_per_block(self) -> int:
@@ -97,6 +107,11 @@ class KVPages:
         """One line for the startup log."""
         runs = sum(len(s.runs) for s in self.segments)
         fmt = f", page format {self.page_format}" if self.page_format else ""
+        if self.groups:
+            fmt += ", groups " + ", ".join(
+                f"{spec.describe()} ({len(spec.layers)} layers, {g.bytes_per_block} B/block)"
+                for spec, g in zip(self.group_specs, self.groups, strict=True)
+            )
         return (
             f"layout {self.layout}{fmt}: {len(self.segments)} segment(s) over {runs} view(s), "
             f"{self.bytes_per_block} B/block, {self.num_blocks} blocks on {self.device}"
@@ -114,6 +129,8 @@ def describe_pages(desc: KVCacheDescription) -> KVPages:
     """Segments of the described KV cache; LayoutError names the view, the layout and the fix."""
     if not desc.tensors:
         raise LayoutError("no KV cache tensors were registered; nothing can be offloaded")
+    if desc.groups:
+        return _describe_groups(desc)
     if desc.num_blocks <= 0 or desc.block_size <= 0:
         raise LayoutError(
             f"num_blocks={desc.num_blocks} and block_size={desc.block_size} must be positive"
@@ -139,6 +156,61 @@ def describe_pages(desc: KVCacheDescription) -> KVPages:
         fingerprint=_fingerprint(desc, segments),
         dtype="+".join(dtypes),
         page_format=desc.page_format,
+    )
+
+
+def _describe_groups(desc: KVCacheDescription) -> KVPages:
+    """A hybrid registration's pages: each group described from its own layers (groups alias
+    one pool, so their runs are never merged), the fingerprint over every group's spec."""
+    owner: dict[str, int] = {}
+    for i, spec in enumerate(desc.groups):
+        if spec.block_size != desc.block_size:
+            raise LayoutError(
+                f"KV cache group {i} ({spec.describe()}) has block size {spec.block_size}, the "
+                f"registration {desc.block_size}; kvtier needs one block size for every group"
+            )
+        for name in spec.layers:
+            if name in owner:
+                raise LayoutError(
+                    f"KV tensor {name!r} is in KV cache groups {owner[name]} and {i}; a layer "
+                    "belongs to one group"
+                )
+            owner[name] = i
+    missing = sorted(set(desc.tensors) - set(owner))
+    absent = sorted(set(owner) - set(desc.tensors))
+    if missing or absent:
+        raise LayoutError(
+            f"the KV cache groups do not match the registered tensors: tensors in no group "
+            f"{missing}, group layers with no tensor {absent}; register every group's layers"
+        )
+    parts = []
+    for i, spec in enumerate(desc.groups):
+        if not spec.layers:
+            raise LayoutError(f"KV cache group {i} ({spec.describe()}) has no layers")
+        sub = dataclasses.replace(
+            desc, tensors={n: desc.tensors[n] for n in spec.layers}, groups=()
+        )
+        parts.append(describe_pages(sub))
+    devices = {p.device for p in parts}
+    if len(devices) > 1:
+        raise LayoutError(
+            f"KV cache groups live on several devices {sorted(map(str, devices))}; one rank's "
+            "KV cache must be on one device"
+        )
+    fields: list[bytes | str | int] = ["groups", desc.block_size, len(parts)]
+    for spec, p in zip(desc.groups, parts, strict=True):
+        fields += [spec.kind, spec.block_size, spec.reach, p.fingerprint]
+    return KVPages(
+        num_blocks=desc.num_blocks,
+        block_size=desc.block_size,
+        layout=desc.layout,
+        segments=tuple(s for p in parts for s in p.segments),
+        device=devices.pop(),
+        fingerprint=digest16(_PAGES_DOMAIN, fields),
+        dtype="+".join(sorted({d for p in parts for d in p.dtype.split("+")})),
+        page_format=desc.page_format,
+        groups=tuple(parts),
+        group_specs=desc.groups,
     )
 
 

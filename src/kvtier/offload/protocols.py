@@ -42,6 +42,9 @@ class StepRequest:
 
     view: RequestView
     computed_after_step: int
+    # tokens computed when the step started (None: the view's num_computed_tokens); a hybrid
+    # host frees sliding-window blocks below this count's window before the step runs
+    computed_before_step: int | None = None
 
 
 class LookupResultLike(Protocol):

@@ -21,6 +21,7 @@ from kvtier.keys import chain_keys, key_seed
 from kvtier.metrics import Metrics
 from kvtier.offload.admission import DECISIONS, AdmissionPolicy
 from kvtier.offload.gate import LoadGate
+from kvtier.offload.groups import ChunkGroups
 from kvtier.offload.heads import SavedHeads, private_tiers
 from kvtier.offload.hooks import HOOK_ERROR, HookGuard, shown_id
 from kvtier.offload.messages import ChunkRef, LoadOp, OffloadMeta, SaveOp, WorkerReport
@@ -57,6 +58,9 @@ _NOTHING = AdminCount(0, None)
 _ADMIN_TIMEOUT_MS = 5000
 # a retention budget the scheduler cannot size (chunk bytes unknown): the ranks bound it
 _UNBOUNDED = 1 << 40
+# load failure reason: a hybrid load's run needs sliding-window blocks its chunks do not store
+# (a claim the host cut short of a chunk boundary); the host recomputes it
+WINDOW = "window_not_stored"
 
 
 @dataclass
@@ -69,6 +73,7 @@ class _Load:
     sync: bool = False  # finished inside its step's forward, its request never parked
     step: int = 0  # the engine step that sent it to the ranks
     fail: str = ""  # sent as a load every rank fails at once (a hook failed after the promise)
+    tables: list[list[int]] | None = None  # a hybrid load: every KV cache group's block table
 
 
 @dataclass
@@ -88,6 +93,7 @@ class _Req:
     save_wait_t0: float | None = None  # when it began waiting for another request's save
     load_wait_t0: float | None = None  # when it began waiting for another request's load
     hbm_floor: int | None = None  # tokens the HBM held at its first ask (computed before it)
+    asked_hbm: int = 0  # tokens the HBM held at its latest ask (the allocation that follows)
     epoch: int = 0  # the namespace epoch its keys belong to
     quarantined: bool = False  # a hook failed for it: no lookup, load or save from now on
     readmitted: bool = False  # preempted once: later admissions are not first admissions
@@ -127,13 +133,17 @@ class OffloadScheduler:
         saves: bool = True,
         cold_misses: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
+        groups: ChunkGroups | None = None,
     ) -> None:
         """`bytes_per_token` (per rank) turns the config's read-bandwidth seeds into token rates
         for the load gate; `load_tokens_per_s` overrides the seed outright. `loads=False` never
         loads (a prefill producer), `saves=False` never saves (a decode consumer).
         `cold_misses` answers a never-saved first chunk 0 without a lookup (default: where this
         scheduler is its tiers' only writer); False asks the ranks always, as a lookup port
-        filled by others needs. `clock` bounds the wait behind another request's save."""
+        filled by others needs. `clock` bounds the wait behind another request's save.
+        `groups` is a hybrid registration's chunk layout (`kvtier.offload.groups`): requests
+        then give every group's block table (`group_block_ids`), and each chunk carries every
+        group's positions."""
         self.config = config
         self.loads = loads
         self.saves = saves
@@ -163,6 +173,17 @@ class OffloadScheduler:
         self._saving: Counter[bytes] = Counter()
         self._save_keys: dict[str, list[bytes]] = {}
         self._clock = clock
+        self.groups = groups
+        if groups is not None and groups.block_size != block_size:
+            raise ValueError(
+                f"the KV cache groups' block size {groups.block_size} is not block_size="
+                f"{block_size}"
+            )
+        # sliding-window blocks each save in flight reads (op id -> block ids): the host frees
+        # such blocks while the request runs, and one handed to another request before the save
+        # read it must not commit (the save is cancelled as for a preemption)
+        self._window_reads: dict[str, set[int]] = {}
+        self._reused: set[str] = set()
         seeds = {}
         if bytes_per_token:
             seeds = {
@@ -230,6 +251,7 @@ class OffloadScheduler:
 
     def _matched(self, req: RequestView, num_computed_tokens: int) -> int | None:
         st = self._state(req)
+        st.asked_hbm = num_computed_tokens
         if st.quarantined:
             return 0
         if st.hbm_floor is None:
@@ -298,8 +320,14 @@ class OffloadScheduler:
         # only runs every rank holds in host memory qualify (a lookup that names no tier: only
         # a memory-only stack's)
         tier = st.hit_tier or self._sync_tier
-        sync = tier == "memory" and self.gate.runs_in_forward(
-            tokens, self.config.sync_load_fraction, self._sync_booked_s, tier
+        # a hybrid host can only take back a whole request whose load failed while it waits
+        # (vLLM's failed_recving; block ids are per group), so a hybrid load never runs sync
+        sync = (
+            self.groups is None
+            and tier == "memory"
+            and self.gate.runs_in_forward(
+                tokens, self.config.sync_load_fraction, self._sync_booked_s, tier
+            )
         )
         if sync:
             self._sync_booked_s += self.gate.transfer_seconds(tokens, tier)
@@ -417,6 +445,8 @@ class OffloadScheduler:
                 f"token {load.end}, which needs {need_blocks}"
             )
         load.block_ids = list(block_ids)
+        if self.groups is not None:
+            load.tables = _tables(req)
         self._track(st, load, +1)
         return load.end - load.hbm
 
@@ -447,7 +477,13 @@ class OffloadScheduler:
         self._sync_booked_s = 0.0
         self._sync_done_s = 0.0
         self._step_t0 = time.perf_counter() if scheduled else None
-        meta = OffloadMeta(preempted=sorted(preempted))
+        cancel = set(preempted)
+        if self._reused:
+            # saves that read sliding-window blocks the host has handed out again this step:
+            # cancelled before the step's forward writes them (chunks copied before commit)
+            cancel |= self._reused
+            self._reused = set()
+        meta = OffloadMeta(preempted=sorted(cancel))
         for st in list(self._reqs.values()):
             load = st.load
             if load is not None and load.block_ids is not None and load.op_id is None:
@@ -481,7 +517,10 @@ class OffloadScheduler:
     def _failing_load(self, st: _Req, load: _Load) -> LoadOp:
         assert load.block_ids is not None
         first = load.hbm // self.chunk
-        claimed = load.block_ids[load.hbm // self.block_size : -(-load.end // self.block_size)]
+        if self.groups is not None and load.tables is not None:
+            claimed = self.groups.claimed(load.tables, load.hbm, load.end)
+        else:
+            claimed = load.block_ids[load.hbm // self.block_size : -(-load.end // self.block_size)]
         load.op_id = f"ld{next(self._nonce)}"
         load.step = self._step
         self._quorum.open(load.op_id)
@@ -502,7 +541,15 @@ class OffloadScheduler:
         first = load.hbm // self.chunk
         last = -(-load.end // self.chunk)
         chunks = []
-        for c in range(first, last):
+        if self.groups is not None:
+            assert load.tables is not None
+            for c in range(first, last):
+                group_ids = self.groups.load_ids(load.tables, c, load.hbm, load.end)
+                if group_ids is None:
+                    load.fail = WINDOW
+                    return self._failing_load(st, load)
+                chunks.append(ChunkRef(st.keys[c], group_ids, _parent(st.keys, c)))
+        for c in range(first, last) if self.groups is None else ():
             ids = []
             for b in range(self.blocks_per_chunk):
                 token = (c * self.chunk) + b * self.block_size
@@ -546,6 +593,8 @@ class OffloadScheduler:
         aligned = (min(computed, st.admit_limit * self.chunk) // self.chunk) * self.chunk
         if aligned <= st.emitted:
             return None
+        if self.groups is not None:
+            return self._emit_group_save(st, item, aligned)
         blocks = item.view.block_ids
         if len(blocks) * self.block_size < aligned:
             raise ValueError(
@@ -571,6 +620,62 @@ class OffloadScheduler:
         op = SaveOp(op_id, st.req_id, chunks, aligned - st.emitted, st.emitted // self.chunk)
         st.emitted = aligned
         return op
+
+    def _emit_group_save(self, st: _Req, item: StepRequest, aligned: int) -> SaveOp | None:
+        """A hybrid request's save of chunks [emitted, aligned): every group's positions of
+        each chunk. Leading chunks whose sliding-window blocks the host no longer holds (freed
+        below its window, or null blocks under an HBM hit) are passed over for good."""
+        groups = self.groups
+        assert groups is not None
+        tables = _tables(item.view)
+        before = item.computed_before_step
+        if before is None:
+            before = item.view.num_computed_tokens
+        start = st.emitted
+        first = max(start // self.chunk, groups.first_saveable(before))
+        chunks: list[ChunkRef] = []
+        window: set[int] = set()
+        end = aligned
+        for c in range(first, aligned // self.chunk):
+            ids = groups.save_ids(tables, c)
+            if ids is None:
+                if chunks:
+                    end = c * self.chunk  # the table ends here: the rest waits for a step
+                    break
+                first = c + 1
+                continue
+            chunks.append(ChunkRef(st.keys[c], ids, _parent(st.keys, c)))
+            window.update(groups.window_ids(ids))
+        st.emitted = end
+        if not chunks:
+            return None
+        op_id = f"sv{next(self._nonce)}"
+        if self._heads is not None:
+            self._heads.add(st.keys[0])
+        self._quorum.open(op_id)
+        self._ops[op_id] = (st.req_id, "save")
+        floor = (st.hbm_floor or 0) // self.chunk
+        self._save_keys[op_id] = [r.key for c, r in enumerate(chunks, first) if c >= floor]
+        self._saving.update(self._save_keys[op_id])
+        if window:
+            self._window_reads[op_id] = window
+        # the chunks passed over count as done: nothing can save them any more
+        st.saves[op_id] = (start, end)
+        return SaveOp(op_id, st.req_id, chunks, end - first * self.chunk, first)
+
+    def blocks_allocated(self, block_ids: Iterable[int]) -> None:
+        """The host handed these blocks to requests this step (any group): a save in flight
+        that reads one of them as a sliding-window block is cancelled in this step's meta."""
+        if not self._window_reads:
+            return
+        fresh = set(block_ids)
+        for op_id, reads in self._window_reads.items():
+            if not reads.isdisjoint(fresh):
+                req_id = self._ops.get(op_id, ("", ""))[0]
+                if req_id:
+                    self._reused.add(req_id)
+                    log.debug("kvtier: save %s cancelled: a window block it reads was reused",
+                              op_id)  # fmt: skip
 
     def _admit(self, st: _Req) -> int:
         """Decide once, before its first save, how many chunks the request may save."""
@@ -629,6 +734,7 @@ class OffloadScheduler:
         return outcome
 
     def _save_terminal(self, st: _Req | None, term: Terminal) -> None:
+        self._window_reads.pop(term.op_id, None)
         for key in self._save_keys.pop(term.op_id, ()):
             self._saving[key] -= 1
             if self._saving[key] <= 0:
@@ -758,6 +864,15 @@ class OffloadScheduler:
         st = self._reqs.get(req_id)
         return "" if st is None else st.hit_tier
 
+    def hbm_floor(self, req_id: str) -> int:
+        """Tokens of the request's own prefix-cache hit that the allocation following its
+        latest ask keeps (0 when unknown or after a preemption): blocks below it are shared
+        and only read."""
+        st = self._reqs.get(req_id)
+        if st is None or st.hbm_floor is None or st.readmitted:
+            return 0
+        return min(st.hbm_floor, st.asked_hbm)
+
     def pending_load(self, req_id: str) -> tuple[int, int] | None:
         """(floor, end) of the request's promised load, for hosts and tests."""
         st = self._reqs.get(req_id)
@@ -865,6 +980,11 @@ class OffloadScheduler:
         if load is None or load.op_id is not None:
             return
         if load.block_ids is None and counted > 0 and block_ids is not None:
+            if self.groups is not None and block_ids and not isinstance(block_ids[0], int):
+                # a hybrid host hands every group's table; given one flat table only, the
+                # failing load claims it alone (the host recomputes every group's tokens)
+                load.tables = [list(t) for t in block_ids]  # type: ignore[arg-type]
+                block_ids = max(load.tables, key=len)
             load.block_ids = list(block_ids)
             load.end = min(load.end, load.hbm + counted)
             self._track(st, load, +1)
@@ -888,6 +1008,7 @@ class OffloadScheduler:
         its load forgotten (so no request waits behind its chunks), its saves rolled back."""
         req_id, kind = self._ops.pop(op_id, (None, ""))
         self._terminals.pop(op_id, None)
+        self._window_reads.pop(op_id, None)
         for key in self._save_keys.pop(op_id, ()):
             self._saving[key] -= 1
             if self._saving[key] <= 0:
@@ -929,6 +1050,17 @@ class OffloadScheduler:
         if count:
             self._m.skipped_load(reason).inc()
         st.load = None
+
+
+def _tables(view: RequestView) -> list[list[int]]:
+    """Every KV cache group's block table of a hybrid request (-1: a block the host dropped)."""
+    tables = getattr(view, "group_block_ids", None)
+    if tables is None:
+        raise TypeError(
+            f"{type(view).__name__} has no group_block_ids; a hybrid registration needs every "
+            "KV cache group's block table from the host"
+        )
+    return [list(t) for t in tables]
 
 
 def _parent(keys: Sequence[bytes], c: int) -> bytes:

@@ -14,6 +14,7 @@ import torch
 
 from kvtier.errors import StartupError
 from kvtier.offload.device import DeviceOps, copy_to
+from kvtier.offload.groups import ChunkGroups
 from kvtier.offload.pages import KVCacheDescription, KVPages, manager_view
 from kvtier.offload.protocols import LookupPort
 
@@ -111,15 +112,23 @@ def codec_round_trip(
 
     `save` and `load` run the worker's real paths and raise on any failure. Raises ValueError
     naming the first tensor whose bytes did not come back."""
-    k = blocks_per_chunk
     nb = desc.num_blocks
+    units = _units(desc, blocks_per_chunk)
+    k = sum(n for _, n in units)
     if nb < k:
         raise ValueError(f"the KV pool has {nb} blocks, fewer than one chunk ({k} blocks)")
-    src = list(range(k))
-    # load into other blocks when the pool has them, so a codec that ignores ids is caught
-    dst = list(range(2 * k - 1, k - 1, -1)) if nb >= 2 * k else src
+    # load into other blocks when the pool has them, so a codec that ignores ids is caught;
+    # the groups of a hybrid registration alias one pool, so each gets blocks of its own
+    src_all = list(range(k))
+    dst_all = list(range(2 * k - 1, k - 1, -1)) if nb >= 2 * k else src_all
     views = {name: manager_view(t, nb) for name, t in desc.tensors.items()}
-    touched = sorted(set(src) | set(dst))
+    plan: dict[str, tuple[list[int], list[int]]] = {}
+    pos = 0
+    for names, n in units:
+        for name in names:
+            plan[name] = (src_all[pos : pos + n], dst_all[pos : pos + n])
+        pos += n
+    touched = sorted(set(src_all) | set(dst_all))
     # blocks are read and written one at a time through the host's own views, never through
     # the codec's index tensors, so a codec that addresses the wrong rows cannot hide
     backup = {name: [v[b].clone() for b in touched] for name, v in views.items()}
@@ -127,17 +136,20 @@ def codec_round_trip(
     pad_backup = [p.bytes().clone() for p in pads]
     try:
         for p in pads:
-            p.bytes().fill_(SRC_SENTINEL if p.block in src else DST_SENTINEL)
-        patterns = {name: _pattern(v, k, i) for i, (name, v) in enumerate(views.items())}
+            p.bytes().fill_(SRC_SENTINEL if p.block in src_all else DST_SENTINEL)
+        patterns = {
+            name: _pattern(v, len(plan[name][0]), i) for i, (name, v) in enumerate(views.items())
+        }
         for name, v in views.items():
-            for i, b in enumerate(src):
+            for i, b in enumerate(plan[name][0]):
                 v[b].copy_(ops.upload(patterns[name][i]))
-        save(src)
+        save(src_all)
         for v in views.values():
             for b in touched:
                 v[b].zero_()
-        load(dst)
+        load(dst_all)
         for name, v in views.items():
+            src, dst = plan[name]
             for i, b in enumerate(dst):
                 got = copy_to(v[b], torch.device("cpu"))
                 if not torch.equal(_as_bytes(got), _as_bytes(patterns[name][i])):
@@ -145,9 +157,10 @@ def codec_round_trip(
                         f"KV tensor {name!r}: block {b} did not receive the bytes saved from "
                         f"block {src[i]}"
                     )
-        _check_padding(pads, src)
+        _check_padding(pads, src_all)
     finally:
-        for name, v in views.items():
+        # restored in reverse, so aliased groups end with the bytes they had
+        for name, v in reversed(views.items()):
             for b, saved in zip(touched, backup[name], strict=True):
                 v[b].copy_(saved)
         for p, saved in zip(pads, pad_backup, strict=True):
@@ -164,6 +177,15 @@ def _check_padding(pads: Sequence[Padding], src: Sequence[int]) -> None:
                 f"block stride) was written by the codec: a save or load touched bytes outside "
                 "the pages it moves"
             )
+
+
+def _units(desc: KVCacheDescription, blocks_per_chunk: int) -> list[tuple[list[str], int]]:
+    """(tensor names, chunk positions) per KV cache group, in the chunk's payload order; one
+    unit of every tensor for a non-hybrid registration."""
+    if not desc.groups:
+        return [(list(desc.tensors), blocks_per_chunk)]
+    layout = ChunkGroups(desc.groups, blocks_per_chunk * desc.block_size)
+    return [(list(g.layers), n) for g, n in zip(layout.groups, layout.positions, strict=True)]
 
 
 def fail_startup(tag: str, device: torch.device, layout: str, err: BaseException) -> StartupError:

@@ -21,6 +21,7 @@ from kvtier.lookup import LookupClient, endpoint_for
 from kvtier.metrics import MergedCollector, Metrics
 from kvtier.offload import messages
 from kvtier.offload.gil import apply_switch_interval
+from kvtier.offload.groups import ChunkGroups
 from kvtier.offload.messages import OffloadMeta, WorkerReport
 from kvtier.offload.protocols import StepRequest
 from kvtier.offload.scheduler import OffloadScheduler
@@ -89,6 +90,7 @@ class SchedulerWiring:
         loads: bool = True,
         saves: bool = True,
         ready_timeout_s: float = READY_TIMEOUT_S,
+        groups: ChunkGroups | None = None,
     ) -> None:
         config, topo = spec.config, spec.topo
         apply_switch_interval(config, "scheduler")
@@ -120,6 +122,7 @@ class SchedulerWiring:
                 bytes_per_token=bytes_per_token,
                 loads=loads,
                 saves=saves,
+                groups=groups,
             )
         except BaseException:
             self.client.close()

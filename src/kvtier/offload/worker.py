@@ -38,6 +38,7 @@ from kvtier.offload import messages
 from kvtier.offload.codec import PageCodec
 from kvtier.offload.device import DeviceOps, Lane, Mark, ops_for
 from kvtier.offload.gil import apply_switch_interval
+from kvtier.offload.group_codec import GroupedCodec, codec_for
 from kvtier.offload.hooks import HOOK_ERROR, HookGuard
 from kvtier.offload.lane import WorkLane
 from kvtier.offload.loading import Buffers, LoadPath, LoadRun, PendingLoad
@@ -106,7 +107,7 @@ class OffloadWorker:
         self.tag = f"kvtier[rank {rank}/{world}]"
         self.guard = HookGuard(self.metrics, self.tag)
         self.stack: TierStack | None = None
-        self.codec: PageCodec | None = None
+        self.codec: PageCodec | GroupedCodec | None = None
         self.pages: KVPages | None = None
         self.server: LookupServer | None = None
         self._ops = ops
@@ -167,7 +168,8 @@ class OffloadWorker:
             )
         else:
             apply_switch_interval(self.config, self.tag)
-        self.codec = codec = PageCodec(pages, chunk // desc.block_size, ops)
+        # a hybrid registration gets one codec per KV cache group (kvtier.offload.group_codec)
+        self.codec = codec = codec_for(pages, chunk // desc.block_size, ops)
         pad = sum(p.length for p in padding(pages, [0]))
         if pad:
             log.warning(
@@ -310,9 +312,8 @@ class OffloadWorker:
                 raise RuntimeError(f"the load path failed: {run.reason or 'nothing read'}")
 
         try:
-            codec_round_trip(
-                desc, self.codec.ops, self.codec.blocks_per_chunk, save, load, self.pages
-            )
+            bpc = self.config.chunk_size // desc.block_size  # a chunk's blocks in each group
+            codec_round_trip(desc, self.codec.ops, bpc, save, load, self.pages)
         except Exception as e:
             assert self.pages is not None
             raise fail_startup(self.tag, self.pages.device, self.pages.layout, e) from e

@@ -84,6 +84,9 @@ def plan_command(
     include_mtp: bool = typer.Option(
         False, "--include-mtp", help="Count MTP/nextn layers (speculative decoding on)."
     ),
+    chunk_size: int = typer.Option(
+        256, "--chunk-size", help="kvtier chunk size in tokens (sliding-window tier bytes)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     png: Path = typer.Option(
         Path("runs/plan-trace.png"),
@@ -102,6 +105,7 @@ def plan_command(
             kv_dtype=kv_dtype,
             tp=tp,
             block_size=block_size,
+            chunk_size=chunk_size,
             hbm_tokens=hbm_tokens,
             hbm_bytes=None if hbm_bytes is None else parse_size(hbm_bytes, "--hbm-bytes"),
             tier_bytes=parse_size(tier_bytes, "--tier-bytes"),

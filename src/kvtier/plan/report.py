@@ -34,6 +34,17 @@ def report_rows(r: PlanResult) -> list[tuple[str, str, str]]:
         ("model", f"{r.model} ({g.kind}, {g.num_layers} layers)", ""),
         ("KV dtype / TP / block size", f"{g.kv_dtype} / {g.tp_size} / {r.block_size}", ""),
         ("bytes per token per rank", f"{r.bytes_per_token:,}", "B"),
+        *(
+            [
+                (
+                    "tier bytes per cached token per rank (sliding windows)",
+                    f"{r.tier_token_bytes:,}",
+                    "B",
+                )
+            ]  # fmt: skip
+            if r.tier_bytes_per_token
+            else []
+        ),
         (
             "bytes per token, all ranks",
             f"{r.total_bytes_per_token:,}" + (" (replicated)" if g.replicated_across_tp else ""),

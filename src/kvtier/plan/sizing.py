@@ -11,6 +11,7 @@ from typing import Any
 from kvtier.cachemodel.reuse import ReuseProfile
 from kvtier.errors import ConfigError, LayoutError
 from kvtier.layout import KVGeometry, bytes_per_token_from_hf, normalize_dtype
+from kvtier.plan.hybrid import tier_bytes_per_token
 from kvtier.plan.window import (
     ABOVE_TIER,
     TraceCeilings,
@@ -45,6 +46,13 @@ class PlanResult:
     ceilings: TraceCeilings | None = None
     ceiling_note: str = ""
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    # bytes the tier stores per cached token (a sliding-window hybrid stores less; 0: the same)
+    tier_bytes_per_token: int = 0
+
+    @property
+    def tier_token_bytes(self) -> int:
+        """Per-rank bytes the tier stores per cached token."""
+        return self.tier_bytes_per_token or self.bytes_per_token
 
     @property
     def bytes_per_token(self) -> int:
@@ -69,7 +77,7 @@ class PlanResult:
     @property
     def reusable_bytes(self) -> int:
         """Per-rank bytes of the reusable working set: what the tier should hold."""
-        return self.reusable_tokens * self.bytes_per_token
+        return self.reusable_tokens * self.tier_token_bytes
 
     @property
     def tier_over_reusable(self) -> float | None:
@@ -105,6 +113,7 @@ class PlanResult:
             "block_size": self.block_size,
             "bytes_per_token_per_rank": self.bytes_per_token,
             "bytes_per_token_all_ranks": self.total_bytes_per_token,
+            "tier_bytes_per_token_per_rank": self.tier_token_bytes,
             "replicated_across_tp": g.replicated_across_tp,
             "hbm_pool_tokens": self.hbm_pool_tokens,
             "hbm_pool_bytes": self.hbm_pool_bytes,
@@ -147,6 +156,7 @@ def plan(
     prefill_tokens_per_s: float | None = None,
     index_dtype: str = "fp8",
     include_mtp: bool = False,
+    chunk_size: int = 256,
 ) -> PlanResult:
     """Size the pool and tier of `config` (an HF config dict) for `workload`; pure, no I/O.
 
@@ -157,7 +167,9 @@ def plan(
     geometry = _geometry(config, model, tp, kv_dtype, index_dtype, include_mtp)
     bpt = geometry.bytes_per_token
     hbm_pool, hbm_from = _hbm_pool_tokens(hbm_tokens, hbm_bytes, bpt, block_size)
-    tier_tokens = tier_bytes // bpt
+    # a sliding-window hybrid's records hold only the window of its sliding layers
+    tier_bpt = tier_bytes_per_token(config, geometry, chunk_size=chunk_size, block_size=block_size)
+    tier_tokens = tier_bytes // tier_bpt
     if tier_tokens == 0:
         raise ConfigError(
             f"--tier-bytes {tier_bytes} holds no token of {bpt:,} bytes per rank; give at least "
@@ -185,7 +197,8 @@ def plan(
         profile=reuse.profile,
         ceilings=reuse.ceilings,
         ceiling_note=reuse.note,
-        warnings=_warnings(verdict, hbm_pool, tier_tokens, tier_bytes, reuse.reusable * bpt),
+        warnings=_warnings(verdict, hbm_pool, tier_tokens, tier_bytes, reuse.reusable * tier_bpt),
+        tier_bytes_per_token=tier_bpt if tier_bpt != bpt else 0,
     )
 
 

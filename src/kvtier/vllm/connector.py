@@ -25,14 +25,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import KVTierConfig
-from kvtier.errors import ConfigError, LayoutError
+from kvtier.errors import ConfigError
 from kvtier.identity import model_identity
 from kvtier.offload.scheduler import OffloadScheduler
 from kvtier.offload.worker import OffloadWorker
+from kvtier.vllm.groups import group_specs
 from kvtier.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
 from kvtier.vllm.rundir import remove_if_empty, run_dir_for, sweep_stale
 from kvtier.vllm.scheduler_side import SchedulerSide
@@ -156,16 +159,6 @@ def _block_size(vllm_config: VllmConfig, config: KVTierConfig) -> int:
     return block_size
 
 
-def _check_single_group(kv_cache_config: KVCacheConfig | None) -> None:
-    groups = getattr(kv_cache_config, "kv_cache_groups", None)
-    if groups is not None and len(groups) != 1:
-        names = [type(g.kv_cache_spec).__name__ for g in groups]
-        raise LayoutError(
-            f"kvtier needs one KV cache group, vLLM built {len(groups)} ({names}); hybrid "
-            "models are not supported by KVTierConnector"
-        )
-
-
 def _multiconnector_parent(vllm_config: VllmConfig) -> Any:
     """The KVTransferConfig of the MultiConnector building this connector, or None.
 
@@ -225,8 +218,12 @@ def _settle_load_failure_policy(ktc: Any, parent: Any) -> bool:
 # ---- the connector ----------------------------------------------------------------------------
 
 
-class KVTierConnector(KVConnectorBase_V1):
-    """vLLM v1 KV connector over kvtier's offload core; vLLM builds one per role and rank."""
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM v1 KV connector over kvtier's offload core; vLLM builds one per role and rank.
+
+    It supports vLLM's hybrid memory allocator (`SupportsHMA`): full-attention and
+    sliding-window groups are stored per chunk (`kvtier.vllm.groups`); any other group kind is
+    refused at startup by name."""
 
     _cache_hit_source = CacheHitSource.HOST
 
@@ -241,12 +238,14 @@ class KVTierConnector(KVConnectorBase_V1):
         ktc = self._kv_transfer_config
         self.config = KVTierConfig.load(ktc.kv_connector_extra_config or {})
         self.block_size = _block_size(vllm_config, self.config)
-        _check_single_group(kv_cache_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if not self.config.enabled:
             log.info("kvtier: offload off (enabled=false); KVTierConnector does nothing")
             return
+        # a hybrid model's groups (None: one group, stored as before); what kvtier cannot
+        # store yet stops startup here, by group, spec class, layers and reason
+        self.groups = group_specs(kv_cache_config)
         dp_rank = int(vllm_config.parallel_config.data_parallel_rank or 0)
         self.run_dir = run_dir_for(str(ktc.engine_id), dp_rank, self.config.lookup_dir)
         self.config.check_max_model_len(int(vllm_config.model_config.max_model_len))
@@ -258,12 +257,24 @@ class KVTierConnector(KVConnectorBase_V1):
                 log.info("kvtier: removed %d run dirs of engines that are gone", len(stale))
             fails_request = _settle_load_failure_policy(ktc, _multiconnector_parent(vllm_config))
             self._scheduler = SchedulerSide(
-                vllm_config, self.config, self.run_dir, model_id, self.block_size, kv_cache_config
+                vllm_config,
+                self.config,
+                self.run_dir,
+                model_id,
+                self.block_size,
+                kv_cache_config,
+                groups=self.groups,
             )
             self._scheduler.metrics.set_load_failure_policy(fails_request)
         else:
             self._worker = WorkerSide(
-                vllm_config, self.config, self.run_dir, model_id, self.block_size, kv_cache_config
+                vllm_config,
+                self.config,
+                self.run_dir,
+                model_id,
+                self.block_size,
+                kv_cache_config,
+                groups=self.groups,
             )
 
     @classmethod
@@ -342,11 +353,23 @@ class KVTierConnector(KVConnectorBase_V1):
             return None, None
         return self._worker.get_finished()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished`, plus the requests whose load failed on this rank when the model is
+        hybrid (vLLM recomputes them whole: its block ids are per group)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = set() if self._worker is None else set(self._worker.failed_recving)
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            failed_recving=failed,
+        )
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks of failed loads, reported with their request's finished_recving."""
+        """Blocks of failed loads, reported with their request's finished_recving (none for a
+        hybrid model: `get_transfer_results` names its failed requests instead)."""
         if self._worker is None:
             return set()
-        return set(self._worker.report.invalid_block_ids)
+        return self._worker.load_error_blocks()
 
     def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
         """This rank's op results (and a metrics snapshot) for the scheduler's quorum."""
@@ -410,6 +433,15 @@ class KVTierConnector(KVConnectorBase_V1):
             return False, None
         delay = self._scheduler.request_finished(request)
         return delay, self._scheduler.retention_params(request.request_id)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """HMA's request end (every group's blocks): True while the request's saves await
+        their terminal; vLLM then holds every group's blocks until finished_sending."""
+        if self._scheduler is None:
+            return False, None
+        return self._scheduler.request_finished(request), None
 
     # ---- metrics on vLLM's /metrics ---------------------------------------------------------
 

@@ -7,6 +7,11 @@ block's hash, its token ids and the block size, with the medium (`CPU` for host 
 come from rank 0's tiers (TP ranks mirror each other); the chunk's vLLM identity is recorded
 when the scheduler emits the save or load that brings it in, in a bounded table. Events are
 batched into the scheduler's step (vLLM publishes them with its own).
+
+A hybrid model's chunk is announced once per KV cache group, with vLLM's `group_idx`, spec kind
+and sliding window on each event, and for a sliding-window group only the blocks the record
+holds (the window before the chunk's boundary): a router never takes one group's blocks for
+another's.
 """
 
 from __future__ import annotations
@@ -41,6 +46,35 @@ _MEDIA = {
 MAX_CHUNKS = 32768
 
 
+@dataclass(frozen=True, slots=True)
+class EventGroup:
+    """One KV cache group as its events name it: vLLM's group index, spec kind and sliding
+    window, and how many of a chunk's last blocks the tier holds for it."""
+
+    group_idx: int
+    kind: str
+    sliding_window: int | None
+    positions: int
+
+
+def event_groups(kv_cache_config: Any, positions: Sequence[int]) -> list[EventGroup]:
+    """The EventGroups of vLLM's KV cache groups (`positions` per group: kvtier's layout)."""
+    from vllm.v1.kv_cache_interface import (
+        get_kv_cache_spec_kind,
+        get_kv_cache_spec_sliding_window,
+    )
+
+    return [
+        EventGroup(
+            i,
+            get_kv_cache_spec_kind(g.kv_cache_spec).value,
+            get_kv_cache_spec_sliding_window(g.kv_cache_spec),
+            n,
+        )
+        for i, (g, n) in enumerate(zip(kv_cache_config.kv_cache_groups, positions, strict=True))
+    ]
+
+
 @dataclass(slots=True)
 class _Chunk:
     hashes: list[object]
@@ -58,7 +92,14 @@ def kv_events_enabled(vllm_config: Any) -> bool:
 class KVEvents:
     """Turns rank 0's tier changes into BlockStored / BlockRemoved events, bounded."""
 
-    def __init__(self, block_size: int, chunk_size: int, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        chunk_size: int,
+        metrics: Metrics,
+        groups: Sequence[EventGroup] = (),
+    ) -> None:
+        self.groups = tuple(groups)
         self.block_size = block_size
         self.chunk_size = chunk_size
         self._per_chunk = chunk_size // block_size
@@ -93,17 +134,16 @@ class KVEvents:
             if ch.change == "stored":
                 chunk.tiers.add(ch.tier)
                 self._chunks.move_to_end(ch.key)
-                self._events.append(self._stored(chunk, *medium))
+                self._events.extend(self._stored(chunk, *medium))
             elif ch.tier in chunk.tiers:
                 chunk.tiers.discard(ch.tier)
-                self._events.append(BlockRemoved(chunk.hashes, medium[0], locality=medium[1]))
+                self._events.extend(self._removed(chunk, *medium))
 
     def clear(self) -> None:
         """Every announced chunk leaves every tier (a cache reset made them unreachable)."""
         for chunk in self._chunks.values():
             for tier in sorted(chunk.tiers):
-                medium, locality = _MEDIA[tier]
-                self._events.append(BlockRemoved(chunk.hashes, medium, locality=locality))
+                self._events.extend(self._removed(chunk, *_MEDIA[tier]))
         self._chunks.clear()
 
     def take(self) -> list[KVCacheEvent]:
@@ -111,14 +151,50 @@ class KVEvents:
         out, self._events = self._events, []
         return out
 
-    def _stored(self, chunk: _Chunk, medium: str, locality: str) -> BlockStored:
-        return BlockStored(
-            block_hashes=chunk.hashes,
-            parent_block_hash=chunk.parent,
-            token_ids=chunk.tokens,
-            block_size=self.block_size,
-            lora_id=None,
-            medium=medium,
-            lora_name=None,
-            locality=locality,
-        )
+    def _stored(self, chunk: _Chunk, medium: str, locality: str) -> list[BlockStored]:
+        if not self.groups:
+            return [
+                BlockStored(
+                    block_hashes=chunk.hashes,
+                    parent_block_hash=chunk.parent,
+                    token_ids=chunk.tokens,
+                    block_size=self.block_size,
+                    lora_id=None,
+                    medium=medium,
+                    lora_name=None,
+                    locality=locality,
+                )
+            ]
+        out = []
+        for g in self.groups:
+            # the chunk's last `positions` blocks: what the record holds for this group
+            skip = len(chunk.hashes) - g.positions
+            out.append(
+                BlockStored(
+                    block_hashes=chunk.hashes[skip:],
+                    parent_block_hash=chunk.hashes[skip - 1] if skip else chunk.parent,
+                    token_ids=chunk.tokens[skip * self.block_size :],
+                    block_size=self.block_size,
+                    lora_id=None,
+                    medium=medium,
+                    lora_name=None,
+                    group_idx=g.group_idx,
+                    kv_cache_spec_kind=g.kind,
+                    kv_cache_spec_sliding_window=g.sliding_window,
+                    locality=locality,
+                )
+            )
+        return out
+
+    def _removed(self, chunk: _Chunk, medium: str, locality: str) -> list[BlockRemoved]:
+        if not self.groups:
+            return [BlockRemoved(chunk.hashes, medium, locality=locality)]
+        return [
+            BlockRemoved(
+                chunk.hashes[len(chunk.hashes) - g.positions :],
+                medium,
+                group_idx=g.group_idx,
+                locality=locality,
+            )
+            for g in self.groups
+        ]

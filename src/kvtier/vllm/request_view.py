@@ -1,7 +1,8 @@
 """`VLLMRequestView`: vLLM's `Request` as the offload core's read-only `RequestView`.
 
 vLLM's scheduler-side `Request` carries no block table (the KV cache manager owns it), so the
-view keeps the block ids the connector learned from allocations and scheduler outputs.
+view keeps the block ids the connector learned from allocations and scheduler outputs: one
+table per KV cache group (a hybrid model has several; `block_ids` is the first).
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ log = logging.getLogger("kvtier")
 class VLLMRequestView:
     """Read-only view over a vLLM `Request` plus the block table the connector learned."""
 
-    __slots__ = ("_block_ids", "_request")
+    __slots__ = ("_groups", "_request")
 
     def __init__(self, request: Any, block_ids: Iterable[int] = ()) -> None:
         self._request = request
-        self._block_ids: list[int] = list(block_ids)
+        self._groups: list[list[int]] = [list(block_ids)]
 
     @property
     def request(self) -> Any:
@@ -49,8 +50,13 @@ class VLLMRequestView:
 
     @property
     def block_ids(self) -> Sequence[int]:
-        """The request's KV block table as last learned (one id per block)."""
-        return self._block_ids
+        """The request's KV block table as last learned (one id per block; the first group's)."""
+        return self._groups[0]
+
+    @property
+    def group_block_ids(self) -> Sequence[Sequence[int]]:
+        """Every KV cache group's block table as last learned, in vLLM's group order."""
+        return self._groups
 
     @property
     def retention(self) -> RetentionHint | None:
@@ -67,14 +73,26 @@ class VLLMRequestView:
 
     def set_block_ids(self, block_ids: Iterable[int]) -> None:
         """Replace the learned block table (allocation, new or resumed request)."""
-        self._block_ids = list(block_ids)
+        self._groups = [list(block_ids)]
 
     def extend_block_ids(self, block_ids: Iterable[int]) -> None:
         """Append blocks vLLM allocated for a running request this step."""
-        self._block_ids.extend(block_ids)
+        self._groups[0].extend(block_ids)
+
+    def set_group_block_ids(self, groups: Iterable[Iterable[int]]) -> None:
+        """Replace every group's learned block table."""
+        self._groups = [list(g) for g in groups] or [[]]
+
+    def extend_group_block_ids(self, groups: Iterable[Iterable[int]]) -> None:
+        """Append each group's blocks vLLM allocated for a running request this step."""
+        new = [list(g) for g in groups]
+        while len(self._groups) < len(new):
+            self._groups.append([])
+        for table, more in zip(self._groups, new, strict=False):
+            table.extend(more)
 
     def __repr__(self) -> str:
         return (
             f"VLLMRequestView({self.request_id!r}, prompt={len(self.prompt_token_ids)} tokens, "
-            f"computed={self.num_computed_tokens}, blocks={len(self._block_ids)})"
+            f"computed={self.num_computed_tokens}, blocks={len(self._groups[0])})"
         )

@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import KVTierConfig
+from kvtier.offload.groups import ChunkGroups, GroupSpec
 from kvtier.offload.protocols import StepRequest
 from kvtier.offload.steps import STATS
 from kvtier.offload.wiring import SchedulerWiring, encode_step_meta
 from kvtier.topology import Topology, resolve
-from kvtier.vllm.events import KVEvents, kv_events_enabled
+from kvtier.vllm.events import KVEvents, event_groups, kv_events_enabled
 from kvtier.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
 from kvtier.vllm.request_view import VLLMRequestView
 from kvtier.vllm.rundir import offload_spec
@@ -41,15 +42,32 @@ T = TypeVar("T")
 _READY_TIMEOUT_S = 30.0
 _SOURCE_OF_TIER = {"memory": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 _STATS_EVERY_S = 1.0
+# vLLM's null block (BlockPool hands block 0 out as the placeholder of a block a sliding-window
+# group dropped): never a block of the request's own
+_NULL_BLOCK = 0
 
 
-def _bytes_per_token(kv_cache_config: KVCacheConfig | None, block_size: int) -> int | None:
-    """Per-rank KV bytes of one token over all layers, for the load gate's rate seeds."""
+def _bytes_per_token(
+    kv_cache_config: KVCacheConfig | None, block_size: int, hybrid: ChunkGroups | None = None
+) -> int | None:
+    """Per-rank KV bytes of one token over all layers, for the load gate's rate seeds (a hybrid
+    model's sliding-window groups count the blocks a chunk stores, not the chunk's)."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None)
     if not groups:
         return None
+    if hybrid is not None:
+        total = sum(
+            g.kv_cache_spec.page_size_bytes * len(g.layer_names) * n
+            for g, n in zip(groups, hybrid.positions, strict=True)
+        )
+        return max(1, total // hybrid.chunk)
     total = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups)
     return max(1, total // block_size)
+
+
+def _held(ids: list[int] | tuple[int, ...]) -> list[int]:
+    """A hybrid group's block table with vLLM's null block as -1 (a block it dropped)."""
+    return [-1 if b == _NULL_BLOCK else b for b in ids]
 
 
 def _offloadable(request: Request) -> bool:
@@ -74,15 +92,20 @@ class SchedulerSide:
         model_id: str,
         block_size: int,
         kv_cache_config: KVCacheConfig | None,
+        groups: tuple[GroupSpec, ...] | None = None,
     ) -> None:
         # the scheduler is no rank; topology comes from parallel_config, never a guess of 1
         topo: Topology = resolve(vllm_config, rank=0)
         role = str(vllm_config.kv_transfer_config.kv_role or "kv_both")
         spec = offload_spec(config, vllm_config, topo, run_dir, model_id)
+        # a hybrid model: every group's block table is learned and every chunk carries each
+        # group's positions
+        self.hybrid = ChunkGroups(groups, config.chunk_size) if groups else None
         self.wiring = SchedulerWiring(
             spec,
             block_size=block_size,
-            bytes_per_token=_bytes_per_token(kv_cache_config, block_size),
+            bytes_per_token=_bytes_per_token(kv_cache_config, block_size, self.hybrid),
+            groups=self.hybrid,
             # prefill/decode hand-off through a shared tier: a producer only saves, a consumer
             # only loads
             loads=role != "kv_producer",
@@ -97,7 +120,10 @@ class SchedulerSide:
         # kept only when vLLM publishes KV events (routers learn what the tiers hold)
         self.events: KVEvents | None = None
         if kv_events_enabled(vllm_config):
-            self.events = KVEvents(block_size, config.chunk_size, self.metrics)
+            groups = []
+            if self.hybrid is not None:
+                groups = event_groups(kv_cache_config, self.hybrid.positions)
+            self.events = KVEvents(block_size, config.chunk_size, self.metrics, groups)
         self.views: dict[str, VLLMRequestView] = {}
         # requests with a load in flight: vLLM itself delays their frees until finished_recving
         self._loading: set[str] = set()
@@ -107,6 +133,8 @@ class SchedulerSide:
         # set by every hook that may move a metric; the merged view is walked only then
         self._dirty = True
         log.info("%s; %s; kv_role=%s", config.describe(), topo.describe(), role)
+        if self.hybrid is not None:
+            log.info("kvtier: hybrid model, KV cache groups per chunk: %s", self.hybrid.describe())
 
     def take_stats(self) -> KVTierStats | None:
         """What changed in the merged kvtier metrics since the last call (None if nothing)."""
@@ -187,11 +215,20 @@ class SchedulerSide:
             return
         self._dirty = True
         got: list[list[int]] = []
+        hybrid = self.hybrid is not None
+        tables: list[list[list[int]]] = []
 
         def learn() -> None:
-            (block_ids,) = blocks.get_block_ids()
+            if hybrid:
+                groups = [_held(ids) for ids in blocks.get_block_ids()]
+                tables.append(groups)
+                view.set_group_block_ids(groups)
+                self.core.blocks_allocated(self._handed_out(request.request_id, groups))
+                block_ids = max(groups, key=len)
+            else:
+                (block_ids,) = blocks.get_block_ids()
+                view.set_block_ids(block_ids)
             got.append(list(block_ids))
-            view.set_block_ids(block_ids)
             self.core.update_state_after_alloc(view, block_ids, num_external_tokens)
 
         # vLLM counts the promised tokens as coming: a failure sends a load the ranks fail, so
@@ -202,7 +239,10 @@ class SchedulerSide:
             request.request_id,
             learn,
             lambda: self._quarantine_to(
-                request.request_id, None, got[0] if got else None, num_external_tokens
+                request.request_id,
+                None,
+                (tables[0] if hybrid else got[0]) if got else None,  # type: ignore[arg-type]
+                num_external_tokens,
             ),
         )
 
@@ -214,6 +254,10 @@ class SchedulerSide:
             self._per_request(req_id, lambda req_id=req_id: self._preempted(req_id))
         scheduled: list[StepRequest] = []
         prefill = 0
+        if self.hybrid is not None:
+            # copy-on-write targets are written this step too
+            copies = getattr(out, "kv_cache_block_copies", None) or ()
+            self.core.blocks_allocated(int(c.dst_block_id) for c in copies)
         for new in out.scheduled_new_reqs:
             item = self._per_request(new.req_id, lambda new=new: self._scheduled_new(out, new))
             if item is not None:
@@ -262,9 +306,20 @@ class SchedulerSide:
         view = self.views.get(new.req_id)
         if view is None:
             return None
-        view.set_block_ids(new.block_ids[0])
+        if self.hybrid is not None:
+            groups = [_held(ids) for ids in new.block_ids]
+            view.set_group_block_ids(groups)
+            self.core.blocks_allocated(self._handed_out(new.req_id, groups))
+        else:
+            view.set_block_ids(new.block_ids[0])
         n = out.num_scheduled_tokens.get(new.req_id, 0)
-        return StepRequest(view, new.num_computed_tokens + n)
+        return StepRequest(view, new.num_computed_tokens + n, new.num_computed_tokens)
+
+    def _handed_out(self, req_id: str, groups: list[list[int]]) -> list[int]:
+        """The blocks a new request's allocation may write: past its own prefix-cache hit
+        (those blocks are shared and only read), in every group."""
+        skip = self.core.hbm_floor(req_id) // self.core.block_size
+        return [b for ids in groups for b in ids[skip:] if b >= 0]
 
     def _scheduled_cached(self, out: SchedulerOutput, i: int) -> StepRequest | None:
         cached = out.scheduled_cached_reqs
@@ -273,12 +328,20 @@ class SchedulerSide:
         if view is None:
             return None
         new_ids = cached.new_block_ids[i]
-        if req_id in cached.resumed_req_ids:
+        if self.hybrid is not None:
+            groups = [_held(ids) for ids in new_ids] if new_ids is not None else []
+            self.core.blocks_allocated(b for ids in groups for b in ids if b >= 0)
+            if req_id in cached.resumed_req_ids:
+                view.set_group_block_ids(groups)
+            elif groups:
+                view.extend_group_block_ids(groups)
+        elif req_id in cached.resumed_req_ids:
             view.set_block_ids(new_ids[0] if new_ids is not None else ())
         elif new_ids is not None:
             view.extend_block_ids(new_ids[0])
         n = out.num_scheduled_tokens.get(req_id, 0)
-        return StepRequest(view, cached.num_computed_tokens[i] + n)
+        before = cached.num_computed_tokens[i]
+        return StepRequest(view, before + n, before)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """Every rank's report (op results, metrics) into the core's quorum."""

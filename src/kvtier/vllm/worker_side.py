@@ -13,6 +13,7 @@ from vllm.platforms import current_platform
 
 from kvtier.config import KVTierConfig
 from kvtier.offload import messages
+from kvtier.offload.groups import GroupSpec
 from kvtier.offload.messages import OffloadMeta, WorkerReport
 from kvtier.offload.pages import KVCacheDescription
 from kvtier.offload.wiring import build_worker, decode_step_meta
@@ -48,9 +49,11 @@ def kv_description(
     vllm_config: VllmConfig,
     kv_cache_config: KVCacheConfig | None,
     block_size: int,
+    groups: tuple[GroupSpec, ...] | None = None,
 ) -> KVCacheDescription:
     """What vLLM resolved, as kvtier's page description: per-layer `[B, H, N, C]` views (kernel
-    blocks on dim 0 when the kernel block is smaller), the manager block count, the layout."""
+    blocks on dim 0 when the kernel block is smaller), the manager block count, the layout, and
+    a hybrid model's KV cache groups (their layers alias one block pool)."""
     layout = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(
         vllm_config.cache_config, "kv_cache_layout", None
     )
@@ -66,6 +69,7 @@ def kv_description(
         layout_fix=LAYOUT_FIX,
         replicated=replicated_across_tp(kv_cache_config, vllm_config),
         page_format=kernel_page_format(vllm_config, kv_caches),
+        groups=groups or (),
     )
 
 
@@ -117,8 +121,10 @@ class WorkerSide:
         model_id: str,
         block_size: int,
         kv_cache_config: KVCacheConfig | None = None,
+        groups: tuple[GroupSpec, ...] | None = None,
     ) -> None:
         topo = resolve(vllm_config, rank=_replica_rank(vllm_config))
+        self.groups = groups
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.rank = topo.rank
@@ -136,10 +142,16 @@ class WorkerSide:
         self.metrics = self.worker.metrics
         self.meta = OffloadMeta()
         self.report = WorkerReport(rank=topo.rank)
+        # a hybrid model's loads in flight (op id -> request id): vLLM takes a failed one back
+        # by request (failed_recving), never by block id (ids are per group)
+        self._loads: dict[str, str] = {}
+        self.failed_recving: set[str] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Build the rank's pages, codec, tiers and lookup server over vLLM's KV views."""
-        desc = kv_description(kv_caches, self.vllm_config, self.kv_cache_config, self.block_size)
+        desc = kv_description(
+            kv_caches, self.vllm_config, self.kv_cache_config, self.block_size, self.groups
+        )
         self.worker.register_kv_caches(desc)
 
     def handle_preemptions(self, meta: KVConnectorMetadata) -> None:
@@ -158,6 +170,8 @@ class WorkerSide:
                 "the scheduler and workers of one engine must all run KVTierConnector"
             )
         self.meta = decode_step_meta(meta.data)
+        if self.groups:
+            self._loads.update((op.op_id, op.req_id) for op in self.meta.loads)
         self.worker.begin_step()
 
     def clear(self) -> None:
@@ -167,7 +181,18 @@ class WorkerSide:
     def get_finished(self) -> tuple[set[str], set[str]]:
         """Take the rank's report; (finished_sending, finished_recving) request ids."""
         self.report = self.worker.take_report()
+        self.failed_recving = set()
+        if self.groups:
+            for result in self.report.results:
+                req_id = self._loads.pop(result.op_id, None)
+                if req_id is not None and not result.ok:
+                    self.failed_recving.add(req_id)
         return set(self.report.finished_sending), set(self.report.finished_recving)
+
+    def load_error_blocks(self) -> set[int]:
+        """Blocks of this step's failed loads for vLLM to recompute; none for a hybrid model,
+        whose failed loads go back whole by request (`failed_recving`)."""
+        return set() if self.groups else set(self.report.invalid_block_ids)
 
     def encoded_report(self) -> bytes:
         """The step's report (with a metrics snapshot when it changed), or b"" if empty."""

@@ -1,8 +1,9 @@
 """Start `vllm.LLM` with KVTierConnector under a config that must not start.
 
 A wrong topology or layout must stop startup (never serve a write-only tier). Prints whether
-the engine came up and the exception chain. Args (JSON): model, tp, extra, and `codec_fault`
-(the codec writes no block; needs VLLM_ENABLE_V1_MULTIPROCESSING=0 so the worker is in process).
+the engine came up and the exception chain. Args (JSON): model, tp, extra, `codec_fault`
+(the codec writes no block; needs VLLM_ENABLE_V1_MULTIPROCESSING=0 so the worker is in process),
+and `load_format` (`dummy`: random weights for a model directory holding only its config).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def main() -> None:
             enforce_eager=True,
             enable_prefix_caching=True,
             kv_transfer_config=kv_transfer_config(a["extra"]),
+            load_format=a.get("load_format", "auto"),
         )
     except Exception as exc:  # noqa: BLE001 - the driver reports whatever startup raised
         emit({"started": False, "errors": exception_chain(exc)})

