@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The GPU check: the layout matrix on the device, the codec self-test, `bench tier --device`
-# and the native two-pass restore at TP=1, printed as one table (scripts/gpu_check.py).
+# The GPU check: the layout matrix on the device, the codec self-test, `bench tier --device`,
+# the native two-pass restore at TP=1 and the transfer pipeline (save/load GB/s of a 64-chunk
+# step vs raw pinned cudaMemcpyAsync, lane CPU time per GB, step time offload on vs off under a
+# save burst), printed as one table (scripts/gpu_check.py, scripts/gpu_pipeline.py).
 #
 # Target machine: one CUDA GPU, python3 with a CUDA build of torch, no vLLM, no network.
 #   here (network):   scripts/gpu-check.sh --prepare     # wheels into build/wheels (~30 MB)
@@ -43,6 +45,13 @@ args=("$@")
 
 if ! "$PYTHON" -c "import torch" 2>/dev/null; then
     echo "gpu-check: $PYTHON has no torch; install a CUDA build of torch first" >&2
+    exit 2
+fi
+if [[ " ${args[*]} " == *" --device cuda"* ]] && \
+   ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "gpu-check: $PYTHON's torch $("$PYTHON" -c 'import torch; print(torch.__version__)') sees" \
+         "no CUDA device (a CPU build, no driver, or CUDA_VISIBLE_DEVICES empty); run on the" \
+         "GPU machine, or pass --device cpu for the same checks on host tensors" >&2
     exit 2
 fi
 missing_in() {

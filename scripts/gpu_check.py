@@ -4,7 +4,10 @@
 2. the startup self-test through the codec on the device, for the layouts vLLM uses there;
 3. `kvtier bench tier --device` (save/load through the real path vs a raw pinned copy);
 4. the native engine's two-pass restore at TP=1 on the device: pass 2 from the tier, outputs
-   equal to an engine without offload.
+   equal to an engine without offload;
+5. the transfer pipeline (`scripts/gpu_pipeline.py`): a step's 64-chunk save and load in GB/s
+   against raw pinned cudaMemcpyAsync of the same bytes, the copy lanes' CPU time per GB, and
+   the forward's step time with offload on (a save burst per step) vs off.
 
 Usage: python scripts/gpu_check.py --device cuda|cpu [--out DIR]. Exit code 1 on any FAIL.
 """
@@ -129,6 +132,13 @@ def two_pass(device: str, out: Path) -> list[Row]:
     ]
 
 
+def pipeline(device: str) -> list[Row]:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from gpu_pipeline import pipeline_rows
+
+    return pipeline_rows(device)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
@@ -153,6 +163,7 @@ def main() -> int:
         lambda: self_test(device),
         lambda: bench(device, out, a.quick),
         lambda: two_pass(device, out),
+        lambda: pipeline(device),
     ):
         try:
             rows += step()

@@ -17,7 +17,7 @@ from tests.vllm.conftest import vllm_env as vllm_env
 from tests.vllm.conftest import vllm_python as vllm_python
 from tests.vllm.drivers.common import RESULT_PREFIX
 
-SERVE_ARGS: dict[str, Any] = {"extra": TIER, "hostile_ids": True}
+SERVE_ARGS: dict[str, Any] = {"extra": TIER, "hostile_ids": True, "retention": True}
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:

@@ -223,3 +223,36 @@ def test_checker_fails_the_real_tree_with_one_wrong_import(tmp_path: Path) -> No
         f"kvtier.native.engine (line {line}) imports kvtier.vllm.connector: native may import "
         f"only {sorted(MAY_IMPORT['native'])}"
     ]
+
+
+def bench_cycles(root: Path) -> list[list[str]]:
+    """Import cycles among the modules of kvtier.bench (lazy imports included)."""
+    graph: dict[str, set[str]] = {}
+    for imp in all_imports(root):
+        if imp.importer.startswith("kvtier.bench.") and imp.target.startswith("kvtier.bench."):
+            graph.setdefault(imp.importer, set()).add(imp.target)
+    cycles: list[list[str]] = []
+
+    def walk(node: str, path: list[str]) -> None:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in path:
+                cycles.append(path[path.index(nxt) :] + [nxt])
+            elif len(path) < len(graph) + 1:
+                walk(nxt, [*path, nxt])
+
+    for start in sorted(graph):
+        walk(start, [start])
+    return cycles
+
+
+def test_bench_modules_import_no_cycle() -> None:
+    assert bench_cycles(SRC) == []
+
+
+def test_a_bench_cycle_is_found(tmp_path: Path) -> None:
+    bench = tmp_path / "kvtier" / "bench"
+    bench.mkdir(parents=True)
+    (bench / "__init__.py").write_text("")
+    (bench / "a.py").write_text("from kvtier.bench.b import x\n")
+    (bench / "b.py").write_text("def f():\n    from kvtier.bench.a import y\n")
+    assert ["kvtier.bench.a", "kvtier.bench.b", "kvtier.bench.a"] in bench_cycles(tmp_path)

@@ -139,7 +139,10 @@ def bench_tier(
         True, "--remote/--no-remote", help="Remote rows: a loopback server and 3-shard cluster."
     ),
     device: str = typer.Option(
-        "cpu", "--device", help="KV device of the save/load path rows: cpu, cuda or cuda:N."
+        "cpu",
+        "--device",
+        help="KV device of the save/load path rows: cpu, cuda, cuda:N, or sim (the simulated "
+        "device: pipelined vs serial at 25 and 50 GB/s modelled).",
     ),
 ) -> None:
     """Tier GB/s against raw copies (memory, disk, remote), all-rank lookup latency, save/load
@@ -193,6 +196,33 @@ def bench_cache(
     except KVTierError as e:
         raise _fail(str(e)) from None
     cache.print_table(doc)
+
+
+@bench_app.command("retention")
+def bench_retention(
+    quick: bool = typer.Option(False, "--quick", help="A smaller workload (tests and CI)."),
+    model_dir: Path | None = typer.Option(
+        None, "--model-dir", help="Model directory (default: the tiny preset under runs/)."
+    ),
+    json_path: Path | None = typer.Option(
+        None, "--json", help="Where to write the JSON results (default: runs/bench-retention.json)."
+    ),
+) -> None:
+    """Conversations that come back: TTFT of an agent's returning turns with retention hints
+    (OpenAI's prompt_cache_key + prompt_cache_retention) vs without, same capacity."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from kvtier.bench import retention, table
+
+    progress = Console(stderr=True)
+    doc = retention.run(
+        quick=quick,
+        model_dir=model_dir,
+        json_path=json_path,
+        progress=lambda msg: progress.print(f"[dim]{escape(msg)}[/dim]"),
+    )
+    table.print_report(doc)
 
 
 @bench_app.command("e2e")

@@ -40,7 +40,7 @@ ENV_PREFIX = "KVTIER_"
 ENV_CONFIG_FILE = "KVTIER_CONFIG"
 # KVTIER_* variables that are not config fields: the bench's bearer token and the GPU check's
 # device; the config loader passes them by, and `config_environ` leaves them out
-ENV_NOT_CONFIG = frozenset({"KVTIER_BENCH_API_KEY", "KVTIER_TEST_DEVICE"})
+ENV_NOT_CONFIG = frozenset({"KVTIER_BENCH_API_KEY", "KVTIER_TEST_DEVICE", "KVTIER_ADMIN_KEY"})
 _MASK = "***"
 _GiB = 1 << 30
 
@@ -302,6 +302,10 @@ _COERCE: dict[str, Callable[[str, Any], Any]] = {
 }
 
 
+# each chunk in flight holds a staging buffer of chunk bytes per lane on the KV device
+_MAX_TRANSFER_DEPTH = 8
+
+
 def _f(default: Any, kind: str, doc: str) -> Any:
     """A config field with its coercion kind and a one-line meaning."""
     return field(default=default, metadata={"kind": kind, "doc": doc})
@@ -404,6 +408,27 @@ class KVTierConfig:
         "chunk keys the admission policy remembers to measure what comes back; 0 = 16 x the "
         "tiers' chunks per rank (65536 with a shared store), at most 1048576",
     )
+    retention_budget: float = _f(
+        0.5,
+        "float",
+        "share of the tiers' chunks that clients' retention hints may hold (prompt_cache_key "
+        "+ prompt_cache_retention, cache_control ttl, kv_transfer_params); hints beyond it are "
+        "clipped or rejected; 0 disables retention",
+    )
+    retention_tenant_share: float = _f(
+        1.0,
+        "float",
+        "share of the retention budget one tenant (the request's user) may hold; below 1 on "
+        "a server several tenants share",
+    )
+    retention_ttl_s: float = _f(
+        300.0,
+        "float",
+        "retention of a hint that names no TTL (OpenAI in_memory, Anthropic's default 5m)",
+    )
+    retention_max_ttl_s: float = _f(
+        86400.0, "float", "longest retention a hint may ask for; longer ones are clipped to it"
+    )
     write_queue_depth: int = _f(256, "int", "bound of each write-behind queue")
     load_gate: bool = _f(True, "bool", "skip loads predicted slower than recompute")
     sync_load_fraction: float = _f(
@@ -417,6 +442,12 @@ class KVTierConfig:
         "float",
         "GIL switch interval set in each process kvtier runs in (lowered, never raised), so its "
         "lookup server and copy lanes wait at most this long for the GIL; 0 = the interpreter's",
+    )
+    transfer_depth: int = _f(
+        2,
+        "int",
+        "chunks each copy lane keeps in flight (one staging buffer each): the host commits or "
+        "unpins the oldest while the next ones cross the link; 1 = one chunk at a time",
     )
     lane_cpus: str = _f(
         "auto",
@@ -537,6 +568,16 @@ class KVTierConfig:
                 "admission_history",
                 f"admission_history={self.admission_history} is negative; use 0 (sized from "
                 "the tiers) or a number of chunk keys",
+            )
+        for name in ("retention_budget", "retention_tenant_share"):
+            share = getattr(self, name)
+            if not 0.0 <= share <= 1.0:
+                raise _error(name, f"{name}={share} must lie in [0, 1]; 0.5 is the default")
+        if not 0 < self.retention_ttl_s <= self.retention_max_ttl_s:
+            raise _error(
+                "retention_ttl_s",
+                f"retention_ttl_s={self.retention_ttl_s} must be > 0 and <= "
+                f"retention_max_ttl_s={self.retention_max_ttl_s}",
             )
         if self.remote_full not in _REMOTE_FULL:
             raise _error(
@@ -680,6 +721,13 @@ class KVTierConfig:
                 "sync_load_fraction",
                 f"{_show('sync_load_fraction', self.sync_load_fraction)} is negative; use 0 "
                 "for asynchronous loads only, or a share of a step such as 0.25 (the default)",
+            )
+        if not 1 <= self.transfer_depth <= _MAX_TRANSFER_DEPTH:
+            raise _error(
+                "transfer_depth",
+                f"{_show('transfer_depth', self.transfer_depth)} is outside 1.."
+                f"{_MAX_TRANSFER_DEPTH}; use 2 (the default: one chunk committed while the next "
+                "crosses the link) or 3-4 on links the host cannot keep busy",
             )
         if self.gil_switch_ms < 0:
             raise _error(

@@ -69,6 +69,7 @@ class _Families:
     retrieved_tokens: Counter
     retrieved_bytes: Counter
     readmitted_retrieved_tokens: Counter
+    prefetched_chunks: Counter
     stored_tokens: Counter
     stored_bytes: Counter
     load_failures: Counter
@@ -107,6 +108,8 @@ class _Families:
     admission: Counter
     admission_returns: Counter
     admission_pressure: Gauge
+    retention: Counter
+    retained_chunks: Gauge
 
 
 def _build(reg: CollectorRegistry) -> _Families:
@@ -132,6 +135,10 @@ def _build(reg: CollectorRegistry) -> _Families:
         lookup_timeouts=c("lookup_timeouts", "Rank lookups that missed the deadline.", "target"),
         retrieved_tokens=c("retrieved_tokens", "Tokens loaded from the tier into KV blocks."),
         retrieved_bytes=c("retrieved_bytes", "Bytes loaded from the tier into KV blocks."),
+        prefetched_chunks=c(
+            "prefetched_chunks",
+            "Chunks a prefetch brought from disk or the shared store into host memory.",
+        ),
         readmitted_retrieved_tokens=c(
             "readmitted_retrieved_tokens",
             "Of the retrieved tokens, those of requests admitted again after a preemption "
@@ -246,6 +253,16 @@ def _build(reg: CollectorRegistry) -> _Families:
             "Share of the admitted chunks that came back needing the tier and were gone from it "
             "(0: the tier keeps what returns).",
         ),
+        retention=c(
+            "retention",
+            "Clients' retention hints by what the budget granted: retained, clipped (the "
+            "leading chunks or a shorter TTL), rejected.",
+            "status",
+        ),
+        retained_chunks=g(
+            "retained_chunks",
+            "Chunks clients' hints retain now (the scheduler's ledger, within retention_budget).",
+        ),
     )
 
 
@@ -294,7 +311,9 @@ class Metrics:
         self.retrieved_tokens = f.retrieved_tokens.labels(r)
         self.retrieved_bytes = f.retrieved_bytes.labels(r)
         self.readmitted_retrieved_tokens = f.readmitted_retrieved_tokens.labels(r)
+        self.prefetched_chunks = f.prefetched_chunks.labels(r)
         self.admission_pressure = f.admission_pressure.labels(r)
+        self.retained_chunks = f.retained_chunks.labels(r)
         self.stored_tokens = f.stored_tokens.labels(r)
         self.stored_bytes = f.stored_bytes.labels(r)
         self.lease_releases = f.lease_releases.labels(r)
@@ -332,6 +351,9 @@ class Metrics:
 
     def admission(self, decision: str) -> Counter:
         return self.f.admission.labels(str(self.rank), decision)
+
+    def retention(self, status: str) -> Counter:
+        return self.f.retention.labels(str(self.rank), status)
 
     def admission_return(self, decision: str) -> Counter:
         return self.f.admission_returns.labels(str(self.rank), decision)

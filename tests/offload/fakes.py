@@ -15,6 +15,12 @@ class FakeResult:
 
 
 @dataclass
+class FakeAnswer:
+    count: int | None
+    error: str | None
+
+
+@dataclass
 class FakePending:
     """A fake lookup in flight: answered (`ready`) at once unless a test holds it back."""
 
@@ -31,6 +37,8 @@ class FakeLookup:
         self.timed_out = timed_out
         self.leased: list[str] = []
         self.released: list[str] = []
+        # (op, keys, until, waited) of every admin request, in order
+        self.admins: list[tuple[str, list[bytes], float, bool]] = []
 
     def lookup(self, keys: Sequence[bytes], lookup_id: str, lease: bool = True) -> FakeResult:
         n = min(self.hits, len(keys))
@@ -49,6 +57,15 @@ class FakeLookup:
 
     def cancel(self, pending: FakePending) -> None:
         self.release([pending.lookup_id])
+
+    def admin(
+        self, op: str, keys: Sequence[bytes], until: float = 0.0, *, timeout_ms: int | None = None
+    ) -> dict[int, FakeAnswer]:
+        self.admins.append((op, list(keys), until, True))
+        return {0: FakeAnswer(len(keys), None)}
+
+    def admin_send(self, op: str, keys: Sequence[bytes], until: float = 0.0) -> None:
+        self.admins.append((op, list(keys), until, False))
 
     def outstanding(self) -> set[str]:
         return set(self.leased) - set(self.released)

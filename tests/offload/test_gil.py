@@ -42,3 +42,33 @@ def test_a_host_that_set_a_shorter_interval_keeps_it():
 def test_a_negative_interval_is_refused_naming_the_fix():
     with pytest.raises(ConfigError, match=r"gil_switch_ms.*negative; use 0 to keep"):
         KVTierConfig(gil_switch_ms=-1)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "sim"])
+def test_a_worker_sets_the_interval_on_the_cpu_backend_only(backend: str, caplog) -> None:  # type: ignore[no-untyped-def]
+    """Measured to help only where the copy lanes run Python between CPU copies; on a device
+    whose copies are asynchronous it is left alone, and the log says so."""
+    from kvtier.offload.device import CpuOps
+    from kvtier.offload.pages import KVCacheDescription
+    from kvtier.offload.simdevice import SimOps
+    from tests.offload.test_worker import BS, NB, config, rank0
+    from tests.offload.vllm_views import build, gqa
+
+    caplog.set_level("INFO", logger="kvtier")
+    ops = CpuOps() if backend == "cpu" else SimOps()
+    _, views = build(gqa(block_size=BS), NB, "LBNHC")
+    worker = rank0(config(), ops)  # type: ignore[arg-type]
+    try:
+        worker.register_kv_caches(KVCacheDescription(views, NB, BS, "LBNHC"))
+    finally:
+        worker.close()
+        if isinstance(ops, SimOps):
+            ops.close()
+    if backend == "cpu":
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        assert "kvtier[rank 0/1]: GIL switch interval 5.00 -> 0.50 ms" in caplog.text
+    else:
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+        assert "GIL switch interval left at 5.00 ms on cpu (gil_switch_ms is applied on" in (
+            caplog.text
+        )

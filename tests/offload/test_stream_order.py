@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 
 from kvtier.offload.codec import PageCodec
-from kvtier.offload.device import Lane
+from kvtier.offload.device import DONE, Lane, Mark
 from kvtier.offload.messages import ChunkRef, LoadOp, OffloadMeta, SaveOp
 from kvtier.offload.pages import KVCacheDescription
 from kvtier.offload.selftest import SELF_TEST_KEY
@@ -46,6 +46,14 @@ class StreamLane:
         if fence is not None:
             assert isinstance(fence, int)
             self.waited = max(self.waited, fence)
+
+    def launch(self, fn: Callable[[], object], after: Mark | None = None) -> Mark:
+        fn()
+        return DONE
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Mark | None = None) -> Mark:
+        dst.copy_(src)
+        return DONE
 
     def finish(self) -> None:
         self.queued = 0
@@ -203,18 +211,22 @@ def test_the_cuda_lane_orders_after_fences_of_the_current_stream_and_finish_sync
 ) -> None:
     """CudaOps' glue, with torch.cuda's stream and event classes replaced by recorders: a fence
     is an event recorded on the stream current in the calling thread (the forward's), `after`
-    makes the lane's side stream wait for it, `finish` records on the side stream and blocks."""
+    makes the lane's kernel stream wait for it, `finish` records a blocking-sync event on each
+    of the lane's streams and waits for it (a default event would spin the thread)."""
     from kvtier.offload.device import CudaOps
 
     log: list[tuple[str, object]] = []
     compute = _FakeStream(log, "compute")
 
     class _FakeEvent:
+        def __init__(self, blocking: bool = False) -> None:
+            self.blocking = blocking
+
         def record(self, stream: _FakeStream | None = None) -> None:
             log.append(("record", (stream or compute).name))
 
         def synchronize(self) -> None:
-            log.append(("synchronize", self))
+            log.append(("synchronize", self.blocking))
 
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: _FakeStream(log, "side"))
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
@@ -224,6 +236,47 @@ def test_the_cuda_lane_orders_after_fences_of_the_current_stream_and_finish_sync
     lane.after(fence)
     lane.after(None)  # no fence (a host-side op): nothing to wait for
     lane.finish()
-    assert [e for e, _ in log] == ["record", "side.wait_event", "record", "synchronize"]
+    assert [e for e, _ in log] == [
+        "record",
+        "side.wait_event",
+        *["record", "synchronize"] * 2,  # the kernel stream, then the copy stream
+    ]
     assert log[0] == ("record", "compute") and log[1][1] is fence
-    assert log[2] == ("record", "side")
+    assert log[2] == ("record", "side") and log[4] == ("record", "side")
+    # host waits block in the driver instead of spinning a core
+    assert log[3] == ("synchronize", True) and log[5] == ("synchronize", True)
+
+
+def test_cuda_join_orders_the_compute_stream_after_a_mark_without_a_host_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sync load's last scatter is joined into the forward's stream: `wait_event` on the
+    current stream, never `synchronize` in the forward's thread."""
+    from kvtier.offload.device import CudaOps
+
+    log: list[tuple[str, object]] = []
+    compute = _FakeStream(log, "compute")
+
+    class _FakeEvent:
+        def __init__(self, blocking: bool = False) -> None:
+            self.blocking = blocking
+
+        def record(self, stream: _FakeStream | None = None) -> None:
+            log.append(("record", (stream or compute).name))
+
+        def synchronize(self) -> None:
+            log.append(("synchronize", self.blocking))
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: _FakeStream(log, "side"))
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    ops = CudaOps(torch.device("cuda", 0))
+    lane = ops.lane()
+    ran: list[bool] = []
+    mark = lane.launch(lambda: ran.append(True))
+    ops.join(mark)
+    assert ran == [True]
+    assert [e for e, _ in log] == ["record", "compute.wait_event"]
+    assert log[0] == ("record", "side") and log[1][1] is mark.event  # type: ignore[attr-defined]
+    assert mark.event.blocking  # type: ignore[attr-defined]

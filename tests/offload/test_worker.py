@@ -5,7 +5,7 @@ the self-test stops startup when the codec cannot move a block; lanes bind the r
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -15,7 +15,7 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, StartupError
 from kvtier.metrics import Metrics
 from kvtier.offload.codec import PageCodec
-from kvtier.offload.device import CpuOps, CudaOps, Lane
+from kvtier.offload.device import CpuOps, CudaOps, Lane, Mark
 from kvtier.offload.messages import ChunkRef, LoadOp, OffloadMeta, SaveOp
 from kvtier.offload.pages import KVCacheDescription, manager_view
 from kvtier.offload.selftest import SELF_TEST_KEY
@@ -29,7 +29,7 @@ WAIT_S = 30.0
 
 
 class GatedOps(TaggedOps):
-    """Save-lane copies wait for `gate` (a test hook on the device, not in the worker)."""
+    """Save-lane device work waits for `gate` (a test hook on the device, not in the worker)."""
 
     def __init__(self, mode: DeviceSeparation) -> None:
         super().__init__(mode)
@@ -48,10 +48,16 @@ class GatedOps(TaggedOps):
             def after(self, fence: object | None) -> None:
                 inner.after(fence)
 
-            def finish(self) -> None:
+            def launch(self, fn: Callable[[], object], after: Mark | None = None) -> Mark:
                 if threading.current_thread().name.startswith("kvtier-save"):
                     ops.waiting.set()
                     assert ops.gate.wait(WAIT_S), "gate never opened"
+                return inner.launch(fn, after)
+
+            def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Mark | None = None) -> Mark:
+                return inner.copy(dst, src, after)
+
+            def finish(self) -> None:
                 inner.finish()
 
         return _Gated()

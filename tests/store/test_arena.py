@@ -106,3 +106,64 @@ def test_the_cgroup_limit_counts_as_the_hosts_ram(
     assert arena.host_ram_bytes() <= 4 * GiB
     with pytest.raises(ConfigError, match="of the host's 4GiB RAM"):
         check_host_memory(3 * GiB, 1, "kvtier[rank 0/1]")
+
+
+def test_registration_runs_in_slot_aligned_pieces_on_parallel_threads_and_logs_its_time(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Page-locking 64-200 GiB on one thread takes minutes: pieces go to a pool of threads,
+    each a whole number of slots (a slot's copy never straddles two registrations), and
+    every piece is unregistered at close."""
+    import threading
+
+    cudart = FakeCudart()
+    threads: set[str] = set()
+    register = cudart.cudaHostRegister
+
+    def watched(ptr: int, size: int, flags: int) -> int:
+        threads.add(threading.current_thread().name)
+        return register(ptr, size, flags)
+
+    cudart.cudaHostRegister = watched  # type: ignore[method-assign]
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(arena, "REGISTER_PIECE_BYTES", 1 << 20)
+    slot = 300_000
+    caplog.set_level("INFO", logger="kvtier")
+    a = HostArena(37 * slot, pin=True, align=slot)
+    base = a.tensor.data_ptr()
+    spans = sorted(cudart.registered)
+    # contiguous, covering the arena exactly, each piece a whole number of slots
+    assert spans[0][0] == base and sum(n for _, n in spans) == 37 * slot
+    assert all(p + n == q for (p, n), (q, _) in zip(spans, spans[1:], strict=False))
+    assert all(n % slot == 0 for _, n in spans) and len(spans) == 13
+    assert all(name.startswith("kvtier-pin") for name in threads)
+    assert "page-locking the memory tier's" in caplog.text and "in 13 pieces" in caplog.text
+    assert "kvtier: page-locked the memory tier's" in caplog.text
+    a.close()
+    assert sorted(cudart.unregistered) == [p for p, _ in spans]
+
+
+def test_a_failed_piece_unregisters_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    cudart = FakeCudart()
+    register = cudart.cudaHostRegister
+    calls = iter(range(1000))
+
+    def third_fails(ptr: int, size: int, flags: int) -> int:
+        return 2 if next(calls) == 2 else register(ptr, size, flags)
+
+    cudart.cudaHostRegister = third_fails  # type: ignore[method-assign]
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(arena, "REGISTER_PIECE_BYTES", 1 << 20)
+    with pytest.raises(ConfigError, match=r"cudaHostRegister error 2.*ulimit -l"):
+        HostArena(8 << 20, pin=True)
+    assert sorted(cudart.unregistered) == sorted(p for p, _ in cudart.registered)
+
+
+def test_an_abandoned_arena_stays_registered_and_allocated(monkeypatch: pytest.MonkeyPatch) -> None:
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    a = HostArena(1 << 20, pin=True)
+    t = a.tensor
+    a.abandon()
+    a.close()
+    assert cudart.unregistered == [] and any(x is t for x in arena._ABANDONED)

@@ -449,3 +449,26 @@ def test_parents_travel_with_commits_promotions_and_write_behind(
     assert disk.put(promoted, make_payload(2, SIZE))
     assert stack.read_into(promoted, _dst(), parent=tail) == "disk"
     assert stack.memory.parent_of(promoted) == tail
+
+
+def test_a_leased_lookup_pins_exactly_its_run_across_tiers(
+    tmp_path: Path, namespace: bytes, metrics: Metrics, make_key: Key, make_payload: Payload
+):
+    # the memory run is leased in one step, the rest chunk by chunk where each lives: a chunk
+    # resident past the first miss is not part of the run and stays evictable
+    disk = DiskTier(tmp_path, 4 * (SIZE + HEADER_BYTES), namespace, metrics)
+    memory = _memory(namespace, metrics, 8)
+    s = TierStack(memory, [disk], metrics)
+    try:
+        a, b, c, d, gap, e = (make_key(i) for i in range(6))
+        for i, k in enumerate((a, b, d, e)):
+            assert memory.put(k, make_payload(i, SIZE))
+        assert disk.put(c, make_payload(9, SIZE))
+        run = s.lookup_run([a, b, c, d, gap, e], "req-1")
+        assert (run.chunks, run.tier) == (4, "disk")
+        assert [memory.is_leased(k) for k in (a, b, d, e)] == [True, True, True, False]
+        s.release("req-1")
+        assert not any(memory.is_leased(k) for k in (a, b, d))
+        assert metrics.value("lease_releases_total") == 1
+    finally:
+        s.close()

@@ -65,3 +65,21 @@ def test_a_client_request_id_of_any_length_is_served_and_the_server_lives(
     assert r["exit_code"] == 0
     # not even contained: a long id is no failure at all
     assert not re.search(r"hook \w+ failed", "\n".join(r["kvtier_lines"]))
+
+
+def test_a_retention_hint_in_kv_transfer_params_is_granted_and_answered(
+    vllm_served: dict,
+) -> None:
+    """vLLM hands a connector one per-request channel, `kv_transfer_params`: OpenAI's
+    prompt_cache_key/prompt_cache_retention there retain the prompt's whole chunks, and the
+    response's `kv_transfer_params` says what was granted; a bad hint is ignored, not fatal."""
+    r = vllm_served
+    granted, bad = r["retention"]
+    whole = (r["prompt_lens"][0] // CHUNK) * CHUNK
+    assert granted == {
+        "kvtier_retention": {"status": "retained", "retained_tokens": whole, "ttl_s": 86400.0}
+    }
+    assert bad is None
+    assert "retention hint ignored: prompt_cache_retention is 'forever'" in "\n".join(
+        r["kvtier_lines"]
+    )

@@ -1,4 +1,4 @@
-"""`kvtier bench tier --device cuda|cpu`: save and load GB/s through the offload worker's real
+"""`kvtier bench tier --device cuda|cpu|sim`: save and load GB/s through the offload worker's real
 path (lanes, device staging, codec, memory tier), next to a raw pinned `copy_` of the same bytes
 in the same run, and the host time a step's saves hold `wait_for_save`.
 
@@ -19,7 +19,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from kvtier.bench.table import Report, Row, Target
-from kvtier.bench.tier import _gbps_row, _interleave, _Keys
+from kvtier.bench.tier_common import Keys, gbps_row, interleave
 from kvtier.config import KVTierConfig
 from kvtier.metrics import Metrics
 from kvtier.offload.messages import ChunkRef, LoadOp, OffloadMeta, SaveOp
@@ -78,7 +78,8 @@ def _sync(device: torch.device) -> None:
 
 
 def run_datapath(report: Report, device_name: str, reps: int, warmup: int, say: Callable) -> None:
-    """Add the device rows to `report` (save, load and raw copies per model; wait_for_save)."""
+    """Add the device rows to `report` (save, load and raw copies per model; wait_for_save);
+    the simulated device has its own (`kvtier.bench.datapath_sim`)."""
     device = torch.device(device_name)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
@@ -99,8 +100,8 @@ def run_datapath(report: Report, device_name: str, reps: int, warmup: int, say: 
         save, load, raw_d2h, raw_h2d, submit = _measure(model, layout, device, reps, warmup)
         n = model.chunk_bytes
         tag = f"datapath.{device.type}.{model.name.split(' ')[0].lower()}"
-        _gbps_row(report, f"{tag}.save", f"{model.name}: save {note}", n, save, raw_d2h, ratio)
-        _gbps_row(report, f"{tag}.load", f"{model.name}: load", n, load, raw_h2d, ratio)
+        gbps_row(report, f"{tag}.save", f"{model.name}: save {note}", n, save, raw_d2h, ratio)
+        gbps_row(report, f"{tag}.load", f"{model.name}: load", n, load, raw_h2d, ratio)
         report.add(
             Row(
                 f"{tag}.wait_for_save",
@@ -144,7 +145,7 @@ def _measure(
     devs = itertools.cycle(
         [torch.zeros(n, dtype=torch.uint8, device=device) for _ in range(CHUNKS_IN_POOL)]
     )
-    keys = _Keys(f"datapath-{model.name}")
+    keys = Keys(f"datapath-{model.name}")
     blocks = itertools.cycle([list(range(c * k, (c + 1) * k)) for c in range(CHUNKS_IN_POOL)])
     ops = itertools.count()
     # touch every slot of the tier first (saves then evict, as in service), so no timed copy
@@ -189,7 +190,7 @@ def _measure(
         return 0.0
 
     try:
-        times = _interleave(
+        times = interleave(
             {
                 "save": save,
                 "load": load,

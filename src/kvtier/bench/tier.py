@@ -17,7 +17,6 @@ a noisy neighbour on a shared machine slows both sides alike; each row is the me
 from __future__ import annotations
 
 import gc
-import hashlib
 import itertools
 import multiprocessing as mp
 import os
@@ -27,7 +26,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,14 @@ import torch
 
 from kvtier import __version__
 from kvtier.bench.table import Report, Row, Target, write_json
+from kvtier.bench.tier_common import (
+    STORE_RATIO_TARGET,
+    Keys,
+    Plan,
+    Progress,
+    gbps_row,
+    interleave,
+)
 from kvtier.errors import StartupError
 from kvtier.keys import chain_keys, digest16, key_seed
 from kvtier.layout import KVGeometry, bytes_per_token_from_hf
@@ -68,7 +75,6 @@ CHUNK_TOKENS = 256
 PROMPT_TOKENS = 32768
 LOOKUP_RANKS = 4
 
-STORE_RATIO_TARGET = 0.85
 RETRIEVE_RATIO_TARGET = 0.85
 LOOKUP_P99_TARGET_MS = 2.0
 
@@ -80,26 +86,6 @@ _SERVER_START_S = 120.0
 _SERVER_STOP_S = 15.0
 _NS_DOMAIN = "kvtier.bench.tier.v1"
 
-Progress = Callable[[str], None]
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """Repetition counts of one run (`FULL` or `QUICK`)."""
-
-    mem_slots: int
-    mem_sources: int
-    mem_warmup: int
-    mem_reps: int
-    disk_files: int
-    disk_warmup: int
-    disk_reps: int
-    disk_cold_reps: int
-    hash_reps: int
-    lookup_warmup: int
-    lookup_reps: int
-    datapath_warmup: int = 3
-    datapath_reps: int = 30
 
 
 # About 20 s on 2 idle cores (under 60 s when shared); p99 of 5000 lookups rests on 50 samples.
@@ -192,9 +178,14 @@ def run(
         from kvtier.bench.tier_remote import bench_remote
 
         bench_remote(report, quick, say)
-    from kvtier.bench.datapath import run_datapath
+    if device == "sim":
+        from kvtier.bench.datapath_sim import run_sim
 
-    run_datapath(report, device, plan.datapath_reps, plan.datapath_warmup, say)
+        run_sim(report, max(plan.datapath_reps // 3, 3), say)
+    else:
+        from kvtier.bench.datapath import run_datapath
+
+        run_datapath(report, device, plan.datapath_reps, plan.datapath_warmup, say)
     report.meta["elapsed_s"] = round(time.perf_counter() - t0, 2)
     report.meta["loadavg_end"] = list(os.getloadavg())
     doc = report.to_json()
@@ -211,7 +202,7 @@ def run(
 def _bench_memory(report: Report, plan: Plan, chunk_bytes: int, say: Progress) -> None:
     metrics = Metrics(0)
     ns = digest16(_NS_DOMAIN, ("memory",))
-    keys = _Keys("memory")
+    keys = Keys("memory")
     gen = torch.Generator().manual_seed(0)
     sources = [
         torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8, generator=gen)
@@ -288,12 +279,12 @@ def _bench_memory(report: Report, plan: Plan, chunk_bytes: int, say: Progress) -
         ),
     )
     for row_id, label, samples, name, target in rows:
-        _gbps_row(report, row_id, label, chunk_bytes, samples[name], samples["raw"], target)
+        gbps_row(report, row_id, label, chunk_bytes, samples[name], samples["raw"], target)
 
 
 def _store(
     tier: MemoryTier,
-    keys: _Keys,
+    keys: Keys,
     sources: Sequence[torch.Tensor],
     next_source: Callable[[], torch.Tensor],
     plan: Plan,
@@ -333,7 +324,7 @@ def _store(
             raise RuntimeError("memory tier refused a put of a fresh key")
         return dt
 
-    store = _interleave(
+    store = interleave(
         {"raw": raw_store, "reserve": reserve_commit, "put": put}, plan.mem_warmup, rounds
     )
     return store
@@ -341,7 +332,7 @@ def _store(
 
 def _retrieve(
     tier: MemoryTier,
-    keys: _Keys,
+    keys: Keys,
     sources: Sequence[torch.Tensor],
     dst: torch.Tensor,
     plan: Plan,
@@ -373,7 +364,7 @@ def _retrieve(
             return dt
 
         rounds = plan.mem_warmup + plan.mem_reps
-        got = _interleave({"raw": raw, "tier": read_into}, plan.mem_warmup, rounds)
+        got = interleave({"raw": raw, "tier": read_into}, plan.mem_warmup, rounds)
         # the bytes read back are the bytes stored: a bench of wrong data would prove nothing
         if not (tier.read_into(resident[0], dst) and torch.equal(dst, sources[0])):
             raise RuntimeError("memory tier read back other bytes than were stored")
@@ -382,7 +373,7 @@ def _retrieve(
     return got
 
 
-def _fill(tier: MemoryTier, keys: _Keys, sources: Sequence[torch.Tensor], n: int) -> list[bytes]:
+def _fill(tier: MemoryTier, keys: Keys, sources: Sequence[torch.Tensor], n: int) -> list[bytes]:
     """Put `n` fresh chunks (chunk i holds `sources[i % len]`); the keys, in order."""
     out: list[bytes] = []
     for i in range(n):
@@ -442,7 +433,7 @@ def _disk_warm(
     """Interleaved writes, then reads from the page cache, of the tier and of raw files; the
     last chunk read back is checked byte for byte. Returns both timings and what was written."""
     root = raw_dir.parent
-    keys = _Keys("disk")
+    keys = Keys("disk")
     payload_np = np.random.default_rng(1).integers(0, 256, chunk_bytes, dtype=np.uint8)
     payload = memoryview(payload_np)
     rounds = plan.disk_warmup + plan.disk_reps
@@ -482,8 +473,8 @@ def _disk_warm(
             raise RuntimeError("disk tier missed the chunk it just stored")
         return dt
 
-    writes = _interleave({"raw": raw_write, "tier": tier_put}, plan.disk_warmup, rounds)
-    warm = _interleave({"raw": raw_read, "tier": tier_get}, plan.disk_warmup, rounds)
+    writes = interleave({"raw": raw_write, "tier": tier_put}, plan.disk_warmup, rounds)
+    warm = interleave({"raw": raw_read, "tier": tier_get}, plan.disk_warmup, rounds)
     back = tier.get(written[-1])
     if back is None or not np.array_equal(np.frombuffer(back, np.uint8), payload_np):
         raise RuntimeError("disk tier read back other bytes than were stored")
@@ -527,7 +518,7 @@ def _disk_cold(
             raise RuntimeError("disk tier missed a resident chunk on a cold read")
         return dt
 
-    cold = _interleave({"raw": raw_cold, "tier": tier_cold}, 0, plan.disk_cold_reps)
+    cold = interleave({"raw": raw_cold, "tier": tier_cold}, 0, plan.disk_cold_reps)
     return cold
 
 
@@ -553,10 +544,10 @@ def _disk_rows(
         "cold reads: every file fsynced, then its page cache dropped with posix_fadvise(DONTNEED) "
         "before each read; a hypervisor may still cache below the guest"
     )
-    _gbps_row(
+    gbps_row(
         report, "disk.write.put", f"disk write: put {w}", chunk_bytes, writes["tier"], writes["raw"]
     )
-    _gbps_row(
+    gbps_row(
         report,
         "disk.read.get_warm",
         f"disk read: get, page cache {p}",
@@ -564,7 +555,7 @@ def _disk_rows(
         warm["tier"],
         warm["raw"],
     )
-    _gbps_row(report, "disk.read.get_cold", f"disk read: get, cold {k}", chunk_bytes,
+    gbps_row(report, "disk.read.get_cold", f"disk read: get, cold {k}", chunk_bytes,
               cold["tier"], cold["raw"])  # fmt: skip
 
 
@@ -789,65 +780,6 @@ def _wait_bound(procs: Sequence[BaseProcess], ready: Sequence[Any]) -> None:
 # ----------------------------------------------------------------------------------------------
 # shared helpers
 # ----------------------------------------------------------------------------------------------
-
-
-class _Keys:
-    """Fresh, distinct 16-byte chunk keys (a counter under a tag)."""
-
-    def __init__(self, tag: str) -> None:
-        self._tag = tag.encode()
-        self._n = 0
-
-    def next(self) -> bytes:
-        self._n += 1
-        return hashlib.blake2b(self._tag + self._n.to_bytes(8, "little"), digest_size=16).digest()
-
-
-def _interleave(
-    methods: dict[str, Callable[[], float]], warmup: int, rounds: int
-) -> dict[str, list[float]]:
-    """Run every method once per round, rotating their order; seconds per method after warmup."""
-    names = list(methods)
-    out: dict[str, list[float]] = {name: [] for name in names}
-    gc.collect()
-    for i in range(rounds):
-        shift = i % len(names)
-        for name in names[shift:] + names[:shift]:
-            dt = methods[name]()
-            if i >= warmup:
-                out[name].append(dt)
-    return out
-
-
-def _gbps_row(
-    report: Report,
-    row_id: str,
-    label: str,
-    nbytes: int,
-    seconds: Sequence[float],
-    raw_seconds: Sequence[float],
-    target: Target | None = None,
-) -> Row:
-    """A GB/s row from per-repetition seconds (median), with its raw baseline's median."""
-    med, raw_med = float(np.median(seconds)), float(np.median(raw_seconds))
-    return report.add(
-        Row(
-            row_id,
-            label,
-            nbytes / med / _GB,
-            "GB/s",
-            raw=nbytes / raw_med / _GB,
-            target=target,
-            detail={
-                "samples": len(seconds),
-                "median_ms": med * 1e3,
-                "p10_ms": float(np.percentile(seconds, 10) * 1e3),
-                "p90_ms": float(np.percentile(seconds, 90) * 1e3),
-                "raw_median_ms": raw_med * 1e3,
-                "bytes": nbytes,
-            },
-        )
-    )
 
 
 def _environment() -> dict[str, Any]:

@@ -16,7 +16,7 @@ import torch
 
 from kvtier.bench.redis_local import RedisServer
 from kvtier.bench.table import Report, Target
-from kvtier.bench.tier import Plan, Progress, _gbps_row, _interleave, _Keys
+from kvtier.bench.tier_common import Keys, Plan, Progress, gbps_row, interleave
 from kvtier.keys import digest16
 from kvtier.metrics import Metrics
 from kvtier.store.disk import DiskTier
@@ -83,7 +83,7 @@ def _put_get(
 
     view = memoryview(payload)
     written: dict[str, list[bytes]] = {n: [] for n in tiers}
-    keys = _Keys("crypto")
+    keys = Keys("crypto")
 
     def put(name: str) -> Callable[[], float]:
         def run() -> float:
@@ -110,8 +110,8 @@ def _put_get(
         return run
 
     rounds = plan.disk_warmup + plan.disk_reps
-    puts = _interleave({n: put(n) for n in tiers}, plan.disk_warmup, rounds)
-    gets = _interleave({n: get(n) for n in tiers}, plan.disk_warmup, rounds)
+    puts = interleave({n: put(n) for n in tiers}, plan.disk_warmup, rounds)
+    gets = interleave({n: get(n) for n in tiers}, plan.disk_warmup, rounds)
     for name, tier in tiers.items():
         back = tier.get(written[name][-1])  # type: ignore[attr-defined]
         if back is None or bytes(back) != payload.tobytes():
@@ -127,7 +127,7 @@ def _rows(
     gets: dict[str, list[float]],
 ) -> None:
     target = Target("ratio", ">=", ENC_RATIO_TARGET)
-    _gbps_row(report, f"{tier}.write.put_encrypted", f"{label}: put, encrypted", ENC_CHUNK,
+    gbps_row(report, f"{tier}.write.put_encrypted", f"{label}: put, encrypted", ENC_CHUNK,
               puts["enc"], puts["plain"], target)  # fmt: skip
-    _gbps_row(report, f"{tier}.read.get_encrypted", f"{tier}: get, encrypted", ENC_CHUNK,
+    gbps_row(report, f"{tier}.read.get_encrypted", f"{tier}: get, encrypted", ENC_CHUNK,
               gets["enc"], gets["plain"], target)  # fmt: skip

@@ -29,7 +29,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from kvtier import remote_endpoint
 from kvtier.bench.redis_local import LocalCluster, RedisServer
 from kvtier.bench.table import Report, Target
-from kvtier.bench.tier import STORE_RATIO_TARGET, Progress, _gbps_row, _interleave, _Keys
+from kvtier.bench.tier_common import STORE_RATIO_TARGET, Keys, Progress, gbps_row, interleave
 from kvtier.keys import digest16
 from kvtier.metrics import Metrics
 from kvtier.store import record
@@ -66,7 +66,7 @@ def bench_remote(report: Report, quick: bool, say: Progress) -> None:
                 say(f"remote tier ({label}): put + get of {mib} MiB chunks, {n} rounds")
                 puts, gets = _measure(store.url, mib * _MIB, n, tag)
                 for op, samples in (("put", puts), ("get", gets)):
-                    row = _gbps_row(
+                    row = gbps_row(
                         report,
                         f"remote.{tag}.{op}.{mib}mib",
                         f"remote {op}, {label}, {mib} MiB {note}",
@@ -118,7 +118,7 @@ def _measure(url: str, size: int, reps: int, tag: str) -> tuple[dict[str, list[f
 
             return put
 
-        puts = _interleave(
+        puts = interleave(
             {"tier": tier_put, "raw": raw_put(glide, "raw"), "redis_py": raw_put(rpy, "redis_py")},
             1,
             reps + 1,
@@ -153,7 +153,7 @@ def _measure(url: str, size: int, reps: int, tag: str) -> tuple[dict[str, list[f
                 raise RuntimeError("redis-py missed a value it stored")
             return dt
 
-        gets = _interleave({"tier": tier_get, "raw": glide_get, "redis_py": rpy_get}, 1, reps + 1)
+        gets = interleave({"tier": tier_get, "raw": glide_get, "redis_py": rpy_get}, 1, reps + 1)
         # a bench of wrong bytes would prove nothing
         if not (tier.read_into(tier_keys[-1], dst) and np.array_equal(dst.numpy(), payload)):
             raise RuntimeError("remote tier read back other bytes than were stored")
@@ -165,7 +165,7 @@ def _measure(url: str, size: int, reps: int, tag: str) -> tuple[dict[str, list[f
 
 
 def _cycle(tag: str) -> Iterator[bytes]:
-    keys = _Keys(tag)
+    keys = Keys(tag)
     ring = [keys.next() for _ in range(_KEYS_PER_METHOD)]
     i = 0
     while True:

@@ -7,7 +7,8 @@ lease, which touches the matched run; the load reads the chunks above the floor;
 released; the scheduler's admission policy (`kvtier.offload.admission`, the real class) decides
 the request; the prompt's full chunks past the lookup hit that the tier lacks are then saved,
 deepest first, each under its parent, when admitted. A lookup the scheduler skips saves from
-chunk 0.
+chunk 0. With a retention client (`kvtier.cachemodel.retention`) the tier is protected by the
+client's table, a hinting request's saves are forced, and the client hints after the saves.
 """
 
 from __future__ import annotations
@@ -115,6 +116,22 @@ class _Port(Protocol):
     def save(self, key: bytes, parent: bytes) -> None: ...
 
 
+class Hinter(Protocol):
+    """A client sending retention hints, on the model's simulated clock."""
+
+    def holds(self, key: bytes) -> bool:
+        """Whether `key` is retained now (the tiers' eviction asks)."""
+        ...
+
+    def begin(self, i: int) -> bool:
+        """Request `i` arrives (the clock moves to it); whether its saves are forced."""
+        ...
+
+    def end(self, i: int, keys: Sequence[bytes], held: int) -> None:
+        """Request `i` was served and saved; the tier holds the first `held` of `keys`."""
+        ...
+
+
 class _StackPort:
     """A rank's TierStack, called as the worker calls it (reserve and commit, read_into)."""
 
@@ -179,10 +196,13 @@ def drive(
     floors: Sequence[int],
     min_load: int,
     admission: AdmissionPolicy | None = None,
+    hinter: Hinter | None = None,
 ) -> Drive:
-    """Run the engine flow over `port` (every request admitted without a policy)."""
+    """Run the engine flow over `port` (every request admitted without a policy), with the
+    retention client `hinter` hinting after each request when given."""
     out = Drive([])
     for i, (r, h) in enumerate(zip(requests, floors, strict=True)):
+        forced = hinter.begin(i) if hinter is not None else False
         keys = [key_of(c) for c in r.chunks]
         start = n = 0
         if looks_up(r, h, min_load):
@@ -194,13 +214,18 @@ def drive(
             port.release(lease)
         limit = len(keys)
         if admission is not None and keys:
-            decision, seen = admission.decide(keys, hbm_chunks=h, tier_chunks=n)
+            decision, seen = admission.decide(keys, hbm_chunks=h, tier_chunks=n, forced=forced)
             limit = decision.limit
             out.regret += seen.returns[REJECTED]
         for c in range(limit - 1, start - 1, -1):
             if not port.holds(keys[c]):
                 port.save(keys[c], keys[c - 1] if c else b"")
                 out.written += 1
+        if hinter is not None:
+            held = 0
+            while held < len(keys) and port.holds(keys[held]):
+                held += 1
+            hinter.end(i, keys, held)
         out.leads.append(n)
     return out
 
@@ -217,8 +242,23 @@ def predict(
     """Tier hits of the real `tier` ("memory": a rank's TierStack over a MemoryTier; "disk": a
     DiskTier in a temporary directory) of `capacity` chunks, driven as the engine drives it
     with the scheduler's `admission` mode ("all": write-through; "adaptive")."""
+    done = drive_tier(requests, capacity, floors, tier=tier, min_load=min_load, admission=admission)
+    return tally(requests, floors, done.leads, min_load, written=done.written, regret=done.regret)
+
+
+def drive_tier(
+    requests: Sequence[Request],
+    capacity: int,
+    floors: Sequence[int],
+    *,
+    tier: str = MEMORY,
+    min_load: int = 1,
+    admission: str = ALL,
+    hinter: Hinter | None = None,
+) -> Drive:
+    """`predict`'s drive, per request (the tier protected by `hinter`'s retention if given)."""
     if capacity < 1:
-        return tally(requests, floors, [0] * len(requests), min_load)
+        return Drive([0] * len(requests))
     metrics = Metrics()
     policy = AdmissionPolicy(admission, capacity=capacity, history=max(16 * capacity, 4096))
     if tier == MEMORY:
@@ -232,17 +272,20 @@ def predict(
             pin_memory=False,
         )
         stack = TierStack(memory, (), metrics)
+        if hinter is not None:
+            # after the stack, which protects its tiers with its own (here empty) table
+            memory.protect(hinter.holds)
         try:
-            done = drive(_StackPort(stack), requests, floors, min_load, policy)
+            return drive(_StackPort(stack), requests, floors, min_load, policy, hinter)
         finally:
             stack.close()
-    elif tier == DISK:
+    if tier == DISK:
         with tempfile.TemporaryDirectory(prefix="kvtier-cachemodel-") as root:
             disk = DiskTier(root, capacity * (HEADER_BYTES + _PAYLOAD), _NAMESPACE, metrics)
+            if hinter is not None:
+                disk.protect(hinter.holds)
             try:
-                done = drive(_DiskPort(disk), requests, floors, min_load, policy)
+                return drive(_DiskPort(disk), requests, floors, min_load, policy, hinter)
             finally:
                 disk.close()
-    else:
-        raise ValueError(f"tier={tier!r} is not {MEMORY!r} or {DISK!r}")
-    return tally(requests, floors, done.leads, min_load, written=done.written, regret=done.regret)
+    raise ValueError(f"tier={tier!r} is not {MEMORY!r} or {DISK!r}")

@@ -1,5 +1,6 @@
 """Seeded chunk-level request streams for `kvtier bench cache`: prefix pools (Zipf or uniform
-popularity, a one-off tail per request), chat sessions with think times, and round-robin
+popularity, a one-off tail per request), chat sessions with think times, agent loops with tool
+and human pauses (both also as timed turns for the retention model), and round-robin
 conversations (the turn order of `kvtier bench run --workload multi_turn`).
 
 Each prompt ends inside a partial chunk (the user's last words), so every full chunk can hit.
@@ -13,6 +14,7 @@ import random
 from collections.abc import Iterator
 
 from kvtier.cachemodel.stream import Request
+from kvtier.cachemodel.turns import Turn, link_next, requests_of
 from kvtier.errors import ConfigError
 
 
@@ -66,6 +68,38 @@ def sessions(
     `system_prompts` shared system prompts; a turn adds the answer and the next question to the
     history. Between turns the user thinks `quick_s` on average, or `slow_s` with probability
     `p_slow` (a coffee break): quick turns find their history in HBM, slow ones need the tier."""
+    return requests_of(
+        session_turns(
+            n_sessions,
+            span_s,
+            mean_turns=mean_turns,
+            quick_s=quick_s,
+            slow_s=slow_s,
+            p_slow=p_slow,
+            first_chunks=first_chunks,
+            turn_chunks=turn_chunks,
+            system_prompts=system_prompts,
+            system_chunks=system_chunks,
+            seed=seed,
+        )
+    )
+
+
+def session_turns(
+    n_sessions: int = 1500,
+    span_s: float = 2000.0,
+    *,
+    mean_turns: float = 8.0,
+    quick_s: float = 5.0,
+    slow_s: float = 1000.0,
+    p_slow: float = 0.3,
+    first_chunks: tuple[int, int] = (2, 8),
+    turn_chunks: tuple[int, int] = (1, 3),
+    system_prompts: int = 4,
+    system_chunks: int = 2,
+    seed: int = 0,
+) -> list[Turn]:
+    """The `sessions` stream as timed turns (see `sessions` for the parameters)."""
     if n_sessions < 1 or mean_turns < 1:
         raise ConfigError("sessions needs n_sessions >= 1 and mean_turns >= 1")
     rng = random.Random(seed)
@@ -83,8 +117,54 @@ def sessions(
                 history = history + [next(ids) for _ in range(rng.randint(*turn_chunks))]
             events.append((t, s, turn, history))
             t += rng.expovariate(1.0 / (slow_s if rng.random() < p_slow else quick_s))
+    return _timed(events)
+
+
+def agent_turns(
+    n_agents: int = 600,
+    span_s: float = 2000.0,
+    *,
+    mean_steps: float = 12.0,
+    tool_s: float = 3.0,
+    human_s: float = 600.0,
+    p_human: float = 0.1,
+    task_chunks: tuple[int, int] = (2, 6),
+    step_chunks: tuple[int, int] = (1, 4),
+    system_prompts: int = 4,
+    system_chunks: int = 4,
+    seed: int = 0,
+) -> list[Turn]:
+    """Agent loops starting uniformly over `span_s` seconds on one of `system_prompts` shared
+    tool-laden system prompts: each step appends the model's call and the tool's result, after a
+    tool pause of `tool_s` on average, or with probability `p_human` a person's pause of
+    `human_s` on average (an approval, a question back): the pauses a recency policy loses."""
+    if n_agents < 1 or mean_steps < 1:
+        raise ConfigError("agent_turns needs n_agents >= 1 and mean_steps >= 1")
+    rng = random.Random(seed)
+    ids = _ids()
+    systems = [[next(ids) for _ in range(system_chunks)] for _ in range(system_prompts)]
+    events: list[tuple[float, int, int, list[int]]] = []
+    for a in range(n_agents):
+        t = rng.uniform(0.0, span_s)
+        steps = 1
+        while rng.random() > 1.0 / mean_steps:
+            steps += 1
+        history = list(rng.choice(systems)) + [next(ids) for _ in range(rng.randint(*task_chunks))]
+        for step in range(steps):
+            if step:
+                history = history + [next(ids) for _ in range(rng.randint(*step_chunks))]
+            events.append((t, a, step, history))
+            human = rng.random() < p_human
+            t += rng.expovariate(1.0 / (human_s if human else tool_s))
+    return _timed(events)
+
+
+def _timed(events: list[tuple[float, int, int, list[int]]]) -> list[Turn]:
+    """Events (time, session, turn, chunks) in time order, each knowing its session's next."""
     events.sort(key=lambda e: (e[0], e[1], e[2]))
-    return [_request(e[3]) for e in events]
+    return link_next(
+        [_request(e[3]) for e in events], [e[0] for e in events], [e[1] for e in events]
+    )
 
 
 def round_robin(

@@ -78,6 +78,7 @@ def diagnose(metrics_text: str, log_text: str | None, tp: int | None) -> list[Ch
         health.breakers(s),
         health.policy(s),
         health.admission(s),
+        health.retention(s),
     ]  # fmt: skip
 
 

@@ -13,6 +13,7 @@ from kvtier.doctor.result import (
     LOAD_FAILURES,
     POLICY,
     PROGRESS,
+    RETENTION,
     SKIPPED,
     STORE_FAILURES,
     TIMEOUTS,
@@ -41,6 +42,11 @@ FAILS_REQUEST = "kvtier_load_failure_fails_request"
 ADMITTED_TOTAL = "kvtier_admission_total"
 RETURNS_TOTAL = "kvtier_admission_returns_total"
 PRESSURE = "kvtier_admission_pressure"
+RETENTION_TOTAL = "kvtier_retention_total"
+RETAINED = "kvtier_retained_chunks"
+# hints refused or clipped beyond this share (of at least this many) mean a budget too small
+RETENTION_SHORT_SHARE = 0.2
+RETENTION_SHORT_MIN = 20
 # rejected chunks that came back, as a share of all that came back, that a tier without
 # pressure should not see (it had room for them)
 REGRET_WARN_SHARE = 0.05
@@ -338,3 +344,27 @@ def admission(s: Samples) -> Check:
         )
     return Check(ADMISSION, Status.PASS, said if decided else "no chunk decided yet", numbers)
 
+
+def retention(s: Samples) -> Check:
+    """What clients' retention hints were granted: a budget that clips or rejects many of them
+    serves the hinting clients less than they asked (retention_budget)."""
+    if not s.exported(RETENTION_TOTAL):
+        return absent(RETENTION, RETENTION_TOTAL)
+    by = {st: v for (st,), v in s.group(RETENTION_TOTAL, "status").items() if v}
+    held = s.scheduler_value(RETAINED) or 0.0
+    numbers: dict[str, Any] = {"hints": {k: num(v) for k, v in sorted(by.items())},
+                               "retained_chunks": num(held)}  # fmt: skip
+    total = sum(by.values())
+    if not total:
+        return Check(RETENTION, Status.PASS, "no retention hint received", numbers)
+    short = by.get("clipped", 0.0) + by.get("rejected", 0.0)
+    said = f"hints: {fmt(by)}; {num(held)} chunks retained now"
+    if total >= RETENTION_SHORT_MIN and short > RETENTION_SHORT_SHARE * total:
+        return Check(
+            RETENTION,
+            Status.WARN,
+            f"{said}: {num(short)} of {num(total)} hints were clipped or rejected by the budget; "
+            "raise retention_budget (or the tiers) if those clients should be served",
+            numbers,
+        )
+    return Check(RETENTION, Status.PASS, said, numbers)

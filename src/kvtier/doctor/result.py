@@ -52,6 +52,7 @@ SKIPPED = "skipped loads"
 BREAKERS = "breakers"
 POLICY = "failed loads recompute"
 ADMISSION = "admission"
+RETENTION = "retention"
 FAILS_REQUEST = "kvtier_load_failure_fails_request"
 
 CHECK_NAMES = (
@@ -74,4 +75,5 @@ CHECK_NAMES = (
     BREAKERS,
     POLICY,
     ADMISSION,
+    RETENTION,
 )

@@ -8,12 +8,19 @@ without it is never answered, never leases and never releases.
 """
 
 from kvtier.lookup.auth import MAC_BYTES, FrameMac
-from kvtier.lookup.client import LookupClient, format_client_line
+from kvtier.lookup.client import AdminAnswer, LookupClient, format_client_line
 from kvtier.lookup.endpoints import IPC_PATH_MAX, LookupEndpoint, endpoint_for, make_run_dir
 from kvtier.lookup.keyfile import ENGINE_KEY_BYTES, KEY_FILE, endpoint_key, engine_key
 from kvtier.lookup.messages import (
+    ADMIN_FORGET,
+    ADMIN_OPS,
+    ADMIN_PREFETCH,
+    ADMIN_RELEASE,
+    ADMIN_RETAIN,
     DEFAULT_MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
+    AdminReply,
+    AdminRequest,
     Codec,
     FrameError,
     LookupReply,
@@ -24,9 +31,18 @@ from kvtier.lookup.messages import (
     ReleaseRequest,
 )
 from kvtier.lookup.result import LookupResult
-from kvtier.lookup.server import LookupBackend, LookupServer, serve_until
+from kvtier.lookup.server import AdminBackend, LookupBackend, LookupServer, serve_until
 
 __all__ = [
+    "ADMIN_FORGET",
+    "ADMIN_OPS",
+    "ADMIN_PREFETCH",
+    "ADMIN_RELEASE",
+    "ADMIN_RETAIN",
+    "AdminAnswer",
+    "AdminBackend",
+    "AdminReply",
+    "AdminRequest",
     "DEFAULT_MAX_FRAME_BYTES",
     "ENGINE_KEY_BYTES",
     "IPC_PATH_MAX",

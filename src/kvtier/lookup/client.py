@@ -8,6 +8,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import zmq
 
@@ -16,6 +17,7 @@ from kvtier.lookup.auth import REPLIES, REQUESTS, FrameMac, RefusalLog, check_ke
 from kvtier.lookup.endpoints import key_dir_of, parse_endpoint
 from kvtier.lookup.keyfile import engine_key
 from kvtier.lookup.messages import (
+    ADMIN_OPS,
     DEFAULT_MAX_FRAME_BYTES,
     KEY_BYTES,
     MAX_LOOKUP_ID_CHARS,
@@ -23,6 +25,8 @@ from kvtier.lookup.messages import (
     REJECT_AUTH,
     REJECT_FRAMES,
     REJECT_RANGE,
+    AdminReply,
+    AdminRequest,
     Codec,
     FrameError,
     LookupReply,
@@ -40,6 +44,8 @@ log = logging.getLogger("kvtier")
 
 # Lookup ids per release message; keeps each frame far below the frame cap.
 _RELEASE_BATCH = 1024
+# Keys per admin message: about 600 KB of msgpack, far below the default 4 MiB frame cap.
+_ADMIN_BATCH = 32768
 
 
 def format_client_line(ranks: Iterable[int], world: int) -> str:
@@ -166,13 +172,7 @@ class LookupClient:
     ) -> PendingLookup:
         """Send the lookup to every rank and return at once; `poll` collects the answer."""
         _check_lookup_id(lookup_id)
-        for i, k in enumerate(keys):
-            if type(k) is not bytes or len(k) != KEY_BYTES:
-                size = len(k) if isinstance(k, bytes | bytearray | memoryview) else "?"
-                raise ValueError(
-                    f"lookup key {i} is {type(k).__name__} of length {size}; "
-                    f"chunk keys are {KEY_BYTES}-byte bytes (kvtier.keys)"
-                )
+        _check_keys(keys)
         t0 = time.perf_counter()
         deadline = t0 + (self.timeout_ms if timeout_ms is None else timeout_ms) / 1000.0
         with self._lock:
@@ -284,19 +284,9 @@ class LookupClient:
             for start in range(0, len(ids), _RELEASE_BATCH):
                 batch = ids[start : start + _RELEASE_BATCH]
                 frames = self._signed(self._codec.encode(ReleaseRequest(PROTOCOL_VERSION, batch)))
-                for rank, peer in self._peers.by_rank.items():
-                    try:
-                        peer.sock.send_multipart(frames, zmq.NOBLOCK)
-                    except zmq.Again:
-                        self.dropped_releases[rank] += 1
-                        # A rank already known to be missing was logged when it went missing.
-                        log.log(
-                            logging.DEBUG if peer.misses else logging.WARNING,
-                            "kvtier: release of %d lookup ids not sent to rank %d (unreachable); "
-                            "its leases will expire",
-                            len(batch),
-                            rank,
-                        )
+                self._send_nowait(
+                    frames, f"release of {len(batch)} lookup ids (their leases will expire)"
+                )
 
     def ping(self, timeout_ms: int | None = None) -> dict[int, bool]:
         """Which ranks answered a ping with their own rank before the deadline."""
@@ -331,6 +321,89 @@ class LookupClient:
                 if pong is not None:
                     self._peers.answered(self._peers.by_rank[rank])
         return pongs
+
+    def admin(
+        self,
+        op: str,
+        keys: Sequence[bytes],
+        until: float = 0.0,
+        *,
+        timeout_ms: int | None = None,
+    ) -> dict[int, AdminAnswer]:
+        """Carry out `op` (retain, release, prefetch, forget) on `keys` on every rank and wait
+        for each rank's count; a rank that did not answer in time has `count=None`. Keys go in
+        batches that fit a frame; the counts add up over the batches."""
+        if op not in ADMIN_OPS:
+            raise ValueError(f"admin op {op!r} is not one of {', '.join(ADMIN_OPS)}")
+        _check_keys(keys)
+        answers = {r: AdminAnswer(0, None) for r in self.ranks}
+        for start in range(0, max(len(keys), 1), _ADMIN_BATCH):
+            batch = list(keys[start : start + _ADMIN_BATCH])
+            for rank, got in self._admin_batch(op, batch, until, timeout_ms).items():
+                before = answers[rank]
+                if got.count is None or before.count is None:
+                    answers[rank] = AdminAnswer(None, got.error or before.error)
+                else:
+                    answers[rank] = AdminAnswer(before.count + got.count, got.error or before.error)
+        return answers
+
+    def admin_send(self, op: str, keys: Sequence[bytes], until: float = 0.0) -> None:
+        """`admin` without answers: queued to every rank at once, never blocking or raising for
+        a rank (one that cannot take it is counted in `dropped_releases` and logged)."""
+        if op not in ADMIN_OPS:
+            raise ValueError(f"admin op {op!r} is not one of {', '.join(ADMIN_OPS)}")
+        _check_keys(keys)
+        with self._lock:
+            self._check_open()
+            for start in range(0, len(keys), _ADMIN_BATCH):
+                batch = list(keys[start : start + _ADMIN_BATCH])
+                req = AdminRequest(PROTOCOL_VERSION, next(self._reqs), op, batch, until, False)
+                self._send_nowait(self._signed(self._codec.encode(req)), f"admin {op}")
+
+    def _send_nowait(self, frames: tuple[bytes, bytes], what: str) -> None:
+        for rank, peer in self._peers.by_rank.items():
+            try:
+                peer.sock.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again:
+                self.dropped_releases[rank] += 1
+                # a rank already known to be missing was logged when it went missing
+                log.log(
+                    logging.DEBUG if peer.misses else logging.WARNING,
+                    "kvtier: %s not sent to rank %d (unreachable)",
+                    what,
+                    rank,
+                )
+
+    def _admin_batch(
+        self, op: str, keys: list[bytes], until: float, timeout_ms: int | None
+    ) -> dict[int, AdminAnswer]:
+        budget_ms = self.timeout_ms if timeout_ms is None else timeout_ms
+        deadline = time.perf_counter() + budget_ms / 1e3
+        with self._lock:
+            self._check_open()
+            req = next(self._reqs)
+            got: dict[int, AdminAnswer] = {
+                r: AdminAnswer(None, "no answer in time") for r in self.ranks
+            }
+            waiting: set[int] = set()
+
+            def accept(rank: int, msg: Message) -> bool:
+                if not (isinstance(msg, AdminReply) and msg.req == req and rank in waiting):
+                    return False
+                waiting.discard(rank)
+                if msg.rank != rank:
+                    self._peers.wrong_rank(rank, msg.rank)
+                    got[rank] = AdminAnswer(None, f"reply from rank {msg.rank}")
+                else:
+                    got[rank] = AdminAnswer(msg.count, msg.error)
+                return True
+
+            body = self._codec.encode(AdminRequest(PROTOCOL_VERSION, req, op, keys, until))
+            waiting, _ = self._peers.send_all(
+                self._signed(body), list(self._peers.by_rank.values())
+            )
+            self._gather(lambda: not waiting, deadline, accept)
+        return got
 
     def wait_ready(self, timeout_s: float = 10.0, probe_ms: int = 50) -> None:
         """Ping until every rank answers, or raise StartupError naming the silent ranks."""
@@ -455,6 +528,24 @@ def _one_engine_key(endpoints: Mapping[int, str]) -> bytes:
             "endpoint from the same run dir"
         )
     return next(iter(keys))
+
+
+@dataclass(frozen=True, slots=True)
+class AdminAnswer:
+    """One rank's answer to an admin request: keys acted on (None: no answer) and why not."""
+
+    count: int | None
+    error: str | None
+
+
+def _check_keys(keys: Sequence[bytes]) -> None:
+    for i, k in enumerate(keys):
+        if type(k) is not bytes or len(k) != KEY_BYTES:
+            size = len(k) if isinstance(k, bytes | bytearray | memoryview) else "?"
+            raise ValueError(
+                f"lookup key {i} is {type(k).__name__} of length {size}; "
+                f"chunk keys are {KEY_BYTES}-byte bytes (kvtier.keys)"
+            )
 
 
 def _check_lookup_id(lookup_id: str) -> None:

@@ -86,7 +86,38 @@ class Pong(msgspec.Struct, tag="pong", array_like=True, frozen=True):
     rejected: int
 
 
-Message = LookupRequest | LookupReply | ReleaseRequest | Ping | Pong
+# What an `AdminRequest` asks of a rank's tiers (`store/stack.py` carries them out).
+ADMIN_RETAIN: Final = "retain"  # keep `keys` until `until` (wall-clock seconds)
+ADMIN_RELEASE: Final = "release"  # stop retaining `keys`
+ADMIN_PREFETCH: Final = "prefetch"  # bring `keys` from disk or the shared store into memory
+ADMIN_FORGET: Final = "forget"  # delete `keys` from every tier, the shared store included
+ADMIN_OPS: Final = (ADMIN_RETAIN, ADMIN_RELEASE, ADMIN_PREFETCH, ADMIN_FORGET)
+AdminOp = Annotated[str, msgspec.Meta(pattern="^(retain|release|prefetch|forget)$")]
+
+
+class AdminRequest(msgspec.Struct, tag="admin", array_like=True, frozen=True):
+    """Retain, release, prefetch or forget `keys` on the rank; answered by an `AdminReply`."""
+
+    version: int
+    req: int
+    op: AdminOp
+    keys: list[Key]
+    until: float = 0.0
+    reply: bool = True  # False: fire-and-forget (a hook's retain), no AdminReply
+
+
+class AdminReply(msgspec.Struct, tag="admin_reply", array_like=True, frozen=True):
+    """How many of the request's keys the rank acted on (retained, released, brought into
+    memory, deleted from at least one tier); `error` set when it could not."""
+
+    version: int
+    req: int
+    rank: int
+    count: NonNegative
+    error: str | None = None
+
+
+Message = LookupRequest | LookupReply | ReleaseRequest | Ping | Pong | AdminRequest | AdminReply
 
 
 # What decoding hostile bytes raises besides a schema mismatch: malformed msgpack, a str that is

@@ -32,6 +32,8 @@ from kvtier.lookup.messages import (
     REJECT_FRAMES,
     REJECT_OVERSIZED,
     REJECT_UNEXPECTED,
+    AdminReply,
+    AdminRequest,
     Codec,
     FrameError,
     LookupReply,
@@ -66,6 +68,15 @@ class LookupBackend(Protocol):
 
     def release(self, lease_id: str) -> None:
         """Release the lease `lease_id` (an unknown id is a counted no-op)."""
+        ...
+
+
+class AdminBackend(Protocol):
+    """What a server needs to carry out `AdminRequest`s (the TierStack has it); a backend
+    without it answers every admin request with an error."""
+
+    def admin(self, op: str, keys: Sequence[bytes], until: float) -> int:
+        """Carry out `op` (`lookup.messages.ADMIN_OPS`) on `keys`; how many it acted on."""
         ...
 
 
@@ -244,6 +255,8 @@ class LookupServer:
             self._lookup(router, peer, msg)
         elif isinstance(msg, ReleaseRequest):
             self._release(msg)
+        elif isinstance(msg, AdminRequest):
+            self._admin(router, peer, msg)
         elif isinstance(msg, Ping):
             pong = Pong(
                 PROTOCOL_VERSION, msg.nonce, self.rank, self.served, self.released, self.rejected
@@ -279,6 +292,27 @@ class LookupServer:
         self._send(router, peer, self._codec.encode(reply))
         self.served += 1
         self._m.lookups.inc()
+
+    def _admin(self, router: zmq.Socket, peer: bytes, req: AdminRequest) -> None:
+        admin = getattr(self._backend, "admin", None)
+        count, error = 0, None
+        if admin is None:
+            error = f"rank {self.rank}'s store takes no admin requests"
+        else:
+            try:
+                count = operator.index(admin(req.op, req.keys, req.until))
+            except Exception as e:  # a failing store fails this request, never the server
+                log.warning(
+                    "kvtier: admin %s of %d keys failed on rank %d",
+                    req.op,
+                    len(req.keys),
+                    self.rank,
+                    exc_info=True,
+                )
+                error = f"backend: {type(e).__name__}: {e}"
+        if req.reply:
+            reply = AdminReply(PROTOCOL_VERSION, req.req, self.rank, max(count, 0), error)
+            self._send(router, peer, self._codec.encode(reply))
 
     def _release(self, msg: ReleaseRequest) -> None:
         for lookup_id in msg.lookup_ids:

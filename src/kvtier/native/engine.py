@@ -150,8 +150,10 @@ class Engine:
         prompt: Prompt,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        retention: object | None = None,
     ) -> str:
-        """Queue a request (text, or token ids used as given); returns its id."""
+        """Queue a request (text, or token ids used as given); returns its id. `retention`: the
+        client's hint (`offload.retention.RetentionHint`), for a connector that takes one."""
         self._check_open()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
@@ -171,7 +173,9 @@ class Engine:
             raise ValueError(f"request id {loggable(rid)} is still in use; pick another id")
         params = params or SamplingParams()
         seed = params.seed if params.seed is not None else (self.config.seed << 20) + arrival
-        self.scheduler.add(Sequence(rid, ids, params, seed & _SEED_MASK, arrival))
+        seq = Sequence(rid, ids, params, seed & _SEED_MASK, arrival)
+        seq.retention = retention
+        self.scheduler.add(seq)
         return rid
 
     def abort(self, request_id: str, reason: str = "abort") -> bool:

@@ -111,6 +111,7 @@ class SeqSpec:
     params: SamplingParams
     sink: Callable[[object], bool]  # on the loop thread; False when nobody listens
     text: TextStream
+    retention: object | None = None  # the client's retention hint (offload.retention)
 
 
 @dataclass(frozen=True)
@@ -387,7 +388,9 @@ class EngineLoop:
                 self._release(group)
                 return
             try:
-                self.engine.add_request(spec.prompt_ids, spec.params, request_id=eid)
+                self.engine.add_request(
+                    spec.prompt_ids, spec.params, request_id=eid, retention=spec.retention
+                )
             except ValueError as exc:  # ConfigError is a ValueError too
                 # the engine's validation words (ours, about the prompt), never the client's id
                 self._release(group)

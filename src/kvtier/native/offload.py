@@ -30,6 +30,7 @@ from kvtier.offload import messages
 from kvtier.offload.messages import OffloadMeta
 from kvtier.offload.pages import KVCacheDescription
 from kvtier.offload.protocols import StepRequest
+from kvtier.offload.retention_api import run_admin
 from kvtier.offload.wiring import (
     OffloadSpec,
     SchedulerWiring,
@@ -147,6 +148,16 @@ class SchedulerHalf:
 
     def request_preempted(self, request: ConnectorRequest) -> None:
         self.core.request_preempted(request)
+
+    def retention_decision(self, req_id: str) -> dict[str, object] | None:
+        """What the request's retention hint was granted (the response's usage extension)."""
+        decision = self.core.retention_decision(req_id)
+        return None if decision is None else decision.as_dict()
+
+    def retention_admin(self, op: str, **target: Any) -> dict[str, Any]:
+        """Retain, release, prefetch or forget a prompt, a conversation or a tenant's
+        conversations, or report retention stats (`offload.retention_api`)."""
+        return run_admin(self.core, op, **target)
 
     def shutdown(self) -> None:
         self.wiring.close()

@@ -25,8 +25,10 @@ from kvtier.native.protocol_requests import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from kvtier.native.retention_hints import cache_mark, hint_of
 from kvtier.native.sampling import SamplingParamError, SamplingParams
 from kvtier.native.tokenizer import Tokenizer
+from kvtier.offload.retention import RetentionHint
 
 MiB = 2**20
 # vLLM's own error when a request brings a template the server was not told to trust
@@ -78,6 +80,7 @@ class Prompt:
 
     ids: list[int]
     text: str  # the prompt's text (decoded when it came as ids), for echo
+    retention: RetentionHint | None = None  # the client's retention hint
 
 
 @dataclass(frozen=True)
@@ -222,7 +225,7 @@ class RequestBuilder:
                 raise APIError(400, "the prompt has no tokens; send at least one", "prompt")
             echo_only = bool(req.echo) and req.max_tokens == 0
             limits.append(self._max_tokens(len(ids), 1 if echo_only else req.max_tokens))
-            prompts.append(Prompt(ids, text))
+            prompts.append(Prompt(ids, text, hint_of(req)))
         return req, prompts, self._seqs(req, limits)
 
     def _render_chat(
@@ -274,7 +277,21 @@ class RequestBuilder:
         )
         ids = self._truncate(self._encode(text, req.add_special_tokens), req.truncate_prompt_tokens)
         limit = self._max_tokens(len(ids), req.requested_max_tokens)
-        prompts = [Prompt(ids, text)]
+        mark = cache_mark(req.messages)
+
+        def upto(i: int) -> int:
+            # the prompt through message i: the conversation rendered up to there
+            head = self._render_chat(
+                req.conversation()[: i + 1],
+                add_generation_prompt=False,
+                continue_final_message=False,
+                chat_template=req.chat_template,
+                kwargs=req.chat_template_kwargs,
+                documents=req.documents,
+            )
+            return min(len(self._encode(head, req.add_special_tokens)), len(ids))
+
+        prompts = [Prompt(ids, text, hint_of(req, upto, mark))]
         return req, prompts, self._seqs(req, [limit])
 
     def tokenize(self, body: bytes) -> TokenizeResponse:

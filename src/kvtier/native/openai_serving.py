@@ -100,6 +100,7 @@ class _Choice:
     stop_reason: int | str | None = None
     cached: int = 0
     offsets: list[int] = field(default_factory=list)
+    retention: dict[str, object] | None = None  # what the prompt's retention hint was granted
 
     def add(self, u: SeqUpdate) -> None:
         # a token's text starts where the text stood before it (held-back text lands later)
@@ -112,6 +113,7 @@ class _Choice:
         self.cached = u.output.num_cached_tokens + u.output.num_external_tokens
         if u.finished:
             self.finish_reason, self.stop_reason = u.finish_reason, u.stop_reason
+            self.retention = u.output.retention
 
     @property
     def text(self) -> str:
@@ -214,6 +216,7 @@ class OpenAIServing:
                     self.tokenizer, req.stop_strings, include_stop=req.include_stop_str_in_output,
                     skip_special_tokens=req.skip_special_tokens,
                 ),
+                prompts[s.prompt].retention,
             )
             for s in seqs
         ]  # fmt: skip
@@ -279,11 +282,13 @@ class OpenAIServing:
         first = {}
         for c in choices:
             first.setdefault(c.seq.prompt, min(c.cached, len(prompts[c.seq.prompt].ids)))
+        granted = [c.retention for c in choices if c.retention is not None]
         return UsageInfo(
             prompt_tokens=n_prompt,
             completion_tokens=completion,
             total_tokens=n_prompt + completion,
             prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=sum(first.values())),
+            kvtier_retention=granted[0] if granted else None,
         )
 
     # ---- logprobs -----------------------------------------------------------------------------

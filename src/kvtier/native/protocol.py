@@ -13,7 +13,14 @@ import uuid
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from kvtier.native.sequence import loggable
 
@@ -158,6 +165,16 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
     completion_tokens: int | None = 0
     prompt_tokens_details: PromptTokenUsageInfo | None = None
+    # kvtier's extension: what the request's retention hint was granted (status, tokens, ttl)
+    kvtier_retention: dict[str, Any] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_empty_extension(self, handler: Any) -> Any:
+        # a request without a hint gets OpenAI's usage object exactly
+        data = handler(self)
+        if isinstance(data, dict) and data.get("kvtier_retention") is None:
+            data.pop("kvtier_retention", None)
+        return data
 
 
 class CompletionLogProbs(OpenAIBaseModel):

@@ -117,6 +117,9 @@ class _SamplingRequest(OpenAIBaseModel):
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     request_id: str | None = None
+    # retention hints in OpenAI's words (native/retention_hints.py)
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
 
     @model_validator(mode="before")
     @classmethod

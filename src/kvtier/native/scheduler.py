@@ -499,6 +499,7 @@ class Scheduler:
             num_external_tokens=seq.num_external_tokens,
             logprobs=logprobs,
             error=error,
+            retention=seq.retention_granted if reason is not None else None,
         )
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
@@ -516,6 +517,9 @@ class Scheduler:
         seq.finish_reason = reason
         self._finished_ids.add(seq.request_id)
         delay = bool(self.connector.request_finished(seq, list(seq.block_ids)))
+        granted = getattr(self.connector, "retention_decision", None)
+        if seq.retention is not None and callable(granted):
+            seq.retention_granted = granted(seq.request_id)
         if delay or wait_recv:
             self.held[seq.request_id] = _Held(seq, wait_send=delay, wait_recv=wait_recv)
         else:

@@ -54,6 +54,8 @@ class Sequence:
         "preempted",
         "prompt_token_ids",
         "request_id",
+        "retention",
+        "retention_granted",
         "seed",
         "status",
         "token_ids",
@@ -85,6 +87,10 @@ class Sequence:
         self.finish_reason: str | None = None
         # admitted again after a preemption: its admissions count apart, as vLLM's do
         self.preempted = False
+        # the client's retention hint (an offload.retention.RetentionHint) and what it was
+        # granted (the connector's answer, read when the request ends)
+        self.retention: object | None = None
+        self.retention_granted: dict[str, object] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -151,3 +157,4 @@ class RequestOutput:
     text: str | None = None  # filled by `Engine.generate` when a tokenizer is present
     logprobs: TokenLogprobs | None = None  # of the new token, when the request asked
     error: str | None = None  # why the request failed (finish_reason "error")
+    retention: dict[str, object] | None = None  # what a retention hint was granted (at the end)

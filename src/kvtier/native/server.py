@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import time
 import uuid
@@ -38,6 +39,7 @@ from kvtier.native.protocol_requests import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from kvtier.native.retention_routes import ADMIN_KEY_ENV, add_retention_routes
 from kvtier.native.sequence import loggable
 from kvtier.native.serve_metrics import CONTENT_TYPE, ServeMetrics
 from kvtier.native.tokenizer import Tokenizer
@@ -98,6 +100,7 @@ class EngineServer:
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
         on_fatal: Callable[[str], None] | None = None,
         limits: ServerLimits | None = None,
+        admin_key: str | None = None,
     ) -> None:
         self.engine = engine
         self.limits = limits or ServerLimits()
@@ -120,6 +123,8 @@ class EngineServer:
         self.serving = OpenAIServing(
             self.loop, self.metrics, self.tokenizer, info, clock, self.limits
         )
+        # the retention admin API's secret (`native/retention_routes.py`); None: the API is off
+        self.admin_key = admin_key if admin_key is not None else os.environ.get(ADMIN_KEY_ENV)
         self.app = self._build_app()
         self._started = False
         self._closed = False
@@ -244,6 +249,8 @@ class EngineServer:
         @app.get("/metrics")
         async def metrics() -> Response:
             return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+        add_retention_routes(app, self.loop, serving.requests, self.admin_key)
 
         app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
         return app

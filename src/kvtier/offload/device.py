@@ -1,30 +1,60 @@
 """The KV device as the offload core drives it: index tensors, staging, streams and fences.
 
 Every op the codec runs touches tensors of one device only; host <-> device bytes cross in
-explicit copies. On CUDA a lane (the save or the load thread) owns a side stream, its copies are
-non-blocking from pinned memory, and its work is complete only after its event synchronised.
+explicit copies. On CUDA a lane (the save or the load thread) owns two side streams, one for
+kernels (gather, scatter) and one for copies, its copies are non-blocking from pinned memory,
+and its work is complete only once its mark (a blocking-sync event) is reached.
 On the CPU the same code runs with host tensors: no stream, no staging (the destination is
-written in place), nothing to wait for.
+written in place), nothing to wait for. `kvtier.offload.simdevice` models a GPU's streams and
+copy engine on the host, so the asynchronous path is tested without one.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import torch
 
 
+class Mark(Protocol):
+    """A position in a lane's queue (a CUDA event): complete once everything queued on the lane
+    before it has completed."""
+
+    def wait(self) -> None:
+        """Block the calling thread until the mark is reached (a real wait, never a spin)."""
+        ...
+
+    def done(self) -> bool:
+        """Whether the mark is reached, without waiting."""
+        ...
+
+
 class Lane(Protocol):
-    """One worker thread's view of the device: its stream, and a barrier for its work."""
+    """One worker thread's view of the device: a kernel stream and a copy stream.
+
+    `launch` queues device ops (the codec's gather or scatter) on the kernel stream, `copy` one
+    host <-> device transfer on the copy stream (the copy engine); each runs after the mark it is
+    given and returns a mark of its own, so a gather can feed a copy and a copy a scatter while
+    the next chunk's work proceeds on the other stream. `after` orders the kernel stream after a
+    fence of the compute stream (the forward that wrote or still reads the blocks).
+    """
 
     def active(self) -> contextlib.AbstractContextManager[None]:
-        """Make this lane's stream current for the ops inside."""
+        """Make this lane's kernel stream current for the ops inside."""
         ...
 
     def after(self, fence: object | None) -> None:
-        """Order this lane's next work after `fence` (the forward that wrote the blocks)."""
+        """Order this lane's next kernel work after `fence` (the forward that wrote the blocks)."""
+        ...
+
+    def launch(self, fn: Callable[[], object], after: Mark | None = None) -> Mark:
+        """Queue the device ops `fn` issues on the kernel stream, after `after`; their mark."""
+        ...
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Mark | None = None) -> Mark:
+        """Queue one host <-> device copy on the copy stream, after `after`; its mark."""
         ...
 
     def finish(self) -> None:
@@ -36,17 +66,24 @@ class DeviceOps(Protocol):
     """What the codec and the worker's lanes need from the rank's KV device."""
 
     device: torch.device
+    # copies and kernels are queued and complete later (CUDA, the simulated device); False
+    # where every op is complete when it returns (the CPU backend)
+    asynchronous: bool
 
     def bind_thread(self) -> None:
         """Run in every thread that touches the device: sets the rank's device there."""
         ...
 
     def index(self, ids: Sequence[int]) -> torch.Tensor:
-        """Block ids as an int64 tensor on the device."""
+        """Block ids as an int64 tensor on the device (uploaded without a host wait)."""
         ...
 
     def staging(self, nbytes: int) -> torch.Tensor | None:
         """A device buffer for one chunk, or None when the device is the host (stage in place)."""
+        ...
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A host buffer the copy engine reads and writes directly (pinned on CUDA)."""
         ...
 
     def lane(self) -> Lane:
@@ -61,8 +98,25 @@ class DeviceOps(Protocol):
         """Record the current (compute) stream's position; None where work is synchronous."""
         ...
 
+    def join(self, mark: Mark) -> None:
+        """Order the current (compute) stream's next work after `mark`, without a host wait."""
+        ...
 
-class _HostLane:
+
+class DoneMark:
+    """A mark that is already reached (host work completes before the call returns)."""
+
+    def wait(self) -> None:
+        return
+
+    def done(self) -> bool:
+        return True
+
+
+DONE = DoneMark()
+
+
+class HostLane:
     """CPU: ops run synchronously in the calling thread."""
 
     @contextlib.contextmanager
@@ -72,12 +126,25 @@ class _HostLane:
     def after(self, fence: object | None) -> None:
         return
 
+    def launch(self, fn: Callable[[], object], after: Mark | None = None) -> Mark:
+        fn()
+        return DONE
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Mark | None = None) -> Mark:
+        dst.copy_(src)
+        return DONE
+
     def finish(self) -> None:
         return
 
 
+_HostLane = HostLane  # the name tests and older callers used
+
+
 class CpuOps:
     """The KV cache is host memory: no staging, no streams."""
+
+    asynchronous = False
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
@@ -93,9 +160,13 @@ class CpuOps:
         """None: the codec writes host destinations in place."""
         return None
 
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """Plain host memory."""
+        return torch.empty(nbytes, dtype=torch.uint8)
+
     def lane(self) -> Lane:
         """A synchronous lane."""
-        return _HostLane()
+        return HostLane()
 
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         """A copy (the device is the host)."""
@@ -105,28 +176,71 @@ class CpuOps:
         """Host work is complete when the call returns."""
         return None
 
+    def join(self, mark: Mark) -> None:
+        """Nothing to order: the mark was reached when it was made."""
+
+
+class _CudaMark:
+    """A blocking-sync CUDA event: `synchronize` sleeps the thread until the GPU signals it,
+    where a default event would spin a core for the whole copy."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self.event = torch.cuda.Event(blocking=True)
+        self.event.record(stream)
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+    def done(self) -> bool:
+        return bool(self.event.query())
+
+
+def _wait_on(stream: torch.cuda.Stream, mark: Mark | None) -> None:
+    if isinstance(mark, _CudaMark):
+        stream.wait_event(mark.event)
+    elif mark is not None and not mark.done():
+        mark.wait()  # a host-side mark (never made by a CUDA lane): wait for it here
+
 
 class _CudaLane:
-    """A side stream; `finish` records an event on it and waits for it."""
+    """Two side streams: kernels on one, copies (the copy engine) on the other, so the gather
+    of chunk i+1 runs while chunk i crosses the link. Copies are non-blocking from pinned
+    memory; marks are blocking events."""
 
     def __init__(self, device: torch.device) -> None:
-        self._stream = torch.cuda.Stream(device=device)
+        self._kernels = torch.cuda.Stream(device=device)
+        self._copies = torch.cuda.Stream(device=device)
 
     def active(self) -> contextlib.AbstractContextManager[None]:
-        return torch.cuda.stream(self._stream)
+        return torch.cuda.stream(self._kernels)
 
     def after(self, fence: object | None) -> None:
         if fence is not None:
-            self._stream.wait_event(fence)  # type: ignore[arg-type]
+            self._kernels.wait_event(fence)  # type: ignore[arg-type]
+
+    def launch(self, fn: Callable[[], object], after: Mark | None = None) -> Mark:
+        _wait_on(self._kernels, after)
+        with torch.cuda.stream(self._kernels):
+            fn()
+        return _CudaMark(self._kernels)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Mark | None = None) -> Mark:
+        _wait_on(self._copies, after)
+        with torch.cuda.stream(self._copies):
+            dst.copy_(src, non_blocking=True)
+        return _CudaMark(self._copies)
 
     def finish(self) -> None:
-        event = torch.cuda.Event()
-        event.record(self._stream)
-        event.synchronize()
+        _CudaMark(self._kernels).wait()
+        _CudaMark(self._copies).wait()
 
 
 class CudaOps:
     """One CUDA device of a rank."""
+
+    asynchronous = True
 
     def __init__(self, device: torch.device) -> None:
         if device.type != "cuda" or device.index is None:
@@ -138,12 +252,20 @@ class CudaOps:
         torch.cuda.set_device(self.device)
 
     def index(self, ids: Sequence[int]) -> torch.Tensor:
-        """Ids copied to the device (a few dozen bytes)."""
-        return torch.tensor(list(ids), dtype=torch.long, device=self.device)
+        """Ids through pinned memory, uploaded on the current stream without a host wait
+        (`torch.tensor(..., device=cuda)` is a synchronous copy from pageable memory). The
+        caching host allocator keeps the pinned block until the upload completed."""
+        host = torch.empty(len(ids), dtype=torch.long, pin_memory=True)
+        host.copy_(torch.tensor(list(ids), dtype=torch.long))
+        return host.to(self.device, non_blocking=True)
 
     def staging(self, nbytes: int) -> torch.Tensor | None:
         """One chunk of device memory."""
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """Pinned host memory: the copy engine's DMA reads it without a pageable bounce."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def lane(self) -> Lane:
         """A lane on a fresh side stream of this device."""
@@ -154,10 +276,18 @@ class CudaOps:
         return copy_to(host, self.device)
 
     def fence(self) -> object | None:
-        """An event at the current stream's position (after this step's forward)."""
+        """An event at the current stream's position (after this step's forward); only
+        streams wait for it, so it needs no blocking sync."""
         event = torch.cuda.Event()
         event.record()
         return event
+
+    def join(self, mark: Mark) -> None:
+        """The current stream (the forward's) waits for `mark` on the device."""
+        if isinstance(mark, _CudaMark):
+            torch.cuda.current_stream(self.device).wait_event(mark.event)
+        else:
+            mark.wait()
 
 
 def copy_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:

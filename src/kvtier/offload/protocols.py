@@ -3,7 +3,7 @@ so a host may hand it frozen or `__slots__` adapters over its own request object
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -31,6 +31,9 @@ class RequestView(Protocol):
     def block_ids(self) -> Sequence[int]:
         """The request's KV block table, one id per `block_size` tokens."""
         ...
+
+    # Optional: a `retention` attribute (an `offload.retention.RetentionHint` or None) carries
+    # the client's retention hint; hosts without hints leave it out.
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,4 +84,15 @@ class LookupPort(Protocol):
 
     def release(self, lookup_ids: Sequence[str]) -> None:
         """Release leases on every rank; never raises for a dead rank."""
+        ...
+
+    def admin(
+        self, op: str, keys: Sequence[bytes], until: float = 0.0, *, timeout_ms: int | None = None
+    ) -> Mapping[int, Any]:
+        """Retain, release, prefetch or forget `keys` on every rank; per rank an answer with
+        `.count` (None when it did not answer) and `.error`."""
+        ...
+
+    def admin_send(self, op: str, keys: Sequence[bytes], until: float = 0.0) -> None:
+        """`admin` without waiting for answers (from inside a hook); never raises for a rank."""
         ...

@@ -11,7 +11,7 @@ import itertools
 import logging
 import os
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -27,6 +27,12 @@ from kvtier.offload.hooks import HOOK_ERROR, HookGuard, shown_id
 from kvtier.offload.messages import ChunkRef, LoadOp, OffloadMeta, SaveOp, WorkerReport
 from kvtier.offload.protocols import LookupPort, RequestView, StepRequest
 from kvtier.offload.quorum import Quorum, Terminal
+from kvtier.offload.retention import (
+    AdminCount,
+    RetentionDecision,
+    RetentionHint,
+    RetentionLedger,
+)
 from kvtier.offload.steps import LOOKUP, META, REPORTS, HookClock
 
 log = logging.getLogger("kvtier")
@@ -44,6 +50,14 @@ REPEAT = "failed_before"
 # another request's load is bringing these chunks into HBM: wait for it instead of a second read
 BEHIND_LOAD = "behind_inflight_load"
 BEHIND_SAVE = "behind_inflight_save"
+# retention decisions kept for hosts to read; an unread one goes after this many newer ones
+_DECISIONS_KEPT = 4096
+# the ranks' answer to an admin request with no key left to send
+_NOTHING = AdminCount(0, None)
+# an admin call waits this long for the ranks (prefetch and forget touch disk and the store)
+_ADMIN_TIMEOUT_MS = 5000
+# a retention budget the scheduler cannot size (chunk bytes unknown): the ranks bound it
+_UNBOUNDED = 1 << 40
 # load failure reason: a hybrid load's run needs sliding-window blocks its chunks do not store
 # (a claim the host cut short of a chunk boundary); the host recomputes it
 WINDOW = "window_not_stored"
@@ -84,6 +98,7 @@ class _Req:
     quarantined: bool = False  # a hook failed for it: no lookup, load or save from now on
     readmitted: bool = False  # preempted once: later admissions are not first admissions
     admit_limit: int | None = None  # chunks admission lets it save (None: not decided yet)
+    retained: int = 0  # leading chunks a client's hint retains: always saved
 
     def busy(self) -> bool:
         return bool(self.saves) or (self.load is not None and self.load.op_id is not None)
@@ -192,6 +207,14 @@ class OffloadScheduler:
             capacity=_tier_chunks(config, bytes_per_token),
             history=_admission_history(config, bytes_per_token),
         )
+        self.retention = RetentionLedger(
+            _retention_budget(config, bytes_per_token),
+            tenant_share=config.retention_tenant_share,
+            default_ttl_s=config.retention_ttl_s,
+            max_ttl_s=config.retention_max_ttl_s,
+        )
+        # request id -> what its hint was granted, until the host reads it (bounded)
+        self._decisions: OrderedDict[str, RetentionDecision] = OrderedDict()
         self.clock = HookClock(metrics)
         self.guard = HookGuard(metrics)
         self._step = 0  # engine steps so far (build_meta calls)
@@ -655,8 +678,9 @@ class OffloadScheduler:
             st.keys,
             hbm_chunks=hbm,
             tier_chunks=min(st.saved // self.chunk, len(st.keys)),
-            # a prefill producer's saves are what its consumer loads
-            forced=not self.loads,
+            # a prefill producer's saves are what its consumer loads; a retained prompt's
+            # chunks are what its client said will come back
+            forced=not self.loads or st.retained > 0,
         )
         if decision.candidates:
             self._m.admission(decision.decision).inc(decision.candidates)
@@ -865,7 +889,72 @@ class OffloadScheduler:
             st = self._reqs[req.request_id] = _Req(
                 req.request_id, len(prompt), keys, epoch=self.epoch
             )
+            hint = getattr(req, "retention", None)
+            if isinstance(hint, RetentionHint) and self.saves:
+                self._hint(st, hint)
         return st
+
+    def _hint(self, st: _Req, hint: RetentionHint) -> None:
+        """Grant a client's retention hint within the budget and tell the ranks (no wait: the
+        ranks mark the keys now and protect each chunk from the moment it is stored)."""
+        if not hint.retain:
+            self.retention.note(st.keys, hint.session, hint.tenant)
+            return
+        decision, keys, until = self.retention.decide(st.keys, hint, self.chunk)
+        self._decisions[st.req_id] = decision
+        while len(self._decisions) > _DECISIONS_KEPT:
+            self._decisions.popitem(last=False)
+        self._m.retention(decision.status).inc()
+        if keys:
+            st.retained = len(keys)
+            self._lookup.admin_send("retain", keys, until)
+        self._m.retained_chunks.set(self.retention.retained_chunks())
+
+    def retention_decision(self, req_id: str) -> RetentionDecision | None:
+        """What the request's retention hint was granted (once; None without a hint)."""
+        return self._decisions.pop(req_id, None)
+
+    # ---- admin: retain, release, prefetch, forget (any host's API calls these) ---------------
+
+    def keys_for(
+        self, prompt: Sequence[int] | None = None, session: str | None = None, tenant: str = ""
+    ) -> list[bytes]:
+        """The chunk keys of a prompt, of a conversation (`session`, its prompt_cache_key), or
+        of every conversation of `tenant` (neither given)."""
+        if prompt is not None:
+            return chain_keys(prompt, self.chunk, self._seed)
+        return self.retention.keys_of(session, tenant)
+
+    def retain(self, prompt: Sequence[int], hint: RetentionHint) -> RetentionDecision:
+        """Retain a prompt as a hint on a request would, and wait for the ranks' answers."""
+        return self.retain_keys(self.keys_for(prompt), hint)
+
+    def retain_keys(self, keys: Sequence[bytes], hint: RetentionHint) -> RetentionDecision:
+        """Retain chunk `keys` (a prompt's or a conversation's) within the budget, waiting for
+        the ranks."""
+        decision, granted, until = self.retention.decide(keys, hint, self.chunk)
+        self._m.retention(decision.status).inc()
+        if granted:
+            self._lookup.admin("retain", granted, until)
+        self._m.retained_chunks.set(self.retention.retained_chunks())
+        return decision
+
+    def admin(
+        self, op: str, keys: Sequence[bytes], holder: tuple[str, str | None] | None = None
+    ) -> dict[int, Any]:
+        """Release, prefetch or forget `keys` on every rank; the ranks' answers. A release by
+        `holder` (tenant, session) lets go only of what no other conversation still retains."""
+        if op == "release":
+            keys = self.retention.release(keys, holder)
+        elif op == "forget":
+            self.retention.release(keys)
+        if op in ("release", "forget"):
+            self._m.retained_chunks.set(self.retention.retained_chunks())
+        if not keys:
+            return {r: _NOTHING for r in range(self.world)}
+        # a forgotten chain's head stays in the saved heads: its next lookup asks the ranks,
+        # which answer the truth (a miss)
+        return dict(self._lookup.admin(op, keys, timeout_ms=_ADMIN_TIMEOUT_MS))
 
     def quarantine(
         self, req_id: str, block_ids: Sequence[int] | None = None, counted: int = 0
@@ -971,6 +1060,15 @@ def _tables(view: RequestView) -> list[list[int]]:
 def _parent(keys: Sequence[bytes], c: int) -> bytes:
     """The key of the chunk before chunk `c` (b"" for the first)."""
     return keys[c - 1] if c else b""
+
+
+def _retention_budget(config: KVTierConfig, bytes_per_token: int | None) -> int:
+    """Chunks clients may retain: the budget's share of a rank's largest private tier (as the
+    ranks bound it); unknown chunk sizes leave the bound to the ranks alone."""
+    if not bytes_per_token:
+        return _UNBOUNDED if config.retention_budget > 0 else 0
+    chunks = max(config.memory_bytes, config.disk_bytes) // (config.chunk_size * bytes_per_token)
+    return int(config.retention_budget * chunks)
 
 
 def _tier_chunks(config: KVTierConfig, bytes_per_token: int | None) -> int | None:

@@ -1,15 +1,15 @@
 """OffloadWorker: the per-rank half of the offload core.
 
 It owns the rank's TierStack, codec and LookupServer, and two lanes (threads bound to the KV
-device, each with its own stream on CUDA). Saves leave the forward path: `wait_for_save` only
-records where the forward stands and queues the step's saves; the save lane gathers each chunk
-on the device, copies it into its memory-tier slot in one transfer, waits for that copy, and
-commits. Asynchronous loads run on the load lane: tier -> device staging in one transfer,
-scatter, wait. Synchronous loads (`LoadOp.sync`) run the same way in the thread that calls
-`start_load_kv`, with a lane and staging of their own, and are complete when it returns, before
-the forward reads their blocks. An operation reports only after its copies completed; a
-preempted request's saves are cancelled and never commit bytes read after its blocks were given
-back.
+device, each with a kernel and a copy stream on CUDA). Saves leave the forward path:
+`wait_for_save` only records where the forward stands and queues the step's saves; the save
+lane pipelines them (`saving.py`): up to `transfer_depth` chunks gathered and on the link while
+the oldest is committed. Asynchronous loads run on the load lane the same way (`loading.py`).
+Synchronous loads (`LoadOp.sync`) are queued by the thread that calls `start_load_kv`, on a lane
+of its own, and the compute stream waits for them on the device: the forward thread never waits
+on the host for them, and the forward reads their blocks after they landed. An operation
+reports only after its copies completed; a preempted request's saves are cancelled and never
+commit bytes read after its blocks were given back.
 
 Every load reports exactly once, even when the lane cannot: a load still unfinished
 `lease_ttl_s` after it was queued (its leases have expired by then) is reported failed with
@@ -22,13 +22,11 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import sys
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-
-import torch
 
 from kvtier import cpus
 from kvtier.config import KVTierConfig
@@ -38,10 +36,12 @@ from kvtier.lookup import LookupServer
 from kvtier.metrics import Metrics, snapshot
 from kvtier.offload import messages
 from kvtier.offload.codec import PageCodec
-from kvtier.offload.device import DeviceOps, Lane, ops_for
+from kvtier.offload.device import DeviceOps, Lane, Mark, ops_for
+from kvtier.offload.gil import apply_switch_interval
 from kvtier.offload.group_codec import GroupedCodec, codec_for
 from kvtier.offload.hooks import HOOK_ERROR, HookGuard
 from kvtier.offload.lane import WorkLane
+from kvtier.offload.loading import Buffers, LoadPath, LoadRun, PendingLoad
 from kvtier.offload.messages import (
     ChunkRef,
     LoadOp,
@@ -52,7 +52,8 @@ from kvtier.offload.messages import (
     WorkerReport,
 )
 from kvtier.offload.pages import KVCacheDescription, KVPages, describe_pages
-from kvtier.offload.selftest import SELF_TEST_KEY, codec_round_trip, fail_startup
+from kvtier.offload.saving import PREEMPTED, PendingSave, SavePath, SaveRun
+from kvtier.offload.selftest import SELF_TEST_KEY, codec_round_trip, fail_startup, padding
 from kvtier.offload.steps import LOAD, REPORT, SAVE, HookClock, start
 from kvtier.store.arena import check_host_memory
 from kvtier.store.factory import build_stack
@@ -64,38 +65,12 @@ log = logging.getLogger("kvtier")
 _SNAPSHOT_EVERY_S = 1.0
 _GIB = 1 << 30
 DEADLINE = "deadline"  # load failure reason: the lane did not finish it within lease_ttl_s
-PREEMPTED = "preempted"  # save failure reason: its request's blocks were taken back first
 _SELF_TEST_TIMEOUT_S = 120.0
+# close() waits this long for copies still in flight before it lets the arena go
+_CLOSE_WAIT_S = 10.0
+__all__ = ["DEADLINE", "PREEMPTED", "OffloadWorker"]
 # tier changes buffered between two reports (KV events); more are dropped and counted
 _MAX_CHANGES = 65536
-
-
-@dataclass(eq=False, slots=True)
-class _PendingLoad:
-    """A load handed to the lane. `fence` is where the compute stream stood when the load was
-    started: its blocks may still be in use by work queued there (a forward still running under
-    async scheduling, the self-test's clearing), so no scatter overtakes it. `lock` makes
-    finishing and expiring it mutually exclusive, and is held while the lane writes KV blocks,
-    so nothing is written once it expired."""
-
-    op: LoadOp
-    queued_at: float
-    deadline: float
-    fence: object | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    done: bool = False
-    expired: bool = False
-
-
-@dataclass(eq=False, slots=True)
-class _PendingSave:
-    """A save handed to the lane. `fence` is where the forward that wrote its blocks stands;
-    `lock` makes cancelling it and committing one of its chunks mutually exclusive."""
-
-    op: SaveOp
-    fence: object | None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    cancelled: bool = False
 
 
 class OffloadWorker:
@@ -149,17 +124,16 @@ class OffloadWorker:
         self.metrics_dirty = False
         self._last_snapshot = 0.0
         self._clock = clock
-        self._pending: dict[str, _PendingLoad] = {}  # op id -> load not yet reported
-        self._saving: dict[str, _PendingSave] = {}  # op id -> save not yet reported
+        self._pending: dict[str, PendingLoad] = {}  # op id -> load not yet reported
+        self._saving: dict[str, PendingSave] = {}  # op id -> save not yet reported
         self._idle = threading.Condition(self._lock)
         self._load_lane: WorkLane | None = None
         self._save_lane: WorkLane | None = None
-        self._load_buf: torch.Tensor | None = None  # host buffer of the CPU load path
-        self._load_staging: torch.Tensor | None = None
-        self._save_staging: torch.Tensor | None = None
-        # synchronous loads run in the caller's thread: their own lane and chunk buffer
+        self._saves: SavePath | None = None
+        self._loads: LoadPath | None = None
+        # synchronous loads are queued from the caller's thread: their own lane and buffers
+        self._sync_loads: LoadPath | None = None
         self._sync_lane: Lane | None = None
-        self._sync_buf: torch.Tensor | None = None
         self.clock = HookClock(metrics)
         self._step_t0: float | None = None
         self._selftest_ids = itertools.count()
@@ -184,8 +158,27 @@ class OffloadWorker:
             )
         self.pages = pages = describe_pages(desc)
         ops = self._ops = self._ops or ops_for(pages.device)
+        if ops.asynchronous:
+            log.info(
+                "%s: GIL switch interval left at %.2f ms on %s (gil_switch_ms is applied on "
+                "the CPU backend only, where it was measured to help)",
+                self.tag,
+                sys.getswitchinterval() * 1000.0,
+                pages.device,
+            )
+        else:
+            apply_switch_interval(self.config, self.tag)
         # a hybrid registration gets one codec per KV cache group (kvtier.offload.group_codec)
         self.codec = codec = codec_for(pages, chunk // desc.block_size, ops)
+        pad = sum(p.length for p in padding(pages, [0]))
+        if pad:
+            log.warning(
+                "%s: every KV block carries %d bytes of page padding (layout %s) that kvtier "
+                "does not move; the self-test checks that nothing writes there",
+                self.tag,
+                pad,
+                pages.layout,
+            )
         ns = Namespace(
             model_id=self.model_id,
             layout_fingerprint=pages.fingerprint,
@@ -243,12 +236,24 @@ class OffloadWorker:
         self._changes.append(TierChange(change, tier, key))
 
     def _start_lanes(self, ops: DeviceOps, chunk_bytes: int) -> None:
-        self._load_staging = ops.staging(chunk_bytes)
-        self._save_staging = ops.staging(chunk_bytes)
-        self._sync_buf = ops.staging(chunk_bytes)
-        if self._load_staging is None:
-            self._load_buf = torch.empty(chunk_bytes, dtype=torch.uint8)
-            self._sync_buf = torch.empty(chunk_bytes, dtype=torch.uint8)
+        assert self.stack is not None and self.codec is not None
+        depth = self.config.transfer_depth
+        self._saves = SavePath(
+            self.stack,
+            self.codec,
+            [ops.staging(chunk_bytes) for _ in range(depth)],
+            self._save_reported,
+            self.guard,
+            self.tag,
+        )
+
+        def load_path(report: Callable[[LoadRun], None]) -> LoadPath:
+            assert self.stack is not None and self.codec is not None
+            bufs = [Buffers(ops.staging(chunk_bytes)) for _ in range(depth)]
+            return LoadPath(self.stack, self.codec, ops, bufs, report, self.guard, self.tag)
+
+        self._loads = load_path(self._load_reported)
+        self._sync_loads = load_path(lambda run: None)
         self._load_lane = WorkLane(
             f"kvtier-load-{self.rank}", ops, self.lane_cpus, cpu=self.metrics.lane_cpu("load")
         )
@@ -284,29 +289,31 @@ class OffloadWorker:
         stack, key = self.stack, SELF_TEST_KEY
 
         def save(block_ids: Sequence[int]) -> None:
-            job = _PendingSave(SaveOp("self-test", "self-test", [], 0), self._ops_fence())
+            job = PendingSave(SaveOp("self-test", "self-test", [], 0), self._ops_fence())
             ref = ChunkRef(key, list(block_ids))
-            reason = self._save_lane_call(lambda lane: self._save_chunk(lane, job, ref))
+            saves = self._saves
+            assert saves is not None
+            reason = self._save_lane_call(lambda lane: saves.one(lane, job, ref))
             if reason:
                 raise RuntimeError(f"the save path failed: {reason}")
 
         def load(block_ids: Sequence[int]) -> None:
             lease = f"kvtier-self-test-{next(self._selftest_ids)}"
             if stack.lookup([key], lease) < 1:
-                raise RuntimeError("the saved chunk is not in the tier")
-            try:
-                op = LoadOp("self-test", "self-test", lease, [], 0)
-                p = _PendingLoad(op, 0.0, 0.0, self._ops_fence())
-                ref = ChunkRef(key, list(block_ids))
-                got = self._load_lane_call(lambda lane: self._load_chunk(lane, p, ref, None))
-            finally:
                 stack.release(lease)
-            if got is None:
-                raise RuntimeError("the load path missed the saved chunk")
+                raise RuntimeError("the saved chunk is not in the tier")
+            # the load path releases the lease once it read the chunk
+            op = LoadOp("self-test", "self-test", lease, [ChunkRef(key, list(block_ids))], 0)
+            p = PendingLoad(op, 0.0, 0.0, self._ops_fence())
+            loads = self._loads
+            assert loads is not None
+            run = self._load_lane_call(lambda lane: loads.one(lane, p))
+            if run.reason or not run.served:
+                raise RuntimeError(f"the load path failed: {run.reason or 'nothing read'}")
 
         try:
             bpc = self.config.chunk_size // desc.block_size  # a chunk's blocks in each group
-            codec_round_trip(desc, self.codec.ops, bpc, save, load)
+            codec_round_trip(desc, self.codec.ops, bpc, save, load, self.pages)
         except Exception as e:
             assert self.pages is not None
             raise fail_startup(self.tag, self.pages.device, self.pages.layout, e) from e
@@ -321,7 +328,7 @@ class OffloadWorker:
         assert self._save_lane is not None
         return self._save_lane.call(fn, _SELF_TEST_TIMEOUT_S)
 
-    def _load_lane_call(self, fn: Callable[[Lane], str | None]) -> str | None:
+    def _load_lane_call(self, fn: Callable[[Lane], LoadRun]) -> LoadRun:
         assert self._load_lane is not None
         return self._load_lane.call(fn, _SELF_TEST_TIMEOUT_S)
 
@@ -337,6 +344,9 @@ class OffloadWorker:
         if not self.degraded:
             log.error("%s: the tier is off on this rank from now on (%s)", self.tag, reason)
         self.degraded = self.degraded or reason
+        for path in (self._loads, self._sync_loads):
+            if path is not None:
+                path.degraded = self.degraded
         # a preemption this rank may have missed: no save in flight commits another byte
         with self._lock:
             jobs = list(self._saving.values())
@@ -349,9 +359,10 @@ class OffloadWorker:
         self._step_t0 = time.perf_counter()
 
     def start_load_kv(self, meta: OffloadMeta) -> None:
-        """Run this step's synchronous loads to completion, queue its asynchronous ones on the
-        load lane, note delayed frees, count agreed loads. A load that cannot even be started
-        reports failed (its blocks recomputed): none is left unreported or silently unread."""
+        """Queue this step's synchronous loads so the forward runs after them on the device
+        (no host wait), queue its asynchronous ones on the load lane, note delayed frees,
+        count agreed loads. A load that cannot even be started reports failed (its blocks
+        recomputed): none is left unreported or silently unread."""
         with self.clock.time(LOAD):
             self._start_loads(meta)
 
@@ -359,7 +370,7 @@ class OffloadWorker:
         now = self._clock()
         fence = self._ops_fence() if meta.loads else None
         ttl = self.config.lease_ttl_s
-        pending = [_PendingLoad(op, now, now + ttl, fence) for op in meta.loads]
+        pending = [PendingLoad(op, now, now + ttl, fence) for op in meta.loads]
         with self._lock:
             for op_id, ok in meta.load_terminals.items():
                 tokens, nbytes, readmitted = self._uncounted.pop(op_id, (0, 0, False))
@@ -374,22 +385,43 @@ class OffloadWorker:
                 if not p.op.sync:
                     self._pending[p.op.op_id] = p
             self._delayed.update(meta.delayed_free)
+        last: Mark | None = None
         for p in pending:
+            if p.op.sync:
+                mark = self.guard.run(
+                    "start_load_kv",
+                    p.op.req_id,
+                    lambda p=p: self._run_sync_load(p),
+                    lambda p=p: self._fail_load(p, HOOK_ERROR),
+                )
+                last = mark or last
+        if last is not None:
+            # the forward runs after the sync loads' scatters, ordered on the device
+            self.guard.run("start_load_kv", None, lambda: self._join(last), self._join_failed)
+        queued = [p for p in pending if not p.op.sync]
+        if queued:
             self.guard.run(
                 "start_load_kv",
-                p.op.req_id,
-                lambda p=p: self._dispatch_load(p),
-                lambda p=p: self._fail_load(p, HOOK_ERROR),
+                queued[0].op.req_id,
+                lambda: self._submit_loads(queued),
+                lambda: [self._fail_load(p, HOOK_ERROR) for p in queued] and None,
             )
 
-    def _dispatch_load(self, p: _PendingLoad) -> None:
-        if p.op.sync:
-            self._run_sync_load(p)
-        else:
-            assert self._load_lane is not None
-            self._load_lane.submit(lambda lane, p=p: self._run_load(lane, p))
+    def _join(self, mark: Mark) -> None:
+        assert self._ops is not None
+        self._ops.join(mark)
 
-    def _fail_load(self, p: _PendingLoad, reason: str) -> None:
+    def _join_failed(self) -> None:
+        """The compute stream could not be ordered after this step's sync loads: the forward
+        may read their blocks before they land, so this rank stops serving from the tier."""
+        self.degrade(HOOK_ERROR)
+
+    def _submit_loads(self, loads: list[PendingLoad]) -> None:
+        assert self._load_lane is not None and self._loads is not None
+        path = self._loads
+        self._load_lane.submit(lambda lane: path.run(lane, loads))
+
+    def _fail_load(self, p: PendingLoad, reason: str) -> None:
         """Report a load failed without running it (nothing of it was written, or what was
         is recomputed): its lease released, its blocks invalid, finished_recving if parked."""
         with p.lock:
@@ -422,22 +454,22 @@ class OffloadWorker:
                              invalid=())  # fmt: skip
             return
         fence = self._ops_fence()
-        jobs = [_PendingSave(op, fence) for op in meta.saves]
+        jobs = [PendingSave(op, fence) for op in meta.saves]
         with self._lock:
             for job in jobs:
                 self._inflight[job.op.req_id] += 1
                 self._saving[job.op.op_id] = job
-        assert self._save_lane is not None
-        save_lane = self._save_lane
-        for job in jobs:
-            self.guard.run(
-                "wait_for_save",
-                job.op.req_id,
-                lambda job=job: save_lane.submit(lambda lane, job=job: self._run_save(lane, job)),
-                lambda job=job: self._fail_save(job, HOOK_ERROR),
-            )
+        assert self._save_lane is not None and self._saves is not None
+        save_lane, path = self._save_lane, self._saves
+        # one lane job for the step: its chunks share one pipeline
+        self.guard.run(
+            "wait_for_save",
+            jobs[0].op.req_id,
+            lambda: save_lane.submit(lambda lane: path.run(lane, jobs)),
+            lambda: [self._fail_save(job, HOOK_ERROR) for job in jobs] and None,
+        )
 
-    def _fail_save(self, job: _PendingSave, reason: str) -> None:
+    def _fail_save(self, job: PendingSave, reason: str) -> None:
         with self._lock:
             self._saving.pop(job.op.op_id, None)
         self.metrics.save_failure(reason).inc()
@@ -481,6 +513,8 @@ class OffloadWorker:
 
     def _drain_report(self) -> WorkerReport:
         self._expire_loads()
+        if self._sync_loads is not None:
+            self._sync_loads.reap()
         with self._lock:
             for req_id in list(self._delayed):
                 if not self._inflight.get(req_id):
@@ -563,138 +597,80 @@ class OffloadWorker:
     wait_idle = wait_loads
 
     def close(self) -> None:
-        """Stop the lanes and the lookup server, flush and close the tiers."""
+        """Stop the lanes and the lookup server, wait for copies in flight, flush and close
+        the tiers. A copy that does not complete in time keeps the memory arena allocated (and
+        page-locked) for the rest of the process: unregistering memory a DMA still writes
+        would corrupt whatever the host puts there next."""
+        settled = True
         for lane in (self._load_lane, self._save_lane):
             if lane is not None and not lane.close():
                 log.warning("%s: lane %s still busy at close; leaving it", self.tag, lane.name)
+                settled = False
         self._load_lane = self._save_lane = None
+        if self._sync_loads is not None:
+            settled = _poll(self._sync_loads.reap, _CLOSE_WAIT_S) and settled
         if self.server is not None:
             self.server.close()
             self.server = None
         if self.stack is not None:
+            if not settled:
+                log.error(
+                    "%s: copies still in flight at close; the memory tier's arena stays "
+                    "allocated and registered for the rest of the process",
+                    self.tag,
+                )
+                self.stack.memory.abandon_arena()
             self.stack.close()
             self.stack = None
 
-    # ---- saves ----------------------------------------------------------------------------------
+    # ---- reports of the pipelines (on the lanes' threads) --------------------------------------
 
-    def _run_save(self, lane: Lane, job: _PendingSave) -> None:
-        result = OpResult(job.op.op_id, False, "error:unreported")
-        try:
-            result = self.guard.run(
-                "save",
-                job.op.req_id,
-                lambda: self._save(lane, job),
-                lambda: OpResult(job.op.op_id, False, HOOK_ERROR),
-            )
-        finally:
-            with self._lock:
-                self._saving.pop(job.op.op_id, None)
-            self._record(job.op.req_id, result, recv=False, invalid=())
-
-    def _save(self, lane: Lane, job: _PendingSave) -> OpResult:
+    def _save_reported(self, run: SaveRun) -> None:
         assert self.codec is not None
-        op = job.op
-        t0 = time.perf_counter()
-        stored = 0
-        # deepest chunk first: a chain's head is committed last, so it is the most recent
-        for ref in reversed(op.chunks):
-            reason = self._save_chunk(lane, job, ref)
-            if reason == "resident":
-                continue
-            if reason:
-                self.metrics.save_failure(reason).inc()
-                return OpResult(op.op_id, False, reason, stored, time.perf_counter() - t0)
-            stored += 1
-        seconds = time.perf_counter() - t0
-        nbytes = stored * self.codec.chunk_bytes
-        self.metrics.save_seconds.observe(seconds)
-        # only chunks written now count: one the tier already held was not stored again
-        self.metrics.stored_tokens.inc(stored * self.config.chunk_size)
-        self.metrics.stored_bytes.inc(nbytes)
-        self.metrics_dirty = True
-        return OpResult(op.op_id, True, "", nbytes, seconds, "memory")
+        op = run.job.op
+        seconds = time.perf_counter() - run.t0
+        if run.reason:
+            self.metrics.save_failure(run.reason).inc()
+            result = OpResult(op.op_id, False, run.reason, run.stored, seconds)
+        else:
+            nbytes = run.stored * self.codec.chunk_bytes
+            self.metrics.save_seconds.observe(seconds)
+            # only chunks written now count: one the tier already held was not stored again
+            self.metrics.stored_tokens.inc(run.stored * self.config.chunk_size)
+            self.metrics.stored_bytes.inc(nbytes)
+            self.metrics_dirty = True
+            result = OpResult(op.op_id, True, "", nbytes, seconds, "memory")
+        with self._lock:
+            self._saving.pop(op.op_id, None)
+        self._record(op.req_id, result, recv=False, invalid=())
 
-    def _save_chunk(self, lane: Lane, job: _PendingSave, ref: ChunkRef) -> str:
-        """Gather one chunk into its memory slot and commit it: "" when stored, "resident" when
-        the tier held it already, else the failure reason (nothing of it is committed then)."""
-        assert self.stack is not None and self.codec is not None
-        stack = self.stack
-        if stack.memory.contains(ref.key):
-            return "resident"
-        # the parent link keeps the chain prefix-closed: a chunk's slot never comes from its parent
-        slot = stack.reserve(ref.key, ref.parent)
-        if slot is None:
-            return "resident" if stack.memory.contains(ref.key) else "no_slot"
-        staging = self._save_staging
-        committed = False
-        try:
-            with job.lock:
-                if job.cancelled:
-                    return PREEMPTED
-            lane.after(job.fence)
-            with lane.active():
-                self.codec.gather(ref.block_ids, slot if staging is None else staging)
-                if staging is not None:
-                    slot.copy_(staging, non_blocking=True)
-                lane.finish()
-            with job.lock:
-                # blocks reused after a cancel may have been read: such bytes never commit
-                if job.cancelled:
-                    return PREEMPTED
-                stack.commit(ref.key)
-                committed = True
-            return ""
-        except (RuntimeError, ValueError) as e:
-            log.exception("%s: save %s raised", self.tag, job.op.op_id)
-            # the slot goes back to the free list below: a copy queued into it before the raise
-            # must land first, or a later chunk written there by the CPU could be overwritten
-            self._settle(lane, job.op.op_id)
-            return f"error:{type(e).__name__}"
-        finally:
-            if not committed:
-                stack.abort(ref.key)
-
-    def _settle(self, lane: Lane, op_id: str) -> None:
-        """Wait for whatever `lane` queued before an op failed; a device that fails this wait
-        too is logged (the op already reports failed)."""
-        try:
-            lane.finish()
-        except RuntimeError:
-            log.exception("%s: the device failed while %s's copies were in flight", self.tag, op_id)
-
-    # ---- loads ----------------------------------------------------------------------------------
-
-    def _run_load(self, lane: Lane, p: _PendingLoad) -> None:
-        with p.lock:
-            skip = p.expired
-        if skip:
-            # reported failed while it waited behind a stuck load; only the lease is left
-            assert self.stack is not None
-            self.stack.release(p.op.lookup_id)
-            return
-        outcome = self._load(lane, p)
+    def _load_reported(self, run: LoadRun) -> None:
+        outcome = self._load_outcome(run)
         if outcome is None:
             log.warning(
                 "%s: load %s came back after its deadline had reported it failed; "
                 "its result is dropped",
                 self.tag,
-                p.op.op_id,
+                run.p.op.op_id,
             )
             return
-        self._finish_load(p, *outcome)
+        self._finish_load(run.p, *outcome)
 
-    def _run_sync_load(self, p: _PendingLoad) -> None:
-        """Load in the calling thread, on its own lane and buffer, complete on return; it never
-        expires (nothing else of the step runs meanwhile) and reports no finished_recving."""
-        assert self._ops is not None
+    def _run_sync_load(self, p: PendingLoad) -> Mark | None:
+        """Queue a sync load from the calling thread on its own lane; it is reported at once
+        (its bytes land before the forward reads them: the compute stream waits for the
+        returned mark), never expires and reports no finished_recving."""
+        assert self._ops is not None and self._sync_loads is not None
         if self._sync_lane is None:
-            # made in the thread that runs the forward (on CUDA: a stream of its device)
+            # made in the thread that runs the forward (on CUDA: streams of its device)
             self._sync_lane = self._ops.lane()
-        outcome = self._load(self._sync_lane, p, self._sync_buf)
+        run, mark = self._sync_loads.issue_sync(self._sync_lane, p)
+        outcome = self._load_outcome(run)
         assert outcome is not None  # only a deadline drops a result, and it never expires
         self._record(p.op.req_id, outcome[0], recv=False, invalid=outcome[1])
+        return mark
 
-    def _finish_load(self, p: _PendingLoad, result: OpResult, invalid: Iterable[int]) -> None:
+    def _finish_load(self, p: PendingLoad, result: OpResult, invalid: Iterable[int]) -> None:
         with self._lock:
             self._pending.pop(p.op.op_id, None)
         self._record(p.op.req_id, result, recv=True, invalid=invalid)
@@ -709,8 +685,13 @@ class OffloadWorker:
             with p.lock:
                 if p.done or p.expired:
                     continue
-                # after this, the lane writes no block for it (scatters hold p.lock)
+                # after this, the lane queues no block write for it (issuing holds p.lock)
                 p.expired = True
+                queued = list(p.marks)
+            # writes queued before that must land before the host recomputes these blocks
+            for mark in queued:
+                with contextlib.suppress(RuntimeError):
+                    mark.wait()
             log.error(
                 "%s: load %s not finished %.1fs after it was queued (lease_ttl_s=%.1f); "
                 "reporting it failed so the request recomputes",
@@ -734,75 +715,19 @@ class OffloadWorker:
                 del self._inflight[req_id]
             self._idle.notify_all()
 
-    def _load_chunk(
-        self, lane: Lane, p: _PendingLoad, ref: ChunkRef, buf: torch.Tensor | None
-    ) -> str | None:
-        """Read one chunk (tier -> `buf`, the lane's device staging or host buffer; None: the
-        load lane's) and scatter it into its blocks; the serving tier's name, or None on a miss
-        or once the load expired (then nothing is written)."""
-        assert self.stack is not None and self.codec is not None
-        with lane.active(), contextlib.ExitStack() as held:
-            src = None
-            if self._load_staging is None:
-                # the KV cache is host memory: scatter straight from the slot, one copy; the
-                # slot stays pinned until the scatter's copy finished (lane.finish below), so
-                # neither a lease expiring nor eviction can hand it to another chunk meanwhile
-                src = held.enter_context(self.stack.pinned_view(ref.key))
-                tier = self.stack.memory.name if src is not None else None
-            if src is None:
-                if buf is None:
-                    buf = self._load_staging if self._load_staging is not None else self._load_buf
-                src = buf
-                assert src is not None
-                tier = self.stack.read_into(ref.key, src, ref.parent)
-            if tier is None:
-                return None
-            with p.lock:
-                if p.expired:
-                    return None  # its deadline reported it failed: write no more blocks
-                lane.after(p.fence)
-                self.codec.scatter(src, ref.block_ids)
-                lane.finish()
-        return tier
-
-    def _load(
-        self, lane: Lane, p: _PendingLoad, buf: torch.Tensor | None = None
-    ) -> tuple[OpResult, list[int]] | None:
-        """Read and scatter the load's chunks; its result and suspect blocks, or None when its
-        deadline reported it failed meanwhile (then nothing of it is counted here)."""
-        assert self.stack is not None and self.codec is not None
-        op = p.op
-        t0 = time.perf_counter()
-        written = 0
-        served: Counter[str] = Counter()
-        reason = ""
-        try:
-            # the scheduler could not make this load (or this rank can no longer serve):
-            # nothing is read, and the host recomputes every block it claims
-            reason = op.fail or self.degraded
-            for ref in () if reason else op.chunks:
-                tier = self._load_chunk(lane, p, ref, buf)
-                if tier is None:
-                    reason = "miss"
-                    break
-                served[tier] += 1
-                written += sum(1 for b in ref.block_ids if b >= 0)
-        except Exception as e:  # noqa: BLE001 - counted and logged by the guard, reported below
-            # whatever a tier or the codec raised, the lane must live on to serve later loads
-            # and this one must report: an escaped exception would park its request forever
-            self.guard.failed("load", op.req_id, e)
-            reason = f"error:{type(e).__name__}"
-            # the host recomputes these blocks once the failure is reported: a scatter queued
-            # before the raise must not land on top of that
-            self._settle(lane, op.op_id)
-        finally:
-            self.stack.release(op.lookup_id)
+    def _load_outcome(self, run: LoadRun) -> tuple[OpResult, list[int]] | None:
+        """The result and suspect blocks of a load whose chunks are all queued (sync) or
+        landed (async), or None when its deadline reported it failed meanwhile (then nothing of
+        it is counted here)."""
+        assert self.codec is not None
+        p, op = run.p, run.p.op
         with p.lock:
-            if p.expired:
+            if p.expired or run.expired:
                 return None
             p.done = True
-        seconds = time.perf_counter() - t0
-        nbytes = written * self.codec.bytes_per_block
+        reason = run.reason
+        seconds = time.perf_counter() - run.t0
+        nbytes = run.written * self.codec.bytes_per_block
         got = op.tokens if not reason else 0
         self.metrics.load_seconds.observe(seconds)
         if reason:
@@ -820,7 +745,7 @@ class OffloadWorker:
             "in the forward" if op.sync else "async",
             f" failed: {reason}" if reason else "",
         )
-        tier = served.most_common(1)[0][0] if served else ""
+        tier = run.served.most_common(1)[0][0] if run.served else ""
         result = OpResult(op.op_id, not reason, reason, nbytes, seconds, tier)
         # a failed load leaves every block it wrote suspect: the host recomputes them
         return result, (self._claimed_blocks(op) if reason else [])
@@ -828,3 +753,14 @@ class OffloadWorker:
     @staticmethod
     def _claimed_blocks(op: LoadOp) -> list[int]:
         return [b for ref in op.chunks for b in ref.block_ids if b >= 0]
+
+
+def _poll(done: Callable[[], bool], timeout_s: float) -> bool:
+    """Call `done` every 10 ms until it is true or `timeout_s` passed (a sleep, not a spin)."""
+    deadline = time.monotonic() + timeout_s
+    pause = threading.Event()
+    while not done():
+        if time.monotonic() >= deadline:
+            return False
+        pause.wait(0.01)
+    return True

@@ -49,6 +49,7 @@ from kvtier.store.disk_gc import Collected, collect
 from kvtier.store.disk_lock import CONFLICTS, LOCK_NAME, DirLock, claim
 from kvtier.store.lease import LeaseTable
 from kvtier.store.policy import NO_PARENT, ChainPolicy
+from kvtier.store.retention import RETENTION_FILE, RETENTION_TEMP_PREFIX
 from kvtier.store.secret import generated_secret
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,8 @@ class DiskTier:
         self._inflight: set[bytes] = set()
         # parents of writes in flight: room for a child is never made by evicting its parent
         self._writing: Counter[bytes] = Counter()
+        # chunks a client asked to keep (`protect`): never victims while retained
+        self._retained: Callable[[bytes], bool] = _never
         self._leases = LeaseTable(metrics, lease_ttl_s, max_leases, clock)
         self._closed = False
         # keys a follower found untrusted on disk, counted once each
@@ -336,6 +339,25 @@ class DiskTier:
         """Release `lease_id`; an unknown id is a counted no-op."""
         with self._lock:
             self._leases.release(lease_id)
+
+    def delete(self, key: bytes) -> bool:
+        """Delete the record of `key`, adopted or not; whether there was one."""
+        with self._lock:
+            self._check_open()
+            known = key in self._index
+            if known:
+                self._bytes -= self._index.pop(key)
+                self._policy.remove(key)
+                self._publish()
+                self._tell("removed", key)
+            path = self._path(key)
+            existed = known or path.exists()
+            _remove(path)
+        return existed
+
+    def protect(self, retained: Callable[[bytes], bool]) -> None:
+        """Never evict a record while `retained(key)` is true (a client's retention hint)."""
+        self._retained = retained
 
     def residency_bytes(self) -> int:
         """Bytes of record files this tier holds now."""
@@ -559,7 +581,11 @@ class DiskTier:
             self._tell("removed", key)
 
     def _evictable(self, key: bytes) -> bool:
-        return not self._leases.is_pinned(key) and key not in self._writing
+        return (
+            not self._leases.is_pinned(key)
+            and key not in self._writing
+            and not self._retained(key)
+        )
 
     def _done_writing(self, parent: bytes) -> None:
         left = self._writing[parent] - 1
@@ -593,7 +619,13 @@ class DiskTier:
         stale = ignored = 0
         distrusted: list[str] = []
         with os.scandir(self._root) as it:
-            shards = [e for e in it if e.name != LOCK_NAME]
+            # the lock and the rank's retention table live beside the shards
+            shards = [
+                e
+                for e in it
+                if e.name not in (LOCK_NAME, RETENTION_FILE)
+                and not e.name.startswith(RETENTION_TEMP_PREFIX)
+            ]
         for shard in shards:
             if not _SHARD_NAME.match(shard.name):
                 ignored += 1
@@ -691,3 +723,7 @@ def _remove(path: Path) -> None:
         return
     except OSError as e:
         log.warning("kvtier: disk tier could not delete %s: %s", path, e)
+
+
+def _never(key: bytes) -> bool:
+    return False

@@ -82,8 +82,19 @@ def build_stack(
         _check_database(config)
         lower.append(RemoteTier.from_config(config, shared, metrics, payload_bytes=slot_bytes))
     return TierStack(
-        memory, lower, metrics, queue_depth=config.write_queue_depth, writes_lower=writes_lower
+        memory,
+        lower,
+        metrics,
+        queue_depth=config.write_queue_depth,
+        writes_lower=writes_lower,
+        retention_limit=retention_limit(config, slot_bytes),
     )
+
+
+def retention_limit(config: KVTierConfig, slot_bytes: int) -> int:
+    """Chunks a rank lets clients retain: the budget's share of its largest private tier."""
+    chunks = max(config.memory_bytes, config.disk_bytes) // max(slot_bytes, 1)
+    return int(config.retention_budget * chunks)
 
 
 def _check_database(config: KVTierConfig) -> None:

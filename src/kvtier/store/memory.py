@@ -95,7 +95,7 @@ class MemoryTier:
         self.verify_reads = verify_reads
         self._m = metrics
         # exact size (torch's pinned allocator would round it up to a power of two)
-        self._arena = HostArena(num_slots * slot_bytes, pin=pin)
+        self._arena = HostArena(num_slots * slot_bytes, pin=pin, align=slot_bytes)
         self._buf = self._arena.tensor
         # a numpy view of the same memory: zero-copy hashing and bytes-like copies
         self._np = self._buf.numpy()
@@ -114,6 +114,8 @@ class MemoryTier:
         self._reserved_parent: dict[bytes, bytes] = {}  # key -> parent given to reserve()
         # parents of chunks being written: a slot for a child never comes from its parent
         self._writing: Counter[bytes] = Counter()
+        # chunks a client asked to keep (`protect`): never victims while retained
+        self._retained: Callable[[bytes], bool] = _never
         # slots of entries dropped as corrupt while a lease or a reader could still see them
         self._quarantine: dict[int, bytes] = {}
         self._closed = False
@@ -147,11 +149,7 @@ class MemoryTier:
         keys = list(keys)
         with self._lock:
             self._check_open()
-            n = 0
-            for key in keys:
-                if key not in self._index:
-                    break
-                n += 1
+            n = self._leading(keys)
             self._policy.touch(keys[:n])
         return n
 
@@ -356,6 +354,23 @@ class MemoryTier:
             self._done_writing(self._reserved_parent.pop(key))
             self._free.append(slot)
 
+    def delete(self, key: bytes) -> bool:
+        """Drop `key` now (False when absent): no read can find it from here on; its slot is
+        freed once the reads and leases that hold it end."""
+        with self._lock:
+            self._check_open()
+            slot = self._index.get(key)
+            if slot is None:
+                return False
+            self._unlink(key)
+            self._quarantine[slot] = key
+            self._reclaim()
+            return True
+
+    def protect(self, retained: Callable[[bytes], bool]) -> None:
+        """Never evict a chunk while `retained(key)` is true (a client's retention hint)."""
+        self._retained = retained
+
     # ---- leases --------------------------------------------------------------------------------
 
     def lease(self, lease_id: str, keys: Sequence[bytes], counted: bool = True) -> int:
@@ -365,12 +380,17 @@ class MemoryTier:
         with self._lock:
             self._check_open()
             present = [k for k in keys if k in self._index]
-            leading = 0
-            for k in keys:
-                if k not in self._index:
-                    break
-                leading += 1
+            leading = self._leading(keys)
             self._leases.acquire(lease_id, present, counted)
+        return leading
+
+    def lease_run(self, lease_id: str, keys: Sequence[bytes]) -> int:
+        """Pin the leading run of `keys` this tier holds under `lease_id`, in one step; its
+        length. (A lookup leases its run here at once instead of key by key.)"""
+        with self._lock:
+            self._check_open()
+            leading = self._leading(keys)
+            self._leases.acquire(lease_id, keys[:leading])
         return leading
 
     def release(self, lease_id: str) -> None:
@@ -408,6 +428,10 @@ class MemoryTier:
                 frequent=self._policy.frequent_count,
                 leases=len(self._leases),
             )
+
+    def abandon_arena(self) -> None:
+        """A device copy may still use the arena: `close` keeps it allocated and registered."""
+        self._arena.abandon()
 
     def close(self) -> None:
         """Free the buffer; every later read, write or lease call raises RuntimeError."""
@@ -459,11 +483,21 @@ class MemoryTier:
             if slot in self._quarantine:
                 self._reclaim()
 
+    def _leading(self, keys: Sequence[bytes]) -> int:
+        """How many leading `keys` are resident (under the lock)."""
+        n = 0
+        for key in keys:
+            if key not in self._index:
+                break
+            n += 1
+        return n
+
     def _evictable(self, key: bytes) -> bool:
         return (
             not self._leases.is_pinned(key)
             and self._readers[self._index[key]] == 0
             and key not in self._writing
+            and not self._retained(key)
         )
 
     def _done_writing(self, parent: bytes) -> None:
@@ -556,3 +590,7 @@ def _spend_readonly_buffer_warning() -> None:
 
 
 _spend_readonly_buffer_warning()
+
+
+def _never(key: bytes) -> bool:
+    return False

@@ -21,6 +21,7 @@ load fails, and the request recomputes the prefix.
 from __future__ import annotations
 
 import logging
+import math
 import re
 import threading
 import time
@@ -145,6 +146,7 @@ class RemoteTier:
         self._prefix = b"kvtier:%s:%s:" % (tenant.encode("ascii"), namespace.hex().encode("ascii"))
         self._m = metrics
         self._ttl = ttl_s
+        self._retained_until: Callable[[bytes], float | None] = _unretained
         self._breakers = breakers if breakers is not None else ShardBreakers(5, 5.0, clock)
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -277,7 +279,7 @@ class RemoteTier:
         buf[: record.HEADER_BYTES] = header
         buf[record.HEADER_BYTES :] = body
         try:
-            existed = self._transport.put(rkey, buf, self._ttl)
+            existed = self._transport.put(rkey, buf, self._ttl_for(self._retained_until(key)))
         except StoreError as e:
             self._guard.failed(e, write=True)
             return False
@@ -288,6 +290,37 @@ class RemoteTier:
                 self._resident += total
                 self._publish_locked()
         return True
+
+    def delete(self, key: bytes) -> bool:
+        """DEL the record of `key`; whether there was one (False too when the store failed,
+        counted by the breaker)."""
+        self._check_open()
+        rkey = self._rkey(key)
+        return bool(self._guard.call(rkey, lambda: self._transport.delete(rkey), write=True))
+
+    def protect_until(self, until: Callable[[bytes], float | None]) -> None:
+        """`until(key)`: the wall-clock deadline a client retains `key` to, or None; a put of a
+        retained chunk lives at least that long where records expire."""
+        self._retained_until = until
+
+    def extend_ttl(self, keys: Sequence[bytes], until: float) -> int:
+        """Where records expire (`remote_ttl_s` > 0), let those of `keys` live until `until`
+        (wall clock) when that is later; how many records were extended."""
+        ttl = self._ttl_for(until)
+        if ttl <= self._ttl:
+            return 0
+        extended = 0
+        for key in keys:
+            rkey = self._rkey(key)
+            extended += bool(
+                self._guard.call(rkey, lambda r=rkey: self._transport.expire(r, ttl), write=True)
+            )
+        return extended
+
+    def _ttl_for(self, until: float | None) -> int:
+        if self._ttl <= 0 or until is None:
+            return self._ttl  # records without expiry, or nothing retained
+        return max(self._ttl, math.ceil(until - time.time()))
 
     def lease(self, lease_id: str, keys: Sequence[bytes], counted: bool = True) -> int:
         """Redis cannot pin, so this only counts: the leading run of `keys` present now (one
@@ -542,3 +575,7 @@ class RemoteTier:
 
     def _publish_locked(self) -> None:
         self._m.residency(self.name).set(self._resident)
+
+
+def _unretained(key: bytes) -> float | None:
+    return None

@@ -315,6 +315,12 @@ class GlideTransport:
                 raise reply
         return bool(existed)
 
+    def expire(self, rkey: bytes, ttl_s: int) -> bool:
+        try:
+            return bool(self._writer.expire(rkey, ttl_s))
+        except GlideError as e:
+            raise self._error(e, self.shard_of(rkey)) from None
+
     def delete(self, rkey: bytes) -> bool:
         try:
             return bool(self._writer.delete([rkey]))

@@ -140,6 +140,9 @@ class SocketTransport:
         replies = self._call(call)
         return bool(replies[0])
 
+    def expire(self, rkey: bytes, ttl_s: int) -> bool:
+        return bool(self._call(lambda: self._writer.expire(rkey, ttl_s)))
+
     def delete(self, rkey: bytes) -> bool:
         return bool(self._call(lambda: self._writer.delete(rkey)))
 

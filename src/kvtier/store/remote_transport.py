@@ -87,6 +87,10 @@ class Transport(Protocol):
         """SET `rkey` (EX `ttl_s` when > 0); whether the key existed before. Raises StoreError."""
         ...
 
+    def expire(self, rkey: bytes, ttl_s: int) -> bool:
+        """Make `rkey` expire in `ttl_s` seconds; whether it exists. Raises StoreError."""
+        ...
+
     def delete(self, rkey: bytes) -> bool:
         """DEL `rkey`; whether it existed. Raises StoreError."""
         ...

@@ -17,6 +17,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -25,6 +26,7 @@ import torch
 from kvtier.metrics import Metrics
 from kvtier.store.base import ChainTier, Tier
 from kvtier.store.policy import NO_PARENT
+from kvtier.store.retention import RETENTION_FILE, RetentionTable
 
 if TYPE_CHECKING:
     from kvtier.store.memory import MemoryTier
@@ -59,9 +61,12 @@ class TierStack:
         queue_depth: int = 256,
         max_leases: int = 65536,
         writes_lower: bool = True,
+        retention_limit: int = 0,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         """`writes_lower=False`: the lower tiers are read only (another rank writes the records
-        of a replicated layout there)."""
+        of a replicated layout there). `retention_limit`: chunks clients may retain on this rank
+        (0: none); `clock`: wall-clock seconds of retention deadlines (tests pass their own)."""
         if metrics is None:
             raise ValueError("TierStack needs the rank's Metrics; pass metrics=Metrics(rank)")
         if queue_depth <= 0 or max_leases <= 0:
@@ -94,6 +99,24 @@ class TierStack:
         self._lease_lock = threading.Lock()
         self._closed = False
         self._abandon = threading.Event()
+        self._prefetches: queue.Queue[list[bytes] | object] = queue.Queue(maxsize=64)
+        self._prefetcher: threading.Thread | None = None
+        self._prefetched = 0
+        self.retention = RetentionTable(retention_limit, *(() if clock is None else (clock,)))
+        self._retention_file = self._retention_path()
+        if self._retention_file is not None:
+            kept = self.retention.load(self._retention_file)
+            if kept:
+                log.info(
+                    "kvtier: %d retained chunks carried over from %s", kept, self._retention_file
+                )
+        for t in (memory, *self._lower):
+            protect = getattr(t, "protect", None)
+            if protect is not None:
+                protect(self.retention.holds)
+            protect_until = getattr(t, "protect_until", None)
+            if protect_until is not None:
+                protect_until(self.retention.until)
         self._thread: threading.Thread | None = None
         if self._lower:
             self._thread = threading.Thread(
@@ -166,15 +189,17 @@ class TierStack:
         # presence in each lower tier, fetched in one batch the first time a key needs it (a
         # remote tier answers a whole batch in one round trip)
         presence: dict[int, dict[bytes, bool]] = {}
-        n = 0
+        # the run memory holds is leased in one step (key by key it cost ~1.5 us a chunk,
+        # which was most of a lookup); the rest goes chunk by chunk through the tiers
+        n = self._memory.lease_run(lease_id, keys)
+        if n:
+            deepest = 0
         while n < len(keys):
             where = self._lease_one(keys, n, lease_id, touched, presence)
             if where is None:
                 break
             deepest = max(deepest, where)
             n += 1
-        if not keys:
-            self._memory.lease(lease_id, [])
         self._remember_lease(lease_id, touched)
         if n:
             run = keys[:n]
@@ -404,6 +429,124 @@ class TierStack:
                 log.exception("kvtier: write-behind to %s tier failed", t.name)
                 self._m.store_failure(t.name, "error").inc()
 
+    # ---- retention and admin ---------------------------------------------------------------
+
+    def admin(self, op: str, keys: Sequence[bytes], until: float = 0.0) -> int:
+        """Carry out an admin request (`lookup.messages.ADMIN_OPS`) on `keys`; how many keys it
+        acted on: retained, released, brought into memory, or deleted from some tier."""
+        self._check_open()
+        if op == "retain":
+            n = self.retention.retain(keys, until)
+            for t in self._lower:
+                extend = getattr(t, "extend_ttl", None)
+                if extend is not None and self._writes_lower:
+                    extend(keys[:n], until)
+        elif op == "release":
+            n = self.retention.release(keys)
+        elif op == "prefetch":
+            return self._queue_prefetch(keys)
+        elif op == "forget":
+            n = self.forget(keys)
+        else:
+            raise ValueError(f"admin op {op!r} is not retain, release, prefetch or forget")
+        self._save_retention()
+        return n
+
+    def prefetch(self, keys: Sequence[bytes]) -> int:
+        """Bring the chunks of `keys` that only a lower tier holds into memory (each after the
+        key before it); how many came up. Stops at the first chunk no tier holds."""
+        moved = 0
+        for i, key in enumerate(keys):
+            if self._memory.contains(key):
+                continue
+            payload = None
+            for t in self._lower:
+                payload = t.get(key)
+                if payload is not None:
+                    break
+            if payload is None:
+                break
+            if self._memory.put(key, payload, keys[i - 1] if i else NO_PARENT):
+                moved += 1
+        return moved
+
+    def _queue_prefetch(self, keys: Sequence[bytes]) -> int:
+        """Hand `keys` to the prefetch thread (reads from disk or the store must not hold up
+        the rank's lookups); how many of them only a lower tier holds now."""
+        up = [not self._memory.contains(k) for k in keys]
+        below: list[bool] = [False] * len(keys)
+        for t in self._lower:
+            held = t.contains_many(keys)
+            below = [b or (u and h) for b, u, h in zip(below, up, held, strict=True)]
+        with self._cond:
+            if self._prefetcher is None:
+                self._prefetcher = threading.Thread(
+                    target=self._prefetch_loop, name="kvtier-prefetch", daemon=True
+                )
+                self._prefetcher.start()
+        try:
+            self._prefetches.put_nowait(list(keys))
+        except queue.Full:
+            log.warning(
+                "kvtier: prefetch of %d keys dropped: %d prefetches queued",
+                len(keys),
+                self._prefetches.maxsize,
+            )
+            return 0
+        return sum(below)
+
+    def _prefetch_loop(self) -> None:
+        while True:
+            keys = self._prefetches.get()
+            if keys is _STOP:
+                return
+            try:
+                moved = self.prefetch(keys)
+            except Exception:  # one failed prefetch must not end the rank's later ones
+                log.exception("kvtier: prefetch of %d keys failed", len(keys))
+                continue
+            self._m.prefetched_chunks.inc(moved)
+            with self._cond:
+                self._prefetched += 1
+                self._cond.notify_all()
+
+    def wait_prefetched(self, count: int, timeout_s: float) -> bool:
+        """Wait until `count` prefetches in all have finished (for tests and tools)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._prefetched >= count, timeout=timeout_s)
+
+    def forget(self, keys: Sequence[bytes]) -> int:
+        """Delete `keys` from every tier (the shared store included) and stop retaining them;
+        how many some tier held. A save still in flight may store a key again."""
+        self.retention.release(keys)
+        deleted = 0
+        for key in keys:
+            found = False
+            for t in self._all():
+                delete = getattr(t, "delete", None)
+                if delete is not None and (self._writes_lower or t is self._memory):
+                    found = delete(key) or found
+            deleted += found
+        return deleted
+
+    def _retention_path(self) -> Path | None:
+        if not self._writes_lower:
+            return None
+        for t in self._lower:
+            directory = getattr(t, "directory", None)
+            if isinstance(directory, Path):
+                return directory / RETENTION_FILE
+        return None
+
+    def _save_retention(self) -> None:
+        if self._retention_file is None:
+            return
+        try:
+            self.retention.save(self._retention_file)
+        except OSError as e:
+            # retention still holds in this process; only a restart would lose it
+            log.warning("kvtier: retention table not saved to %s: %s", self._retention_file, e)
+
     # ---- lifecycle -----------------------------------------------------------------------
 
     def flush(self, timeout_s: float) -> bool:
@@ -428,6 +571,13 @@ class TierStack:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 log.warning("kvtier: write-behind thread still busy after %.1fs", timeout_s)
+        self._save_retention()
+        if self._prefetcher is not None:
+            try:
+                self._prefetches.put(_STOP, timeout=timeout_s)
+            except queue.Full:
+                log.warning("kvtier: prefetch queue stuck; a lower tier is not returning")
+            self._prefetcher.join(timeout_s)
         for t in self._all():
             t.close()
 

@@ -431,7 +431,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         """True while the request's saves await their terminal (freed via finished_sending)."""
         if self._scheduler is None:
             return False, None
-        return self._scheduler.request_finished(request), None
+        delay = self._scheduler.request_finished(request)
+        return delay, self._scheduler.retention_params(request.request_id)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]

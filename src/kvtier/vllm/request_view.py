@@ -7,10 +7,15 @@ table per KV cache group (a hybrid model has several; `block_ids` is the first).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from kvtier.offload.retention import RetentionHint, hint_from_params
+
 __all__ = ["VLLMRequestView"]
+
+log = logging.getLogger("kvtier")
 
 
 class VLLMRequestView:
@@ -52,6 +57,19 @@ class VLLMRequestView:
     def group_block_ids(self) -> Sequence[Sequence[int]]:
         """Every KV cache group's block table as last learned, in vLLM's group order."""
         return self._groups
+
+    @property
+    def retention(self) -> RetentionHint | None:
+        """The client's retention hint from the request's `kv_transfer_params` (the only
+        per-request channel vLLM gives a connector); a bad one is logged and ignored."""
+        params = getattr(self._request, "kv_transfer_params", None)
+        if not isinstance(params, dict):
+            return None
+        try:
+            return hint_from_params(params)
+        except ValueError as e:
+            log.warning("kvtier: request %.64s: retention hint ignored: %s", self.request_id, e)
+            return None
 
     def set_block_ids(self, block_ids: Iterable[int]) -> None:
         """Replace the learned block table (allocation, new or resumed request)."""

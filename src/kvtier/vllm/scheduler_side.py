@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -374,6 +374,12 @@ class SchedulerSide:
                 self._vllm_frees.add(request.request_id)
             return False
         return delay
+
+    def retention_params(self, request_id: str) -> dict[str, Any] | None:
+        """What the request's retention hint was granted, as the `kv_transfer_params` vLLM
+        returns to the client (None without a hint)."""
+        decision = self.core.retention_decision(request_id)
+        return None if decision is None else {"kvtier_retention": decision.as_dict()}
 
     def take_events(self) -> list[KVCacheEvent]:
         """KV-cache events for what the tiers stored and dropped since the last step."""

@@ -35,20 +35,21 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from kvtier.offload.saving import SavePath
     from kvtier.offload.scheduler import OffloadScheduler
-    from kvtier.offload.worker import OffloadWorker
 
     gate = threading.Event()
     gate.set()
-    save_chunk = OffloadWorker._save_chunk
+    issue = SavePath._issue
 
-    def held_save_chunk(self, lane, job, ref):  # type: ignore[no-untyped-def]
-        # the self-test's save runs at startup with the gate open
+    def held_issue(self, lane, flights, run, ref):  # type: ignore[no-untyped-def]
+        # every chunk's gather waits here, before it reads a block; the self-test's save runs
+        # at startup with the gate open
         if not gate.wait(GATE_TIMEOUT_S):
             raise RuntimeError("the save gate never opened")
-        return save_chunk(self, lane, job, ref)
+        return issue(self, lane, flights, run, ref)
 
-    OffloadWorker._save_chunk = held_save_chunk  # type: ignore[method-assign]
+    SavePath._issue = held_issue  # type: ignore[method-assign]
     if a.get("no_cancel"):
         OffloadScheduler.blocks_allocated = lambda self, block_ids: None  # type: ignore[method-assign]
 

@@ -8,7 +8,8 @@ Args (JSON): model, extra, and optionally n, base_len, max_tokens, startup_timeo
 (extra `vllm serve` arguments), dp_ranks (send prompt i to data-parallel engine i % dp_ranks),
 hostile_ids (after the counters are read: a prefix-cache reset, then the first prompt under
 client `X-Request-Id` headers of 300 and 4000 characters, so a tier lookup runs under each, then
-a plain request: their statuses and cached tokens).
+a plain request: their statuses and cached tokens), retention (then the first prompt with a
+retention hint in `kv_transfer_params`, and with a bad one: what each response carries back).
 """
 
 from __future__ import annotations
@@ -154,6 +155,20 @@ def hostile_ids(base: str, prompt: list[int], max_tokens: int) -> list[dict[str,
     return out
 
 
+def retention_hints(base: str, prompt: list[int]) -> list[Any]:
+    """The prompt with retention hints in `kv_transfer_params` (OpenAI's names), then a bad
+    one: the `kv_transfer_params` each response carries back."""
+    out = []
+    for params in (
+        {"prompt_cache_key": "conv-1", "prompt_cache_retention": "24h", "user": "alice"},
+        {"prompt_cache_retention": "forever"},
+    ):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0.0,
+                "kv_transfer_params": params}  # fmt: skip
+        out.append(http("POST", f"{base}/v1/completions", body).get("kv_transfer_params"))
+    return out
+
+
 def main() -> None:
     a = args()
     prompts = make_prompts(a.get("n", 2), a.get("base_len", 600))
@@ -226,6 +241,8 @@ def main() -> None:
         result["lines_before_hostile"] = sum(1 for line in list(log.lines) if "kvtier" in line)
         if a.get("hostile_ids"):
             result["hostile"] = hostile_ids(base, prompts[0], a.get("max_tokens", 16))
+        if a.get("retention"):
+            result["retention"] = retention_hints(base, prompts[0])
         result.update(
             {
                 "prompt_lens": [len(p) for p in prompts],

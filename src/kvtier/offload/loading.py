@@ -1,0 +1,286 @@
+"""The load pipelines: chunks read from the tiers and scattered into KV blocks, several on the
+link at once.
+
+Per chunk: the memory tier's slot is pinned (and verified where reads verify), or a lower tier
+reads the chunk into a pinned host buffer; one copy into a device staging buffer on the copy
+stream; the scatter into the blocks on the kernel stream after that copy and after the fence
+taken when the load started (a forward still queued there may be using the blocks). On the CPU
+backend the scatter reads the slot itself.
+
+- Asynchronous loads (the load lane) retire in issue order: wait for the scatter's mark, unpin
+  the slot. A load reports after all its chunks landed, so no block of a failed load is written
+  after the host was told to recompute it.
+- Synchronous loads (the forward's thread, inside `start_load_kv`) never wait on the host: their
+  last scatter's mark is joined into the compute stream, so the forward runs after them on the
+  device. Staging buffers are reused in stream order (a copy into a buffer waits on the device
+  for the scatter that last read it); the pinned slots are let go at a later step, once their
+  marks are reached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.offload.codec import PageCodec
+from kvtier.offload.device import DeviceOps, Lane, Mark
+from kvtier.offload.hooks import HookGuard
+from kvtier.offload.messages import ChunkRef, LoadOp
+from kvtier.offload.transfer import Flights, settle
+from kvtier.store.stack import TierStack
+
+
+@dataclass(eq=False, slots=True)
+class PendingLoad:
+    """A load handed to a lane. `fence` is where the compute stream stood when the load was
+    started: its blocks may still be in use by work queued there (a forward still running under
+    async scheduling, the self-test's clearing), so no scatter overtakes it. `lock` makes
+    finishing and expiring it mutually exclusive, and is held while a lane queues writes into
+    KV blocks; `marks` are those writes, which an expiry waits for, so nothing of it lands once
+    it was reported failed."""
+
+    op: LoadOp
+    queued_at: float
+    deadline: float
+    fence: object | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done: bool = False
+    expired: bool = False
+    marks: list[Mark] = field(default_factory=list)
+
+
+@dataclass(eq=False, slots=True)
+class LoadRun:
+    """One load's progress: blocks written, the tiers that served it, why it failed."""
+
+    p: PendingLoad
+    t0: float = field(default_factory=time.perf_counter)
+    written: int = 0
+    served: Counter[str] = field(default_factory=Counter)
+    reason: str = ""
+    expired: bool = False  # stopped because its deadline reported it failed
+    in_flight: int = 0
+    issued: bool = False
+    reported: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class Buffers:
+    """One transfer's buffers: device staging (None: the device is the host) and a host buffer
+    for chunks a lower tier reads (made on first use; pinned on CUDA)."""
+
+    staging: torch.Tensor | None
+    host: torch.Tensor | None = None
+
+
+@dataclass(eq=False, slots=True)
+class _Issued:
+    mark: Mark
+    held: contextlib.ExitStack
+    tier: str
+    blocks: int
+
+
+_MISS = "miss"
+_EXPIRED = "expired"
+
+
+class LoadPath:
+    """Issues the chunks of loads on a lane; `run` for the load lane, `issue_sync` for the
+    forward's thread."""
+
+    def __init__(
+        self,
+        stack: TierStack,
+        codec: PageCodec,
+        ops: DeviceOps,
+        buffers: Sequence[Buffers],
+        report: Callable[[LoadRun], None],
+        guard: HookGuard,
+        tag: str,
+    ) -> None:
+        self._stack = stack
+        self._codec = codec
+        self._ops = ops
+        self._buffers = list(buffers)
+        self._report = report
+        self._guard = guard
+        self._tag = tag
+        self.peak_in_flight = 0
+        # why this rank fails every load at once ("": it serves); set by the worker
+        self.degraded = ""
+        # synchronous loads: the next buffer, each buffer's last scatter, slots still pinned
+        self._next = 0
+        self._last_read: list[Mark | None] = [None] * len(self._buffers)
+        self._held: deque[_Issued] = deque()
+        self._held_lock = threading.Lock()
+
+    # ---- the load lane -----------------------------------------------------------------------
+
+    def run(self, lane: Lane, loads: Sequence[PendingLoad]) -> None:
+        """Asynchronous loads, pipelined across all their chunks; each reports once, after
+        everything it queued landed."""
+        flights: Flights[Buffers] = Flights(self._buffers)
+        runs = [LoadRun(p) for p in loads]
+        try:
+            for run in runs:
+                self._run_one(lane, flights, run)
+            flights.drain()
+        finally:
+            self.peak_in_flight = max(self.peak_in_flight, flights.peak)
+
+    def one(self, lane: Lane, p: PendingLoad) -> LoadRun:
+        """Run one load to completion on `lane` (the self-test); it reports nothing."""
+        flights: Flights[Buffers] = Flights(self._buffers)
+        run = LoadRun(p, reported=True)
+        self._run_one(lane, flights, run)
+        flights.drain()
+        return run
+
+    def _run_one(self, lane: Lane, flights: Flights[Buffers], run: LoadRun) -> None:
+        op = run.p.op
+        try:
+            run.reason = op.fail or self.degraded
+            for ref in () if run.reason else op.chunks:
+                try:
+                    bufs = flights.acquire()
+                    got = self._issue(lane, run.p, ref, bufs, None)
+                except Exception as e:  # noqa: BLE001 - counted by the guard, reported below
+                    # whatever a tier or the codec raised, the lane lives on to serve later
+                    # loads, and this one reports; a scatter queued before the raise must not
+                    # land after the host was told to recompute these blocks
+                    self._guard.failed("load", op.req_id, e)
+                    run.reason = f"error:{type(e).__name__}"
+                    settle(lane, self._tag)
+                    break
+                if isinstance(got, str):
+                    run.reason = got if got == _MISS else run.reason
+                    run.expired = got == _EXPIRED
+                    break
+                run.in_flight += 1
+                flights.push(got.mark, lambda err, got=got, run=run: self._landed(run, got, err))
+        finally:
+            self._stack.release(op.lookup_id)
+            run.issued = True
+            self._maybe_report(run)
+
+    def _landed(self, run: LoadRun, got: _Issued, error: BaseException | None) -> None:
+        got.held.close()
+        if error is not None:
+            run.reason = run.reason or f"error:{type(error).__name__}"
+        else:
+            run.served[got.tier] += 1
+            run.written += got.blocks
+        run.in_flight -= 1
+        self._maybe_report(run)
+
+    def _maybe_report(self, run: LoadRun) -> None:
+        if run.issued and not run.in_flight and not run.reported:
+            run.reported = True
+            self._report(run)
+
+    # ---- the forward's thread ------------------------------------------------------------------
+
+    def issue_sync(self, lane: Lane, p: PendingLoad) -> tuple[LoadRun, Mark | None]:
+        """Queue a synchronous load's chunks without any host wait; its run (as it will be once
+        the marks are reached) and the mark the compute stream must wait for."""
+        self.reap()
+        run = LoadRun(p)
+        last: Mark | None = None
+        op = p.op
+        try:
+            run.reason = op.fail or self.degraded
+            for ref in () if run.reason else op.chunks:
+                k = self._next
+                bufs = Buffers(self._buffers[k].staging)  # a fresh host buffer, if any is needed
+                got = self._issue(lane, p, ref, bufs, self._last_read[k])
+                if isinstance(got, str):
+                    run.reason = _MISS
+                    break
+                self._next = (k + 1) % len(self._buffers)
+                self._last_read[k] = last = got.mark
+                with self._held_lock:
+                    self._held.append(got)
+                run.served[got.tier] += 1
+                run.written += got.blocks
+        except Exception as e:  # noqa: BLE001 - counted by the guard, reported by the caller
+            self._guard.failed("load", op.req_id, e)
+            run.reason = f"error:{type(e).__name__}"
+            settle(lane, self._tag)
+        finally:
+            self._stack.release(op.lookup_id)
+        return run, last
+
+    def reap(self, wait: bool = False) -> bool:
+        """Unpin the slots of synchronous loads whose copies completed (all of them, waiting,
+        when `wait`); True when none is left."""
+        while True:
+            with self._held_lock:
+                if not self._held:
+                    return True
+                got = self._held[0]
+                if not wait and not got.mark.done():
+                    return False
+                self._held.popleft()
+            if wait:
+                try:
+                    got.mark.wait()
+                except RuntimeError:
+                    pass  # the device failed: the slot is let go all the same, nothing lands
+            got.held.close()
+
+    # ---- one chunk -----------------------------------------------------------------------------
+
+    def _issue(
+        self,
+        lane: Lane,
+        p: PendingLoad,
+        ref: ChunkRef,
+        bufs: Buffers,
+        reusable: Mark | None,
+    ) -> _Issued | str:
+        """Read one chunk's source and queue its copy and scatter; `reusable`: the mark after
+        which the staging buffer may be overwritten (None: it is free now)."""
+        stack, codec = self._stack, self._codec
+        held = contextlib.ExitStack()
+        try:
+            # the slot stays pinned until the scatter's copy finished (the flight's retire), so
+            # neither a lease expiring nor eviction can hand it to another chunk meanwhile
+            src = held.enter_context(stack.pinned_view(ref.key))
+            tier = stack.memory.name
+            if src is None:
+                if bufs.host is None:
+                    bufs.host = self._ops.host_buffer(codec.chunk_bytes)
+                host = bufs.host
+                held.callback(lambda: host)  # alive until the copy out of it completed
+                found = stack.read_into(ref.key, host, ref.parent)
+                if found is None:
+                    held.close()
+                    return _MISS
+                src, tier = host, found
+            ids = list(ref.block_ids)
+            with p.lock:
+                if p.expired:
+                    held.close()
+                    return _EXPIRED  # its deadline reported it failed: write no more blocks
+                lane.after(p.fence)
+                with lane.active():
+                    if bufs.staging is None:
+                        mark = lane.launch(lambda: codec.scatter(src, ids))
+                    else:
+                        staging = bufs.staging
+                        copied = lane.copy(staging, src, after=reusable)
+                        mark = lane.launch(lambda: codec.scatter(staging, ids), after=copied)
+                p.marks.append(mark)
+        except BaseException:
+            # a copy queued out of the slot before the raise must land before it is unpinned
+            settle(lane, self._tag)
+            held.close()
+            raise
+        return _Issued(mark, held, tier, sum(1 for b in ids if b >= 0))

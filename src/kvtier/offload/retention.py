@@ -1,0 +1,279 @@
+"""Retention on the scheduler: clients' hints sized to a budget, and which keys a conversation
+owns (so it can be retained, prefetched or forgotten by its key).
+
+A hint asks to keep a prompt's chunks (up to a marked message) for a TTL. The ledger grants it
+within the budget: retained chunks at most `budget` chunks live at once, one tenant at most
+`tenant_share` of that. A hint that fits is `retained`; one whose deepest chunks or TTL do not
+fit is `clipped` (the leading chunks are kept: a prefix is what a later turn reads); one of
+which nothing fits is `rejected`. The ranks enforce their own bound too (`store/retention.py`),
+so a ledger that is wrong costs hits, never the tiers' room for unretained traffic beyond the
+budget. Thread-safe: hooks and an admin API share one ledger.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+RETAINED = "retained"
+CLIPPED = "clipped"
+REJECTED = "rejected"
+STATUSES = (RETAINED, CLIPPED, REJECTED)
+
+# conversations and keys remembered for forget / prefetch by key; the oldest go first
+_SESSIONS = 65536
+_KEYS_PER_SESSION = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionHint:
+    """A client's ask: keep the prompt (its first `upto_tokens`, all when None) `ttl_s` seconds
+    (the default when None); `session` is its prompt_cache_key, `tenant` its owner."""
+
+    ttl_s: float | None = None
+    upto_tokens: int | None = None
+    session: str = ""
+    tenant: str = ""
+    retain: bool = True  # False: only tag the conversation (a key without a retention ask)
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionDecision:
+    """What the ledger granted: `status`, the prompt tokens retained, for how long, and why it
+    granted less than asked (`budget`, `tenant_budget`, `ttl`, `disabled`; "" when all)."""
+
+    status: str
+    tokens: int
+    ttl_s: float
+    reason: str = ""
+
+    def as_dict(self) -> dict[str, object]:
+        """The response field clients read (native usage, vLLM kv_transfer_params)."""
+        out: dict[str, object] = {
+            "status": self.status,
+            "retained_tokens": self.tokens,
+            "ttl_s": self.ttl_s,
+        }
+        if self.reason:
+            out["reason"] = self.reason
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class AdminCount:
+    """One rank's answer to an admin call: keys acted on (None: no answer) and why not."""
+
+    count: int | None
+    error: str | None
+
+
+# OpenAI's prompt_cache_retention values (older SDKs sent "in-memory"); None: the default TTL
+OPENAI_RETENTION: dict[str, float | None] = {"in_memory": None, "in-memory": None, "24h": 86400.0}
+MAX_SESSION_CHARS = 256
+
+
+def hint_from_params(params: Mapping[str, object]) -> RetentionHint | None:
+    """A hint from a request's parameters in OpenAI's names (`prompt_cache_key`,
+    `prompt_cache_retention`, `user`) plus kvtier's `retain_ttl_s` and `retain_tokens`; None
+    when they ask nothing. Raises ValueError naming a bad value."""
+    key = params.get("prompt_cache_key")
+    retention = params.get("prompt_cache_retention")
+    ttl = params.get("retain_ttl_s")
+    upto = params.get("retain_tokens")
+    user = params.get("user") or ""
+    if key is not None and (not isinstance(key, str) or len(key) > MAX_SESSION_CHARS):
+        raise ValueError(f"prompt_cache_key must be a string of at most {MAX_SESSION_CHARS} chars")
+    if retention is not None and retention not in OPENAI_RETENTION:
+        raise ValueError(f"prompt_cache_retention is {retention!r}; use 'in_memory' or '24h'")
+    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0):
+        raise ValueError(f"retain_ttl_s is {ttl!r}; use seconds > 0")
+    if upto is not None and (isinstance(upto, bool) or not isinstance(upto, int) or upto < 0):
+        raise ValueError(f"retain_tokens is {upto!r}; use a number of prompt tokens >= 0")
+    if not isinstance(user, str):
+        raise ValueError(f"user is {user!r}; use a string")
+    if key is None and retention is None and ttl is None and upto is None:
+        return None
+    if retention is None and ttl is None and upto is None:
+        return RetentionHint(session=key or "", tenant=user, retain=False)
+    seconds = float(ttl) if ttl is not None else OPENAI_RETENTION.get(str(retention))
+    return RetentionHint(ttl_s=seconds, upto_tokens=upto, session=key or "", tenant=user)
+
+
+class RetentionLedger:
+    """Retained keys with deadlines and tenants, and the keys each conversation owns."""
+
+    def __init__(
+        self,
+        budget: int,
+        *,
+        tenant_share: float,
+        default_ttl_s: float,
+        max_ttl_s: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if budget < 0 or not 0.0 <= tenant_share <= 1.0:
+            raise ValueError(
+                f"retention budget={budget} must be >= 0 and tenant_share={tenant_share} in [0, 1]"
+            )
+        self.budget = budget
+        self.tenant_cap = int(budget * tenant_share)
+        self.default_ttl_s = default_ttl_s
+        self.max_ttl_s = max_ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._until: dict[bytes, tuple[float, str]] = {}  # key -> (deadline, tenant)
+        # key -> who retains it ((tenant, session) -> deadline): a chunk several conversations
+        # share (a system prompt) stays retained until the last of them lets it go
+        self._holders: dict[bytes, dict[tuple[str, str], float]] = {}
+        self._per_tenant: dict[str, int] = {}
+        # (deadline, key) of every deadline set, oldest first; stale once the key moved on
+        self._deadlines: list[tuple[float, bytes]] = []
+        # (tenant, session) -> its keys in prompt order (a dict as an ordered set)
+        self._sessions: OrderedDict[tuple[str, str], dict[bytes, None]] = OrderedDict()
+
+    def decide(
+        self, keys: Sequence[bytes], hint: RetentionHint, chunk: int
+    ) -> tuple[RetentionDecision, list[bytes], float]:
+        """Grant `hint` for a prompt of chunk `keys`: the decision, the keys to retain and
+        their deadline. The conversation's keys are remembered either way."""
+        want = len(keys) if hint.upto_tokens is None else min(len(keys), hint.upto_tokens // chunk)
+        ttl = self.default_ttl_s if hint.ttl_s is None else hint.ttl_s
+        reason = ""
+        if ttl > self.max_ttl_s:
+            ttl, reason = self.max_ttl_s, "ttl"
+        with self._lock:
+            self._note(hint.tenant, hint.session, keys)
+            if self.budget == 0:
+                return RetentionDecision(REJECTED, 0, 0.0, "disabled"), [], 0.0
+            now = self._clock()
+            self._expire(now)
+            room = self.budget - len(self._until)
+            tenant_room = self.tenant_cap - self._per_tenant.get(hint.tenant, 0)
+            granted = 0
+            for key in keys[:want]:
+                if key not in self._until:
+                    if room <= 0 or tenant_room <= 0:
+                        reason = "budget" if room <= 0 else "tenant_budget"
+                        break
+                    room -= 1
+                    tenant_room -= 1
+                granted += 1
+            until = now + ttl
+            holder = (hint.tenant, hint.session)
+            for key in keys[:granted]:
+                held = self._holders.setdefault(key, {})
+                held[holder] = max(held.get(holder, 0.0), until)
+                old = self._until.get(key)
+                if old is None:
+                    self._per_tenant[hint.tenant] = self._per_tenant.get(hint.tenant, 0) + 1
+                    self._until[key] = (until, hint.tenant)
+                    heapq.heappush(self._deadlines, (until, key))
+                elif old[0] < until:
+                    self._until[key] = (until, old[1])
+                    heapq.heappush(self._deadlines, (until, key))
+        if granted == 0 and want > 0:
+            return RetentionDecision(REJECTED, 0, 0.0, reason or "budget"), [], 0.0
+        status = RETAINED if granted == want and not reason else CLIPPED
+        return RetentionDecision(status, granted * chunk, ttl, reason), list(keys[:granted]), until
+
+    def note(self, keys: Sequence[bytes], session: str, tenant: str = "") -> None:
+        """Remember that conversation `session` of `tenant` owns `keys` (no retention)."""
+        with self._lock:
+            self._note(tenant, session, keys)
+
+    def release(
+        self, keys: Sequence[bytes], holder: tuple[str, str | None] | None = None
+    ) -> list[bytes]:
+        """Let `holder` ((tenant, session); session None: any of the tenant's; None: everyone)
+        stop retaining `keys`; the keys nobody retains any more, which the ranks may release."""
+        with self._lock:
+            gone = []
+            for key in keys:
+                held = self._holders.get(key)
+                if held is None:
+                    continue
+                if holder is not None:
+                    tenant, session = holder
+                    for h in [h for h in held if h[0] == tenant and session in (None, h[1])]:
+                        del held[h]
+                    if held:
+                        continue
+                if self._drop(key):
+                    gone.append(key)
+            return gone
+
+    def keys_of(self, session: str | None, tenant: str) -> list[bytes]:
+        """The keys conversation `session` of `tenant` owns, or with `session` None every key
+        of the tenant's conversations."""
+        with self._lock:
+            if session is not None:
+                return list(self._sessions.get((tenant, session), {}))
+            out: dict[bytes, None] = {}
+            for (t, _), keys in self._sessions.items():
+                if t == tenant:
+                    out.update(keys)
+            return list(out)
+
+    def forget(self, session: str | None, tenant: str) -> None:
+        """Drop the conversation (every one of the tenant's with `session` None): its chunks
+        are deleted from the tiers, so nobody retains them any more."""
+        with self._lock:
+            for sk in [sk for sk in self._sessions if sk[0] == tenant]:
+                if session is None or sk[1] == session:
+                    for k in self._sessions.pop(sk):
+                        self._drop(k)
+
+    def stats(self) -> dict[str, object]:
+        """Retained chunks now, the budget, per tenant, and conversations remembered."""
+        with self._lock:
+            self._expire(self._clock())
+            return {
+                "retained_chunks": len(self._until),
+                "budget_chunks": self.budget,
+                "tenant_cap_chunks": self.tenant_cap,
+                "per_tenant": {t or "-": n for t, n in self._per_tenant.items() if n},
+                "conversations": len(self._sessions),
+            }
+
+    def retained_chunks(self) -> int:
+        """Chunks retained now (expired ones dropped)."""
+        with self._lock:
+            self._expire(self._clock())
+            return len(self._until)
+
+    def _note(self, tenant: str, session: str, keys: Sequence[bytes]) -> None:
+        if not session:
+            return
+        sk = (tenant, session)
+        owned = self._sessions.pop(sk, None) or {}
+        for k in keys:
+            if len(owned) >= _KEYS_PER_SESSION:
+                break
+            owned[k] = None
+        self._sessions[sk] = owned
+        while len(self._sessions) > _SESSIONS:
+            self._sessions.popitem(last=False)
+
+    def _drop(self, key: bytes) -> bool:
+        self._holders.pop(key, None)
+        entry = self._until.pop(key, None)
+        if entry is None:
+            return False
+        self._per_tenant[entry[1]] -= 1
+        return True
+
+    def _expire(self, now: float) -> None:
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            until, key = heapq.heappop(heap)
+            entry = self._until.get(key)
+            if entry is not None and entry[0] == until:
+                self._drop(key)
+        if len(heap) > 2 * len(self._until) + 1024:
+            # released keys leave their deadlines behind: rebuild from the live entries
+            self._deadlines = [(u, k) for k, (u, _) in self._until.items()]
+            heapq.heapify(self._deadlines)

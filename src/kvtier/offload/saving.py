@@ -1,0 +1,182 @@
+"""The save lane's pipeline: a step's chunks gathered, copied to their memory-tier slots and
+committed, with up to `transfer_depth` chunks on the link while the host commits the oldest.
+
+Per chunk: reserve a slot -> (after the forward's fence) gather the blocks into a staging
+buffer on the kernel stream -> one copy to the slot on the copy stream -> its mark. On retire
+(in issue order, so a chain's chunks are committed deepest first as they were issued): the
+mark is waited for, and the chunk committed unless its request was preempted meanwhile (blocks
+reused after a cancel may have been read: such bytes never commit). On the CPU backend the
+gather writes the slot itself and every mark is already reached.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.offload.codec import PageCodec
+from kvtier.offload.device import Lane
+from kvtier.offload.hooks import HOOK_ERROR, HookGuard
+from kvtier.offload.messages import ChunkRef, SaveOp
+from kvtier.offload.transfer import Flights, settle
+from kvtier.store.stack import TierStack
+
+log = logging.getLogger("kvtier")
+PREEMPTED = "preempted"  # save failure reason: its request's blocks were taken back first
+RESIDENT = "resident"  # the tier held the chunk already: not stored again, not a failure
+
+
+@dataclass(eq=False, slots=True)
+class PendingSave:
+    """A save handed to the lane. `fence` is where the forward that wrote its blocks stands;
+    `lock` makes cancelling it and committing one of its chunks mutually exclusive."""
+
+    op: SaveOp
+    fence: object | None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    cancelled: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class SaveRun:
+    """One save's progress through the pipeline."""
+
+    job: PendingSave
+    t0: float = field(default_factory=time.perf_counter)
+    stored: int = 0
+    reason: str = ""
+    in_flight: int = 0
+    issued: bool = False
+    reported: bool = False
+
+
+# told a save's run once all its chunks were retired
+Report = Callable[[SaveRun], None]
+
+
+class SavePath:
+    """The save lane's transfers (one per rank; run only on the save lane's thread)."""
+
+    def __init__(
+        self,
+        stack: TierStack,
+        codec: PageCodec,
+        staging: Sequence[torch.Tensor | None],
+        report: Report,
+        guard: HookGuard,
+        tag: str,
+    ) -> None:
+        """`staging`: one device buffer per transfer in flight (None: gather into the slot)."""
+        self._stack = stack
+        self._codec = codec
+        self._staging = list(staging)
+        self._report = report
+        self._guard = guard
+        self._tag = tag
+        self.peak_in_flight = 0
+
+    def run(self, lane: Lane, jobs: Sequence[PendingSave]) -> None:
+        """A step's saves, pipelined across all their chunks; each reports once."""
+        runs = [SaveRun(job) for job in jobs]
+        flights: Flights[torch.Tensor | None] = Flights(self._staging)
+        try:
+            for run in runs:
+                # deepest chunk first: a chain's head is committed last, so it is the most recent
+                for ref in reversed(run.job.op.chunks):
+                    if run.reason:
+                        break
+                    self._issue(lane, flights, run, ref)
+                run.issued = True
+                self._maybe_report(run)
+            flights.drain()
+        except Exception as e:  # noqa: BLE001 - counted by the guard; every save reports below
+            # a defect of kvtier's own (the copy path's errors are caught per chunk): nothing
+            # queued may land after its slot is freed, and every save still reports
+            self._guard.failed("save", None, e)
+            settle(lane, self._tag)
+            flights.abandon(e)
+            for run in runs:
+                run.reason = run.reason or HOOK_ERROR
+                run.issued, run.in_flight = True, 0
+                self._maybe_report(run)
+        finally:
+            self.peak_in_flight = max(self.peak_in_flight, flights.peak)
+
+    def one(self, lane: Lane, job: PendingSave, ref: ChunkRef) -> str:
+        """Save one chunk and wait for it (the self-test): "" when stored, else the reason; it
+        reports nothing."""
+        run = SaveRun(job, reported=True)
+        flights: Flights[torch.Tensor | None] = Flights(self._staging)
+        self._issue(lane, flights, run, ref)
+        flights.drain()
+        return run.reason if run.reason else ("" if run.stored else RESIDENT)
+
+    def _issue(
+        self, lane: Lane, flights: Flights[torch.Tensor | None], run: SaveRun, ref: ChunkRef
+    ) -> None:
+        stack, job = self._stack, run.job
+        with job.lock:
+            if job.cancelled:
+                run.reason = PREEMPTED
+                return
+        if stack.memory.contains(ref.key):
+            return
+        # the parent link keeps the chain prefix-closed: a chunk's slot never comes from its parent
+        slot = stack.reserve(ref.key, ref.parent)
+        if slot is None:
+            if not stack.memory.contains(ref.key):
+                run.reason = "no_slot"
+            return
+        issued = False
+        try:
+            staging = flights.acquire()
+            codec, ids = self._codec, list(ref.block_ids)
+            lane.after(job.fence)
+            with lane.active():
+                dst = slot if staging is None else staging
+                mark = lane.launch(lambda: codec.gather(ids, dst))
+                if staging is not None:
+                    mark = lane.copy(slot, staging, after=mark)
+            run.in_flight += 1
+            flights.push(mark, lambda error: self._landed(run, ref, error))
+            issued = True
+        except (RuntimeError, ValueError) as e:
+            log.exception("%s: save %s raised", self._tag, job.op.op_id)
+            # the slot goes back to the free list below: a copy queued into it before the raise
+            # must land first, or a later chunk written there by the CPU could be overwritten
+            settle(lane, self._tag)
+            run.reason = f"error:{type(e).__name__}"
+        finally:
+            if not issued:
+                stack.abort(ref.key)
+
+    def _landed(self, run: SaveRun, ref: ChunkRef, error: BaseException | None) -> None:
+        """The chunk's copy completed (or failed): commit it, or free its slot."""
+        committed = False
+        try:
+            if error is not None:
+                log.error("%s: save %s: the device failed: %s", self._tag, run.job.op.op_id, error)
+                run.reason = run.reason or f"error:{type(error).__name__}"
+                return
+            with run.job.lock:
+                if run.job.cancelled:
+                    run.reason = PREEMPTED
+                    return
+                self._stack.commit(ref.key)
+                committed = True
+            run.stored += 1
+        finally:
+            if not committed:
+                self._stack.abort(ref.key)
+            run.in_flight -= 1
+            self._maybe_report(run)
+
+    def _maybe_report(self, run: SaveRun) -> None:
+        if run.issued and not run.in_flight and not run.reported:
+            run.reported = True
+            self._report(run)

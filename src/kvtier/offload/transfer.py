@@ -1,0 +1,96 @@
+"""Transfers in flight on one lane: a ring of staging buffers and the work each one carries.
+
+A lane issues chunk after chunk without waiting (gather, copy; or copy, scatter) and retires
+them in issue order: wait for the chunk's mark, then its host work (a save's checksum and
+commit, a load's release of its slot). With `depth` buffers, chunk i's host work runs while
+chunks i+1 .. i+depth-1 are on the link, so the copy engine is never idle behind the host.
+`depth=1` is the serial design kvtier had before: each chunk waited for and committed before
+the next one starts (kept for comparison: `transfer_depth: 1`).
+
+A buffer is reused only after the transfer that last used it was retired, so its bytes are
+never overwritten while a copy may still read them or a scatter has not yet consumed them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from kvtier.offload.device import Lane, Mark
+
+log = logging.getLogger("kvtier")
+
+B = TypeVar("B")
+# told None when the transfer's work completed, else the device's error
+Landed = Callable[[BaseException | None], None]
+
+
+@dataclass(slots=True)
+class _Flight:
+    mark: Mark
+    landed: Landed
+
+
+class Flights(Generic[B]):
+    """At most `len(buffers)` transfers in flight, one per buffer, retired in issue order."""
+
+    def __init__(self, buffers: Sequence[B]) -> None:
+        if not buffers:
+            raise ValueError("a transfer ring needs at least one buffer")
+        self._buffers = list(buffers)
+        self._queue: deque[_Flight] = deque()
+        self._issued = 0
+        self.peak = 0  # most transfers in flight at once
+
+    @property
+    def depth(self) -> int:
+        return len(self._buffers)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def acquire(self) -> B:
+        """The buffer of the next transfer; retires the oldest first when every one is busy."""
+        if len(self._queue) >= len(self._buffers):
+            self.retire()
+        return self._buffers[self._issued % len(self._buffers)]
+
+    def push(self, mark: Mark, landed: Landed) -> None:
+        """The transfer just issued into the buffer `acquire` gave: `landed` runs on retire."""
+        self._queue.append(_Flight(mark, landed))
+        self._issued += 1
+        self.peak = max(self.peak, len(self._queue))
+
+    def retire(self) -> None:
+        """Wait for the oldest transfer and run its host work."""
+        flight = self._queue.popleft()
+        error: BaseException | None = None
+        try:
+            flight.mark.wait()
+        except RuntimeError as e:  # the device failed this transfer's work: its owner reports
+            error = e
+        flight.landed(error)
+
+    def drain(self) -> None:
+        """Retire every transfer in flight."""
+        while self._queue:
+            self.retire()
+
+    def abandon(self, error: BaseException) -> None:
+        """Tell every transfer in flight it failed, without waiting (the caller waited for the
+        lane already, so nothing of theirs is still landing)."""
+        while self._queue:
+            self._queue.popleft().landed(error)
+
+
+def settle(lane: Lane, tag: str) -> None:
+    """Wait for whatever `lane` queued (after an op failed mid-way: nothing of it may land
+    once its slot is freed or its failure reported); a device that fails this wait too is
+    logged (the op already reports failed)."""
+    try:
+        lane.finish()
+    except RuntimeError:
+        log.exception("%s: the device failed while copies were in flight", tag)

@@ -1,0 +1,266 @@
+"""The worker's transfer pipeline, run for real on the simulated device (`SimOps`): bytes
+round-trip exactly through saves, asynchronous and synchronous loads; a step's saves keep two
+transfers in flight; `start_load_kv` queues synchronous loads without any host wait on the
+forward's thread and the forward (the compute stream) still reads the loaded bytes; the lane
+threads sleep while copies run; the number of copies and host waits per step is counted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kvtier.offload.messages import ChunkRef, LoadOp, OffloadMeta, SaveOp
+from kvtier.offload.pages import KVCacheDescription, manager_view
+from kvtier.offload.simdevice import CopyModel, SimOps
+from kvtier.offload.worker import OffloadWorker
+from tests.offload.test_worker import BS, CHUNK, WAIT_S, config, rank0
+from tests.offload.vllm_views import build, gqa
+
+NB = 64
+K = CHUNK // BS  # blocks per chunk
+N = 8  # chunks per step
+
+
+@dataclass
+class Rig:
+    worker: OffloadWorker
+    ops: SimOps
+    views: dict[str, torch.Tensor]
+
+
+def _rig(latency_us: float, depth: int = 2) -> Iterator[Rig]:
+    ops = SimOps(CopyModel(gbps=1.0, latency_us=latency_us))
+    raw, views = build(gqa(block_size=BS), NB, "LBNHC")
+    raw.copy_(torch.randint(-128, 127, raw.shape, generator=torch.Generator().manual_seed(11),
+                            dtype=torch.int8))  # fmt: skip
+    worker = rank0(config(memory_bytes="1MiB", transfer_depth=depth), ops)  # type: ignore[arg-type]
+    worker.register_kv_caches(KVCacheDescription(views, NB, BS, "LBNHC"))
+    try:
+        yield Rig(worker, ops, views)
+    finally:
+        worker.close()
+        ops.close()
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    # 20 ms a copy: a pipeline that waits where it should not is plainly slower
+    yield from _rig(20_000)
+
+
+def _blocks(views: dict[str, torch.Tensor], ids: list[int]) -> list[torch.Tensor]:
+    return [manager_view(v, NB)[b].clone().view(torch.uint8) for v in views.values() for b in ids]
+
+
+def _key(i: int) -> bytes:
+    return bytes([0x40 + i]) * 16
+
+
+def _chunks(first_block: int) -> list[list[int]]:
+    return [list(range(first_block + i * K, first_block + (i + 1) * K)) for i in range(N)]
+
+
+def _save_step(rig: Rig, first_block: int = 0) -> list[list[int]]:
+    ids = _chunks(first_block)
+    refs = [ChunkRef(_key(i), b) for i, b in enumerate(ids)]
+    # two requests in one step: their chunks share one pipeline
+    ops = [SaveOp("r1#sv", "r1", refs[: N // 2], CHUNK * N // 2),
+           SaveOp("r2#sv", "r2", refs[N // 2 :], CHUNK * N // 2)]  # fmt: skip
+    rig.worker.wait_for_save(OffloadMeta(saves=ops))
+    assert rig.worker.wait_idle(WAIT_S)
+    report = rig.worker.take_report()
+    assert sorted((r.op_id, r.ok) for r in report.results) == [("r1#sv", True), ("r2#sv", True)]
+    return ids
+
+
+def _load_op(rig: Rig, op_id: str, targets: list[list[int]], sync: bool) -> LoadOp:
+    lease = f"lk-{op_id}"
+    assert rig.worker.stack is not None
+    assert rig.worker.stack.lookup([_key(i) for i in range(N)], lease) == N
+    refs = [ChunkRef(_key(i), b) for i, b in enumerate(targets)]
+    return LoadOp(op_id, f"q-{op_id}", lease, refs, CHUNK * N, sync=sync)
+
+
+def test_saves_and_async_loads_round_trip_exactly(rig: Rig) -> None:
+    src = _save_step(rig)
+    want = [_blocks(rig.views, b) for b in src]
+    dst = _chunks(N * K)
+    rig.worker.start_load_kv(OffloadMeta(loads=[_load_op(rig, "ld1", dst, sync=False)]))
+    assert rig.worker.wait_idle(WAIT_S)
+    report = rig.worker.take_report()
+    assert [(r.ok, r.nbytes) for r in report.results] == [(True, N * rig.worker.codec.chunk_bytes)]
+    assert report.finished_recving == ["q-ld1"]
+    # the load reported after its scatters landed: no device sync is needed to read them
+    for ids, w in zip(dst, want, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(_blocks(rig.views, ids), w, strict=True))
+
+
+def test_a_steps_saves_keep_two_transfers_in_flight(rig: Rig) -> None:
+    _save_step(rig)
+    saves = rig.worker._saves
+    assert saves is not None and saves.peak_in_flight == 2
+    assert rig.ops.stats.peak_in_flight >= 2
+
+
+def test_sync_loads_leave_start_load_kv_without_a_host_wait_and_the_forward_reads_them(
+    rig: Rig,
+) -> None:
+    src = _save_step(rig)
+    want = [_blocks(rig.views, b) for b in src]
+    dst = _chunks(N * K)
+    for ids in dst:
+        for v in rig.views.values():
+            for b in ids:
+                manager_view(v, NB)[b].zero_()
+    waits = rig.ops.stats.host_waits["MainThread"]
+    t0 = time.monotonic()
+    rig.worker.start_load_kv(OffloadMeta(loads=[_load_op(rig, "ld1", dst, sync=True)]))
+    queued_in = time.monotonic() - t0
+    # the forward's thread queued 8 copies of 20 ms each and waited for none of them
+    assert rig.ops.stats.host_waits["MainThread"] == waits
+    assert rig.ops.stats.joins["MainThread"] == 1
+    assert queued_in < N * 0.02, queued_in
+    # the forward runs on the compute stream, after the loads on the device
+    seen: list[list[torch.Tensor]] = []
+    rig.ops.run_on_compute(lambda: seen.extend(_blocks(rig.views, ids) for ids in dst)).wait()
+    for got, w in zip(seen, want, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(got, w, strict=True))
+    report = rig.worker.take_report()
+    assert [(r.op_id, r.ok) for r in report.results] == [("ld1", True)]
+    assert report.finished_recving == []
+
+
+def test_lane_threads_sleep_while_their_copies_run(rig: Rig) -> None:
+    cpu0 = rig.worker.metrics.value("lane_cpu_seconds_total", lane="save")
+    t0 = time.monotonic()
+    _save_step(rig)
+    wall = time.monotonic() - t0
+    cpu = rig.worker.metrics.value("lane_cpu_seconds_total", lane="save") - cpu0
+    assert wall >= N * 0.02  # the copies' modelled time, back to back on one engine
+    # a spinning wait would burn the whole wall time
+    assert cpu < 0.25 * wall, (cpu, wall)
+
+
+def test_copies_and_host_waits_per_step_are_one_per_chunk(rig: Rig) -> None:
+    stats = rig.ops.stats
+    copies, kernels = stats.copies, stats.kernels
+    save_waits = stats.host_waits["kvtier-save-0"]
+    _save_step(rig)
+    # one gather and one copy per chunk; the save lane waits once per chunk, to commit it
+    assert (stats.copies - copies, stats.kernels - kernels) == (N, N)
+    assert stats.host_waits["kvtier-save-0"] - save_waits == N
+    copies, kernels = stats.copies, stats.kernels
+    load_waits = stats.host_waits["kvtier-load-0"]
+    rig.worker.start_load_kv(OffloadMeta(loads=[_load_op(rig, "ld1", _chunks(N * K), False)]))
+    assert rig.worker.wait_idle(WAIT_S)
+    assert (stats.copies - copies, stats.kernels - kernels) == (N, N)
+    assert stats.host_waits["kvtier-load-0"] - load_waits == N
+    # the forward's thread never waited on the host in any of this
+    assert stats.host_waits["MainThread"] == 0
+
+
+def test_the_serial_design_keeps_one_transfer_in_flight_and_moves_the_same_bytes() -> None:
+    """`transfer_depth: 1` is the design before the pipeline (kept for the bench's comparison):
+    one chunk on the link at a time, the same bytes stored. The speed difference is the
+    bench's to measure (`kvtier bench tier --device sim`), not a test's on a shared host."""
+    for depth in (1, 2):
+        for r in _rig(5_000, depth):
+            src = _save_step(r)
+            saves = r.worker._saves
+            assert saves is not None and saves.peak_in_flight == depth
+            want = [_blocks(r.views, b) for b in src]
+            dst = _chunks(N * K)
+            r.worker.start_load_kv(OffloadMeta(loads=[_load_op(r, "ld", dst, sync=False)]))
+            assert r.worker.wait_idle(WAIT_S)
+            assert r.worker.take_report().results[0].ok
+            loads = r.worker._loads
+            assert loads is not None and loads.peak_in_flight == depth
+            for ids, w in zip(dst, want, strict=True):
+                assert all(torch.equal(a, b) for a, b in zip(_blocks(r.views, ids), w, strict=True))
+
+
+def test_a_preempted_save_commits_nothing_on_the_simulated_device(rig: Rig) -> None:
+    ids = _chunks(0)
+    refs = [ChunkRef(_key(i), b) for i, b in enumerate(ids)]
+    rig.worker.wait_for_save(OffloadMeta(saves=[SaveOp("r1#sv", "r1", refs, CHUNK * N)]))
+    rig.worker.handle_preemptions({"r1"})
+    assert rig.worker.wait_idle(WAIT_S)
+    report = rig.worker.take_report()
+    assert [(r.ok, r.reason) for r in report.results] == [(False, "preempted")]
+    assert rig.worker.stack is not None
+    # whatever was in flight when the cancel came never committed after it
+    held = [i for i in range(N) if rig.worker.stack.memory.contains(_key(i))]
+    assert len(held) < N
+
+
+def test_close_keeps_the_arena_when_a_copy_is_still_in_flight(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import kvtier.offload.worker as worker_mod
+    from kvtier.store.memory import MemoryTier
+
+    abandoned: list[bool] = []
+    monkeypatch.setattr(worker_mod, "_CLOSE_WAIT_S", 0.05)
+    monkeypatch.setattr(MemoryTier, "abandon_arena", lambda self: abandoned.append(True))
+    gen = _rig(1_000_000)  # 1 s a copy
+    r = next(gen)
+    try:
+        _sync_load_now(r)
+        r.worker.close()
+        assert abandoned == [True]
+    finally:
+        r.ops.close()
+
+
+def _sync_load_now(r: Rig) -> None:
+    # a self-test chunk is resident: load it synchronously and close before it lands
+    from kvtier.offload.selftest import SELF_TEST_KEY
+
+    assert r.worker.stack is not None
+    assert r.worker.stack.lookup([SELF_TEST_KEY], "lk") == 1
+    op = LoadOp("ld", "q", "lk", [ChunkRef(SELF_TEST_KEY, [20, 21])], CHUNK, sync=True)
+    r.worker.start_load_kv(OffloadMeta(loads=[op]))
+
+
+def test_transfer_depth_outside_its_range_is_refused_naming_the_fix() -> None:
+    from kvtier.config import KVTierConfig
+    from kvtier.errors import ConfigError
+
+    for bad in (0, 9):
+        with pytest.raises(ConfigError, match=rf"transfer_depth={bad} is outside 1..8; use 2"):
+            KVTierConfig(transfer_depth=bad)
+
+
+def test_a_device_fault_mid_pipeline_fails_the_save_and_commits_none_of_its_chunks(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel that fails on the device surfaces at the mark's wait (as CUDA reports an
+    asynchronous error at the next synchronisation): the chunks behind it never commit, their
+    slots go back, and the save reports failed."""
+    from kvtier.offload.codec import PageCodec
+
+    gather = PageCodec.gather
+    calls: list[int] = []
+
+    def faulty(self: PageCodec, block_ids: list[int], dst: torch.Tensor) -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected device fault")
+        gather(self, block_ids, dst)
+
+    monkeypatch.setattr(PageCodec, "gather", faulty)
+    ids = _chunks(0)
+    refs = [ChunkRef(_key(i), b) for i, b in enumerate(ids)]
+    rig.worker.wait_for_save(OffloadMeta(saves=[SaveOp("r1#sv", "r1", refs, CHUNK * N)]))
+    assert rig.worker.wait_idle(WAIT_S)
+    (result,) = rig.worker.take_report().results
+    assert (result.ok, result.reason) == (False, "error:RuntimeError")
+    stack = rig.worker.stack
+    assert stack is not None
+    # deepest first: the two chunks gathered before the fault committed, none after it
+    held = [i for i in range(N) if stack.memory.contains(_key(i))]
+    assert held == [N - 2, N - 1]
+    assert stack.memory.stats().reserved == 0
