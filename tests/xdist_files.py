@@ -27,6 +27,7 @@ SHARED_UNITS = {
 SLOW_FIRST = (
     "tests/bench/test_e2e_vllm.py",
     "tests/vllm/test_dp2_vllm.py",
+    "tests/vllm/test_hybrid_vllm.py",
     "vllm_served",
     "tests/native/test_clients.py",
     "tests/vllm/test_tp2_vllm.py",

@@ -213,14 +213,15 @@ def test_a_save_whose_window_block_is_handed_out_again_is_cancelled():
     (op,) = sched.build_meta([StepRequest(view, 600, 0)]).saves
     # a full-attention block of the save reused: nothing to cancel (held until finished_sending)
     sched.blocks_allocated([105])
-    assert sched.build_meta([]).preempted == []
-    # its window block 524 handed to another request: the save is cancelled this step
+    assert sched.build_meta([]).cancel_saves == []
+    # its window block 524 handed to another request: that save is cancelled this step, alone
     sched.blocks_allocated([524])
-    assert sched.build_meta([]).preempted == ["a"]
-    assert sched.build_meta([]).preempted == []
+    meta = sched.build_meta([])
+    assert (meta.cancel_saves, meta.preempted) == ([op.op_id], [])
+    assert sched.build_meta([]).cancel_saves == []
     sched.process_reports([WorkerReport(rank=0, results=[OpResult(op.op_id, True)])])
     sched.blocks_allocated([524])
-    assert sched.build_meta([]).preempted == []
+    assert sched.build_meta([]).cancel_saves == []
 
 
 def test_hybrid_load_restores_every_group_above_the_floor():

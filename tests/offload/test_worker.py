@@ -182,6 +182,22 @@ def test_preemption_during_an_in_flight_save_commits_nothing(rig) -> None:  # ty
     assert worker.take_report().results[0].ok and worker.stack.memory.contains(KEY_B)
 
 
+def test_a_save_cancelled_by_op_id_commits_nothing_and_spares_the_others(rig) -> None:  # type: ignore[no-untyped-def]
+    worker, ops, views = rig
+    ops.gate.clear()
+    # two saves of one request in flight; the host hands one's blocks out (cancel_saves)
+    a = SaveOp("a", "r1", [ChunkRef(KEY_A, [3, 4])], CHUNK)
+    b = SaveOp("b", "r1", [ChunkRef(KEY_B, [5, 6])], CHUNK)
+    worker.wait_for_save(OffloadMeta(saves=[a, b]))
+    assert ops.waiting.wait(WAIT_S)
+    worker.handle_preemptions((), ["a"])
+    ops.gate.set()
+    assert worker.wait_idle(WAIT_S)
+    results = {r.op_id: (r.ok, r.reason) for r in worker.take_report().results}
+    assert results == {"a": (False, PREEMPTED), "b": (True, "")}
+    assert not worker.stack.memory.contains(KEY_A) and worker.stack.memory.contains(KEY_B)
+
+
 def test_sync_load_is_in_the_blocks_when_start_load_kv_returns(rig, caplog) -> None:  # type: ignore[no-untyped-def]
     worker, ops, views = rig
     want = blocks(views, [3, 4])

@@ -165,8 +165,11 @@ def test_saves_whose_window_blocks_vllm_reallocates_never_commit(
     r = run.result
     assert r["pass3"]["vllm:external_prefix_cache_hits"] == 0
     assert r["out2"] == r["out3"], "a restored window block held another request's KV"
+    # pass 1 saved 4 chunks of each of 3 prompts, one save per chunk: the saves that read a
+    # reallocated window block were cancelled, and only those (each prompt's last chunk keeps
+    # its window to the end)
     cancelled = r["kvtier"]["save_failures"].get("rank=0,reason=preempted", 0)
-    assert cancelled > 0, r["kvtier"]
+    assert 0 < cancelled < 12, r["kvtier"]
     hits = r["pass2"]["vllm:external_prefix_cache_hits"]
     assert r["kvtier"]["retrieved_tokens"]["rank=0"] == hits
 

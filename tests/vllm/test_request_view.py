@@ -48,3 +48,14 @@ def test_view_is_slotted() -> None:
     assert not hasattr(view, "__dict__")
     with pytest.raises(AttributeError):
         view.request_id = "other"  # type: ignore[misc]
+
+
+def test_view_keeps_every_kv_cache_groups_table() -> None:
+    view = VLLMRequestView(_request())
+    view.set_group_block_ids([[1, 2], [-1, 9]])
+    view.extend_group_block_ids([[3], [10]])
+    assert [list(t) for t in view.group_block_ids] == [[1, 2, 3], [-1, 9, 10]]
+    # the first group's table is the block table of a one-group host
+    assert list(view.block_ids) == [1, 2, 3]
+    view.set_block_ids([7])
+    assert [list(t) for t in view.group_block_ids] == [[7]]

@@ -63,10 +63,18 @@ class OffloadMeta(msgspec.Struct):
     load_terminals: dict[str, bool] = msgspec.field(default_factory=dict)
     # requests whose blocks the host took back this step: their in-flight saves must not commit
     preempted: list[str] = msgspec.field(default_factory=list)
+    # saves whose blocks the host handed to another request this step (a hybrid model's
+    # sliding-window blocks): they must not commit, as a preempted request's
+    cancel_saves: list[str] = msgspec.field(default_factory=list)
 
     def is_empty(self) -> bool:
         return not (
-            self.loads or self.saves or self.delayed_free or self.load_terminals or self.preempted
+            self.loads
+            or self.saves
+            or self.delayed_free
+            or self.load_terminals
+            or self.preempted
+            or self.cancel_saves
         )
 
 

@@ -183,7 +183,7 @@ class OffloadScheduler:
         # such blocks while the request runs, and one handed to another request before the save
         # read it must not commit (the save is cancelled as for a preemption)
         self._window_reads: dict[str, set[int]] = {}
-        self._reused: set[str] = set()
+        self._reused: set[str] = set()  # op ids of such saves, cancelled in the next meta
         seeds = {}
         if bytes_per_token:
             seeds = {
@@ -477,13 +477,10 @@ class OffloadScheduler:
         self._sync_booked_s = 0.0
         self._sync_done_s = 0.0
         self._step_t0 = time.perf_counter() if scheduled else None
-        cancel = set(preempted)
-        if self._reused:
-            # saves that read sliding-window blocks the host has handed out again this step:
-            # cancelled before the step's forward writes them (chunks copied before commit)
-            cancel |= self._reused
-            self._reused = set()
-        meta = OffloadMeta(preempted=sorted(cancel))
+        # saves that read sliding-window blocks the host has handed out again this step:
+        # cancelled before the step's forward writes them (chunks copied before commit)
+        meta = OffloadMeta(preempted=sorted(preempted), cancel_saves=sorted(self._reused))
+        self._reused = set()
         for st in list(self._reqs.values()):
             load = st.load
             if load is not None and load.block_ids is not None and load.op_id is None:
@@ -670,12 +667,9 @@ class OffloadScheduler:
             return
         fresh = set(block_ids)
         for op_id, reads in self._window_reads.items():
-            if not reads.isdisjoint(fresh):
-                req_id = self._ops.get(op_id, ("", ""))[0]
-                if req_id:
-                    self._reused.add(req_id)
-                    log.debug("kvtier: save %s cancelled: a window block it reads was reused",
-                              op_id)  # fmt: skip
+            if op_id in self._ops and not reads.isdisjoint(fresh):
+                self._reused.add(op_id)
+                log.debug("kvtier: save %s cancelled: a window block it reads was reused", op_id)
 
     def _admit(self, st: _Req) -> int:
         """Decide once, before its first save, how many chunks the request may save."""

@@ -475,23 +475,26 @@ class OffloadWorker:
         self.metrics.save_failure(reason).inc()
         self._record(job.op.req_id, OpResult(job.op.op_id, False, reason), recv=False, invalid=())
 
-    def handle_preemptions(self, req_ids: Iterable[str]) -> None:
-        """These requests' blocks are about to be reused: their in-flight saves commit nothing
-        read from now on (a chunk copied before this call still commits). If that cannot be
-        done, no save in flight commits (the rank degrades)."""
+    def handle_preemptions(self, req_ids: Iterable[str], op_ids: Iterable[str] = ()) -> None:
+        """These requests' blocks (or these saves' blocks) are about to be reused: their
+        in-flight saves commit nothing read from now on (a chunk copied before this call still
+        commits). If that cannot be done, no save in flight commits (the rank degrades)."""
         self.guard.run(
             "handle_preemptions",
             None,
-            lambda: self._cancel_saves(req_ids),
+            lambda: self._cancel_saves(req_ids, op_ids),
             lambda: self.degrade(HOOK_ERROR),
         )
 
-    def _cancel_saves(self, req_ids: Iterable[str]) -> None:
+    def _cancel_saves(self, req_ids: Iterable[str], op_ids: Iterable[str] = ()) -> None:
         wanted = set(req_ids)
-        if not wanted:
+        ops = set(op_ids)
+        if not wanted and not ops:
             return
         with self._lock:
-            jobs = [j for j in self._saving.values() if j.op.req_id in wanted]
+            jobs = [
+                j for j in self._saving.values() if j.op.req_id in wanted or j.op.op_id in ops
+            ]
         for job in jobs:
             with job.lock:
                 job.cancelled = True

@@ -158,9 +158,9 @@ class WorkerSide:
         """Cancel the in-flight saves of requests whose blocks vLLM takes back this step
         (called with the step's metadata before it is bound)."""
         if isinstance(meta, KVTierConnectorMetadata) and meta.data:
-            preempted = messages.decode_meta(meta.data).preempted
-            if preempted:
-                self.worker.handle_preemptions(preempted)
+            decoded = messages.decode_meta(meta.data)
+            if decoded.preempted or decoded.cancel_saves:
+                self.worker.handle_preemptions(decoded.preempted, decoded.cancel_saves)
 
     def bind(self, meta: KVConnectorMetadata) -> None:
         """Decode this step's OffloadMeta."""
