@@ -386,19 +386,19 @@ class OffloadWorker:
                     self._pending[p.op.op_id] = p
             self._delayed.update(meta.delayed_free)
         last: Mark | None = None
+        queued: list[PendingLoad] = []
         for p in pending:
-            if p.op.sync:
-                mark = self.guard.run(
-                    "start_load_kv",
-                    p.op.req_id,
-                    lambda p=p: self._run_sync_load(p),
-                    lambda p=p: self._fail_load(p, HOOK_ERROR),
-                )
-                last = mark or last
+            # one load at a time under the guard: a failure costs its own request only
+            mark = self.guard.run(
+                "start_load_kv",
+                p.op.req_id,
+                lambda p=p: self._dispatch_load(p, queued),
+                lambda p=p: self._fail_load(p, HOOK_ERROR),
+            )
+            last = mark or last
         if last is not None:
             # the forward runs after the sync loads' scatters, ordered on the device
             self.guard.run("start_load_kv", None, lambda: self._join(last), self._join_failed)
-        queued = [p for p in pending if not p.op.sync]
         if queued:
             self.guard.run(
                 "start_load_kv",
@@ -406,6 +406,14 @@ class OffloadWorker:
                 lambda: self._submit_loads(queued),
                 lambda: [self._fail_load(p, HOOK_ERROR) for p in queued] and None,
             )
+
+    def _dispatch_load(self, p: PendingLoad, queued: list[PendingLoad]) -> Mark | None:
+        """Start one load: a sync one is queued ahead of the forward on the device (its last
+        mark returned), an async one joins the step's batch for the load lane."""
+        if p.op.sync:
+            return self._run_sync_load(p)
+        queued.append(p)
+        return None
 
     def _join(self, mark: Mark) -> None:
         assert self._ops is not None
@@ -454,11 +462,20 @@ class OffloadWorker:
                              invalid=())  # fmt: skip
             return
         fence = self._ops_fence()
-        jobs = [PendingSave(op, fence) for op in meta.saves]
-        with self._lock:
-            for job in jobs:
-                self._inflight[job.op.req_id] += 1
-                self._saving[job.op.op_id] = job
+        jobs: list[PendingSave] = []
+        for op in meta.saves:
+            job = PendingSave(op, fence)
+            with self._lock:
+                self._inflight[op.req_id] += 1
+            # one save at a time under the guard: a failure costs its own request only
+            self.guard.run(
+                "save",
+                op.req_id,
+                lambda job=job: self._save(job, jobs),
+                lambda job=job: self._fail_save(job, HOOK_ERROR),
+            )
+        if not jobs:
+            return
         assert self._save_lane is not None and self._saves is not None
         save_lane, path = self._save_lane, self._saves
         # one lane job for the step: its chunks share one pipeline
@@ -468,6 +485,12 @@ class OffloadWorker:
             lambda: save_lane.submit(lambda lane: path.run(lane, jobs)),
             lambda: [self._fail_save(job, HOOK_ERROR) for job in jobs] and None,
         )
+
+    def _save(self, job: PendingSave, batch: list[PendingSave]) -> None:
+        """Admit one save into the step's batch; the save lane moves the whole batch."""
+        with self._lock:
+            self._saving[job.op.op_id] = job
+        batch.append(job)
 
     def _fail_save(self, job: PendingSave, reason: str) -> None:
         with self._lock:

@@ -441,7 +441,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         their terminal; vLLM then holds every group's blocks until finished_sending."""
         if self._scheduler is None:
             return False, None
-        return self._scheduler.request_finished(request), None
+        delay = self._scheduler.request_finished(request)
+        return delay, self._scheduler.retention_params(request.request_id)
 
     # ---- metrics on vLLM's /metrics ---------------------------------------------------------
 
