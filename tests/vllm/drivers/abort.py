@@ -71,9 +71,15 @@ def main() -> None:
     GatedKVTierConnector.gate.clear()
     engine = llm.llm_engine
     engine.add_request("victim", TokensPrompt(prompt_token_ids=prompts[0]), sp)
-    engine.step()  # admitted: its load is emitted and held by the gate
     # vLLM suffixes the id it was given; find the engine-side id
     (victim,) = [rid for rid in sched.requests if rid.startswith("victim")]
+
+    def not_parked() -> bool:
+        # the lookup never blocks the scheduler loop: on a loaded machine its answer may take
+        # a step or more; then the request is admitted, its load emitted and held by the gate
+        return str(sched.requests[victim].status) == "WAITING"
+
+    drain(engine.step, not_parked, "until the victim's load is emitted")
     waiting = str(sched.requests[victim].status)
     pending = core.pending_load(victim)
     engine.abort_request(["victim"])
