@@ -29,6 +29,7 @@ __all__ = [
     "ENV_CONFIG_FILE",
     "ENV_NOT_CONFIG",
     "ENV_PREFIX",
+    "RETENTION_FULL_MODES",
     "KVTierConfig",
     "config_environ",
     "format_size",
@@ -68,6 +69,8 @@ _TRANSPORTS = ("ipc", "tcp")
 # own processes)
 _SECRET_KEYS = frozenset({"remote_password", "record_key"})
 _REMOTE_FULL = ("refuse", "warn")
+# what a retention hint does when the budget is full (kvtier.offload.retention)
+RETENTION_FULL_MODES = ("clip", "soonest")
 # the admission policy's modes (kvtier.offload.admission)
 ADMISSION_MODES = ("adaptive", "all")
 _ADMISSION = ADMISSION_MODES
@@ -421,6 +424,14 @@ class KVTierConfig:
         "share of the retention budget one tenant (the request's user) may hold; below 1 on "
         "a server several tenants share",
     )
+    retention_full: str = _f(
+        "clip",
+        "str",
+        "a retention hint that finds the budget full: 'clip' keeps the leading chunks that fit "
+        "(what is granted stays granted until its TTL); 'soonest' first takes the room of "
+        "retained chunks due back later than it, latest first (closer to the optimum; those "
+        "grants end early, counted in kvtier_retention_displaced_chunks)",
+    )
     retention_ttl_s: float = _f(
         300.0,
         "float",
@@ -568,6 +579,12 @@ class KVTierConfig:
                 "admission_history",
                 f"admission_history={self.admission_history} is negative; use 0 (sized from "
                 "the tiers) or a number of chunk keys",
+            )
+        if self.retention_full not in RETENTION_FULL_MODES:
+            raise _error(
+                "retention_full",
+                f"{_show('retention_full', self.retention_full)} is not one of "
+                f"{', '.join(RETENTION_FULL_MODES)}",
             )
         for name in ("retention_budget", "retention_tenant_share"):
             share = getattr(self, name)

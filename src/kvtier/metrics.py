@@ -110,6 +110,7 @@ class _Families:
     admission_pressure: Gauge
     retention: Counter
     retained_chunks: Gauge
+    retention_displaced: Counter
 
 
 def _build(reg: CollectorRegistry) -> _Families:
@@ -259,6 +260,10 @@ def _build(reg: CollectorRegistry) -> _Families:
             "leading chunks or a shorter TTL), rejected.",
             "status",
         ),
+        retention_displaced=c(
+            "retention_displaced_chunks",
+            "Retained chunks whose room a hint due back sooner took (retention_full: soonest).",
+        ),
         retained_chunks=g(
             "retained_chunks",
             "Chunks clients' hints retain now (the scheduler's ledger, within retention_budget).",
@@ -314,6 +319,7 @@ class Metrics:
         self.prefetched_chunks = f.prefetched_chunks.labels(r)
         self.admission_pressure = f.admission_pressure.labels(r)
         self.retained_chunks = f.retained_chunks.labels(r)
+        self.retention_displaced = f.retention_displaced.labels(r)
         self.stored_tokens = f.stored_tokens.labels(r)
         self.stored_bytes = f.stored_bytes.labels(r)
         self.lease_releases = f.lease_releases.labels(r)

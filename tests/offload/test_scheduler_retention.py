@@ -203,3 +203,40 @@ def test_releasing_a_conversation_sends_the_ranks_only_what_nobody_holds() -> No
     op, keys, _, _ = lookup.admins[-1]
     assert op == "release" and keys == keys_a[2:]  # the shared two chunks stay retained
     assert sched.retention.retained_chunks() == 3  # b's three
+
+
+def test_soonest_takes_the_room_of_chunks_due_back_later_and_tells_the_ranks() -> None:
+    clock = FakeClock()
+    ledger = RetentionLedger(
+        4, tenant_share=1.0, default_ttl_s=60, max_ttl_s=600, full="soonest", clock=clock
+    )
+    later = [bytes([i]) * 16 for i in range(1, 5)]
+    sooner = [bytes([i]) * 16 for i in range(11, 14)]
+    assert ledger.decide(later, RetentionHint(ttl_s=500), 1)[0].status == "retained"
+    # due back in 30 s: it takes the room of chunks due back later
+    d, granted, _ = ledger.decide(sooner, RetentionHint(ttl_s=30), 1)
+    assert (d.status, granted) == ("retained", sooner)
+    # the latest-due chain loses its tail first: its head stays a usable prefix
+    assert ledger.take_displaced() == [later[3], later[2], later[1]]
+    assert ledger.retained_chunks() == 4
+    # a hint due later than everything held finds no room and is clipped as before
+    d, granted, _ = ledger.decide([bytes([99]) * 16], RetentionHint(ttl_s=590), 1)
+    assert (d.status, granted) == ("rejected", [])
+    # clip mode never displaces
+    clip = RetentionLedger(4, tenant_share=1.0, default_ttl_s=60, max_ttl_s=600, clock=clock)
+    clip.decide(later, RetentionHint(ttl_s=500), 1)
+    assert clip.decide(sooner, RetentionHint(ttl_s=30), 1)[0].status == "rejected"
+    assert clip.take_displaced() == []
+
+
+def test_a_scheduler_in_soonest_mode_releases_what_it_displaced_on_the_ranks() -> None:
+    sched, lookup, metrics = make(chunks=8, retention_budget=0.5, retention_full="soonest")
+    late = HintedView("late", prompt(1, 4), RetentionHint(ttl_s=3000))
+    serve(sched, late, 4 * CHUNK)
+    soon = HintedView("soon", prompt(2, 2), RetentionHint(ttl_s=10))
+    serve(sched, soon, 2 * CHUNK)
+    assert sched.retention_decision("soon").status == "retained"
+    releases = [keys for op, keys, _, _ in lookup.admins if op == "release"]
+    assert len(releases) == 1 and set(releases[0]) <= set(sched.keys_for(prompt(1, 4)))
+    assert len(releases[0]) == 2
+    assert metrics.value("retention_displaced_chunks_total") == 2

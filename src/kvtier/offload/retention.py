@@ -19,6 +19,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from kvtier.config import RETENTION_FULL_MODES
+
+# what a hint finds when the budget is full: `clip` keeps what fits; `soonest` first takes
+# room from retained chunks due back later than it (latest first), as the optimum would
+CLIP, SOONEST = RETENTION_FULL_MODES
+FULL_MODES = RETENTION_FULL_MODES
+
 RETAINED = "retained"
 CLIPPED = "clipped"
 REJECTED = "rejected"
@@ -113,8 +120,11 @@ class RetentionLedger:
         tenant_share: float,
         default_ttl_s: float,
         max_ttl_s: float,
+        full: str = CLIP,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        if full not in FULL_MODES:
+            raise ValueError(f"retention full mode {full!r} is not one of {', '.join(FULL_MODES)}")
         if budget < 0 or not 0.0 <= tenant_share <= 1.0:
             raise ValueError(
                 f"retention budget={budget} must be >= 0 and tenant_share={tenant_share} in [0, 1]"
@@ -123,7 +133,13 @@ class RetentionLedger:
         self.tenant_cap = int(budget * tenant_share)
         self.default_ttl_s = default_ttl_s
         self.max_ttl_s = max_ttl_s
+        self.full = full
         self._clock = clock
+        # (-deadline, -depth, key) of every deadline set, latest and then deepest first, for
+        # `soonest` (a chain loses its tail before its head); stale entries are skipped; and
+        # the keys displaced since the last `take_displaced`
+        self._latest: list[tuple[float, int, bytes]] = []
+        self._displaced: list[bytes] = []
         self._lock = threading.Lock()
         self._until: dict[bytes, tuple[float, str]] = {}  # key -> (deadline, tenant)
         # key -> who retains it ((tenant, session) -> deadline): a chunk several conversations
@@ -151,7 +167,11 @@ class RetentionLedger:
                 return RetentionDecision(REJECTED, 0, 0.0, "disabled"), [], 0.0
             now = self._clock()
             self._expire(now)
+            until = now + ttl
             room = self.budget - len(self._until)
+            if self.full == SOONEST:
+                need = sum(1 for k in keys[:want] if k not in self._until)
+                room += self._displace(need - room, until, set(keys[:want]))
             tenant_room = self.tenant_cap - self._per_tenant.get(hint.tenant, 0)
             granted = 0
             for key in keys[:want]:
@@ -162,23 +182,55 @@ class RetentionLedger:
                     room -= 1
                     tenant_room -= 1
                 granted += 1
-            until = now + ttl
             holder = (hint.tenant, hint.session)
-            for key in keys[:granted]:
+            for depth, key in enumerate(keys[:granted]):
                 held = self._holders.setdefault(key, {})
                 held[holder] = max(held.get(holder, 0.0), until)
                 old = self._until.get(key)
                 if old is None:
                     self._per_tenant[hint.tenant] = self._per_tenant.get(hint.tenant, 0) + 1
                     self._until[key] = (until, hint.tenant)
-                    heapq.heappush(self._deadlines, (until, key))
                 elif old[0] < until:
                     self._until[key] = (until, old[1])
-                    heapq.heappush(self._deadlines, (until, key))
+                else:
+                    continue
+                heapq.heappush(self._deadlines, (until, key))
+                if self.full == SOONEST:
+                    heapq.heappush(self._latest, (-until, -depth, key))
         if granted == 0 and want > 0:
             return RetentionDecision(REJECTED, 0, 0.0, reason or "budget"), [], 0.0
         status = RETAINED if granted == want and not reason else CLIPPED
         return RetentionDecision(status, granted * chunk, ttl, reason), list(keys[:granted]), until
+
+    def take_displaced(self) -> list[bytes]:
+        """The keys `soonest` took room from since the last call (the ranks release them)."""
+        with self._lock:
+            out, self._displaced = self._displaced, []
+            return out
+
+    def _displace(self, need: int, until: float, keep: set[bytes]) -> int:
+        """Drop up to `need` retained keys due later than `until`, latest first (never one of
+        `keep`); how many went."""
+        gone = 0
+        skipped: list[tuple[float, int, bytes]] = []
+        while gone < need and self._latest:
+            neg, depth, key = self._latest[0]
+            entry = self._until.get(key)
+            if entry is None or entry[0] != -neg:
+                heapq.heappop(self._latest)  # stale: released, expired or extended since
+                continue
+            if -neg <= until:
+                break  # nothing left is due later than this hint
+            heapq.heappop(self._latest)
+            if key in keep:
+                skipped.append((neg, depth, key))
+                continue
+            self._drop(key)
+            self._displaced.append(key)
+            gone += 1
+        for entry in skipped:
+            heapq.heappush(self._latest, entry)
+        return gone
 
     def note(self, keys: Sequence[bytes], session: str, tenant: str = "") -> None:
         """Remember that conversation `session` of `tenant` owns `keys` (no retention)."""
@@ -277,3 +329,7 @@ class RetentionLedger:
             # released keys leave their deadlines behind: rebuild from the live entries
             self._deadlines = [(u, k) for k, (u, _) in self._until.items()]
             heapq.heapify(self._deadlines)
+        if len(self._latest) > 2 * len(self._until) + 1024:
+            # depths are not kept per key: a rebuilt heap orders equal deadlines by key
+            self._latest = [(-u, 0, k) for k, (u, _) in self._until.items()]
+            heapq.heapify(self._latest)

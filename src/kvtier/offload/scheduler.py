@@ -212,6 +212,7 @@ class OffloadScheduler:
             tenant_share=config.retention_tenant_share,
             default_ttl_s=config.retention_ttl_s,
             max_ttl_s=config.retention_max_ttl_s,
+            full=config.retention_full,
         )
         # request id -> what its hint was granted, until the host reads it (bounded)
         self._decisions: OrderedDict[str, RetentionDecision] = OrderedDict()
@@ -905,10 +906,19 @@ class OffloadScheduler:
         while len(self._decisions) > _DECISIONS_KEPT:
             self._decisions.popitem(last=False)
         self._m.retention(decision.status).inc()
+        self._release_displaced()
         if keys:
             st.retained = len(keys)
             self._lookup.admin_send("retain", keys, until)
         self._m.retained_chunks.set(self.retention.retained_chunks())
+
+    def _release_displaced(self) -> None:
+        """Chunks a sooner hint took the room of (`retention_full: soonest`) stop being
+        retained on the ranks too."""
+        gone = self.retention.take_displaced()
+        if gone:
+            self._m.retention_displaced.inc(len(gone))
+            self._lookup.admin_send("release", gone)
 
     def retention_decision(self, req_id: str) -> RetentionDecision | None:
         """What the request's retention hint was granted (once; None without a hint)."""
@@ -934,6 +944,7 @@ class OffloadScheduler:
         the ranks."""
         decision, granted, until = self.retention.decide(keys, hint, self.chunk)
         self._m.retention(decision.status).inc()
+        self._release_displaced()
         if granted:
             self._lookup.admin("retain", granted, until)
         self._m.retained_chunks.set(self.retention.retained_chunks())
