@@ -603,17 +603,8 @@ class OffloadScheduler:
             b0 = c * self.blocks_per_chunk
             chunk_blocks = list(blocks[b0 : b0 + self.blocks_per_chunk])
             chunks.append(ChunkRef(st.keys[c], chunk_blocks, _parent(st.keys, c)))
-        op_id = f"sv{next(self._nonce)}"
-        if self._heads is not None:
-            self._heads.add(st.keys[0])
-        self._quorum.open(op_id)
-        self._ops[op_id] = (st.req_id, "save")
-        # chunks under its HBM floor were computed, and saved, by a request before it: saving
-        # them again keeps them in the tier, but nobody needs to wait for that
-        floor = (st.hbm_floor or 0) // self.chunk
         first = st.emitted // self.chunk
-        self._save_keys[op_id] = [r.key for c, r in enumerate(chunks, first) if c >= floor]
-        self._saving.update(self._save_keys[op_id])
+        op_id = self._open_save(st, chunks, first)
         st.saves[op_id] = (st.emitted, aligned)
         op = SaveOp(op_id, st.req_id, chunks, aligned - st.emitted, st.emitted // self.chunk)
         st.emitted = aligned
@@ -647,19 +638,27 @@ class OffloadScheduler:
         st.emitted = end
         if not chunks:
             return None
-        op_id = f"sv{next(self._nonce)}"
-        if self._heads is not None:
-            self._heads.add(st.keys[0])
-        self._quorum.open(op_id)
-        self._ops[op_id] = (st.req_id, "save")
-        floor = (st.hbm_floor or 0) // self.chunk
-        self._save_keys[op_id] = [r.key for c, r in enumerate(chunks, first) if c >= floor]
-        self._saving.update(self._save_keys[op_id])
+        op_id = self._open_save(st, chunks, first)
         if window:
             self._window_reads[op_id] = window
         # the chunks passed over count as done: nothing can save them any more
         st.saves[op_id] = (start, end)
         return SaveOp(op_id, st.req_id, chunks, end - first * self.chunk, first)
+
+    def _open_save(self, st: _Req, chunks: Sequence[ChunkRef], first: int) -> str:
+        """Register a save of `chunks` (the first is chunk `first`): its op id, quorum and the
+        keys other requests wait for."""
+        op_id = f"sv{next(self._nonce)}"
+        if self._heads is not None:
+            self._heads.add(st.keys[0])
+        self._quorum.open(op_id)
+        self._ops[op_id] = (st.req_id, "save")
+        # chunks under its HBM floor were computed, and saved, by a request before it: saving
+        # them again keeps them in the tier, but nobody needs to wait for that
+        floor = (st.hbm_floor or 0) // self.chunk
+        self._save_keys[op_id] = [r.key for c, r in enumerate(chunks, first) if c >= floor]
+        self._saving.update(self._save_keys[op_id])
+        return op_id
 
     def blocks_allocated(self, block_ids: Iterable[int]) -> None:
         """The host handed these blocks to requests this step (any group): a save in flight
