@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from kvtier.cachemodel.stream import Request
 from kvtier.cachemodel.turns import Turn, link_next, requests_of
@@ -102,22 +102,11 @@ def session_turns(
     """The `sessions` stream as timed turns (see `sessions` for the parameters)."""
     if n_sessions < 1 or mean_turns < 1:
         raise ConfigError("sessions needs n_sessions >= 1 and mean_turns >= 1")
-    rng = random.Random(seed)
-    ids = _ids()
-    systems = [[next(ids) for _ in range(system_chunks)] for _ in range(system_prompts)]
-    events: list[tuple[float, int, int, list[int]]] = []
-    for s in range(n_sessions):
-        t = rng.uniform(0.0, span_s)
-        turns = 1
-        while rng.random() > 1.0 / mean_turns:
-            turns += 1
-        history = list(rng.choice(systems)) + [next(ids) for _ in range(rng.randint(*first_chunks))]
-        for turn in range(turns):
-            if turn:
-                history = history + [next(ids) for _ in range(rng.randint(*turn_chunks))]
-            events.append((t, s, turn, history))
-            t += rng.expovariate(1.0 / (slow_s if rng.random() < p_slow else quick_s))
-    return _timed(events)
+    return _conversations(
+        n_sessions, span_s, mean_turns, first_chunks, turn_chunks, system_prompts,
+        system_chunks, seed,
+        lambda rng: rng.expovariate(1.0 / (slow_s if rng.random() < p_slow else quick_s)),
+    )  # fmt: skip
 
 
 def agent_turns(
@@ -140,22 +129,40 @@ def agent_turns(
     `human_s` on average (an approval, a question back): the pauses a recency policy loses."""
     if n_agents < 1 or mean_steps < 1:
         raise ConfigError("agent_turns needs n_agents >= 1 and mean_steps >= 1")
+    return _conversations(
+        n_agents, span_s, mean_steps, task_chunks, step_chunks, system_prompts, system_chunks,
+        seed, lambda rng: rng.expovariate(1.0 / (human_s if rng.random() < p_human else tool_s)),
+    )  # fmt: skip
+
+
+def _conversations(
+    n: int,
+    span_s: float,
+    mean_turns: float,
+    first_chunks: tuple[int, int],
+    turn_chunks: tuple[int, int],
+    system_prompts: int,
+    system_chunks: int,
+    seed: int,
+    pause: Callable[[random.Random], float],
+) -> list[Turn]:
+    """`n` conversations starting uniformly over `span_s` on one of the shared system prompts,
+    a geometric number of turns each, `pause(rng)` seconds between turns."""
     rng = random.Random(seed)
     ids = _ids()
     systems = [[next(ids) for _ in range(system_chunks)] for _ in range(system_prompts)]
     events: list[tuple[float, int, int, list[int]]] = []
-    for a in range(n_agents):
+    for c in range(n):
         t = rng.uniform(0.0, span_s)
-        steps = 1
-        while rng.random() > 1.0 / mean_steps:
-            steps += 1
-        history = list(rng.choice(systems)) + [next(ids) for _ in range(rng.randint(*task_chunks))]
-        for step in range(steps):
-            if step:
-                history = history + [next(ids) for _ in range(rng.randint(*step_chunks))]
-            events.append((t, a, step, history))
-            human = rng.random() < p_human
-            t += rng.expovariate(1.0 / (human_s if human else tool_s))
+        turns = 1
+        while rng.random() > 1.0 / mean_turns:
+            turns += 1
+        history = list(rng.choice(systems)) + [next(ids) for _ in range(rng.randint(*first_chunks))]
+        for turn in range(turns):
+            if turn:
+                history = history + [next(ids) for _ in range(rng.randint(*turn_chunks))]
+            events.append((t, c, turn, history))
+            t += pause(rng)
     return _timed(events)
 
 
