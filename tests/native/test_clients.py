@@ -255,3 +255,39 @@ def test_openai_sdk_every_field(served: Served):
     assert d["vllm:generation_tokens_total"] == usage["completion"]
     assert d["vllm:prompt_tokens_total"] == usage["prompt"]
     assert d["vllm:request_success_total"] == usage["requests"]
+
+
+def test_openai_sdk_retention_hints_in_both_dialects(served: Served):
+    """The SDK's own prompt_cache_key / prompt_cache_retention, and Anthropic-style
+    cache_control on a content part, reach kvtier; usage carries what was granted."""
+    client = openai.OpenAI(base_url=f"{served.base}/v1", api_key="none", max_retries=0)
+    system = " ".join([PROMPT] * 12)
+    resp = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": "Hi."}],
+        max_tokens=2,
+        temperature=0,
+        prompt_cache_key="sdk-conversation",
+        prompt_cache_retention="in_memory",
+    )
+    granted = resp.usage.model_extra["kvtier_retention"]
+    assert granted["status"] == "retained" and granted["ttl_s"] == 300.0
+    assert granted["retained_tokens"] >= 64 and granted["retained_tokens"] % 64 == 0
+    marked = client.chat.completions.create(
+        model="tiny",
+        messages=[
+            {"role": "system", "content": [
+                {"type": "text", "text": system, "cache_control": {"type": "ephemeral",
+                                                                   "ttl": "1h"}},
+            ]},
+            {"role": "user", "content": "Hi."},
+        ],  # type: ignore[list-item]
+        max_tokens=2,
+        temperature=0,
+    )  # fmt: skip
+    assert marked.usage.model_extra["kvtier_retention"]["ttl_s"] == 3600.0
+    # a request without a hint gets OpenAI's usage object exactly
+    plain = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi."}], max_tokens=2
+    )
+    assert "kvtier_retention" not in (plain.usage.model_extra or {})
