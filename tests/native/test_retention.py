@@ -154,3 +154,28 @@ def test_admin_retain_and_prefetch_of_a_prompt(server: EngineServer) -> None:
     assert server.loop.wait_idle(30.0)
     p = call(server, "POST", "/kvtier/prefetch", {"prompt": prompt}, headers=AUTH).json()
     assert p["keys"] == 2 and p["ranks"] == {"0": 0}  # already in host memory: nothing to move
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        (b"{not json", "not JSON"),
+        (b"[1, 2]", "JSON object"),
+        (b'{"prompt": [1, true, 3]}', "token ids"),
+        (b'{"prompt": [1, 99999999]}', "outside the vocabulary"),
+        (b'{"prompt": [1, 2], "ttl_s": -5}', "ttl_s"),
+        (b'{"prompt_cache_key": 7}', "must be strings"),
+        (b'{"all": true}', "retain needs a prompt"),
+    ],
+)
+def test_a_hostile_admin_body_is_a_400_naming_it_and_the_server_serves_on(
+    server: EngineServer, body: bytes, words: str
+) -> None:
+    async def go() -> httpx.Response:
+        async with client(server) as c:
+            return await c.post("/kvtier/retain", content=body, headers=AUTH)
+
+    r = asyncio.run(go())
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    ok = call(server, "POST", "/v1/completions", {**GREEDY, "prompt": [5, 6, 7]})
+    assert ok.status_code == 200
