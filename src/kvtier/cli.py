@@ -135,8 +135,18 @@ def bench_tier(
     disk_dir: Path | None = typer.Option(
         None, "--disk-dir", help="Directory for the disk tier's temp files (default: runs)."
     ),
-    remote: bool = typer.Option(
-        True, "--remote/--no-remote", help="Remote rows: a loopback server and 3-shard cluster."
+    remote_url: str | None = typer.Option(
+        None,
+        "--remote-url",
+        help="A Redis/Valkey server you run (redis:// or rediss://): the remote and encrypted "
+        "remote rows, measured there (the bench deletes the keys it wrote). Without it those "
+        "rows are not measured.",
+    ),
+    remote_cluster_url: str | None = typer.Option(
+        None,
+        "--remote-cluster-url",
+        help="A Redis/Valkey Cluster you run (redis+cluster://host:port,...): the cluster "
+        "rows. Without it they are not measured.",
     ),
     device: str = typer.Option(
         "cpu",
@@ -151,16 +161,21 @@ def bench_tier(
     from rich.markup import escape
 
     from kvtier.bench import table, tier
+    from kvtier.errors import KVTierError
 
     progress = Console(stderr=True)
-    doc = tier.run(
-        quick=quick,
-        json_path=json_path,
-        disk_dir=disk_dir,
-        remote=remote,
-        progress=lambda msg: progress.print(f"[dim]{escape(msg)}[/dim]"),
-        device=device,
-    )
+    try:
+        doc = tier.run(
+            quick=quick,
+            json_path=json_path,
+            disk_dir=disk_dir,
+            progress=lambda msg: progress.print(f"[dim]{escape(msg)}[/dim]"),
+            device=device,
+            server_url=remote_url,
+            cluster_url=remote_cluster_url,
+        )
+    except KVTierError as e:
+        raise _fail(str(e)) from None
     table.print_report(doc)
 
 

@@ -1,10 +1,14 @@
 """`kvtier bench tier`: the quick run writes a complete, self-consistent JSON report, leaves no
-files behind, and the CLI prints it. Speed targets are reported by the bench, never asserted."""
+files behind (nor keys in the stores it was given), and the CLI prints it; without a store the
+remote rows are not measured and the table says which flag to pass. Speed targets are reported
+by the bench, never asserted."""
 
 from __future__ import annotations
 
 import json
 import math
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +17,10 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from kvtier.bench import tier
+from kvtier.bench.redis_local import LocalCluster, RedisServer
 from kvtier.bench.table import Report, Row, Target, render, write_json
 from kvtier.cli import app
+from kvtier.errors import ConfigError, StartupError
 
 ROW_IDS = {
     "memory.store.reserve_commit",
@@ -62,13 +68,26 @@ WITH_RAW = RATIO_TARGETED | {
 
 
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One quick run of the bench, shared by the tests that read its report."""
+def stores() -> Iterator[tuple[RedisServer, LocalCluster]]:
+    """The stores the module's run is given: one redis-server and a 3-shard cluster."""
+    with RedisServer() as server, LocalCluster(masters=3, replicas=0) as cluster:
+        yield server, cluster
+
+
+@pytest.fixture(scope="module")
+def quick(
+    tmp_path_factory: pytest.TempPathFactory, stores: tuple[RedisServer, LocalCluster]
+) -> dict[str, Any]:
+    """One quick run of the bench on both stores, shared by the tests that read its report."""
     base = tmp_path_factory.mktemp("bench-tier")
     json_path = base / "out" / "bench-tier.json"  # "out" does not exist yet
     disk_dir = base / "disk"
     seen: list[str] = []
-    doc = tier.run(quick=True, json_path=json_path, disk_dir=disk_dir, progress=seen.append)
+    server, cluster = stores
+    doc = tier.run(
+        quick=True, json_path=json_path, disk_dir=disk_dir, progress=seen.append,
+        server_url=server.url, cluster_url=cluster.url,
+    )  # fmt: skip
     return {"doc": doc, "json_path": json_path, "disk_dir": disk_dir, "progress": seen}
 
 
@@ -152,10 +171,28 @@ def test_disk_files_are_removed_and_progress_is_reported(quick: dict[str, Any]) 
         assert phase in phases
 
 
+def test_the_stores_given_keep_none_of_the_benchs_keys(
+    quick: dict[str, Any], stores: tuple[RedisServer, LocalCluster]
+) -> None:
+    server, cluster = stores
+    admin = server.client()
+    try:
+        assert admin.dbsize() == 0
+    finally:
+        admin.close()
+    for master in cluster.masters():
+        admin = cluster.node(master).client()
+        try:
+            assert admin.dbsize() == 0, master
+        finally:
+            admin.close()
+    assert not [n for n in quick["doc"]["footnotes"] if "not measured" in n]
+
+
 def test_cli_prints_the_table_and_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "cli.json"
-    # the remote rows are covered by the module's run; the CLI leaves them out with a flag
-    args = ["bench", "tier", "--quick", "--no-remote", "--json", str(out)]
+    # the remote rows are covered by the module's run; without a store the CLI leaves them out
+    args = ["bench", "tier", "--quick", "--json", str(out)]
     args += ["--disk-dir", str(tmp_path / "d")]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
@@ -168,11 +205,50 @@ def test_cli_prints_the_table_and_writes_json(tmp_path: Path) -> None:
     assert set(_rows(doc)) == ROW_IDS - REMOTE_ROW_IDS - no_store
     verdicts = result.output.count("PASS") + result.output.count("MISS")
     assert verdicts == doc["summary"]["targets"]
+    # the table says what it left out and which flag measures it
+    text = " ".join(result.output.split())
+    assert "not measured: remote put / get on one server" in text
+    assert "pass --remote-url redis://HOST:PORT/DB" in text
+    assert "not measured: remote put / get on a cluster: pass --remote-cluster-url" in text
+    assert sum("not measured" in n for n in doc["footnotes"]) == 2
 
 
 def test_run_refuses_a_directory_as_json_path(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="is a directory"):
-        tier.run(quick=True, json_path=tmp_path, disk_dir=tmp_path, remote=False)
+        tier.run(quick=True, json_path=tmp_path, disk_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("flag", "url", "match"),
+    [
+        ("server_url", "redis+cluster://127.0.0.1:7000", "names a cluster; pass it as --remote-"),
+        ("cluster_url", "redis://127.0.0.1:6379/0", "names one server; pass it as --remote-url"),
+        ("server_url", "unix:///tmp/redis.sock", "names a unix socket"),
+        ("server_url", "http://u:hunter2@127.0.0.1:6379", "scheme 'http' is not one of"),
+        ("cluster_url", "redis+cluster://u:hunter2@h:7000/3", "database 3 is asked of a cluster"),
+    ],
+)
+def test_a_remote_url_the_rows_cannot_use_is_refused_before_anything_runs(
+    tmp_path: Path, flag: str, url: str, match: str
+) -> None:
+    with pytest.raises(ConfigError, match=match) as e:
+        tier.run(quick=True, json_path=tmp_path / "x.json", disk_dir=tmp_path, **{flag: url})
+    assert "hunter2" not in str(e.value)
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_an_unreachable_store_stops_the_cli_naming_the_flag(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again below: nothing listens there
+    url = f"redis://u:hunter2@127.0.0.1:{port}/0"
+    with pytest.raises(StartupError, match="--remote-url .* did not answer PING"):
+        tier.run(quick=True, json_path=tmp_path / "x.json", disk_dir=tmp_path, server_url=url)
+    args = ["bench", "tier", "--quick", "--remote-url", url, "--json", str(tmp_path / "y.json")]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2
+    assert "error: --remote-url" in result.output and "hunter2" not in result.output
+    assert not (tmp_path / "y.json").exists()
 
 
 # ---- table helpers -------------------------------------------------------------------------

@@ -37,12 +37,15 @@ import torch
 from kvtier import __version__
 from kvtier.bench.table import Report, Row, Target, write_json
 from kvtier.bench.tier_common import (
+    CLUSTER_FLAG,
+    SERVER_FLAG,
     STORE_RATIO_TARGET,
     Keys,
     Plan,
     Progress,
     gbps_row,
     interleave,
+    remote_url,
 )
 from kvtier.errors import StartupError
 from kvtier.keys import chain_keys, digest16, key_seed
@@ -87,7 +90,6 @@ _SERVER_STOP_S = 15.0
 _NS_DOMAIN = "kvtier.bench.tier.v1"
 
 
-
 # About 20 s on 2 idle cores (under 60 s when shared); p99 of 5000 lookups rests on 50 samples.
 FULL = Plan(
     mem_slots=16,
@@ -129,23 +131,28 @@ def run(
     json_path: str | Path | None = None,
     disk_dir: str | Path | None = None,
     progress: Progress | None = None,
-    remote: bool = True,
     device: str = "cpu",
+    *,
+    server_url: str | None = None,
+    cluster_url: str | None = None,
 ) -> dict[str, Any]:
     """Run every measurement, write the JSON report to `json_path` and return it.
 
     `device` ("cpu", "cuda", "cuda:N") is where the KV cache of the save/load path rows lives.
 
     `progress` gets one line per phase as it starts. `disk_dir` holds a temporary directory for
-    the disk tier and raw files, removed afterwards. `remote` adds the shared-tier rows (a
-    throwaway redis-server and a 3-shard cluster on loopback). A missed target is reported in
-    its row (`pass: false`), never raised.
+    the disk tier and raw files, removed afterwards. `server_url` (a Redis/Valkey server the
+    caller runs) adds the remote and encrypted-remote rows, `cluster_url` (a cluster) the
+    cluster rows; without them those rows are not measured and a footnote says which flag to
+    pass. A missed target is reported in its row (`pass: false`), never raised.
     """
     out = Path(DEFAULT_JSON if json_path is None else json_path)
     if out.is_dir():
         raise ValueError(
             f"--json {str(out)!r} is a directory; pass a file path such as {out}/x.json"
         )
+    server_url = remote_url(server_url, SERVER_FLAG)
+    cluster_url = remote_url(cluster_url, CLUSTER_FLAG)
     disk_root = Path(DEFAULT_DISK_DIR if disk_dir is None else disk_dir)
     say = progress or (lambda _msg: None)
     plan = QUICK if quick else FULL
@@ -168,16 +175,27 @@ def run(
         "env": _environment(),
     }
     t0 = time.perf_counter()
+    if server_url or cluster_url:
+        from kvtier.bench.tier_remote import check_reachable
+
+        # a wrong URL stops the run here, not after the minutes the other rows take
+        for url, flag in ((server_url, SERVER_FLAG), (cluster_url, CLUSTER_FLAG)):
+            if url:
+                check_reachable(url, flag)
+    for line in not_measured(server_url, cluster_url):
+        say(line)
     _bench_memory(report, plan, chunk_bytes, say)
     _bench_disk(report, plan, chunk_bytes, disk_root, say)
     from kvtier.bench.tier_crypto import bench_encryption
 
-    bench_encryption(report, plan, disk_root, remote, say)
+    bench_encryption(report, plan, disk_root, server_url, say)
     _bench_lookup(report, plan, say)
-    if remote:
+    if server_url or cluster_url:
         from kvtier.bench.tier_remote import bench_remote
 
-        bench_remote(report, quick, say)
+        bench_remote(report, quick, say, server_url, cluster_url)
+    for line in not_measured(server_url, cluster_url):
+        report.footnotes.append(line)
     if device == "sim":
         from kvtier.bench.datapath_sim import run_sim
 
@@ -192,6 +210,23 @@ def run(
     write_json(out, doc)
     say(f"wrote {out}")
     return doc
+
+
+def not_measured(server_url: str | None, cluster_url: str | None) -> list[str]:
+    """One line per group of remote rows left out for want of a store, naming the flag."""
+    lines = []
+    if server_url is None:
+        lines.append(
+            "not measured: remote put / get on one server and remote put / get, encrypted: "
+            f"pass {SERVER_FLAG} redis://HOST:PORT/DB (a Redis or Valkey you run; the bench "
+            "writes its own keys there and deletes them)"
+        )
+    if cluster_url is None:
+        lines.append(
+            f"not measured: remote put / get on a cluster: pass {CLUSTER_FLAG} "
+            "redis+cluster://HOST:PORT,HOST:PORT (a Redis or Valkey Cluster you run)"
+        )
+    return lines
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,11 +10,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvtier import remote_endpoint
 from kvtier.bench.table import Report, Row, Target
+from kvtier.config import mask_url
+from kvtier.errors import ConfigError
 
 Progress = Callable[[str], None]
 STORE_RATIO_TARGET = 0.85
 _GB = 1e9
+SERVER_FLAG = "--remote-url"
+CLUSTER_FLAG = "--remote-cluster-url"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,3 +98,36 @@ def gbps_row(
             },
         )
     )
+
+
+def remote_url(url: str | None, flag: str) -> str | None:
+    """`url` checked with kvtier's own `remote_url` parser for the rows behind `flag`: a TCP
+    server (`SERVER_FLAG`) or cluster (`CLUSTER_FLAG`); None stays None. ConfigError naming the
+    fix; messages show the URL masked."""
+    if url is None:
+        return None
+    shown = mask_url(url)
+    try:
+        endpoint = remote_endpoint.parse(url)
+    except ValueError as e:
+        raise ConfigError(
+            f"{flag} {shown!r} is not a valid remote URL: {e}; {remote_endpoint.URL_FORMS}"
+        ) from None
+    if endpoint.unix:
+        # the raw baselines (valkey-glide, redis-py over TCP) cannot follow the tier there
+        raise ConfigError(
+            f"{flag} {shown!r} names a unix socket; the remote rows compare the tier with "
+            "valkey-glide over TCP: give a redis:// or rediss:// URL"
+        )
+    cluster = flag == CLUSTER_FLAG
+    if endpoint.cluster and not cluster:
+        raise ConfigError(
+            f"{flag} {shown!r} names a cluster; pass it as {CLUSTER_FLAG}, and one server "
+            f"as {SERVER_FLAG} (redis://host:6379/0)"
+        )
+    if cluster and not endpoint.cluster:
+        raise ConfigError(
+            f"{flag} {shown!r} names one server; pass it as {SERVER_FLAG}, or give the "
+            "cluster as redis+cluster://host1:7000,host2:7001"
+        )
+    return url

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvtier.bench.redis_local import RedisServer
 from kvtier.bench.table import Report, Target
 from kvtier.bench.tier_common import Keys, Plan, Progress, gbps_row, interleave
+from kvtier.config import mask_url
 from kvtier.keys import digest16
 from kvtier.metrics import Metrics
 from kvtier.store.disk import DiskTier
@@ -29,10 +29,10 @@ _NS = digest16("kvtier.bench.tier.crypto", ("ns",))
 
 
 def bench_encryption(
-    report: Report, plan: Plan, disk_root: Path, remote: bool, say: Progress
+    report: Report, plan: Plan, disk_root: Path, remote_url: str | None, say: Progress
 ) -> None:
-    """Add the encrypted-vs-authenticated rows of the disk tier and, with `remote`, of the
-    remote tier (a throwaway redis-server on loopback)."""
+    """Add the encrypted-vs-authenticated rows of the disk tier and, with `remote_url`, of the
+    remote tier on that store (the records it wrote deleted after)."""
     keys = RecordKeys.derive(secrets.token_bytes(32))
     codecs = {"plain": RecordCodec(_NS, keys), "enc": RecordCodec(_NS, keys, encrypt=True)}
     payload = np.random.default_rng(7).integers(0, 256, ENC_CHUNK, dtype=np.uint8)
@@ -56,19 +56,24 @@ def bench_encryption(
     finally:
         shutil.rmtree(root)
     _rows(report, "disk", f"disk {note}", puts, gets)
-    if not remote:
+    if remote_url is None:
         return
-    say("encryption at rest: remote tier put + get on a throwaway redis-server")
+    say(f"encryption at rest: remote tier put + get on {mask_url(remote_url)}")
     dst = torch.empty(ENC_CHUNK, dtype=torch.uint8)
-    with RedisServer() as store:
-        tiers_r = {n: RemoteTier(store.url, _NS, Metrics(0), payload_bytes=ENC_CHUNK, codec=c,
-                                 timeout_ms=2000, write_timeout_ms=5000)
-                   for n, c in codecs.items()}  # fmt: skip
-        try:
-            puts, gets = _put_get(tiers_r, payload, plan, lambda t, k: t.read_into(k, dst) or None)
-        finally:
-            for t in tiers_r.values():
-                t.close()
+    tiers_r = {n: RemoteTier(remote_url, _NS, Metrics(0), payload_bytes=ENC_CHUNK, codec=c,
+                             timeout_ms=2000, write_timeout_ms=5000)
+               for n, c in codecs.items()}  # fmt: skip
+    written: dict[str, list[bytes]] = {}
+    try:
+        puts, gets = _put_get(
+            tiers_r, payload, plan, lambda t, k: t.read_into(k, dst) or None, written
+        )
+    finally:
+        for name, t in tiers_r.items():
+            # the user's store: leave none of the bench's records behind
+            for key in set(written.get(name, ())):
+                t.delete(key)
+            t.close()
     _rows(report, "remote", "remote", puts, gets)
 
 
@@ -77,12 +82,15 @@ def _put_get(
     payload: np.ndarray,
     plan: Plan,
     read: Callable[..., object],
+    written: dict[str, list[bytes]] | None = None,
 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Interleaved puts, then reads of the last record, per tier; both read back checked."""
+    """Interleaved puts, then reads of the last record, per tier; both read back checked.
+    `written` (filled per tier name) collects the keys put, for the caller to delete."""
     import time
 
     view = memoryview(payload)
-    written: dict[str, list[bytes]] = {n: [] for n in tiers}
+    written = {} if written is None else written
+    written.update({n: [] for n in tiers})
     keys = Keys("crypto")
 
     def put(name: str) -> Callable[[], float]:
