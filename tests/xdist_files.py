@@ -37,7 +37,7 @@ SLOW_FIRST = (
     "tests/bench/test_e2e.py",
     "tests/native/test_shared_tier.py",
     "tests/vllm/test_pd_vllm.py",
-    "tests/bench/test_faults.py",
+    "tests/faults/test_fault_suite.py",
     "tests/native/test_faults.py",
     "tests/store/test_remote_cluster.py",
     "tests/native/test_fuzz_api.py",

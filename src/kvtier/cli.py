@@ -39,11 +39,6 @@ LAZY: dict[str, dict[str, tuple[str, str]]] = {
             "kvtier.bench.report:bench_report_command",
             "Re-analyse a recorded run and re-render report.html, the PNGs and the summary table.",
         ),
-        "faults": (
-            "kvtier.bench.faults:bench_faults_command",
-            "Faults under load on the native engine: every request completes, right; hits "
-            "recover.",
-        ),
     },
 }
 

@@ -15,13 +15,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.faults_inject import intercept_reads
 from kvtier.config import KVTierConfig
 from kvtier.native import Engine, EngineConfig
 from kvtier.native.connector import ConnectorContext, ConnectorRole
 from kvtier.native.offload import WorkerHalf, connector_spec
 from kvtier.native.offload import build as build_kvtier
 from kvtier.offload.worker import OffloadWorker
+from tests.faults.inject import intercept_reads
 from tests.record_key import RECORD_KEY
 
 FAULTS = ("raise", "stuck")

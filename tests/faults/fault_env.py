@@ -1,4 +1,4 @@
-"""What the issue-10 rows of `kvtier bench faults` set up outside the engine: a small tmpfs
+"""What the issue-10 rows of the fault suite set up outside the engine: a small tmpfs
 that a filler file fills for real, a second weight set under the same config and directory
 name, and completion requests with sampling edge values."""
 
@@ -42,8 +42,8 @@ class Tmpfs:
         if proc.returncode != 0:
             raise StartupError(
                 f"the disk_tmpfs fault mounts an {size >> 20} MiB tmpfs at {path} and could not "
-                f"({proc.stderr.strip() or f'exit code {proc.returncode}'}); run the bench as "
-                "root with CAP_SYS_ADMIN, or leave that fault out (--fault ...)"
+                f"({proc.stderr.strip() or f'exit code {proc.returncode}'}); run the tests as "
+                "root with CAP_SYS_ADMIN, or leave that fault out"
             )
         self._filler = path / "filler"
 

@@ -1,6 +1,6 @@
-"""What `kvtier bench faults` injects, and the harness's end of it.
+"""What the fault suite injects, and the harness's end of it.
 
-Inside the ranks: a fault agent (a thread of the bench's connector worker half) switches
+Inside the ranks: a fault agent (a thread of the suite's connector worker half) switches
 disk-full, an unreachable lookup server and a failing load lane on and off, driven by flag files
 in a control directory, and answers flush and probe requests there. `intercept_reads` is the
 load-lane interception it shares with the engine-level fault tests. Outside them: a staller
@@ -74,7 +74,7 @@ class FaultWorkerHalf(WorkerHalf):
     def setup(self, ctl_dir: str, fail_rank: int, log_path: str, bench_pid: int) -> None:
         """Called once right after the class swap in `build_connector`."""
         if os.getpid() != bench_pid:
-            # a TP worker process: its injected failures go to the bench's log, not the tty
+            # a TP worker process: its injected failures go to the suite's log, not the tty
             log_to(Path(log_path).with_suffix(f".rank{self.rank}.log"))
         self.ctl_dir = Path(ctl_dir)
         self.fail_rank = fail_rank
@@ -128,8 +128,8 @@ class FaultWorkerHalf(WorkerHalf):
                 self._tick()
             except OSError:
                 if self.ctl_dir.exists():
-                    log.exception("kvtier bench: fault agent of rank %d stopped", self.rank)
-                # else the bench removed the control directory: it is tearing down
+                    log.exception("kvtier faults: fault agent of rank %d stopped", self.rank)
+                # else the suite removed the control directory: it is tearing down
                 return
 
     def _tick(self) -> None:
@@ -178,7 +178,7 @@ class FaultWorkerHalf(WorkerHalf):
 
 
 def build_connector(role: ConnectorRole, context: ConnectorContext, **args: Any) -> Any:
-    """Connector factory for the bench's engines: kvtier, with a fault agent in every rank."""
+    """Connector factory for the suite's engines: kvtier, with a fault agent in every rank."""
     ctl_dir = args.pop("ctl_dir")
     fail_rank = args.pop("fail_rank")
     log_path = args.pop("log_path")
@@ -273,7 +273,7 @@ class Staller:
             try:
                 self._admin.execute_command("DEBUG", "SLEEP", self._sleep_s)
             except redis.exceptions.RedisError:
-                log.exception("kvtier bench: the redis staller stopped")
+                log.exception("kvtier faults: the redis staller stopped")
                 return
             self.sleeps += 1
 

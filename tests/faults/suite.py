@@ -1,4 +1,4 @@
-"""`kvtier bench faults`: the fault suite under load against the native engine.
+"""The fault suite under load against the native engine (tests/faults/test_fault_suite.py).
 
 Invariant 9 (degrade, never break) measured: for each fault a fresh engine (in-process
 `EngineServer`; TP ranks are worker processes) with a memory tier of a few chunks, so that
@@ -14,11 +14,11 @@ A row reads "nothing lost" when every request sent completed and every output wa
 may drop during a fault (that is the price), and must come back after it.
 
 Faults are injected where they happen in production: the shared store is a real `redis-server`
-the bench starts, kills, restarts, stalls (DEBUG SLEEP) and corrupts from outside; disk-full,
+the suite starts, kills, restarts, stalls (DEBUG SLEEP) and corrupts from outside; disk-full,
 an unreachable lookup server and a failing load lane are switched inside the ranks by a small
-fault agent (a thread of the bench's connector, driven by flag files in a control directory:
-`faults_inject`). One fault's phases are `faults_run`; this module is the suite, its table and
-its command.
+fault agent (a thread of the suite's connector, driven by flag files in a control directory:
+`tests.faults.inject`). One fault's phases are `tests.faults.runner`; this module is the suite
+and its table.
 A genuinely full filesystem is an 8 MiB tmpfs a filler file fills; HBM-pool pressure is a pool
 that fits two tier loads, replayed all at once; a killed TP rank is a SIGKILL, and that row
 passes on a clean failure (the engine names the rank and stops, nothing is served wrong); a
@@ -38,15 +38,17 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import typer
-from rich.console import Console, Group
+from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
 from kvtier import __version__
-from kvtier.bench import fault_env
-from kvtier.bench.faults_inject import log_to
-from kvtier.bench.faults_run import (
+from kvtier.bench.redis_local import RedisServer, RedisServerError
+from kvtier.bench.table import MISS, Report, Row, Target, write_json
+from kvtier.errors import ConfigError, StartupError
+from tests.faults import fault_env
+from tests.faults.inject import log_to
+from tests.faults.runner import (
     CHUNK,
     MAX_TOKENS,
     MEMORY_CHUNKS,
@@ -61,11 +63,6 @@ from kvtier.bench.faults_run import (
     greedy_reference,
     prompts_for,
 )
-from kvtier.bench.redis_local import RedisServer, RedisServerError
-from kvtier.bench.table import MISS, Report, Row, Target, report_console, write_json
-from kvtier.errors import ConfigError, StartupError
-
-DEFAULT_JSON = Path("runs/bench-faults.json")
 
 FAULTS: dict[str, Fault] = {
     f.name: f
@@ -144,9 +141,9 @@ def shared_store(work_dir: Path) -> RedisServer:
         return RedisServer(work_dir, debug=True)
     except RedisServerError as e:
         raise StartupError(
-            f"kvtier bench faults needs `redis-server` on PATH for the shared-tier faults ({e}); "
-            "or run only the disk and rank faults with --fault disk_full --fault lookup_down "
-            "--fault load_fail"
+            f"the fault suite needs `redis-server` on PATH for the shared-tier faults ({e}); "
+            "or run only the disk and rank faults (faults=['disk_full', 'lookup_down', "
+            "'load_fail'])"
         ) from None
 
 
@@ -176,8 +173,8 @@ def _workdir() -> Iterator[Path]:
 
 
 def run(
+    json_path: str | Path,
     quick: bool = False,
-    json_path: str | Path | None = None,
     *,
     faults: Sequence[str] | None = None,
     tp: int | None = None,
@@ -190,10 +187,10 @@ def run(
     size (2, or 1 with `quick`); `model_dir` defaults to a tiny float32 model built in a temp
     directory. A lost request is reported in its row (`pass: false`), never raised.
     """
-    out = Path(DEFAULT_JSON if json_path is None else json_path)
+    out = Path(json_path)
     if out.is_dir():
         raise ValueError(
-            f"--json {str(out)!r} is a directory; pass a file path such as {out}/x.json"
+            f"json_path {str(out)!r} is a directory; pass a file path such as {out}/x.json"
         )
     names = list(FAULTS) if not faults else list(faults)
     unknown = [n for n in names if n not in FAULTS]
@@ -204,7 +201,7 @@ def run(
     if world < 1:
         raise ConfigError(f"tp={world} must be >= 1")
     say = progress or (lambda _msg: None)
-    report = Report("faults", "kvtier bench faults" + (" (quick)" if quick else ""))
+    report = Report("faults", "fault suite" + (" (quick)" if quick else ""))
     t0 = time.monotonic()
     out.parent.mkdir(parents=True, exist_ok=True)
     log_path = out.with_suffix(".log")
@@ -400,7 +397,7 @@ def _matches(counter: str, pattern: str) -> bool:
 
 def render(doc: dict[str, Any]) -> Group:
     """The fault table: per fault, requests sent/completed/verified, hits per phase, why."""
-    table = Table(title=str(doc.get("title", "kvtier bench faults")), title_justify="left")
+    table = Table(title=str(doc.get("title", "fault suite")), title_justify="left")
     # compact headers so the table stays readable in an 80-column terminal or CI log
     table.add_column("fault", ratio=3, min_width=11)
     for col in ("sent", "done", "ok", "hits\nbefore", "hits\nduring", "hits\nafter"):
@@ -439,38 +436,3 @@ def _verdict(d: dict[str, Any], ok: bool) -> Text:
     if ok:
         return Text("nothing lost", style="bold green")
     return Text(f"{MISS}: {d['sent'] - d['verified']} lost", style="bold red")
-
-
-def bench_faults_command(
-    quick: bool = typer.Option(False, "--quick", help="Fewer requests, TP=1 (under ~90 s)."),
-    json_path: Path | None = typer.Option(
-        None, "--json", help="Where to write the JSON results (default: runs/bench-faults.json)."
-    ),
-    tp: int | None = typer.Option(
-        None, "--tp", help="Tensor-parallel size of every engine (default: 2; with --quick, 1)."
-    ),
-    fault: list[str] | None = typer.Option(
-        None, "--fault", help=f"Run only this fault (repeatable): {', '.join(FAULTS)}."
-    ),
-    model_dir: Path | None = typer.Option(
-        None, "--model-dir", help="Model to serve (default: a tiny float32 model, built per run)."
-    ),
-) -> None:
-    """Faults under load on the native engine: every request completes, right; hits recover."""
-    console = report_console()
-    progress = Console(stderr=True)
-    try:
-        doc = run(
-            quick=quick,
-            json_path=json_path,
-            faults=fault,
-            tp=tp,
-            model_dir=model_dir,
-            progress=lambda msg: progress.print(f"[dim]{msg}[/dim]"),
-        )
-    except (ConfigError, StartupError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(code=2) from None
-    console.print(render(doc))
-    if not all(row["pass"] for row in doc["rows"]):
-        raise typer.Exit(code=1)

@@ -1,10 +1,10 @@
-"""One fault of `kvtier bench faults` against one fresh engine: the sizes every run shares, what
+"""One fault of the fault suite against one fresh engine: the sizes every run shares, what
 a fault is, the three phases (before, during, after) around its injection, clearing and
 recovery, and each phase's requests checked token for token against a reference without
 offload.
 
 Why one module over 500 lines: `FaultRun` is one engine's life under one fault, and its hooks
-(inject, clear, recover) read the phase state; what injects is `faults_inject`.
+(inject, clear, recover) read the phase state; what injects is `tests.faults.inject`.
 """
 
 from __future__ import annotations
@@ -23,17 +23,7 @@ from typing import Any
 
 import httpx
 
-from kvtier.bench import fault_env
 from kvtier.bench.client import LoadResult, run_load
-from kvtier.bench.faults_inject import (
-    ACK_TIMEOUT_S,
-    FLAG_DISK_FULL,
-    FLAG_LOAD_FAIL,
-    FLAG_LOOKUP_DOWN,
-    Control,
-    Staller,
-    corrupt_remote,
-)
 from kvtier.bench.redis_local import RedisServer
 from kvtier.bench.workload import RequestSpec
 from kvtier.config import KVTierConfig
@@ -44,6 +34,16 @@ from kvtier.native.loader import load_model_config
 from kvtier.native.offload import connector_spec
 from kvtier.native.sampling import SamplingParams
 from kvtier.native.server import EngineServer
+from tests.faults import fault_env
+from tests.faults.inject import (
+    ACK_TIMEOUT_S,
+    FLAG_DISK_FULL,
+    FLAG_LOAD_FAIL,
+    FLAG_LOOKUP_DOWN,
+    Control,
+    Staller,
+    corrupt_remote,
+)
 
 CHUNK = 64
 CHUNKS_PER_PROMPT = 4
@@ -54,8 +54,8 @@ NUM_BLOCKS = 256
 BREAKER_PROBE_S = 0.5
 SLOW_SLEEP_S = 0.3  # each DEBUG SLEEP of the slow remote: 3x its 100 ms timeout
 VOCAB_LOW = 3  # prompt token ids start above the special tokens
-_SERVED_NAME = "kvtier-bench-faults"
-_BASE_URL = "http://kvtier-bench-faults"
+_SERVED_NAME = "kvtier-faults"
+_BASE_URL = "http://kvtier-faults"
 _RECOVER_TIMEOUT_S = 30.0
 # a load (a phase's seed pass or replay) that takes this long on the tiny model is stuck (a
 # wedged engine): its requests are lost, and so are those of every later phase
@@ -182,7 +182,7 @@ class FaultRun:
         cfg = kvtier_config(fault, model_dir, tp, work, store, disk_dir, disk_bytes)
         spec = connector_spec(cfg, model_dir, run_dir=work / "run")
         factory = (
-            "kvtier.bench.faults_inject:build_connector",
+            "tests.faults.inject:build_connector",
             {
                 **spec.args,
                 "ctl_dir": str(self.ctl.dir),
@@ -446,7 +446,7 @@ class FaultRun:
 
     def _store(self) -> RedisServer:
         if self.store is None:
-            raise ConfigError(f"fault {self.fault.name!r} needs the bench's redis-server")
+            raise ConfigError(f"fault {self.fault.name!r} needs the suite's redis-server")
         return self.store
 
     def _counters(self) -> dict[str, float]:
@@ -487,7 +487,7 @@ class FaultRun:
 
 
 def engine_config(tp: int, num_blocks: int = NUM_BLOCKS) -> EngineConfig:
-    """The bench's engine: one thread per rank, `num_blocks` HBM blocks."""
+    """The suite's engine: one thread per rank, `num_blocks` HBM blocks."""
     return EngineConfig(num_threads=1, tensor_parallel_size=tp, num_blocks=num_blocks)
 
 
@@ -514,9 +514,9 @@ def kvtier_config(
     }
     if fault.lower == "remote":
         if store is None:
-            raise ConfigError(f"fault {fault.name!r} needs the bench's redis-server")
+            raise ConfigError(f"fault {fault.name!r} needs the suite's redis-server")
         cfg["remote_url"] = store.url
-        # a throwaway store of this bench run: a key of this run authenticates its records
+        # a throwaway store of this suite run: a key of this run authenticates its records
         cfg["record_key"] = secrets.token_hex(32)
     else:
         cfg["disk_dir"] = str(disk_dir or work / "disk")

@@ -1,4 +1,4 @@
-"""`kvtier bench faults`, reduced: two faults under load on a TP=1 engine, every request
+"""The fault suite, reduced: two faults under load on a TP=1 engine, every request
 completed with the right output, hits lost during the fault and back after it."""
 
 from __future__ import annotations
@@ -7,18 +7,16 @@ import json
 from pathlib import Path
 
 import pytest
-import typer
 from rich.console import Console
-from typer.testing import CliRunner
 
-from kvtier.bench import faults, faults_run
 from kvtier.errors import ConfigError, StartupError
+from tests.faults import runner, suite
 
 
 @pytest.fixture(scope="module")
 def doc(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("bench") / "faults.json"
-    got = faults.run(quick=True, json_path=out, faults=["remote_restart", "load_fail"])
+    got = suite.run(out, quick=True, faults=["remote_restart", "load_fail"])
     # what run() returns is what it wrote
     assert json.loads(out.read_text()) == got
     return got
@@ -27,7 +25,7 @@ def doc(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_every_fault_row_reads_nothing_lost(doc: dict) -> None:
     rows = {r["id"]: r for r in doc["rows"]}
     assert list(rows) == ["remote_restart", "load_fail"]
-    per_phase = faults.QUICK.prompts_per_phase * 2  # a seed pass and a replay
+    per_phase = suite.QUICK.prompts_per_phase * 2  # a seed pass and a replay
     for row in rows.values():
         d = row["detail"]
         assert d["sent"] == 3 * per_phase
@@ -40,7 +38,7 @@ def test_every_fault_row_reads_nothing_lost(doc: dict) -> None:
 def test_remote_hits_drop_while_down_and_resume_after_the_restart(doc: dict) -> None:
     d = next(r for r in doc["rows"] if r["id"] == "remote_restart")["detail"]
     full = d["hit_tokens_possible"]
-    assert full == faults.QUICK.prompts_per_phase * faults_run.CHUNKS_PER_PROMPT * faults_run.CHUNK
+    assert full == suite.QUICK.prompts_per_phase * runner.CHUNKS_PER_PROMPT * runner.CHUNK
     # a memory tier of 4 chunks: replays of 4 prompts x 4 chunks come from the remote
     assert d["hits_before"] >= full // 2
     assert d["hits_during"] < d["hits_before"]
@@ -60,7 +58,7 @@ def test_a_failing_load_lane_costs_hits_and_says_why(doc: dict) -> None:
 
 def test_render_prints_the_fault_table(doc: dict) -> None:
     console = Console(record=True, width=220)
-    console.print(faults.render(doc))
+    console.print(suite.render(doc))
     text = console.export_text()
     assert "remote killed + restarted" in text and "a load failing on one rank" in text
     assert text.count("nothing lost") == 2  # one per row
@@ -69,9 +67,9 @@ def test_render_prints_the_fault_table(doc: dict) -> None:
 
 def test_bad_arguments_are_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="unknown faults"):
-        faults.run(quick=True, json_path=tmp_path / "x.json", faults=["gremlins"])
+        suite.run(tmp_path / "x.json", quick=True, faults=["gremlins"])
     with pytest.raises(ValueError, match="is a directory"):
-        faults.run(quick=True, json_path=tmp_path)
+        suite.run(tmp_path, quick=True)
 
 
 def test_missing_redis_server_fails_clearly(
@@ -79,14 +77,11 @@ def test_missing_redis_server_fails_clearly(
 ) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # nothing on PATH, redis-server included
     with pytest.raises(StartupError, match="redis-server"):
-        faults.shared_store(tmp_path / "redis")
-    app = typer.Typer()
-    app.command()(faults.bench_faults_command)
-    result = CliRunner().invoke(
-        app, ["--quick", "--fault", "remote_slow", "--json", str(tmp_path / "f.json")]
-    )
-    assert result.exit_code == 2
-    assert "redis-server" in result.output
+        suite.shared_store(tmp_path / "redis")
+    # a remote fault asked for stops the run before any engine is built, naming redis-server
+    with pytest.raises(StartupError, match="redis-server") as e:
+        suite.run(tmp_path / "f.json", quick=True, faults=["remote_slow"])
+    assert "disk_full" in str(e.value)  # and the faults that run without it
 
 
 # ---- the rows of issue 10 ------------------------------------------------------------------
@@ -103,7 +98,7 @@ ISSUE_10_ROWS = [
 @pytest.fixture(scope="module")
 def issue10(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("bench") / "faults-10.json"
-    got = faults.run(quick=True, json_path=out, faults=ISSUE_10_ROWS)
+    got = suite.run(out, quick=True, faults=ISSUE_10_ROWS)
     return {r["id"]: r for r in got["rows"]}
 
 
@@ -145,10 +140,10 @@ def test_a_dead_rank_stops_the_harness_waiting_before_the_engine_loop_notices(
     to flush, waiting its whole deadline (60 s) for an answer that could not come."""
     from types import SimpleNamespace
 
-    from kvtier.bench.faults_inject import Control
+    from tests.faults.inject import Control
 
     loop = SimpleNamespace(fatal=None, dead_rank=lambda: "TP rank 1 (pid 7) exited with code -9")
-    run = object.__new__(faults_run.FaultRun)
+    run = object.__new__(runner.FaultRun)
     run.server = SimpleNamespace(loop=loop)  # type: ignore[assignment]
     run.stuck = None
     assert run.fatal == "TP rank 1 (pid 7) exited with code -9"
