@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtier.bench.redis_local import LocalCluster
+from tests.redis_local import LocalCluster
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,10 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from kvtier.bench import tier
-from kvtier.bench.redis_local import LocalCluster, RedisServer
 from kvtier.bench.table import Report, Row, Target, render, write_json
 from kvtier.cli import app
 from kvtier.errors import ConfigError, StartupError
+from tests.redis_local import LocalCluster, RedisServer
 
 ROW_IDS = {
     "memory.store.reserve_commit",

@@ -23,13 +23,13 @@ from typing import Any
 
 import redis
 
-from kvtier.bench.redis_local import RedisServer
 from kvtier.lookup import LookupServer
 from kvtier.native.connector import ConnectorContext, ConnectorRole
 from kvtier.native.offload import WorkerHalf
 from kvtier.native.offload import build as build_kvtier
 from kvtier.store import record
 from kvtier.store.stack import TierStack
+from tests.redis_local import RedisServer
 
 log = logging.getLogger("kvtier")
 

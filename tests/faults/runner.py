@@ -24,7 +24,6 @@ from typing import Any
 import httpx
 
 from kvtier.bench.client import LoadResult, run_load
-from kvtier.bench.redis_local import RedisServer
 from kvtier.bench.workload import RequestSpec
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
@@ -44,6 +43,7 @@ from tests.faults.inject import (
     Staller,
     corrupt_remote,
 )
+from tests.redis_local import RedisServer
 
 CHUNK = 64
 CHUNKS_PER_PROMPT = 4

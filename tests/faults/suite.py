@@ -43,7 +43,6 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtier import __version__
-from kvtier.bench.redis_local import RedisServer, RedisServerError
 from kvtier.bench.table import MISS, Report, Row, Target, write_json
 from kvtier.errors import ConfigError, StartupError
 from tests.faults import fault_env
@@ -63,6 +62,7 @@ from tests.faults.runner import (
     greedy_reference,
     prompts_for,
 )
+from tests.redis_local import RedisServer, RedisServerError
 
 FAULTS: dict[str, Fault] = {
     f.name: f

@@ -16,7 +16,6 @@ import pytest
 import redis
 
 import kvtier.store.disk as disk_module
-from kvtier.bench.redis_local import RedisServer
 from kvtier.native import Engine, EngineConfig
 from kvtier.offload.worker import DEADLINE
 from kvtier.store.remote import RemoteTier
@@ -28,6 +27,7 @@ from tests.native.faults_connector import (
     rank_values,
     wait_until,
 )
+from tests.redis_local import RedisServer
 
 PROMPT_LEN = 272  # 4 whole 64-token chunks and a tail: a full hit loads 256 tokens
 CHUNKS = 4

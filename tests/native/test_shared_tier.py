@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 
-from kvtier.bench.redis_local import LocalCluster, RedisServer
 from kvtier.native import Engine, EngineConfig
 from kvtier.store import record
 from kvtier.store.remote import RemoteTier
@@ -28,6 +27,7 @@ from tests.native.conftest import GREEDY, make_prompts
 from tests.native.faults_connector import kvtier_engine, local_worker, rank_values
 from tests.record_key import codec_for_tests
 from tests.redis_cluster import flush, redis_cluster  # noqa: F401
+from tests.redis_local import LocalCluster, RedisServer
 
 REPO = Path(__file__).resolve().parents[2]
 RESULT_PREFIX = "KVTIER_RESULT "

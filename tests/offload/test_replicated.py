@@ -10,7 +10,6 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from kvtier.bench.redis_local import RedisServer
 from kvtier.config import KVTierConfig
 from kvtier.metrics import Metrics
 from kvtier.offload.messages import ChunkRef, OffloadMeta, SaveOp
@@ -18,6 +17,7 @@ from kvtier.offload.pages import KVCacheDescription
 from kvtier.offload.worker import OffloadWorker
 from tests.offload.vllm_views import build, mla
 from tests.record_key import RECORD_KEY
+from tests.redis_local import RedisServer
 
 NB, BS, CHUNK = 8, 16, 32
 KEY = b"k" * 16

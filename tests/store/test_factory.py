@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.bench.redis_local import RedisServer
 from kvtier.config import KVTierConfig
 from kvtier.errors import StartupError
 from kvtier.metrics import Metrics
 from kvtier.store.factory import build_stack
 from tests.record_key import RECORD_KEY
+from tests.redis_local import RedisServer
 
 
 def test_remote_db_beyond_the_servers_databases_is_a_startup_error():

@@ -12,8 +12,6 @@ import pytest
 import redis
 import torch
 
-from kvtier.bench import redis_local
-from kvtier.bench.redis_local import RedisServer, RedisServerError
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, StartupError
 from kvtier.metrics import Metrics
@@ -22,7 +20,9 @@ from kvtier.store.breaker import ShardBreakers, State
 from kvtier.store.factory import build_stack
 from kvtier.store.remote import RemoteTier, mask_url
 from kvtier.store.remote_transport import Timeouts
+from tests import redis_local
 from tests.record_key import RECORD_KEY, codec_for_tests
+from tests.redis_local import RedisServer, RedisServerError
 
 from .conftest import FakeClock, key_of, payload_of
 

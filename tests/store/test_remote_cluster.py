@@ -10,7 +10,6 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from kvtier.bench.redis_local import LocalCluster, wait_for
 from kvtier.errors import StartupError
 from kvtier.metrics import Metrics
 from kvtier.store import record
@@ -18,6 +17,7 @@ from kvtier.store.breaker import ShardBreakers, State
 from kvtier.store.remote import RemoteTier
 from tests.record_key import codec_for_tests
 from tests.redis_cluster import command_calls, flush, redis_cluster, reset_stats  # noqa: F401
+from tests.redis_local import LocalCluster, wait_for
 
 from .conftest import FakeClock, key_of, payload_of
 

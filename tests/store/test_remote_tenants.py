@@ -9,12 +9,12 @@ import logging
 import pytest
 import redis
 
-from kvtier.bench.redis_local import RedisServer
 from kvtier.doctor import STORE_FAILURES, Status, diagnose
 from kvtier.errors import StartupError
 from kvtier.metrics import Metrics
 from kvtier.store.remote import RemoteTier
 from tests.record_key import codec_for_tests
+from tests.redis_local import RedisServer
 
 from .conftest import FakeClock, key_of, payload_of
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench.redis_local import RedisServer
 from kvtier.metrics import Metrics
 from kvtier.store.disk import DiskTier
 from kvtier.store.memory import MemoryTier
@@ -20,6 +19,7 @@ from kvtier.store.remote import RemoteTier
 from kvtier.store.retention import RETENTION_FILE, RetentionTable
 from kvtier.store.stack import TierStack
 from tests.record_key import codec_for_tests
+from tests.redis_local import RedisServer
 
 from .conftest import FakeClock, key_of, payload_of
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from kvtier.bench.redis_local import RedisServer
 from tests.record_key import RECORD_KEY
+from tests.redis_local import RedisServer
 from tests.vllm.conftest import CHUNK, TIER, DriverRun, loadable_tokens, retrieved_lines
 
 

@@ -1,5 +1,6 @@
-"""The bench's and tests' local redis-server: a server that failed to start is never mistaken
-for another one listening on its port, and a killed server's port waits for its restart."""
+"""The tests' local redis-server (tests/redis_local.py): a server that failed to start is never
+mistaken for another one listening on its port, and a killed server's port waits for its
+restart."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import socket
 
 import pytest
 
-from kvtier.bench.redis_local import RedisServer, RedisServerError
+from tests.redis_local import RedisServer, RedisServerError
 
 
 def test_a_start_never_adopts_another_server_listening_on_its_port() -> None:

@@ -1,6 +1,7 @@
-"""Throwaway Valkey/Redis on loopback for benches and tests: one server (TCP or a unix socket,
-optional AUTH and ACL user, DEBUG on request), or a Redis Cluster of masters and replicas
-(`redis-server --cluster-enabled yes` + `redis-cli --cluster create`).
+"""Throwaway Valkey/Redis on loopback for the tests (and the stores they give `kvtier bench
+tier`): one server (TCP or a unix socket, optional AUTH and ACL user, DEBUG on request), or a
+Redis Cluster of masters and replicas (`redis-server --cluster-enabled yes` + `redis-cli
+--cluster create`).
 
 Readiness is always a condition met within a deadline (PING answered, `cluster_state:ok` on
 every node, all nodes agreeing on the slot owners), never a blind sleep.
