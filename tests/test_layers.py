@@ -1,5 +1,6 @@
 """The layer contract (docs/architecture.md): imports go down the stack, never up, never between
-the two hosts, and nothing below the tools imports `kvtier.bench`.
+the two hosts, nothing below the tools imports `kvtier.bench`, and nothing in kvtier imports
+the test tree (`tests`: the fault harness, the redis launcher).
 
     foundation < store | lookup < offload < native | vllm < tools
 
@@ -222,6 +223,47 @@ def test_checker_fails_the_real_tree_with_one_wrong_import(tmp_path: Path) -> No
     assert bad == [
         f"kvtier.native.engine (line {line}) imports kvtier.vllm.connector: native may import "
         f"only {sorted(MAY_IMPORT['native'])}"
+    ]
+
+
+_TESTS_LAZY_PATH = re.compile(r"^tests(?:\.\w+)+:\w+$")
+
+
+def imports_of_tests(root: Path) -> list[str]:
+    """Every place under `root/kvtier` that imports the test tree (`tests`, `tests.x`, or a lazy
+    `"tests.x:attr"` path): the fault harness and the redis launcher live there, never in kvtier."""
+    found: list[str] = []
+    for path in sorted((root / "kvtier").rglob("*.py")):
+        module = module_name(root, path)
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names = [node.value] if _TESTS_LAZY_PATH.match(node.value) else []
+            found += [
+                f"{module} (line {node.lineno}) imports {name}"
+                for name in names
+                if name == "tests" or name.startswith("tests.")
+            ]
+    return found
+
+
+def test_src_never_imports_the_tests() -> None:
+    assert imports_of_tests(SRC) == []
+
+
+def test_an_import_of_the_tests_is_found(tmp_path: Path) -> None:
+    files = {
+        **_CLEAN,
+        "bench/tier.py": "def f():\n    from tests.redis_local import RedisServer\n",
+        "cli.py": "CMD = 'tests.faults.inject:build_connector'\n",
+    }
+    assert imports_of_tests(_tree(tmp_path, files)) == [
+        "kvtier.bench.tier (line 2) imports tests.redis_local",
+        "kvtier.cli (line 1) imports tests.faults.inject:build_connector",
     ]
 
 
