@@ -1,5 +1,6 @@
-"""The fault suite, reduced: two faults under load on a TP=1 engine, every request
-completed with the right output, hits lost during the fault and back after it."""
+"""The fault suite at its quick size (TP=1; the killed rank at TP=2): every fault of
+`suite.FAULTS` under load, every request completed with the right output, hits lost during the
+fault and back after it, and the counters that say why."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ from rich.console import Console
 from kvtier.errors import ConfigError, StartupError
 from tests.faults import runner, suite
 
+FIRST_ROWS = ["remote_restart", "load_fail"]
+
 
 @pytest.fixture(scope="module")
 def doc(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("bench") / "faults.json"
-    got = suite.run(out, quick=True, faults=["remote_restart", "load_fail"])
+    got = suite.run(out, quick=True, faults=FIRST_ROWS)
     # what run() returns is what it wrote
     assert json.loads(out.read_text()) == got
     return got
@@ -24,7 +27,7 @@ def doc(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_every_fault_row_reads_nothing_lost(doc: dict) -> None:
     rows = {r["id"]: r for r in doc["rows"]}
-    assert list(rows) == ["remote_restart", "load_fail"]
+    assert list(rows) == FIRST_ROWS
     per_phase = suite.QUICK.prompts_per_phase * 2  # a seed pass and a replay
     for row in rows.values():
         d = row["detail"]
@@ -153,3 +156,50 @@ def test_a_dead_rank_stops_the_harness_waiting_before_the_engine_loop_notices(
     assert not list((tmp_path / "ctl").glob("*.req")), "the request was withdrawn"
     with pytest.raises(RuntimeError, match=r"ranks \[0, 1\] did not answer 'flush' within 0.2s"):
         ctl.request("flush", timeout_s=0.2)
+
+
+# ---- the other rows ------------------------------------------------------------------------
+
+OTHER_ROWS = ["remote_slow", "remote_corrupt", "disk_full", "lookup_down"]
+
+
+def test_the_module_runs_every_fault_of_the_suite() -> None:
+    assert sorted(FIRST_ROWS + ISSUE_10_ROWS + OTHER_ROWS) == sorted(suite.FAULTS)
+
+
+@pytest.fixture(scope="module")
+def others(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    out = tmp_path_factory.mktemp("bench") / "faults-others.json"
+    got = suite.run(out, quick=True, faults=OTHER_ROWS)
+    return {r["id"]: r for r in got["rows"]}
+
+
+def _moved(d: dict, prefix: str, *labels: str) -> float:
+    """The sum of the counters of `d` named `prefix{...}` that carry every label."""
+    return sum(
+        v for k, v in d.items()
+        if k.startswith(f"counter:{prefix}{{") and all(lb in k for lb in labels)
+    )  # fmt: skip
+
+
+def test_slow_corrupt_full_and_unreachable_rows_read_nothing_lost_and_say_why(others) -> None:
+    assert list(others) == OTHER_ROWS
+    per_phase = suite.QUICK.prompts_per_phase * 2  # a seed pass and a replay
+    for name, row in others.items():
+        d = row["detail"]
+        assert row["pass"] is True and d["nothing_lost"] == "yes", (name, d["errors"])
+        assert d["verified"] == d["sent"] == 3 * per_phase
+        # the fault cost hits, and they came back once it was cleared
+        assert d["hits_during"] < d["hits_before"], name
+        assert d["hits_after"] > 0, name
+    slow = others["remote_slow"]["detail"]
+    assert _moved(slow, "ranks:store_failures", "tier=remote") > 0, sorted(slow)
+    corrupt = others["remote_corrupt"]["detail"]
+    assert _moved(corrupt, "ranks:verify_failures", "tier=remote") > 0, sorted(corrupt)
+    assert _moved(corrupt, "scheduler:load_failures") > 0
+    full = others["disk_full"]["detail"]
+    assert full["counter:ranks:store_failures{reason=enospc,tier=disk}"] > 0
+    assert full["hits_during"] == 0
+    down = others["lookup_down"]["detail"]
+    assert down["counter:scheduler:skipped_loads{reason=lookup_timeout}"] > 0
+    assert "lookup_timeouts" in down["why"] and down["hits_during"] == 0
