@@ -43,7 +43,7 @@ from tests.faults.inject import (
     Staller,
     corrupt_remote,
 )
-from tests.redis_local import RedisServer
+from tests.redis_local import RedisServer, wait_for
 
 CHUNK = 64
 CHUNKS_PER_PROMPT = 4
@@ -259,6 +259,15 @@ class FaultRun:
         """The run's row data once its phases are done."""
         possible = self.plan.prompts_per_phase * CHUNKS_PER_PROMPT * CHUNK
         procs = getattr(self.server.engine.executor, "procs", [])
+        if self.fault.clean_failure:
+            # the idle engine loop notices the dead rank at its next wake-up and only then fails
+            # and stops the survivors; the row reads the engine after that, not a moment before
+            loop = self.server.loop
+            wait_for(
+                lambda: loop.fatal is not None and all(p.poll() is not None for p in procs),
+                _LOAD_TIMEOUT_S,
+                f"[{self.fault.name}] the engine failing and stopping its surviving ranks",
+            )
         return FaultResult(
             self.fault.name,
             self.fault.title,
