@@ -12,6 +12,7 @@ import math
 import random
 import subprocess
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +113,8 @@ def test_vllm_bench_load_sends_kvtiers_exact_prompts_and_gets_its_clients_output
     load = VLLMBenchLoad(vllm_python, tmp_path)
     try:
         theirs = asyncio.run(load(served.base, specs, concurrency=1, model="tiny"))
-        again = asyncio.run(load(served.base, specs[:2], concurrency=1, model="tiny"))
+        timed = [replace(s, arrival=0.4 * i) for i, s in enumerate(specs[:2])]
+        again = asyncio.run(load(served.base, timed, open_loop=True, model="tiny"))
     finally:
         load.close()
     d = delta(served, before)
@@ -127,6 +129,8 @@ def test_vllm_bench_load_sends_kvtiers_exact_prompts_and_gets_its_clients_output
     want = [tok.decode(r.output_ids, skip_special_tokens=True) for r in ours.records]
     assert [r.output_text for r in theirs.records] == want
     assert all(r.ttft is not None and r.ttft > 0 and r.token_times for r in theirs.records)
+    # open loop: vLLM's self-timed replay sends each request at its arrival
+    assert again.records[1].start - again.records[0].start >= 0.4 - 0.05
 
 
 def test_vllm_bench_load_refuses_a_multi_turn_stream_naming_the_fix(tmp_path: Path):

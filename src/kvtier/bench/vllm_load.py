@@ -74,25 +74,33 @@ class VLLMBenchLoad:
         specs: Sequence[RequestSpec],
         *,
         concurrency: int | None = None,
+        open_loop: bool = False,
         model: str | None = None,
         progress: bool = True,
         label: str = "requests",
         console: Console | None = None,
     ) -> LoadResult:
-        """Send `specs` closed-loop at `concurrency`; one record per request, in stream order."""
+        """Send `specs` closed-loop at `concurrency`, or open-loop each at its `arrival`
+        (vLLM's self-timed trace replay, `concurrency` a cap); one record per request."""
         del progress, console  # vLLM's loop runs without a bar here (its tqdm is off)
         if any(s.parent is not None for s in specs):
             raise ValueError(
                 f"{label}: the vllm-bench load sends independent requests; a multi-turn stream "
                 "needs kvtier's client (--load kvtier)"
             )
-        return await asyncio.to_thread(self._run, base_url, list(specs), concurrency, model, label)
+        if open_loop and any(s.arrival is None for s in specs):
+            raise ValueError(f"{label}: open loop needs an arrival on every request")
+        if not open_loop and concurrency is None:
+            raise ValueError(f"{label}: a closed loop needs a concurrency")
+        args = (base_url, list(specs), concurrency, open_loop, model, label)
+        return await asyncio.to_thread(self._run, *args)
 
     def _run(
         self,
         base_url: str,
         specs: list[RequestSpec],
         concurrency: int | None,
+        open_loop: bool,
         model: str | None,
         label: str,
     ) -> LoadResult:
@@ -104,7 +112,8 @@ class VLLMBenchLoad:
                 "base_url": base_url,
                 "model": model or "default",
                 "concurrency": concurrency,
-                "requests": [[list(s.prompt), s.max_tokens] for s in specs],
+                "open_loop": open_loop,
+                "requests": [[list(s.prompt), s.max_tokens, s.arrival] for s in specs],
                 "out": str(out),
             }
             job.write_text(json.dumps(doc), encoding="utf-8")
@@ -200,8 +209,8 @@ async def _drive(job: dict[str, Any]) -> dict[str, Any]:
     from vllm.benchmarks.serve import benchmark
 
     requests = [
-        SampleRequest(prompt=prompt, prompt_len=len(prompt), expected_output_len=n)
-        for prompt, n in job["requests"]
+        SampleRequest(prompt=prompt, prompt_len=len(prompt), expected_output_len=n, timestamp=at)
+        for prompt, n, at in job["requests"]
     ]
     base = job["base_url"].rstrip("/")
     return await benchmark(
@@ -228,6 +237,7 @@ async def _drive(job: dict[str, Any]) -> dict[str, Any]:
         extra_headers=None,
         extra_body={"temperature": 0},
         ready_check_timeout_sec=0,
+        self_timed=job["open_loop"],
     )
 
 
