@@ -3,12 +3,36 @@ behind it and the infinite cache."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import pytest
 
-from kvtier.bench.ceiling import hbm_ceiling, infinite_ceiling, simulate, tier_ceiling
+from kvtier.bench.ceiling import Ceiling, ceilings, simulate
 from kvtier.errors import ConfigError
 
 BS = 16
+
+
+def hbm_ceiling(prompts: Sequence[Sequence[int]], bs: int, hbm_blocks: int, **kw: Any) -> Ceiling:
+    return simulate(prompts, block_size=bs, hbm_blocks=hbm_blocks, **kw)
+
+
+def tier_ceiling(prompts: Sequence[Sequence[int]], bs: int, *sizes: int, **kw: Any) -> Ceiling:
+    """`sizes`: the HBM pool, the chunk size and the tier's chunks."""
+    hbm_blocks, chunk_size, tier_chunks = sizes
+    return simulate(
+        prompts,
+        block_size=bs,
+        hbm_blocks=hbm_blocks,
+        chunk_size=chunk_size,
+        tier_chunks=tier_chunks,
+        **kw,
+    )
+
+
+def infinite_ceiling(prompts: Sequence[Sequence[int]], bs: int, **kw: Any) -> Ceiling:
+    return simulate(prompts, block_size=bs, hbm_blocks=None, **kw)
 
 
 def _tokens(start: int, n: int) -> list[int]:
@@ -39,7 +63,7 @@ def test_two_prefixes_in_a_pool_of_two_hit_every_reuse() -> None:
 
 
 def test_tier_big_enough_serves_every_reuse_of_the_prefix() -> None:
-    c = tier_ceiling(alternating(N), BS, hbm_blocks=5, chunk_size=32, tier_chunks=100)
+    c = tier_ceiling(alternating(N), BS, 5, 32, 100)
     assert c.hbm_hit_tokens == 0
     assert c.external_hit_tokens == (N - 2) * 64
     # (n - 2) / n of the prefix tokens
@@ -51,12 +75,12 @@ def test_tier_one_chunk_short_keeps_one_prefix_whole_and_one_head() -> None:
     # 3 chunks for 2 prefixes of 2 chunks: the optimum drops the chunk used farthest ahead,
     # always the other prefix's second chunk, so A's reuses find 2 chunks and B's find 1
     # (an LRU of 3 would lose every second chunk: (N - 2) x 32)
-    c = tier_ceiling(alternating(N), BS, hbm_blocks=5, chunk_size=32, tier_chunks=3)
+    c = tier_ceiling(alternating(N), BS, 5, 32, 3)
     assert c.external_hit_tokens == (N - 2) // 2 * (64 + 32)
 
 
 def test_tier_adds_nothing_where_hbm_already_hits() -> None:
-    c = tier_ceiling(alternating(N), BS, hbm_blocks=10, chunk_size=32, tier_chunks=100)
+    c = tier_ceiling(alternating(N), BS, 10, 32, 100)
     assert (c.hbm_hit_tokens, c.external_hit_tokens) == ((N - 2) * 64, 0)
 
 
@@ -64,13 +88,13 @@ def test_full_prompt_hit_still_computes_the_last_token() -> None:
     p = _tokens(5, 64)
     hbm = hbm_ceiling([p, p], BS, hbm_blocks=4)
     assert hbm.hbm_hit_tokens == 48  # blocks inside the first 63 tokens: 3
-    tier = tier_ceiling([p, p], BS, hbm_blocks=0, chunk_size=32, tier_chunks=10)
+    tier = tier_ceiling([p, p], BS, 0, 32, 10)
     assert (tier.hbm_hit_tokens, tier.external_hit_tokens) == (0, 63)
 
 
 def test_load_starts_at_the_hbm_floor_and_respects_min_load() -> None:
     p = _tokens(5, 64)
-    both = tier_ceiling([p, p], BS, hbm_blocks=4, chunk_size=32, tier_chunks=10)
+    both = tier_ceiling([p, p], BS, 4, 32, 10)
     assert (both.hbm_hit_tokens, both.external_hit_tokens) == (48, 15)
     gated = tier_ceiling([p, p], BS, 4, 32, 10, min_load_tokens=32)
     assert (gated.hbm_hit_tokens, gated.external_hit_tokens) == (48, 0)
@@ -78,7 +102,7 @@ def test_load_starts_at_the_hbm_floor_and_respects_min_load() -> None:
 
 def test_tier_counts_whole_chunks_only() -> None:
     p = _tokens(5, 100)
-    tier = tier_ceiling([p, p], BS, hbm_blocks=0, chunk_size=64, tier_chunks=10)
+    tier = tier_ceiling([p, p], BS, 0, 64, 10)
     assert tier.external_hit_tokens == 64  # one full chunk; the 36-token rest is not stored
     inf = infinite_ceiling([p, p], BS)
     assert inf.hbm_hit_tokens == 96  # 6 blocks inside the first 99 tokens
@@ -99,6 +123,15 @@ def test_infinite_bounds_every_bounded_cache() -> None:
     for blocks in (0, 3, 5, 10):
         assert hbm_ceiling(stream, BS, blocks).hit_tokens <= inf.hit_tokens
         assert tier_ceiling(stream, BS, blocks, 32, 3).hit_tokens <= inf.hit_tokens
+
+
+def test_ceilings_are_named_and_need_their_sizes() -> None:
+    stream = alternating(N)
+    cs = ceilings(stream, BS, 5, 32, 100)
+    assert {k: c.name for k, c in cs.items()} == {k: k for k in ("hbm", "hbm+tier", "infinite")}
+    assert cs["hbm+tier"].hit_tokens == tier_ceiling(stream, BS, 5, 32, 100).hit_tokens
+    assert list(ceilings(stream, BS, 5)) == ["hbm", "infinite"]
+    assert list(ceilings(stream, BS, None, 32, 100)) == ["infinite"]
 
 
 def test_json_carries_counts_and_rates() -> None:

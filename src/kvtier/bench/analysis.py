@@ -18,56 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.bench.client import Record
-from kvtier.scrape import (
-    EXT_HITS,
-    EXT_QUERIES,
-    HBM_HITS,
-    HBM_QUERIES,
-    PROMPT_TOKENS,
-    RESIDENCY,
-    RETRIEVED,
-    SAMPLED,
-    Counters,
-    Identity,
-    MetricSet,
-    cache_config,
-    identities,
-)
-
-__all__ = [
-    # re-exported for bench/arms.py, bench/e2e.py and bench/vllm_host.py, which still import
-    # them from here; new code imports kvtier.scrape
-    "EXT_HITS",
-    "EXT_QUERIES",
-    "HBM_HITS",
-    "HBM_QUERIES",
-    "PROMPT_TOKENS",
-    "RETRIEVED",
-    "Counters",
-    "Identity",
-    "MetricSet",
-    "cache_config",
-    "identities",
-    # this module's own
-    "Bucket",
-    "OutputComparison",
-    "Spread",
-    "Summary",
-    "after_cut",
-    "client_server_checks",
-    "compare_outputs",
-    "counters_since",
-    "itl_ms",
-    "on_off_ratio",
-    "percentile",
-    "residency_series",
-    "sample",
-    "server_hit_series",
-    "spread",
-    "summarize",
-    "summarize_window",
-    "time_series",
-]
+from kvtier.scrape import RESIDENCY, SAMPLED, Counters, Identity, MetricSet
 
 
 def client_server_checks(records: Sequence[Record], c: Counters) -> list[Identity]:

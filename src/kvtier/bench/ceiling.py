@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvtier.cachemodel.optimum import optimal_leading
 from kvtier.cachemodel.stream import ChainIds, ChainLRU, from_prompts
@@ -150,66 +151,36 @@ def simulate(
     return Ceiling(name, requests, prompt_tokens, hbm_hits, ext_hits)
 
 
-def hbm_ceiling(
-    prompts: Iterable[Sequence[int]],
+def ceilings(
+    prompts: Sequence[Sequence[int]],
     block_size: int,
-    hbm_blocks: int,
-    *,
-    outputs: Iterable[Sequence[int]] | None = None,
-    counted: Iterable[bool] | None = None,
-) -> Ceiling:
-    """(a) The HBM pool alone: LRU of `hbm_blocks` blocks."""
-    return simulate(
-        prompts,
-        block_size=block_size,
-        hbm_blocks=hbm_blocks,
-        name="hbm",
-        outputs=outputs,
-        counted=counted,
-    )
-
-
-def tier_ceiling(
-    prompts: Iterable[Sequence[int]],
-    block_size: int,
-    hbm_blocks: int,
-    chunk_size: int,
-    tier_chunks: int,
+    hbm_blocks: int | None,
+    chunk_size: int | None = None,
+    tier_chunks: int | None = None,
     min_load_tokens: int = 0,
     *,
-    outputs: Iterable[Sequence[int]] | None = None,
-    counted: Iterable[bool] | None = None,
-) -> Ceiling:
-    """(b) The HBM pool in front of the offline-optimal tier of `tier_chunks` chunks."""
-    return simulate(
-        prompts,
-        block_size=block_size,
-        hbm_blocks=hbm_blocks,
-        chunk_size=chunk_size,
-        tier_chunks=tier_chunks,
-        min_load_tokens=min_load_tokens,
-        name="hbm+tier",
-        outputs=outputs,
-        counted=counted,
-    )
-
-
-def infinite_ceiling(
-    prompts: Iterable[Sequence[int]],
-    block_size: int,
-    *,
-    outputs: Iterable[Sequence[int]] | None = None,
-    counted: Iterable[bool] | None = None,
-) -> Ceiling:
-    """Every block ever computed stays: no arm can hit more."""
-    return simulate(
-        prompts,
-        block_size=block_size,
-        hbm_blocks=None,
-        name="infinite",
-        outputs=outputs,
-        counted=counted,
-    )
+    outputs: Sequence[Sequence[int]] | None = None,
+    counted: Sequence[bool] | None = None,
+) -> dict[str, Ceiling]:
+    """The ceilings by name: "hbm" (an LRU of `hbm_blocks`) and "hbm+tier" (that LRU in front of
+    the offline-optimal tier of `tier_chunks` chunks) where those sizes are given, and
+    "infinite" (every block ever computed stays: no arm can hit more)."""
+    common: dict[str, Any] = {"block_size": block_size, "outputs": outputs, "counted": counted}
+    out = {}
+    if hbm_blocks:
+        out["hbm"] = simulate(prompts, hbm_blocks=hbm_blocks, name="hbm", **common)
+        if chunk_size and tier_chunks:
+            out["hbm+tier"] = simulate(
+                prompts,
+                hbm_blocks=hbm_blocks,
+                chunk_size=chunk_size,
+                tier_chunks=tier_chunks,
+                min_load_tokens=min_load_tokens,
+                name="hbm+tier",
+                **common,
+            )
+    out["infinite"] = simulate(prompts, hbm_blocks=None, name="infinite", **common)
+    return out
 
 
 def _check(**values: int) -> None:

@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvtier.bench import e2e
-from kvtier.bench.arms import ServerConfig, ServerProcess, free_port, settled_metrics
+from kvtier.bench.arms import ServerConfig, settled_metrics
 from kvtier.bench.client import run_load
 from kvtier.bench.table import print_report, report_console
 from kvtier.bench.workload import RequestSpec
@@ -68,12 +68,9 @@ def restore_check(model: Path, tp: int, env: dict[str, str], say: Any) -> dict[s
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
     specs = _restore_specs(vocab)
     cfg = ServerConfig(model_dir=model, tp=tp, hbm_blocks=256, max_num_seqs=4, env=env)
-    port = free_port()
     log = Path("runs") / "demo-restore-server.log"
     say(f"starting kvtier serve (TP={tp}, memory tier) for the two-pass restore check")
-    with ServerProcess(
-        cfg.argv(port, offload=True), cfg.environ(), f"http://127.0.0.1:{port}", log
-    ) as server:
+    with cfg.process(log) as server:
         say(f"server ready in {server.startup_s:.1f}s; pass 1 stores, pass 2 restores")
         res = asyncio.run(_two_passes(server.base_url, specs))
     delta: MetricSet = res["end"].delta(res["mid"])

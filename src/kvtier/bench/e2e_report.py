@@ -25,6 +25,7 @@ from kvtier.bench.breakdown import Breakdown, breakdown
 from kvtier.bench.ceiling import Ceiling
 from kvtier.bench.table import Report, Row, Target
 from kvtier.bench.workload import NO_REUSE, PREFIX_POOL
+from kvtier.scrape import Counters, Identity, identities
 
 NO_REUSE_TARGET = 0.97
 NO_REUSE_TTFT_TARGET = 1.03
@@ -107,9 +108,9 @@ class WindowResult:
     rep: int
     workload: str
     summary: analysis.Summary
-    counters: analysis.Counters
-    identities: list[analysis.Identity]
-    checks: list[analysis.Identity]
+    counters: Counters
+    identities: list[Identity]
+    checks: list[Identity]
     steps: Breakdown | None = None  # where the step time went (kvtier arms only)
 
     def to_json(self) -> dict[str, Any]:
@@ -136,14 +137,14 @@ def analyse(run: ArmRun, window: Window, tp: int, *, has_retrieved: bool = True)
             f"{run.arm.upper()} rep {run.rep} {window.workload}: no request completed "
             f"(errors: {summary.errors}); server log: {run.log_path}"
         )
-    counters = analysis.Counters.of(window.delta)
+    counters = Counters.of(window.delta)
     return WindowResult(
         run.arm,
         run.rep,
         window.workload,
         summary,
         counters,
-        analysis.identities(counters, tp, run.offload, has_retrieved=has_retrieved),
+        identities(counters, tp, run.offload, has_retrieved=has_retrieved),
         analysis.client_server_checks(records, counters),
         breakdown(window.delta, tp) if run.offload and has_retrieved else None,
     )

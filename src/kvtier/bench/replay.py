@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import re
 import shutil
 import time
@@ -43,22 +42,24 @@ from kvtier.bench.aiperf import AiperfRun, export_path, load_profile_export
 from kvtier.bench.arms import (
     OFF_AGAIN,
     ArmSpec,
+    Drive,
+    Workload,
     alternate,
     flag_value,
     pool_mismatches,
+    post_reset,
     run_endpoint_arm,
 )
 from kvtier.bench.breakdown import breakdown
-from kvtier.bench.ceiling import Ceiling, hbm_ceiling, infinite_ceiling, tier_ceiling
+from kvtier.bench.ceiling import Ceiling, ceilings
 from kvtier.bench.client import OUTPUTS, LoadOptions, Record, read_jsonl
-from kvtier.bench.table import Report, Row, Target, write_json
+from kvtier.bench.table import Report, Row, Target, machine, write_json
 from kvtier.bench.workload import (
     MULTI_TURN,
     PREFIX_POOL,
     TRACE,
     WARMUP,
     RequestSpec,
-    load_trace,
     multi_turn,
     no_reuse,
     poisson_arrivals,
@@ -69,6 +70,7 @@ from kvtier.bench.workload import (
     with_arrivals,
     write_specs,
 )
+from kvtier.cachemodel.trace import read_trace_rows
 from kvtier.errors import ConfigError
 from kvtier.scrape import Counters, MetricSet
 
@@ -210,7 +212,7 @@ def build_specs(wc: WorkloadConfig) -> list[RequestSpec]:
     elif wc.kind == TRACE:
         if wc.trace is None:
             raise ConfigError("--workload trace needs --trace FILE (Mooncake JSONL)")
-        rows = load_trace(wc.trace, limit=wc.requests)
+        rows = read_trace_rows(wc.trace, limit=wc.requests)
         specs = trace_requests(
             rows, wc.seed, wc.vocab, block=wc.trace_block, source_block=wc.trace_source_block,
             time_scale=wc.time_scale, max_tokens=wc.osl, bust=wc.bust,
@@ -285,23 +287,31 @@ def run(
         f"{'open loop' if cfg.load.open_loop else f'concurrency {cfg.load.concurrency}'}; "
         f"arms {names} x {cfg.repeat}"
     )
+    reset = None
+    if cfg.reset_path:
+        hint = "; vLLM serves it only in dev mode (VLLM_SERVER_DEV_MODE=1), or drop --reset"
+        reset = post_reset(cfg.reset_path, hint)
+    drive = Drive(
+        [Workload(cfg.workload.kind, specs)],
+        out,
+        cfg.load,
+        warm,
+        reset,
+        log,
+        progress,
+        console,
+        sample_every_s=cfg.scrape_interval_s,
+        records="records/{arm}-rep{rep}.jsonl",
+    )
     for rep, name in order:
         run_endpoint_arm(
             by_name[name],
             rep,
-            specs,
-            options=cfg.load,
-            out_dir=out,
-            warmup=warm,
-            reset_path=cfg.reset_path,
+            drive,
             host=cfg.host,
             port=cfg.port,
             health_path=cfg.health_path,
             startup_timeout_s=cfg.startup_timeout_s,
-            scrape_interval_s=cfg.scrape_interval_s,
-            say=log,
-            progress=progress,
-            console=console,
         )
     meta["complete"] = True
     meta["elapsed_s"] = round(time.perf_counter() - t0, 2)
@@ -338,12 +348,7 @@ def run_meta(
         "bucket_s": cfg.bucket_s,
         "scrape_interval_s": cfg.scrape_interval_s,
         "aiperf": dict(aiperf),
-        "env": {
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "cores": len(os.sched_getaffinity(0)),
-            "loadavg_start": list(os.getloadavg()),
-        },
+        "env": {**machine(), "loadavg_start": list(os.getloadavg())},
     }
 
 
@@ -587,22 +592,12 @@ def _ceilings(
     windows = {FULL: [True] * len(sent)}
     if cut > 0:
         windows[CUT] = [r.start >= started + cut for r in sent]
-    bs = int(cc["block_size"])
-    out: dict[str, dict[str, Ceiling]] = {}
-    for w, counted in windows.items():
-        cs = {"infinite": infinite_ceiling(stream, bs, outputs=outs, counted=counted)}
-        if cc.get("hbm_blocks"):
-            cs["hbm"] = hbm_ceiling(
-                stream, bs, int(cc["hbm_blocks"]), outputs=outs, counted=counted
-            )
-            if cc.get("tier_chunks") and cc.get("chunk_size"):
-                cs["hbm+tier"] = tier_ceiling(
-                    stream, bs, int(cc["hbm_blocks"]), int(cc["chunk_size"]),
-                    int(cc["tier_chunks"]), int(cc.get("min_load_tokens") or 0),
-                    outputs=outs, counted=counted,
-                )  # fmt: skip
-        out[w] = cs
-    return out
+    sizes = [cc.get(k) for k in ("block_size", "hbm_blocks", "chunk_size", "tier_chunks")]
+    min_load = cc.get("min_load_tokens") or 0
+    return {
+        w: ceilings(stream, *sizes, min_load, outputs=outs, counted=counted)
+        for w, counted in windows.items()
+    }
 
 
 def _aggregate(

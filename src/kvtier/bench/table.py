@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -164,6 +165,15 @@ def write_json(path: str | Path, doc: Mapping[str, Any]) -> Path:
     return out
 
 
+def machine() -> dict[str, Any]:
+    """Where a bench ran: Python, platform and the cores this process may use."""
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cores": len(os.sched_getaffinity(0)),
+    }
+
+
 def fmt(value: float | None, unit: str = "") -> str:
     """A number with 3 significant digits (more for large values), or an em dash."""
     if value is None:
@@ -181,7 +191,10 @@ def render(doc: Mapping[str, Any]) -> Group:
     table.add_column("ratio", justify="right")
     table.add_column("target")
     table.add_column("result")
-    for row in _rows(doc):
+    rows = doc.get("rows")
+    if not isinstance(rows, list):
+        raise ValueError("report document has no 'rows' list; build it with Report.to_json()")
+    for row in rows:
         passed = row.get("pass")
         verdict = (
             Text("—", style="dim")
@@ -211,13 +224,6 @@ def render(doc: Mapping[str, Any]) -> Group:
 def print_report(doc: Mapping[str, Any], console: Console | None = None) -> None:
     """Print `render(doc)` to `console` (stdout by default)."""
     (console or report_console()).print(render(doc))
-
-
-def _rows(doc: Mapping[str, Any]) -> Sequence[Mapping[str, Any]]:
-    rows = doc.get("rows")
-    if not isinstance(rows, list):
-        raise ValueError("report document has no 'rows' list; build it with Report.to_json()")
-    return rows
 
 
 def report_console() -> Console:

@@ -19,37 +19,15 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from kvtier.bench.analysis import cache_config
-from kvtier.bench.arms import ArmRun, Drive, free_port
+from kvtier.bench.arms import ArmRun, Drive, ServerProcess, free_port
 from kvtier.errors import ConfigError, StartupError
-
-__all__ = [
-    "ARM_LABELS",
-    "EXAMPLE",
-    "KVTIER",
-    "NONE",
-    "NONE_AGAIN",
-    "OFFLOADING_NOT_RUN",
-    "VLLM_ARMS",
-    "RUN_ORDER",
-    "VLLM_BLOCK_SIZE",
-    "VLLMArm",
-    "VLLMArmRun",
-    "VLLMServerConfig",
-    "default_venv",
-    "ensure_vllm_env",
-    "example_transfer_config",
-    "kvtier_transfer_config",
-    "make_arms",
-    "reset_prefix_cache",
-    "run_vllm_arm",
-]
+from kvtier.scrape import cache_config
 
 Say = Callable[[str], None]
 Clock = Callable[[], float]
@@ -320,59 +298,52 @@ class VLLMArmRun:
 
 
 def run_vllm_arm(
-    arm: VLLMArm,
-    rep: int,
-    server: VLLMServerConfig,
-    drive: Drive,
-    *,
-    reset_timeout_s: float = 30.0,
-    keep_store: bool = False,
+    arm: VLLMArm, rep: int, server: VLLMServerConfig, drive: Drive, *, keep_store: bool = False
 ) -> VLLMArmRun:
     """Start `vllm serve` for `arm`, run the warmup and every workload (prefix cache reset
     before each), stop it; ExampleConnector's store is measured, then removed unless
     `keep_store`."""
-    tag = f"[{arm.name} rep {rep}]"
     if arm.store is not None:
         store = arm.store / f"rep{rep}"
         if store.exists():
             shutil.rmtree(store)  # a previous run's files would turn misses into hits
         store.mkdir(parents=True)
-        arm = VLLMArm(
-            arm.name, example_transfer_config(store), arm.offload, arm.has_retrieved, store
-        )
+        arm = replace(arm, transfer_config=example_transfer_config(store), store=store)
     port = free_port(server.host)
     argv = server.argv(port, arm)
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-vllm-", dir=_short_tmp()))
     try:
-        windows, startup_s, code, log_path = drive.serve(
-            arm.name,
-            rep,
-            (port, argv),
+        proc = ServerProcess(
+            argv,
             server.environ(tmp),
-            server,
-            shown=arm.name,
-            what=(
-                f"vllm serve (tp={server.tp}, num_gpu_blocks={server.hbm_blocks} x "
-                f"{server.block_size}, {server.dtype}, connector: {arm.label})"
-            ),
-            reset=lambda http, _tag: reset_prefix_cache(http, reset_timeout_s),
-            model=server.served_model_name,
+            f"http://{server.host}:{port}",
+            drive.out_dir / f"server-{arm.name}-rep{rep}.log",
+            startup_timeout_s=server.startup_timeout_s,
+            stop_timeout_s=server.stop_timeout_s,
         )
-        # vLLM's pool as the first window that reports it
-        config = next((c for w in windows.values() if (c := cache_config(w.before))), {})
+        what = (
+            f"vllm serve (tp={server.tp}, num_gpu_blocks={server.hbm_blocks} x "
+            f"{server.block_size}, {server.dtype}, connector: {arm.label})"
+        )
+        run = drive.run(arm.name, rep, arm.offload, proc, what=what)
     finally:
         # vLLM's ipc sockets and dist files; its processes are gone once the server stopped
         shutil.rmtree(tmp)
+    # vLLM's pool as the first window that reports it
+    config = next(
+        (c for w in run.windows.values() if w.before and (c := cache_config(w.before))), {}
+    )
     store_bytes = store_files = None
     if arm.store is not None:
         files = [f for f in arm.store.rglob("*") if f.is_file()]
         store_files = len(files)
         store_bytes = sum(f.stat().st_size for f in files)
         mib = store_bytes / 2**20
-        drive.say(f"{tag} ExampleConnector wrote {store_files} files, {mib:.1f} MiB")
+        drive.say(
+            f"[{arm.name} rep {rep}] ExampleConnector wrote {store_files} files, {mib:.1f} MiB"
+        )
         if not keep_store:
             shutil.rmtree(arm.store)
-    run = ArmRun(arm.name, rep, arm.offload, windows, startup_s, code, log_path)
     return VLLMArmRun(run, argv, config, store_bytes, store_files)
 
 

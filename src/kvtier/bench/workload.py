@@ -10,9 +10,6 @@ against the same live server cannot hit the first run's whole prompts.
 
 Streams: a prefix pool, unique prompts (no reuse), multi-turn conversations whose turns extend
 the previous prompt, and a Mooncake-format trace replayed with one block of token ids per hash id.
-
-Why one module over 500 lines: every stream shares the marker, the bust suffix and the seeding,
-which is the point (the streams stay comparable); trace reading is `cachemodel.trace`.
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.cachemodel.reuse import pool_reuse_distance
-from kvtier.cachemodel.trace import TraceRow, read_trace_rows
+from kvtier.cachemodel.trace import TraceRow
 from kvtier.errors import ConfigError
 
 # Token ids below this are the tiny model's special tokens (<s>, </s>, <unk>); never sent.
@@ -294,13 +291,6 @@ def sent_prompts(
 # ----------------------------------------------------------------------------------------------
 
 
-def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRow]:
-    """Rows of a Mooncake JSONL trace in replay order, the first `limit` of them (the one
-    reader, `kvtier.cachemodel.trace`, decides every edge case); a bad row raises naming its
-    line."""
-    return read_trace_rows(path, limit=limit)
-
-
 def trace_requests(
     rows: Sequence[TraceRow],
     seed: int,
@@ -363,22 +353,6 @@ def trace_requests(
             )
         )
     return out
-
-
-def trace_rows_json(rows: Sequence[TraceRow]) -> str:
-    """Rows back as Mooncake JSONL (for writing a generated trace)."""
-    return "".join(
-        json.dumps(
-            {
-                "timestamp": r.timestamp_ms,
-                "input_length": r.input_length,
-                "output_length": r.output_length,
-                "hash_ids": list(r.hash_ids),
-            }
-        )
-        + "\n"
-        for r in rows
-    )
 
 
 # ----------------------------------------------------------------------------------------------
