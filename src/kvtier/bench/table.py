@@ -195,23 +195,9 @@ def render(doc: Mapping[str, Any]) -> Group:
     if not isinstance(rows, list):
         raise ValueError("report document has no 'rows' list; build it with Report.to_json()")
     for row in rows:
-        passed = row.get("pass")
-        verdict = (
-            Text("—", style="dim")
-            if passed is None
-            else Text(PASS, style="bold green")
-            if passed
-            else Text(MISS, style="bold red")
-        )
-        r = row.get("ratio")
-        table.add_row(
-            str(row["label"]),
-            fmt(row["value"], row["unit"]),
-            fmt(row.get("raw"), row["unit"] if row.get("raw") is not None else ""),
-            "—" if r is None else f"{r:.2f}x",
-            str(row.get("target") or "—"),
-            verdict,
-        )
+        *cells, verdict = cells_of(row)
+        style = {PASS: "bold green", MISS: "bold red"}.get(verdict, "dim")
+        table.add_row(*cells, Text(verdict, style=style))
     parts: list[Table | Text] = [table]
     for i, note in enumerate(doc.get("footnotes", []), start=1):
         parts.append(Text(f"[{i}] {note}", style="dim"))
@@ -219,6 +205,19 @@ def render(doc: Mapping[str, Any]) -> Group:
     if isinstance(summary, Mapping):
         parts.append(Text(f"targets met: {summary['passed']} of {summary['targets']}"))
     return Group(*parts)
+
+
+def cells_of(row: Mapping[str, Any]) -> tuple[str, str, str, str, str, str]:
+    """A row's label, value, raw, ratio, target and verdict (PASS, MISS or an em dash), shown."""
+    passed, r, raw = row.get("pass"), row.get("ratio"), row.get("raw")
+    return (
+        str(row["label"]),
+        fmt(row["value"], row["unit"]),
+        fmt(raw, row["unit"] if raw is not None else ""),
+        "—" if r is None else f"{r:.2f}x",
+        str(row.get("target") or "—"),
+        "—" if passed is None else PASS if passed else MISS,
+    )
 
 
 def print_report(doc: Mapping[str, Any], console: Console | None = None) -> None:
