@@ -301,6 +301,19 @@ def on_off_ratio(on: float, off: float) -> float | None:
     return on / off
 
 
+def paired_ratios(
+    values: Mapping[int, float | None], base: Mapping[int, float | None]
+) -> dict[int, float]:
+    """`values` over `base`, repetition by repetition, where both are known and the ratio is
+    defined (`on_off_ratio`)."""
+    out = {}
+    for rep, v in values.items():
+        b = base.get(rep)
+        if v is not None and b is not None and (r := on_off_ratio(v, b)) is not None:
+            out[rep] = r
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class OutputComparison:
     """Greedy outputs of two arms, request by request."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -172,10 +171,7 @@ class _Results:
 
     def ext(self, arm: str) -> float:
         """The prefix pool's mean external (tier) hit rate, in %."""
-        return (
-            statistics.fmean(x.counters.external_hit_rate for x in self.pick(arm, PREFIX_POOL))
-            * 100
-        )
+        return _mean([x.counters.external_hit_rate for x in self.pick(arm, PREFIX_POOL)]) * 100
 
     def vs(self, arm: str, base: str, workload: str, name: str, row_id: str, label: str,
            unit: str, target: Target | None = None) -> Row:  # fmt: skip
@@ -455,8 +451,8 @@ def _values(xs: Sequence[WindowResult], name: str) -> list[float]:
 
 def _ratios(a: Sequence[WindowResult], base: Sequence[WindowResult], name: str) -> dict[int, float]:
     """`name` of `a` over `base`, paired by repetition, where the ratio is defined."""
-    pairs = zip(a, _values(a, name), _values(base, name), strict=True)
-    return {x.rep: r for x, va, vb in pairs if (r := analysis.on_off_ratio(va, vb)) is not None}
+    by_rep = [{x.rep: v for x, v in zip(xs, _values(xs, name), strict=True)} for xs in (a, base)]
+    return analysis.paired_ratios(*by_rep)
 
 
 def _per_rep(
@@ -472,11 +468,11 @@ def _per_rep(
         if x.rep in ratios:
             out[f"rep{x.rep}.ratio"] = ratios[x.rep]
     if len(a) >= 2:
-        out[f"{a[0].arm}.sd"] = statistics.stdev(_values(a, name))
-        out[f"{base[0].arm}.sd"] = statistics.stdev(_values(base, name))
+        out[f"{a[0].arm}.sd"] = analysis.spread(_values(a, name)).sd
+        out[f"{base[0].arm}.sd"] = analysis.spread(_values(base, name)).sd
     if len(ratios) >= 2:
-        out["ratio.mean"] = statistics.fmean(ratios.values())
-        out["ratio.sd"] = statistics.stdev(ratios.values())
+        sp = analysis.spread(ratios.values())
+        out["ratio.mean"], out["ratio.sd"] = sp.mean, sp.sd
     return out
 
 
@@ -699,9 +695,10 @@ def _worst_rep_row(
     values = list(ratios.values())
     judged_values = [_fold(r, target.op) for r in values] if folded else values
     worst = min(judged_values) if target.op == ">=" else max(judged_values)
-    detail: dict[str, float] = {**ratios, "mean": statistics.fmean(values)}
-    if len(values) >= 2:
-        detail["sd"] = statistics.stdev(values)
+    sp = analysis.spread(values)
+    detail: dict[str, float] = {**ratios, "mean": sp.mean}
+    if sp.n >= 2:
+        detail["sd"] = sp.sd
     return Row(key, label, worst, "x", target=target if judged else None, detail=detail)
 
 

@@ -738,15 +738,11 @@ _AA_METRICS = (
 
 def _rep_ratios(doc: Mapping[str, Any], name: str, baseline: str, key: str) -> list[float]:
     """`name` over `baseline` per repetition (full window), where both are known."""
-    by: dict[tuple[str, int], float | None] = {
-        (x["arm"], x["rep"]): (x["windows"].get(FULL) or {}).get(key) for x in doc["runs"]
-    }
-    out = []
-    for (arm, rep), v in sorted(by.items(), key=lambda kv: kv[0][1]):
-        base = by.get((baseline, rep))
-        if arm == name and v is not None and base:
-            out.append(v / base)
-    return out
+    by: dict[str, dict[int, float | None]] = {}
+    for x in doc["runs"]:
+        by.setdefault(x["arm"], {})[x["rep"]] = (x["windows"].get(FULL) or {}).get(key)
+    ratios = analysis.paired_ratios(by.get(name, {}), by.get(baseline, {}))
+    return [ratios[rep] for rep in sorted(ratios)]
 
 
 def _aa_rows(report: Report, doc: Mapping[str, Any]) -> None:
