@@ -85,11 +85,6 @@ class Summary:
         return {k: _nan_none(v) for k, v in asdict(self).items()}
 
 
-def itl_ms(records: Iterable[Record]) -> list[float]:
-    """Inter-token gaps (ms) of completed requests, pooled."""
-    return [g * 1e3 for r in records if r.ok for g in r.itl()]
-
-
 def summarize(records: Sequence[Record], duration_s: float) -> Summary:
     """Throughput over the window's wall clock, TTFT and inter-token latency percentiles of
     completed requests, and the client-side cache-read share."""
@@ -97,7 +92,7 @@ def summarize(records: Sequence[Record], duration_s: float) -> Summary:
         raise ValueError(f"duration_s={duration_s!r} must be a positive finite number")
     ok = [r for r in records if r.ok]
     ttfts = [r.ttft * 1e3 for r in ok if r.ttft is not None]
-    itls = itl_ms(ok)
+    itls = [g * 1e3 for r in ok for g in r.itl()]  # pooled over requests
     out_tokens = sum(r.completion_tokens or 0 for r in ok)
     in_tokens = sum(r.prompt_tokens or 0 for r in ok)
     cached = sum(r.cached_tokens or 0 for r in ok)
@@ -107,9 +102,9 @@ def summarize(records: Sequence[Record], duration_s: float) -> Summary:
         completed=len(ok),
         failed=len(records) - len(ok),
         duration_s=duration_s,
-        total_input_tokens=sum(r.prompt_tokens or 0 for r in ok),
+        total_input_tokens=in_tokens,
         total_output_tokens=out_tokens,
-        total_cached_tokens=sum(r.cached_tokens or 0 for r in ok),
+        total_cached_tokens=cached,
         request_throughput=len(ok) / duration_s,
         output_throughput=out_tokens / duration_s,
         ttft_p50_ms=percentile(ttfts, 50) if has else math.nan,

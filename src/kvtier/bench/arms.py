@@ -179,18 +179,15 @@ class ServerProcess:
                 except subprocess.TimeoutExpired:
                     code = None
                 if code is not None:
-                    raise StartupError(
-                        f"server exited with code {code} before {self.health_path} answered; "
-                        "command: "
-                        f"{' '.join(self.argv)}\n--- {self.log_path} (tail) ---\n{self.log_tail()}"
-                    )
-                if self.clock() > deadline:
-                    raise StartupError(
-                        f"server did not answer {self.health_path} within "
-                        f"{self.startup_timeout_s:g}s; "
-                        f"command: {' '.join(self.argv)}\n--- {self.log_path} (tail) ---\n"
-                        f"{self.log_tail()}"
-                    )
+                    why = f"exited with code {code} before {self.health_path} answered"
+                elif self.clock() > deadline:
+                    why = f"did not answer {self.health_path} within {self.startup_timeout_s:g}s"
+                else:
+                    continue
+                raise StartupError(
+                    f"server {why}; command: {' '.join(self.argv)}\n"
+                    f"--- {self.log_path} (tail) ---\n{self.log_tail()}"
+                )
 
     def stop(self) -> int | None:
         """SIGTERM the process group, wait `stop_timeout_s`, then SIGKILL; returns the exit code."""

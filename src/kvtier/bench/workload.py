@@ -86,32 +86,41 @@ def dumps(specs: Sequence[RequestSpec]) -> str:
     return json.dumps([s.to_json() for s in specs], sort_keys=True, separators=(",", ":"))
 
 
-def write_specs(path: str | Path, specs: Iterable[RequestSpec]) -> Path:
-    """One spec per line as JSON (parent directories created); returns the path."""
+def write_lines(path: str | Path, docs: Iterable[Mapping[str, Any]]) -> Path:
+    """One compact JSON object per line (parent directories created); returns the path."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as f:
-        for spec in specs:
-            f.write(json.dumps(spec.to_json(), separators=(",", ":")) + "\n")
+        for doc in docs:
+            f.write(json.dumps(doc, separators=(",", ":")) + "\n")
     return out
+
+
+def read_lines(path: str | Path) -> list[dict[str, Any]]:
+    """The objects `write_lines` wrote."""
+    with Path(path).open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_specs(path: str | Path, specs: Iterable[RequestSpec]) -> Path:
+    """One spec per line as JSON (parent directories created); returns the path."""
+    return write_lines(path, (s.to_json() for s in specs))
 
 
 def read_specs(path: str | Path) -> list[RequestSpec]:
     """Specs written by `write_specs`."""
-    with Path(path).open(encoding="utf-8") as f:
-        return [RequestSpec.from_json(json.loads(line)) for line in f if line.strip()]
+    return [RequestSpec.from_json(doc) for doc in read_lines(path)]
 
 
-def bust_marker(bust: int, vocab: int) -> list[int]:
-    """`BUST_TOKENS` non-special token ids derived from a run's bust id (same id, same tokens)."""
+def bust_marker(bust: int | None, vocab: int) -> list[int]:
+    """`BUST_TOKENS` non-special token ids derived from a run's bust id (same id, same tokens);
+    none without one."""
+    if bust is None:
+        return []
     if isinstance(bust, bool) or not isinstance(bust, int) or bust < 0:
         raise ConfigError(f"bust={bust!r} must be an integer >= 0 (a run id)")
     rng = np.random.default_rng([bust, _SALT_BUST])
     return [int(t) for t in rng.integers(FIRST_TOKEN, vocab, size=BUST_TOKENS)]
-
-
-def _bust(bust: int | None, vocab: int) -> list[int]:
-    return [] if bust is None else bust_marker(bust, vocab)
 
 
 def prefix_pool(
@@ -139,7 +148,7 @@ def prefix_pool(
     prefixes = rng.integers(FIRST_TOKEN, vocab, size=(n_prefixes, prefix_len)).tolist()
     picks = rng.integers(0, n_prefixes, size=n_requests).tolist()
     rest = rng.integers(FIRST_TOKEN, vocab, size=(n_requests, tail_len - MARKER_TOKENS)).tolist()
-    suffix = _bust(bust, vocab)
+    suffix = bust_marker(bust, vocab)
     return [
         RequestSpec(
             index=i,
@@ -229,7 +238,7 @@ def multi_turn(
     first = rng.integers(FIRST_TOKEN, vocab, size=(n_conversations, user_len - MARKER_TOKENS))
     later = rng.integers(FIRST_TOKEN, vocab, size=(n_conversations, turns, user_len))
     standin = rng.integers(FIRST_TOKEN, vocab, size=(n_conversations, turns, max_tokens))
-    suffix = _bust(bust, vocab)
+    suffix = bust_marker(bust, vocab)
     prompts: list[list[int]] = []
     for c in range(n_conversations):
         head = prefixes[picks[c]] if n_prefixes else []
@@ -322,7 +331,7 @@ def trace_requests(
         raise ConfigError("the trace has no rows; pass at least one")
     t0 = min(r.timestamp_ms for r in rows)
     blocks: dict[int, list[int]] = {}
-    suffix = _bust(bust, vocab)
+    suffix = bust_marker(bust, vocab)
     out = []
     for i, row in enumerate(rows):
         n = row.input_length
