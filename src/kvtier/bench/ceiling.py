@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.bench.workload import check_positive
 from kvtier.cachemodel.optimum import optimal_leading
 from kvtier.cachemodel.stream import ChainIds, ChainLRU, from_prompts
 from kvtier.errors import ConfigError
@@ -94,7 +95,7 @@ def simulate(
 
     `outputs` (one id sequence per prompt) puts each request's generated blocks in HBM too;
     `counted` (one flag per prompt) counts only the flagged requests in the totals."""
-    _check(block_size=block_size)
+    check_positive(block_size=block_size)
     if hbm_blocks is not None and hbm_blocks < 0:
         raise ConfigError(f"hbm_blocks={hbm_blocks} is negative; use 0 or more blocks")
     if tier_chunks < 0 or min_load_tokens < 0:
@@ -105,7 +106,7 @@ def simulate(
     if use_tier:
         if chunk_size is None:
             raise ConfigError("a tier needs chunk_size; pass chunk_size= with tier_chunks=")
-        _check(chunk_size=chunk_size)
+        check_positive(chunk_size=chunk_size)
         if chunk_size % block_size:
             raise ConfigError(
                 f"chunk_size={chunk_size} is not a multiple of block_size={block_size}"
@@ -181,9 +182,3 @@ def ceilings(
             )
     out["infinite"] = simulate(prompts, hbm_blocks=None, name="infinite", **common)
     return out
-
-
-def _check(**values: int) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name}={value!r} must be an integer >= 1")

@@ -63,9 +63,7 @@ async def _two_passes(base_url: str, specs: list[RequestSpec]) -> dict[str, Any]
 
 def restore_check(model: Path, tp: int, env: dict[str, str], say: Any) -> dict[str, Any]:
     """Pass 1 stores; the HBM prefix cache is reset; pass 2 must come from the tier."""
-    import json
-
-    vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+    vocab = int(e2e.model_config(model)["vocab_size"])
     specs = _restore_specs(vocab)
     cfg = ServerConfig(model_dir=model, tp=tp, hbm_blocks=256, max_num_seqs=4, env=env)
     log = Path("runs") / "demo-restore-server.log"

@@ -185,16 +185,20 @@ def ensure_model(model_dir: str | Path | None, preset: str = "small") -> Path:
 def _preset_matches(path: Path, preset: str) -> bool:
     """Whether the model generated at `path` has the preset's context length (a model made
     before the preset changed is made again)."""
-    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     want = MODEL_PRESETS[preset].get("max_position", 4096)
-    return int(config.get("max_position_embeddings", 0)) == want
+    return int(model_config(path).get("max_position_embeddings", 0)) == want
+
+
+def model_config(model_dir: Path) -> dict[str, Any]:
+    """A model directory's config.json."""
+    return dict(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
 
 
 def tier_chunks_per_rank(
-    model_config: dict[str, Any], tp: int, chunk_size: int, memory: int, kv_dtype: str = KV_DTYPE
+    config: dict[str, Any], tp: int, chunk_size: int, memory: int, kv_dtype: str = KV_DTYPE
 ) -> int:
     """Chunks the memory tier of one rank holds: its budget over one chunk's KV bytes."""
-    geometry = bytes_per_token_from_hf(model_config, tp_size=tp, kv_dtype=kv_dtype)
+    geometry = bytes_per_token_from_hf(config, tp_size=tp, kv_dtype=kv_dtype)
     return memory // geometry.bytes_for_tokens(chunk_size)
 
 
@@ -249,12 +253,12 @@ def run(
     if host == VLLM:
         cli = vllm_host.ensure_vllm_env(None if vllm_venv is None else Path(vllm_venv), say)
     model = ensure_model(model_dir, "tiny" if quick else "small").resolve()
-    model_config = json.loads((model / "config.json").read_text())
+    config = model_config(model)
     dtype = VLLM_DTYPE if host == VLLM else KV_DTYPE
-    tier_chunks = tier_chunks_per_rank(model_config, tp, chunk_size, kv_config.memory_bytes, dtype)
+    tier_chunks = tier_chunks_per_rank(config, tp, chunk_size, kv_config.memory_bytes, dtype)
     block_size = VLLM_BLOCK_SIZE if host == VLLM else BLOCK_SIZE
     usable = plan.hbm_blocks - 1 if host == VLLM else plan.hbm_blocks  # vLLM's null block
-    vocab = int(model_config["vocab_size"])
+    vocab = int(config["vocab_size"])
     placement, workloads, warm, cs = prepare(
         plan, usable, block_size, tier_chunks, chunk_size, kv_config, seed, vocab, say, host=host
     )

@@ -24,7 +24,7 @@ import numpy as np
 from kvtier.bench.analysis import percentile
 from kvtier.bench.arms import ServerConfig
 from kvtier.bench.client import completion_body
-from kvtier.bench.e2e import ensure_model
+from kvtier.bench.e2e import ensure_model, model_config
 from kvtier.bench.table import Report, Row, Target, write_json
 from kvtier.bench.workload import RequestSpec
 
@@ -124,7 +124,7 @@ def run_arm(
     server = ServerConfig(model, 1, hbm_blocks(plan), max_num_seqs=1, env=env)
     proc = server.process(out_dir / f"{arm}.log")
     sent: list[Sent] = []
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    vocab = model_config(model)["vocab_size"]
     work = prompts(plan, vocab)
     with proc, httpx.Client(base_url=proc.base_url, timeout=120.0) as http:
         say(f"[{arm}] {len(work)} requests, one at a time")

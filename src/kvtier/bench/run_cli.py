@@ -4,12 +4,10 @@ load and the ceiling's cache sizes) for `bench/replay.py` to run and analyse."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import secrets
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import typer
 from rich.console import Console
@@ -17,6 +15,7 @@ from rich.markup import escape
 
 from kvtier.bench.arms import OFF, OFF_AGAIN, ArmSpec, ServerConfig, parse_arm
 from kvtier.bench.client import HISTORY_MODES, OUTPUTS, LoadOptions
+from kvtier.bench.e2e import NATIVE, ensure_model, model_config, tier_chunks_per_rank, tier_config
 from kvtier.bench.replay import (
     CACHE_BUST,
     WORKLOADS,
@@ -272,7 +271,7 @@ def _arms_and_ceiling(
                     "--vocab is needed with --arm or --url (token ids are drawn below it); "
                     "pass the model's vocabulary size, or --model-dir to read it"
                 )
-            vocab = int(_model_config(model_dir)["vocab_size"])
+            vocab = int(model_config(ensure_model(model_dir))["vocab_size"])
         for a in arms:
             bs = bs or int_or_none(a.flag("--block-size"))
             ceiling_hbm = ceiling_hbm or int_or_none(
@@ -305,13 +304,6 @@ def _positive_seconds(text: str, what: str) -> float:
     return value
 
 
-def _model_config(model_dir: Path) -> dict[str, Any]:
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"--model-dir {str(model_dir)!r} has no config.json; pass a model dir")
-    return dict(json.loads(path.read_text(encoding="utf-8")))
-
-
 def _on_off_arms(
     model_dir: Path | None,
     tp: int,
@@ -323,12 +315,10 @@ def _on_off_arms(
     vocab: int | None,
 ) -> tuple[tuple[ArmSpec, ...], int, dict[str, int]]:
     """kvtier serve with --offload and --no-offload: same flags, same HBM pool, same env."""
-    from kvtier.bench.e2e import NATIVE, ensure_model, tier_chunks_per_rank, tier_config
-
     if tp < 1:
         raise ConfigError(f"--tp {tp} must be >= 1")
     model = ensure_model(model_dir, "tiny")
-    model_config = _model_config(model)
+    config = model_config(model)
     env, _, kv = tier_config(NATIVE, chunk_size, block_size)
     server = ServerConfig(
         model_dir=model,
@@ -346,7 +336,7 @@ def _on_off_arms(
     )
     extra = {
         "chunk_size": kv.chunk_size,
-        "tier_chunks": tier_chunks_per_rank(model_config, tp, kv.chunk_size, kv.memory_bytes),
+        "tier_chunks": tier_chunks_per_rank(config, tp, kv.chunk_size, kv.memory_bytes),
         "min_load_tokens": kv.min_load(block_size),
     }
-    return arms, vocab or int(model_config["vocab_size"]), extra
+    return arms, vocab or int(config["vocab_size"]), extra

@@ -140,12 +140,11 @@ def example_transfer_config(store: Path) -> dict[str, Any]:
 @dataclass(frozen=True)
 class VLLMArm:
     """One arm: its name, its `--kv-transfer-config` (None: no connector), whether it has a
-    connector (`offload`), whether it exports kvtier's retrieved counter, and its KV store dir."""
+    connector (`offload`) and its KV store dir."""
 
     name: str
     transfer_config: Mapping[str, Any] | None
     offload: bool
-    has_retrieved: bool
     store: Path | None = None
 
     @property
@@ -158,10 +157,10 @@ def make_arms(extra: Mapping[str, Any], store_dir: Path) -> dict[str, VLLMArm]:
     """The arms by name: kvtier (KVTierConnector with `extra`), ExampleConnector (files under
     `store_dir`, one directory per repetition), none, and none again (the A/A pair's second)."""
     return {
-        KVTIER: VLLMArm(KVTIER, kvtier_transfer_config(extra), True, True),
-        EXAMPLE: VLLMArm(EXAMPLE, example_transfer_config(store_dir), True, False, store_dir),
-        NONE: VLLMArm(NONE, None, False, False),
-        NONE_AGAIN: VLLMArm(NONE_AGAIN, None, False, False),
+        KVTIER: VLLMArm(KVTIER, kvtier_transfer_config(extra), True),
+        EXAMPLE: VLLMArm(EXAMPLE, example_transfer_config(store_dir), True, store_dir),
+        NONE: VLLMArm(NONE, None, False),
+        NONE_AGAIN: VLLMArm(NONE_AGAIN, None, False),
     }
 
 

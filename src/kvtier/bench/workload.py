@@ -137,7 +137,7 @@ def prefix_pool(
     """`n_requests` prompts, each one of `n_prefixes` shared random prefixes of `prefix_len`
     tokens (drawn uniformly at random per request) followed by a unique tail of `tail_len`
     (and the run's bust marker when `bust` is given)."""
-    _check_positive(n_prefixes=n_prefixes, prefix_len=prefix_len, n_requests=n_requests)
+    check_positive(n_prefixes=n_prefixes, prefix_len=prefix_len, n_requests=n_requests)
     _check_common(seed, vocab, max_tokens, n_requests)
     if tail_len < MARKER_TOKENS:
         raise ConfigError(
@@ -172,7 +172,7 @@ def no_reuse(
 ) -> list[RequestSpec]:
     """`n_requests` random prompts of `prompt_len` tokens sharing no block: each one starts with
     its own marker, so not even a first block repeats. `tag` WARMUP draws another stream."""
-    _check_positive(n_requests=n_requests)
+    check_positive(n_requests=n_requests)
     _check_common(seed, vocab, max_tokens, n_requests)
     if prompt_len < MARKER_TOKENS + 1:
         raise ConfigError(
@@ -219,7 +219,7 @@ def multi_turn(
     output tokens, and `user_len` new random tokens. The client may swap the stand-in for the
     output the server really gave (`extend_prompt`).
     """
-    _check_positive(n_conversations=n_conversations, turns=turns, user_len=user_len)
+    check_positive(n_conversations=n_conversations, turns=turns, user_len=user_len)
     _check_common(seed, vocab, max_tokens, n_conversations)
     if user_len < MARKER_TOKENS:
         raise ConfigError(
@@ -319,11 +319,11 @@ def trace_requests(
     a trace replayed with smaller blocks keeps its shape instead of growing a long last block.
     `max_tokens` caps output_length. The bust marker, when given, is appended to every prompt.
     """
-    _check_positive(block=block)
+    check_positive(block=block)
     if source_block is not None:
-        _check_positive(source_block=source_block)
+        check_positive(source_block=source_block)
     if max_tokens is not None:
-        _check_positive(max_tokens=max_tokens)
+        check_positive(max_tokens=max_tokens)
     _check_common(seed, vocab, 1, 1)
     if not (math.isfinite(time_scale) and time_scale >= 0):
         raise ConfigError(f"time_scale={time_scale!r} must be a finite number >= 0")
@@ -371,7 +371,7 @@ def trace_requests(
 
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
     """`n` arrival times (s) of a Poisson process of `rate` requests/s, the first at 0."""
-    _check_positive(n=n)
+    check_positive(n=n)
     if not (math.isfinite(rate) and rate > 0):
         raise ConfigError(f"rate={rate!r} must be a positive number of requests per second")
     rng = np.random.default_rng([seed, _SALT_ARRIVALS])
@@ -430,7 +430,7 @@ def place_in_window(
     Random prefix choice spreads reuse gaps geometrically (some reuses come back soon and hit
     HBM; some wait several rounds), hence the margins on both sides.
     """
-    _check_positive(
+    check_positive(
         hbm_pool_tokens=hbm_pool_tokens,
         tier_tokens=tier_tokens,
         prefix_len=prefix_len,
@@ -474,7 +474,7 @@ def _check_common(seed: int, vocab: int, max_tokens: int, n_requests: int) -> No
         raise ConfigError(f"seed={seed!r} must be an integer >= 0")
     if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab <= FIRST_TOKEN + 1:
         raise ConfigError(f"vocab={vocab!r} must be an integer > {FIRST_TOKEN + 1}")
-    _check_positive(max_tokens=max_tokens)
+    check_positive(max_tokens=max_tokens)
     if n_requests > (vocab - FIRST_TOKEN) ** 2:
         raise ConfigError(
             f"n_requests={n_requests} exceeds the {(vocab - FIRST_TOKEN) ** 2} unique markers "
@@ -482,7 +482,8 @@ def _check_common(seed: int, vocab: int, max_tokens: int, n_requests: int) -> No
         )
 
 
-def _check_positive(**values: int) -> None:
+def check_positive(**values: int) -> None:
+    """Each of `values` must be an integer >= 1 (ConfigError naming it)."""
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name}={value!r} must be an integer >= 1")
