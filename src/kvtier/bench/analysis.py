@@ -40,11 +40,6 @@ def client_server_checks(records: Sequence[Record], c: Counters) -> list[Identit
     ]
 
 
-# ----------------------------------------------------------------------------------------------
-# client-side summary
-# ----------------------------------------------------------------------------------------------
-
-
 def percentile(values: Iterable[float], q: float) -> float:
     """The `q`-th percentile (linear interpolation between order statistics, numpy's default)."""
     arr = np.asarray(list(values), dtype=float)
@@ -121,11 +116,6 @@ def summarize(records: Sequence[Record], duration_s: float) -> Summary:
     )
 
 
-# ----------------------------------------------------------------------------------------------
-# windows and time series
-# ----------------------------------------------------------------------------------------------
-
-
 def after_cut(records: Iterable[Record], t0: float, cut_s: float) -> list[Record]:
     """Requests sent at or after `t0 + cut_s` (a start-cut window; skipped ones left out)."""
     if not (math.isfinite(cut_s) and cut_s >= 0):
@@ -198,11 +188,6 @@ def time_series(records: Sequence[Record], t0: float, bucket_s: float) -> list[B
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# periodic server samples
-# ----------------------------------------------------------------------------------------------
-
-
 def sample(ms: MetricSet, t: float) -> dict[str, Any]:
     """One periodic sample: time, tier residency bytes per tier (summed over ranks) and the
     `SAMPLED` counter totals the server exports."""
@@ -255,11 +240,6 @@ def counters_since(
     return Counters.of_samples(first.get("counters") or {}, last)
 
 
-# ----------------------------------------------------------------------------------------------
-# spread over repetitions
-# ----------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True, slots=True)
 class Spread:
     """Mean, sample sd, min and max of one metric over repetitions (NaNs left out)."""
@@ -282,11 +262,6 @@ def spread(values: Iterable[float]) -> Spread:
         return Spread(0, math.nan, math.nan, math.nan, math.nan)
     sd = statistics.stdev(xs) if len(xs) >= 2 else math.nan
     return Spread(len(xs), statistics.fmean(xs), sd, min(xs), max(xs))
-
-
-# ----------------------------------------------------------------------------------------------
-# ON vs OFF
-# ----------------------------------------------------------------------------------------------
 
 
 def on_off_ratio(on: float, off: float) -> float | None:

@@ -382,9 +382,13 @@ class Drive:
                 "headers": dict(o.headers),
                 "require_token_ids": o.require_token_ids,
             }
-            await warm_up(
-                base_url, self.warmup, tag, self.say, concurrency=o.concurrency or 4, **common
-            )
+            if self.warmup:
+                self.say(f"{tag} warmup: {len(self.warmup)} requests")
+                res = await run_load(
+                    base_url, self.warmup, progress=False, concurrency=o.concurrency or 4, **common
+                )
+                if bad := [r.error for r in res.records if not r.ok]:
+                    raise RuntimeError(f"{tag} warmup requests failed: {bad[:3]}")
             windows = {}
             for wl in self.workloads:
                 if self.reset is not None:
@@ -414,12 +418,9 @@ class Drive:
             before = None
         every = None if before is None else self.sample_every_s
         samples: list[dict[str, Any]] = []
-        errors = [0]
         stop = asyncio.Event()
         sampler = (
-            None
-            if every is None
-            else asyncio.create_task(_sample_loop(http, stop, every, samples, errors))
+            None if every is None else asyncio.create_task(_sample(http, stop, every, samples))
         )
         try:
             load = await run_load(
@@ -436,8 +437,7 @@ class Drive:
             )
         finally:
             stop.set()
-            if sampler is not None:
-                await sampler
+            errors = 0 if sampler is None else await sampler
         after = None if before is None else await settled_metrics(http, self.settle_timeout_s)
         if every is not None and before is not None and after is not None:
             # the settled scrapes bound the series: counters at the load's start and end
@@ -454,7 +454,7 @@ class Drive:
                 f"{tag} the stream ran out before --duration {o.duration_s:g}s; "
                 "pass a larger --requests (or more conversations) to fill it"
             )
-        return Window(wl.name, load, before, after, None, samples, errors[0])
+        return Window(wl.name, load, before, after, None, samples, errors)
 
 
 def run_arm(arm: str, rep: int, server: ServerConfig, drive: Drive) -> ArmRun:
@@ -466,19 +466,6 @@ def run_arm(arm: str, rep: int, server: ServerConfig, drive: Drive) -> ArmRun:
     proc = server.process(drive.out_dir / f"server-{arm}-rep{rep}.log", offload)
     what = f"kvtier serve (tp={server.tp}, hbm_blocks={server.hbm_blocks}, {flag})"
     return drive.run(arm, rep, offload, proc, shown=arm.upper(), what=what)
-
-
-async def warm_up(
-    base_url: str, warmup: Sequence[RequestSpec], tag: str, say: Say, **load: Any
-) -> None:
-    """Send `warmup` (`run_load`'s `load` arguments, no progress bar); a failed one raises."""
-    if not warmup:
-        return
-    say(f"{tag} warmup: {len(warmup)} requests")
-    res = await run_load(base_url, warmup, progress=False, **load)
-    bad = [r.error for r in res.records if not r.ok]
-    if bad:
-        raise RuntimeError(f"{tag} warmup requests failed: {bad[:3]}")
 
 
 class MetricsUnavailable(RuntimeError):
@@ -523,27 +510,26 @@ def _family(m: MetricSet, name: str) -> dict[tuple[tuple[str, str], ...], float]
     return {k: v for (n, k), v in m.samples.items() if n == name}
 
 
-async def _sample_loop(
-    http: httpx.AsyncClient,
-    stop: asyncio.Event,
-    interval_s: float,
-    out: list[dict[str, Any]],
-    errors: list[int],
-) -> None:
-    """Scrape every `interval_s` until `stop` is set; a failed scrape is counted, not fatal."""
+async def _sample(
+    http: httpx.AsyncClient, stop: asyncio.Event, interval_s: float, out: list[dict[str, Any]]
+) -> int:
+    """Scrape into `out` every `interval_s` until `stop` is set; returns the failed scrapes
+    (counted, not fatal)."""
+    errors = 0
     while not stop.is_set():
         try:
             ms = await scrape(http)
         except MetricsUnavailable:
-            return
+            return errors
         except (httpx.HTTPError, RuntimeError, ValueError):
-            errors[0] += 1  # a busy server may miss one scrape; the series just has a gap
+            errors += 1  # a busy server may miss one scrape; the series just has a gap
         else:
             out.append(sample(ms, time.perf_counter()))
         try:
             await asyncio.wait_for(stop.wait(), timeout=interval_s)
         except TimeoutError:
             continue
+    return errors
 
 
 async def discover_model(http: httpx.AsyncClient) -> str | None:
@@ -559,10 +545,6 @@ async def discover_model(http: httpx.AsyncClient) -> str | None:
     model = first.get("id")
     return model if isinstance(model, str) else None
 
-
-# ----------------------------------------------------------------------------------------------
-# generic arms: any server command, or an endpoint already running
-# ----------------------------------------------------------------------------------------------
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 # Flags that size or shape the HBM pool (kvtier serve's and vLLM's): equal in every arm.

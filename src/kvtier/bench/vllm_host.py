@@ -111,11 +111,6 @@ def ensure_vllm_env(
     return cli
 
 
-# ----------------------------------------------------------------------------------------------
-# connectors and arms
-# ----------------------------------------------------------------------------------------------
-
-
 def kvtier_transfer_config(extra: Mapping[str, Any]) -> dict[str, Any]:
     """`--kv-transfer-config` loading KVTierConnector out of tree with `extra` as its
     KVTierConfig; a failed tier load is recomputed (what kvtier would switch to anyway)."""
@@ -162,11 +157,6 @@ def make_arms(extra: Mapping[str, Any], store_dir: Path) -> dict[str, VLLMArm]:
         NONE: VLLMArm(NONE, None, False),
         NONE_AGAIN: VLLMArm(NONE_AGAIN, None, False),
     }
-
-
-# ----------------------------------------------------------------------------------------------
-# the server
-# ----------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

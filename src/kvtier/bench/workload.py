@@ -193,11 +193,6 @@ def no_reuse(
     ]
 
 
-# ----------------------------------------------------------------------------------------------
-# multi-turn conversations
-# ----------------------------------------------------------------------------------------------
-
-
 def multi_turn(
     n_conversations: int,
     turns: int,
@@ -295,11 +290,6 @@ def sent_prompts(
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# Mooncake-format trace replay
-# ----------------------------------------------------------------------------------------------
-
-
 def trace_requests(
     rows: Sequence[TraceRow],
     seed: int,
@@ -364,11 +354,6 @@ def trace_requests(
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# open-loop arrivals
-# ----------------------------------------------------------------------------------------------
-
-
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
     """`n` arrival times (s) of a Poisson process of `rate` requests/s, the first at 0."""
     check_positive(n=n)
@@ -384,11 +369,6 @@ def with_arrivals(specs: Sequence[RequestSpec], arrivals: Sequence[float]) -> li
     if len(arrivals) != len(specs):
         raise ConfigError(f"{len(arrivals)} arrival times for {len(specs)} requests")
     return [replace(s, arrival=float(t)) for s, t in zip(specs, arrivals, strict=True)]
-
-
-# ----------------------------------------------------------------------------------------------
-# placement in [HBM pool, tier)
-# ----------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -456,11 +436,6 @@ def place_in_window(
             "the HBM pool (--hbm-blocks) or shorten the prefix"
         )
     return Placement(n, prefix_len, tail_len, d, hbm_pool_tokens, tier_tokens, low, high)
-
-
-# ----------------------------------------------------------------------------------------------
-# helpers
-# ----------------------------------------------------------------------------------------------
 
 
 def _marker(i: int, vocab: int) -> list[int]:
