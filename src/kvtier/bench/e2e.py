@@ -362,46 +362,18 @@ def prepare(
     """Place the prefix pool's reuse distance between HBM (`usable_blocks` of `block_size`) and
     the tier, build the workloads and the warmup, and simulate their ceilings."""
     hbm_tokens = usable_blocks * block_size
+    tier_tokens = tier_chunks * chunk_size
     placement = place_in_window(
-        hbm_tokens,
-        tier_chunks * chunk_size,
-        plan.prefix_len,
-        plan.tail_len,
-        low_margin=plan.low_margin,
+        hbm_tokens, tier_tokens, plan.prefix_len, plan.tail_len, low_margin=plan.low_margin
     )
-    pool = prefix_pool(
-        placement.n_prefixes,
-        plan.prefix_len,
-        plan.tail_len,
-        plan.prefix_requests,
-        seed,
-        vocab,
-        max_tokens=plan.max_tokens,
-    )
-    fresh = no_reuse(
-        plan.no_reuse_requests, plan.no_reuse_len, seed, vocab, max_tokens=plan.max_tokens
-    )
-    warm = no_reuse(
-        plan.warmup_requests,
-        plan.no_reuse_len,
-        seed,
-        vocab,
-        max_tokens=plan.max_tokens,
-        tag=WARMUP,
-    )
+    n, pool_len, no_reuse_len = plan.prefix_requests, plan.prefix_len, plan.no_reuse_len
+    stream = {"seed": seed, "vocab": vocab, "max_tokens": plan.max_tokens}
+    pool = prefix_pool(placement.n_prefixes, pool_len, plan.tail_len, n, **stream)
+    fresh = no_reuse(plan.no_reuse_requests, no_reuse_len, **stream)
+    warm = no_reuse(plan.warmup_requests, no_reuse_len, tag=WARMUP, **stream)
     workloads = [Workload(PREFIX_POOL, pool), Workload(NO_REUSE, fresh)]
-    min_load = kv_config.min_load(block_size)
-    cs = {
-        wl.name: ceilings(
-            [s.prompt for s in wl.specs],
-            block_size,
-            usable_blocks,
-            chunk_size,
-            tier_chunks,
-            min_load,
-        )
-        for wl in workloads
-    }
+    sizes = (block_size, usable_blocks, chunk_size, tier_chunks, kv_config.min_load(block_size))
+    cs = {wl.name: ceilings([s.prompt for s in wl.specs], *sizes) for wl in workloads}
     cp = cs[PREFIX_POOL]
     # the native pool is whole; vLLM's keeps a null block back, so say what is usable
     hbm = (
@@ -410,7 +382,7 @@ def prepare(
     say(
         f"prefix pool: {placement.n_prefixes} prefixes x {plan.prefix_len} + {plan.tail_len} "
         f"tail, reuse distance {placement.reuse_distance} tokens in [{placement.low}, "
-        f"{placement.high}] (HBM {hbm}, tier {tier_chunks * chunk_size} tokens/rank); "
+        f"{placement.high}] (HBM {hbm}, tier {tier_tokens} tokens/rank); "
         f"ceilings: HBM {cp['hbm'].hit_rate:.1%}, HBM+tier {cp['hbm+tier'].hit_rate:.1%}, "
         f"infinite {cp['infinite'].hit_rate:.1%}"
     )

@@ -284,15 +284,27 @@ def _arms_and_ceiling(
                     "HBM + tier ceiling"
                 )
             tier_chunks = tier_tokens // chunk
-    else:
-        arms, vocab, extra = _on_off_arms(
-            model_dir, tp, hbm_blocks or 128, bs or 16, chunk or 64, concurrency,
-            max_batched_tokens, vocab,
-        )  # fmt: skip
-        ceiling_hbm = hbm_blocks or 128
-        chunk = extra["chunk_size"]
-        tier_chunks = extra["tier_chunks"] if tier_tokens is None else tier_tokens // chunk
-        min_load = extra["min_load_tokens"]
+    else:  # kvtier serve with --offload and --no-offload: same flags, pool and env
+        if tp < 1:
+            raise ConfigError(f"--tp {tp} must be >= 1")
+        model = ensure_model(model_dir, "tiny")
+        config = model_config(model)
+        bs, ceiling_hbm = bs or 16, hbm_blocks or 128
+        env, _, kv = tier_config(NATIVE, chunk or 64, bs)
+        server = ServerConfig(
+            model, tp, ceiling_hbm, bs, concurrency, max_batched_tokens, 1, env=env
+        )
+        arms = tuple(
+            ArmSpec(name, tuple(server.argv("{port}", on)), env=env, offload=on)
+            for name, on in (("on", True), ("off", False))
+        )
+        vocab = vocab or int(config["vocab_size"])
+        chunk, min_load = kv.chunk_size, kv.min_load(bs)
+        tier_chunks = (
+            tier_chunks_per_rank(config, tp, chunk, kv.memory_bytes)
+            if tier_tokens is None
+            else tier_tokens // chunk
+        )
     bs = bs or 16
     return arms, vocab, CeilingConfig(bs, ceiling_hbm, chunk, tier_chunks, min_load)
 
@@ -302,41 +314,3 @@ def _positive_seconds(text: str, what: str) -> float:
     if value <= 0:
         raise ConfigError(f"{what} {text!r} must be > 0")
     return value
-
-
-def _on_off_arms(
-    model_dir: Path | None,
-    tp: int,
-    hbm_blocks: int,
-    block_size: int,
-    chunk_size: int,
-    concurrency: int,
-    max_batched_tokens: int,
-    vocab: int | None,
-) -> tuple[tuple[ArmSpec, ...], int, dict[str, int]]:
-    """kvtier serve with --offload and --no-offload: same flags, same HBM pool, same env."""
-    if tp < 1:
-        raise ConfigError(f"--tp {tp} must be >= 1")
-    model = ensure_model(model_dir, "tiny")
-    config = model_config(model)
-    env, _, kv = tier_config(NATIVE, chunk_size, block_size)
-    server = ServerConfig(
-        model_dir=model,
-        tp=tp,
-        hbm_blocks=hbm_blocks,
-        block_size=block_size,
-        max_num_seqs=concurrency,
-        max_batched_tokens=max_batched_tokens,
-        threads=1,
-        env=env,
-    )
-    arms = (
-        ArmSpec("on", tuple(server.argv("{port}", True)), env=env, offload=True),
-        ArmSpec("off", tuple(server.argv("{port}", False)), env=env, offload=False),
-    )
-    extra = {
-        "chunk_size": kv.chunk_size,
-        "tier_chunks": tier_chunks_per_rank(config, tp, kv.chunk_size, kv.memory_bytes),
-        "min_load_tokens": kv.min_load(block_size),
-    }
-    return arms, vocab or int(config["vocab_size"]), extra
