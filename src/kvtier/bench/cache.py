@@ -1,24 +1,7 @@
-"""`kvtier bench cache`: what the tier's replacement policy serves under capacity pressure,
-printed as ratios to the offline optimum, in one run.
-
-Every row replays one request stream (prefix pools with Zipf and uniform popularity, chat
-sessions, round-robin conversations, the Mooncake synthetic trace) at one tier capacity (a
-fraction of the stream's working set: its distinct chunks), with the tier alone or behind an HBM
-prefix cache of 5% of the working set. Per row: the offline optimum (Belady) and the infinite
-tier from `kvtier.cachemodel`, kvtier's real tier driven as the engine drives it, and the policy
-kvtier shipped before (segmented LRU, modelled in `kvtier.cachemodel.legacy`). Rates are tier
-hits over the chunks the HBM missed.
-
-Targets: sessions behind HBM at a 30% tier reach 0.55 of the optimum, and no row loses more
-than 2 points to the old policy.
-
-Retention rows replay timed conversations (the sessions, agent loops with tool and human pauses,
-the Mooncake trace's timestamps) behind a 5% HBM with clients that hint "retain this prompt until
-my next turn" (`kvtier.cachemodel.hinting`), sized as fractions of the distinct chunks and of
-the peak live working set. Targets: hinted sessions at a 30% tier reach 0.8 of the optimum in
-both normalizations, and the silent conversations of a mixed run never fall below their rate
-on a tier shrunk by the retention budget.
-"""
+"""`kvtier bench cache`: what the tier's replacement policy serves under capacity pressure, as
+ratios to the offline optimum, next to the previous policy and behind the scheduler's
+admission; then the retention rows, with clients that hint their next turn. Streams, columns
+and targets: docs/benchmarks.md."""
 
 from __future__ import annotations
 

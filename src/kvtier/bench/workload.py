@@ -401,24 +401,18 @@ def place_in_window(
     tail_len: int = 0,
     *,
     low_margin: float = 2.0,
-    high_margin: float = 2.0,
-    min_prefixes: int = 2,
 ) -> Placement:
-    """The smallest prefix count whose reuse distance is at least `low_margin` x the HBM pool
-    and at most the tier over `high_margin`; raises ConfigError naming the sizes if none is.
+    """The smallest prefix count (at least 2) whose reuse distance is at least `low_margin` x
+    the HBM pool and at most half the tier; raises ConfigError naming the sizes if none is.
 
     Random prefix choice spreads reuse gaps geometrically (some reuses come back soon and hit
     HBM; some wait several rounds), hence the margins on both sides.
     """
-    check_positive(
-        hbm_pool_tokens=hbm_pool_tokens,
-        tier_tokens=tier_tokens,
-        prefix_len=prefix_len,
-        min_prefixes=min_prefixes,
-    )
+    check_positive(hbm_pool_tokens=hbm_pool_tokens, tier_tokens=tier_tokens, prefix_len=prefix_len)
     if tail_len < 0:
         raise ConfigError(f"tail_len={tail_len} is negative; use 0 or more tokens")
-    if not (low_margin >= 1.0 and high_margin >= 1.0):
+    high_margin, min_prefixes = 2.0, 2
+    if not low_margin >= 1.0:
         raise ConfigError(
             f"low_margin={low_margin}, high_margin={high_margin}: margins must be >= 1.0"
         )
