@@ -276,9 +276,10 @@ class ArmRun:
     exit_code: int | None
     log_path: Path | None
     model: str | None = None
+    facts: dict[str, Any] = field(default_factory=dict)  # the host's own, for to_json
 
     def to_json(self) -> dict[str, Any]:
-        """Startup, exit, log and where each window's records went."""
+        """Startup, exit, log, where each window's records went and the host's facts."""
         return {
             "arm": self.arm,
             "rep": self.rep,
@@ -286,6 +287,7 @@ class ArmRun:
             "exit_code": self.exit_code,
             "log": str(self.log_path),
             "records": {w.workload: str(w.records_path) for w in self.windows.values()},
+            **self.facts,
         }
 
 

@@ -45,7 +45,6 @@ from kvtier.bench.vllm_host import (
     NONE_AGAIN,
     RUN_ORDER,
     VLLM_BLOCK_SIZE,
-    VLLMArmRun,
 )
 from kvtier.bench.workload import (
     NO_REUSE,
@@ -425,17 +424,11 @@ def plan_for(
     return plan
 
 
-def _check_pool(runs: Sequence[VLLMArmRun], hbm_blocks: int) -> None:
+def _check_pool(runs: Sequence[ArmRun], hbm_blocks: int) -> None:
     """Every arm's vLLM reports the pinned pool (`vllm:cache_config_info`), or the comparison
     would be between different HBM sizes: raise naming each arm's value."""
     want = (str(hbm_blocks), str(VLLM_BLOCK_SIZE))
-    got = {
-        f"{r.run.arm}.rep{r.run.rep}": (
-            r.cache_config.get("num_gpu_blocks"),
-            r.cache_config.get("block_size"),
-        )
-        for r in runs
-    }
+    got = {f"{r.arm}.rep{r.rep}": (r.facts["num_gpu_blocks"], r.facts["block_size"]) for r in runs}
     bad = {k: v for k, v in got.items() if v != want}
     if bad:
         raise RuntimeError(
@@ -563,7 +556,7 @@ def _vllm_arms(
         },
         "not_run": {"OffloadingConnector": vllm_host.OFFLOADING_NOT_RUN},
     }
-    return [r.run for r in runs], [r.to_json() for r in runs], head
+    return runs, [r.to_json() for r in runs], head
 
 
 def vllm_wording(

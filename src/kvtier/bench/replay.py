@@ -437,7 +437,7 @@ def analyse(
     results = [_analyse_rep(data, r, arms_meta[r.arm], cut, bucket) for r in data.reps]
     names = [a["name"] for a in meta["arms"] if any(x["arm"] == a["name"] for x in results)]
     arms = {name: _aggregate(name, arms_meta[name], results) for name in names}
-    checks = _checks(data, results, arms_meta)
+    checks = _checks(results, arms_meta)
     baseline = meta.get("baseline") or ("off" if "off" in arms else None)
     if baseline not in arms:
         baseline = None
@@ -601,7 +601,7 @@ def _aggregate(
             for cname, c in (x["ceilings"].get(w) or {}).items():
                 fields.setdefault(f"ceiling_{cname}_pct", []).append(100.0 * c["hit_rate"])
         spreads[w] = {k: analysis.spread(v).to_json() for k, v in fields.items()}
-        spreads[w]["per_rep"] = {k: v for k, v in fields.items()}
+        spreads[w]["per_rep"] = dict(fields)
     offload = arm_meta.get("offload")
     if offload is None:
         offload = any(x["offload"] for x in mine)
@@ -615,9 +615,7 @@ def _aggregate(
     }
 
 
-def _checks(
-    data: RunData, results: Sequence[Mapping[str, Any]], arms_meta: Mapping[str, Any]
-) -> dict[str, Any]:
+def _checks(results: Sequence[Mapping[str, Any]], arms_meta: Mapping[str, Any]) -> dict[str, Any]:
     failing = [
         {"arm": x["arm"], "rep": x["rep"], **i}
         for x in results

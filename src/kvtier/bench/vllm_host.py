@@ -263,32 +263,10 @@ class VLLMServerConfig:
         return env
 
 
-@dataclass(slots=True)
-class VLLMArmRun:
-    """One vLLM arm of one repetition: the windows (as `ArmRun`), its command, vLLM's cache
-    config as `/metrics` reports it, and what ExampleConnector left on disk."""
-
-    run: ArmRun
-    argv: list[str]
-    cache_config: dict[str, str]
-    store_bytes: int | None = None
-    store_files: int | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        """Startup, exit, log, records, command, pool and store."""
-        return {
-            **self.run.to_json(),
-            "argv": self.argv,
-            "num_gpu_blocks": self.cache_config.get("num_gpu_blocks"),
-            "block_size": self.cache_config.get("block_size"),
-            "store_bytes": self.store_bytes,
-            "store_files": self.store_files,
-        }
-
-
-def run_vllm_arm(arm: VLLMArm, rep: int, server: VLLMServerConfig, drive: Drive) -> VLLMArmRun:
+def run_vllm_arm(arm: VLLMArm, rep: int, server: VLLMServerConfig, drive: Drive) -> ArmRun:
     """Start `vllm serve` for `arm`, run the warmup and every workload (prefix cache reset
-    before each), stop it; ExampleConnector's store is measured, then removed."""
+    before each), stop it; ExampleConnector's store is measured, then removed. The run's
+    facts: its command, vLLM's pool as `/metrics` reports it and what the store held."""
     if arm.store is not None:
         store = arm.store / f"rep{rep}"
         if store.exists():
@@ -329,7 +307,14 @@ def run_vllm_arm(arm: VLLMArm, rep: int, server: VLLMServerConfig, drive: Drive)
             f"[{arm.name} rep {rep}] ExampleConnector wrote {store_files} files, {mib:.1f} MiB"
         )
         shutil.rmtree(arm.store)
-    return VLLMArmRun(run, argv, config, store_bytes, store_files)
+    run.facts = {
+        "argv": argv,
+        "num_gpu_blocks": config.get("num_gpu_blocks"),
+        "block_size": config.get("block_size"),
+        "store_bytes": store_bytes,
+        "store_files": store_files,
+    }
+    return run
 
 
 def _short_tmp() -> str:
