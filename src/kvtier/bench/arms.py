@@ -327,10 +327,8 @@ def post_reset(path: str, hint: str = "") -> Reset:
 
 @dataclass(frozen=True, slots=True)
 class Drive:
-    """How every arm's windows are driven: the workloads, the load options and warmup, the
-    prefix-cache reset before each window (None: none), where the records go (`records`, a
-    path under `out_dir` formatted with the workload, arm and repetition), progress, how long
-    the counters may take to settle and how often `/metrics` is sampled during a load."""
+    """How every arm's windows are driven; `records` is each window's records file under
+    `out_dir`, formatted with the workload, arm and repetition."""
 
     workloads: Sequence[Workload]
     out_dir: Path

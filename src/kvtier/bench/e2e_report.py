@@ -386,9 +386,8 @@ def _output_rows(
 
 
 def _no_reuse_rows(report: Report, res: _Results, nr_note: str) -> None:
-    """No reuse against the baseline (the tier arm's throughput within its target), the
-    worst repetition of both no-reuse targets, then the tier arm against each other arm on
-    the prefix pool."""
+    """No reuse against the baseline, its targets' worst repetitions, then the tier arm
+    against each other arm on the prefix pool."""
     c, q = res.cast, NO_REUSE
     for name in ("output_throughput", "ttft_p50_ms"):
         what, unit = _SPEED_UNITS[name]
@@ -480,10 +479,8 @@ _WORKLOAD_NAMES = {PREFIX_POOL: "prefix pool", NO_REUSE: "no reuse"}
 
 
 def _breakdown_rows(report: Report, results: Sequence[WindowResult], arm: str) -> None:
-    """Per workload, `arm`'s step time on the ranks and what each kvtier hook took of it (ms
-    per step; ratio = share of the step), kvtier's own CPU per step, the lookup calls and the
-    steps a load parks its request; means over the repetitions, each repetition in the
-    detail."""
+    """Per workload, `arm`'s step time on the ranks and what kvtier took of it; means over the
+    repetitions, each repetition in the detail."""
     note = report.note(
         "step breakdown from the kvtier histograms on /metrics: step = one engine step on a "
         "rank, from its metadata to its report (the forward and every hook inside); a hook's "

@@ -230,10 +230,8 @@ class VLLMServerConfig:
         return self.env.get(key) or os.environ.get(key) or self.threads_bind
 
     def environ(self, tmp: Path) -> dict[str, str]:
-        """Ours, minus our venv, overlaid with offline mode, dev endpoints, KV space, thread
-        binding (`threads_bind` unless VLLM_CPU_OMP_THREADS_BIND is set), a cache under
-        `work_dir`, sockets and temp files in `tmp` and kvtier's source on PYTHONPATH, then
-        `env`."""
+        """Ours minus our venv, for an offline vLLM with dev endpoints, its sockets and temp
+        files in `tmp` and kvtier's source on PYTHONPATH; then `env`."""
         if len(str(tmp)) > _MAX_TMP_LEN:
             raise ConfigError(
                 f"vLLM temp dir {str(tmp)!r} is longer than {_MAX_TMP_LEN} characters; its ipc "
