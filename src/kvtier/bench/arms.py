@@ -31,7 +31,7 @@ import httpx
 from rich.console import Console
 
 from kvtier.bench.analysis import sample
-from kvtier.bench.client import LoadOptions, LoadResult, run_load, write_jsonl
+from kvtier.bench.client import Clock, LoadOptions, LoadResult, run_load, write_jsonl
 from kvtier.bench.workload import RequestSpec
 from kvtier.errors import ConfigError, StartupError
 from kvtier.scrape import (
@@ -51,7 +51,6 @@ ARMS = (ON, OFF)
 OFF_AGAIN = "off_again"
 
 Say = Callable[[str], None]
-Clock = Callable[[], float]
 # resets the server's HBM prefix cache before a window; the second argument names the arm
 Reset = Callable[[httpx.AsyncClient, str], Awaitable[None]]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from kvtier.bench.arms import (
     ON,
     ArmRun,
     Drive,
+    Say,
     ServerConfig,
     Workload,
     alternate,
@@ -85,7 +86,6 @@ VLLM_DTYPE = "float32"
 # 2 chunks of the small model's float32 KV are 8 MiB: the tier must hold twice the reuse distance
 VLLM_MEMORY_BYTES = "512MiB"
 
-Progress = Callable[[str], None]
 
 NATIVE_CAST = Cast(
     "native",
@@ -204,7 +204,7 @@ def run(
     quick: bool = False,
     json_path: str | Path | None = None,
     seed: int = 0,
-    progress: Progress | None = None,
+    progress: Say | None = None,
     bars: bool = True,
     console: Console | None = None,
     host: str = NATIVE,
@@ -340,7 +340,7 @@ def prepare(
     kv_config: KVTierConfig,
     seed: int,
     vocab: int,
-    say: Progress,
+    say: Say,
     *,
     host: str = NATIVE,
 ) -> tuple[Placement, list[Workload], list[RequestSpec], dict[str, dict[str, Ceiling]]]:

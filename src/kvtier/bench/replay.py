@@ -29,7 +29,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,7 @@ from kvtier.bench.arms import (
     OFF_AGAIN,
     ArmSpec,
     Drive,
+    Say,
     Workload,
     alternate,
     flag_value,
@@ -77,7 +78,6 @@ from kvtier.scrape import Counters, MetricSet
 ADMISSION = "kvtier_admission_total"
 ADMISSION_RETURNS = "kvtier_admission_returns_total"
 
-Say = Callable[[str], None]
 
 WORKLOADS = {"prefix-pool": PREFIX_POOL, "multi-turn": MULTI_TURN, "trace": TRACE}
 CACHE_BUST = ("first-turn-suffix", "none")

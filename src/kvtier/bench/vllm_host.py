@@ -18,19 +18,17 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from kvtier.bench.arms import ArmRun, Drive, ServerProcess, free_port
+from kvtier.bench.arms import ArmRun, Drive, Say, ServerProcess, free_port
+from kvtier.bench.client import Clock
 from kvtier.errors import ConfigError, StartupError
 from kvtier.scrape import cache_config
-
-Say = Callable[[str], None]
-Clock = Callable[[], float]
 
 # vLLM's CPU backend allocates KV in blocks of 128 tokens (its default there; a multiple of 32)
 VLLM_BLOCK_SIZE = 128
