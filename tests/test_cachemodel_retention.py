@@ -207,7 +207,7 @@ def test_a_point_puts_hints_between_recency_and_the_silent_floor() -> None:
 
 
 def test_bench_cache_prints_retention_rows_and_targets(tmp_path: Path, capsys) -> None:
-    small = cache.TimedWorkload(
+    small = cache.Workload(
         cache.SESSIONS,
         "small",
         lambda: workloads.session_turns(n_sessions=150, span_s=300.0, slow_s=200.0, seed=2),

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from kvtier.bench.arms import ArmSpec, alternate
-from kvtier.bench.ceiling import hbm_ceiling, tier_ceiling
+from kvtier.bench.ceiling import simulate
 from kvtier.bench.client import LoadOptions, Record, write_jsonl
 from kvtier.bench.replay import (
     CeilingConfig,
@@ -44,15 +44,10 @@ def per_request_hits(
     out = []
     for i in range(len(prompts)):
         counted = [k == i for k in range(i + 1)]
-        if tier:
-            c = tier_ceiling(
-                prompts[: i + 1], BLOCK, HBM_BLOCKS, CHUNK, 100, outputs=outs[: i + 1],
-                counted=counted,
-            )  # fmt: skip
-        else:
-            c = hbm_ceiling(
-                prompts[: i + 1], BLOCK, HBM_BLOCKS, outputs=outs[: i + 1], counted=counted
-            )
+        c = simulate(
+            prompts[: i + 1], block_size=BLOCK, hbm_blocks=HBM_BLOCKS, chunk_size=CHUNK,
+            tier_chunks=100 if tier else 0, outputs=outs[: i + 1], counted=counted,
+        )  # fmt: skip
         out.append((c.hbm_hit_tokens, c.external_hit_tokens))
     return out
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.bench.analysis import MetricSet
 from kvtier.bench.breakdown import breakdown, hist
+from kvtier.scrape import MetricSet
 
 
 def _hist(name: str, rank: str, buckets: dict[str, float], total: float, **labels: str):

@@ -3,12 +3,33 @@ behind it and the infinite cache."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import pytest
 
-from kvtier.bench.ceiling import hbm_ceiling, infinite_ceiling, simulate, tier_ceiling
+from kvtier.bench.ceiling import Ceiling, ceilings, simulate
 from kvtier.errors import ConfigError
 
 BS = 16
+
+
+def sim(
+    prompts: Sequence[Sequence[int]],
+    hbm_blocks: int | None = None,
+    chunk_size: int | None = None,
+    tier_chunks: int = 0,
+    **kw: Any,
+) -> Ceiling:
+    """`simulate` with blocks of BS tokens (an unbounded HBM pool without `hbm_blocks`)."""
+    return simulate(
+        prompts,
+        block_size=BS,
+        hbm_blocks=hbm_blocks,
+        chunk_size=chunk_size,
+        tier_chunks=tier_chunks,
+        **kw,
+    )
 
 
 def _tokens(start: int, n: int) -> list[int]:
@@ -26,20 +47,20 @@ N = 10
 
 
 def test_two_prefixes_cycling_in_a_pool_of_one_never_hit_hbm() -> None:
-    c = hbm_ceiling(alternating(N), BS, hbm_blocks=5)
+    c = sim(alternating(N), 5)
     assert (c.requests, c.prompt_tokens, c.hbm_hit_tokens) == (N, N * 80, 0)
     assert c.hit_rate == 0.0
 
 
 def test_two_prefixes_in_a_pool_of_two_hit_every_reuse() -> None:
-    c = hbm_ceiling(alternating(N), BS, hbm_blocks=10)
+    c = sim(alternating(N), 10)
     # the first A and the first B miss; every later request hits its 4 prefix blocks
     assert c.hbm_hit_tokens == (N - 2) * 64
     assert c.hit_rate == pytest.approx((N - 2) * 64 / (N * 80))
 
 
 def test_tier_big_enough_serves_every_reuse_of_the_prefix() -> None:
-    c = tier_ceiling(alternating(N), BS, hbm_blocks=5, chunk_size=32, tier_chunks=100)
+    c = sim(alternating(N), 5, 32, 100)
     assert c.hbm_hit_tokens == 0
     assert c.external_hit_tokens == (N - 2) * 64
     # (n - 2) / n of the prefix tokens
@@ -51,58 +72,67 @@ def test_tier_one_chunk_short_keeps_one_prefix_whole_and_one_head() -> None:
     # 3 chunks for 2 prefixes of 2 chunks: the optimum drops the chunk used farthest ahead,
     # always the other prefix's second chunk, so A's reuses find 2 chunks and B's find 1
     # (an LRU of 3 would lose every second chunk: (N - 2) x 32)
-    c = tier_ceiling(alternating(N), BS, hbm_blocks=5, chunk_size=32, tier_chunks=3)
+    c = sim(alternating(N), 5, 32, 3)
     assert c.external_hit_tokens == (N - 2) // 2 * (64 + 32)
 
 
 def test_tier_adds_nothing_where_hbm_already_hits() -> None:
-    c = tier_ceiling(alternating(N), BS, hbm_blocks=10, chunk_size=32, tier_chunks=100)
+    c = sim(alternating(N), 10, 32, 100)
     assert (c.hbm_hit_tokens, c.external_hit_tokens) == ((N - 2) * 64, 0)
 
 
 def test_full_prompt_hit_still_computes_the_last_token() -> None:
     p = _tokens(5, 64)
-    hbm = hbm_ceiling([p, p], BS, hbm_blocks=4)
+    hbm = sim([p, p], 4)
     assert hbm.hbm_hit_tokens == 48  # blocks inside the first 63 tokens: 3
-    tier = tier_ceiling([p, p], BS, hbm_blocks=0, chunk_size=32, tier_chunks=10)
+    tier = sim([p, p], 0, 32, 10)
     assert (tier.hbm_hit_tokens, tier.external_hit_tokens) == (0, 63)
 
 
 def test_load_starts_at_the_hbm_floor_and_respects_min_load() -> None:
     p = _tokens(5, 64)
-    both = tier_ceiling([p, p], BS, hbm_blocks=4, chunk_size=32, tier_chunks=10)
+    both = sim([p, p], 4, 32, 10)
     assert (both.hbm_hit_tokens, both.external_hit_tokens) == (48, 15)
-    gated = tier_ceiling([p, p], BS, 4, 32, 10, min_load_tokens=32)
+    gated = sim([p, p], 4, 32, 10, min_load_tokens=32)
     assert (gated.hbm_hit_tokens, gated.external_hit_tokens) == (48, 0)
 
 
 def test_tier_counts_whole_chunks_only() -> None:
     p = _tokens(5, 100)
-    tier = tier_ceiling([p, p], BS, hbm_blocks=0, chunk_size=64, tier_chunks=10)
+    tier = sim([p, p], 0, 64, 10)
     assert tier.external_hit_tokens == 64  # one full chunk; the 36-token rest is not stored
-    inf = infinite_ceiling([p, p], BS)
+    inf = sim([p, p])
     assert inf.hbm_hit_tokens == 96  # 6 blocks inside the first 99 tokens
 
 
 def test_lru_evicts_a_prefix_tail_before_its_head() -> None:
     a = _tokens(1, 80)  # 5 blocks
     c = _tokens(500, 32)  # 2 blocks
-    got = hbm_ceiling([a, c, a], BS, hbm_blocks=6)
+    got = sim([a, c, a], 6)
     # c pushes out one block of a: its tail block, so a's 4 prefix blocks still hit
     assert got.hbm_hit_tokens == 64
 
 
 def test_infinite_bounds_every_bounded_cache() -> None:
     stream = alternating(N)
-    inf = infinite_ceiling(stream, BS)
+    inf = sim(stream)
     assert inf.hit_tokens == (N - 2) * 64
     for blocks in (0, 3, 5, 10):
-        assert hbm_ceiling(stream, BS, blocks).hit_tokens <= inf.hit_tokens
-        assert tier_ceiling(stream, BS, blocks, 32, 3).hit_tokens <= inf.hit_tokens
+        assert sim(stream, blocks).hit_tokens <= inf.hit_tokens
+        assert sim(stream, blocks, 32, 3).hit_tokens <= inf.hit_tokens
+
+
+def test_ceilings_are_named_and_need_their_sizes() -> None:
+    stream = alternating(N)
+    cs = ceilings(stream, BS, 5, 32, 100)
+    assert {k: c.name for k, c in cs.items()} == {k: k for k in ("hbm", "hbm+tier", "infinite")}
+    assert cs["hbm+tier"].hit_tokens == sim(stream, 5, 32, 100).hit_tokens
+    assert list(ceilings(stream, BS, 5)) == ["hbm", "infinite"]
+    assert list(ceilings(stream, BS, None, 32, 100)) == ["infinite"]
 
 
 def test_json_carries_counts_and_rates() -> None:
-    doc = tier_ceiling(alternating(4), BS, 5, 32, 100).to_json()
+    doc = sim(alternating(4), 5, 32, 100).to_json()
     assert doc["prompt_tokens"] == 320
     assert doc["external_hit_tokens"] == 128
     assert doc["hit_rate"] == pytest.approx(128 / 320)
@@ -114,9 +144,9 @@ def test_bad_input_is_named() -> None:
     with pytest.raises(ConfigError, match="a tier needs chunk_size"):
         simulate([[1, 2]], block_size=16, hbm_blocks=1, tier_chunks=1)
     with pytest.raises(ConfigError, match="empty prompt"):
-        hbm_ceiling([[]], BS, 1)
+        sim([[]], 1)
     with pytest.raises(ConfigError, match="block_size=0"):
-        hbm_ceiling([[1]], 0, 1)
+        simulate([[1]], block_size=0, hbm_blocks=1)
 
 
 # ---- multi-turn: turns extend the previous prompt and output ----------------------------------
@@ -140,18 +170,18 @@ def test_multi_turn_hbm_keeps_the_generated_blocks() -> None:
     # turn 2: 64 + 4 + 12 = 80; after turn 1, 64 + 3 computed -> 4 blocks
     prompts, outputs = _turns(1, 30, 4, [30, 12])
     assert [len(p) for p in prompts] == [30, 64, 80]
-    with_out = infinite_ceiling(prompts, BS, outputs=outputs)
+    with_out = sim(prompts, outputs=outputs)
     assert with_out.hbm_hit_tokens == 0 + 32 + 64
     # closed form (n_{t-1} + o_{t-1}) / n_t, floored to blocks: 32/64 and 64/80
     assert with_out.hit_rate == pytest.approx((32 + 64) / (30 + 64 + 80))
     # counting only the prompts' blocks, turn 1 finds one block (16 of 30) and turn 2 four
-    prompts_only = infinite_ceiling(prompts, BS)
+    prompts_only = sim(prompts)
     assert prompts_only.hbm_hit_tokens == 16 + 64
 
 
 def test_multi_turn_tier_stores_prompt_chunks_only() -> None:
     prompts, outputs = _turns(1, 30, 4, [30, 12])
-    c = tier_ceiling(prompts, BS, 0, 16, 100, outputs=outputs)
+    c = sim(prompts, 0, 16, 100, outputs=outputs)
     # turn 1 finds turn 0's one full prompt chunk; turn 2 finds turn 1's four (64 of 79)
     assert (c.hbm_hit_tokens, c.external_hit_tokens) == (0, 16 + 64)
 
@@ -163,12 +193,12 @@ def test_multi_turn_interleaved_conversations_need_the_tier() -> None:
     stream, outs = [a[0], b[0], a[1], b[1]], [a_out[0], b_out[0], a_out[1], b_out[1]]
     # HBM of 3 blocks: B0 evicts A0's second block (tails go first), so A1 hits one block
     # and B1 none (A1's four blocks pushed B out)
-    hbm = hbm_ceiling(stream, BS, 3, outputs=outs)
+    hbm = sim(stream, 3, outputs=outs)
     assert hbm.hbm_hit_tokens == 16
     # the tier holds both turn-0 prompts: A1 loads [16, 32) above its HBM floor, B1 [0, 32)
-    both = tier_ceiling(stream, BS, 3, 16, 100, outputs=outs)
+    both = sim(stream, 3, 16, 100, outputs=outs)
     assert (both.hbm_hit_tokens, both.external_hit_tokens) == (16, 16 + 32)
-    inf = infinite_ceiling(stream, BS, outputs=outs)
+    inf = sim(stream, outputs=outs)
     assert inf.hit_tokens == 32 + 32
     assert hbm.hit_tokens <= both.hit_tokens <= inf.hit_tokens
     assert both.prompt_tokens == 32 + 32 + 64 + 64
@@ -176,9 +206,9 @@ def test_multi_turn_interleaved_conversations_need_the_tier() -> None:
 
 def test_counted_window_keeps_warming_the_cache() -> None:
     prompts, outputs = _turns(1, 30, 4, [30, 12])
-    late = infinite_ceiling(prompts, BS, outputs=outputs, counted=[False, True, True])
+    late = sim(prompts, outputs=outputs, counted=[False, True, True])
     assert (late.requests, late.prompt_tokens, late.hbm_hit_tokens) == (2, 64 + 80, 32 + 64)
-    last = infinite_ceiling(prompts, BS, outputs=outputs, counted=[False, False, True])
+    last = sim(prompts, outputs=outputs, counted=[False, False, True])
     assert (last.requests, last.hit_rate) == (1, 64 / 80)
     with pytest.raises(ConfigError, match="2 counted flags for 3 prompts"):
-        infinite_ceiling(prompts, BS, counted=[True, True])
+        sim(prompts, counted=[True, True])

@@ -96,21 +96,20 @@ def _runs(arms: dict[str, bool], order: list[tuple[int, str]], workloads: list[W
     return out
 
 
-def _prepared(host: str) -> tuple[e2e._Drive, object, list[Workload], dict]:
+def _prepared(host: str) -> tuple[e2e.Plan, object, list[Workload], dict]:
     vllm = host == e2e.VLLM
     plan = e2e.VLLM_QUICK if vllm else e2e.QUICK
     chunk, block = (256, 128) if vllm else (64, 16)
     kv = KVTierConfig.load({"chunk_size": chunk}, {})
     usable = plan.hbm_blocks - (1 if vllm else 0)
-    placement, workloads, warm, ceilings = e2e._prepare(
+    placement, workloads, _warm, ceilings = e2e.prepare(
         plan, usable, block, 40, chunk, kv, 0, 500, lambda _m: None, host=host
     )
-    drive = e2e._Drive(plan, workloads, warm, Path("records"), lambda _m: None, False, None)
-    return drive, placement, workloads, ceilings
+    return plan, placement, workloads, ceilings
 
 
 NATIVE_IDS = [
-    *(f"prefix_pool.{m}" for m in e2e._NATIVE_POOL_METRICS),
+    *(f"prefix_pool.{m}" for m in e2e.NATIVE_CAST.pool_metrics),
     "prefix_pool.hit_rate_on", "prefix_pool.external_hit_rate_on", "prefix_pool.hit_rate_off",
     "prefix_pool.hit_rate_bound", "prefix_pool.external_hits_on",
     "identity.hbm_misses_eq_external_queries", "identity.retrieved_eq_external_hits",
@@ -138,10 +137,10 @@ STEP_IDS = [
 
 
 def test_native_report_rows_come_from_the_windows() -> None:
-    drive, placement, workloads, ceilings = _prepared(e2e.NATIVE)
+    plan, placement, workloads, ceilings = _prepared(e2e.NATIVE)
     runs = _runs({ON: True, OFF: False}, e2e.arm_order(2), workloads, ON)
-    cast = e2e._NATIVE_CAST
-    wording = e2e._native_wording(drive, placement, 2)
+    cast = e2e.NATIVE_CAST
+    wording = e2e.native_wording(plan, placement, 2)
     doc = build_report(cast, wording, runs, [], workloads, ceilings, 1, True).to_json()
     rows = {r["id"]: r for r in doc["rows"]}
     assert [r["id"] for r in doc["rows"] if not r["id"].startswith("steps.")] == NATIVE_IDS
@@ -162,10 +161,10 @@ def test_native_report_rows_come_from_the_windows() -> None:
 
 
 def test_the_step_rows_carry_kvtiers_own_cpu_next_to_the_step() -> None:
-    drive, placement, workloads, ceilings = _prepared(e2e.NATIVE)
+    plan, placement, workloads, ceilings = _prepared(e2e.NATIVE)
     runs = _runs({ON: True, OFF: False}, e2e.arm_order(2), workloads, ON)
-    wording = e2e._native_wording(drive, placement, 2)
-    doc = build_report(e2e._NATIVE_CAST, wording, runs, [], workloads, ceilings, 1, True).to_json()
+    wording = e2e.native_wording(plan, placement, 2)
+    doc = build_report(e2e.NATIVE_CAST, wording, runs, [], workloads, ceilings, 1, True).to_json()
     rows = {r["id"]: r for r in doc["rows"]}
     for w in (PREFIX_POOL, NO_REUSE):
         path, lanes = rows[f"steps.{w}.path_cpu_ms"], rows[f"steps.{w}.lanes_cpu_ms"]
@@ -182,12 +181,12 @@ def test_the_step_rows_carry_kvtiers_own_cpu_next_to_the_step() -> None:
 
 
 def test_vllm_report_names_each_arm_and_compares_kvtier_with_example() -> None:
-    drive, placement, workloads, ceilings = _prepared(e2e.VLLM)
+    plan, placement, workloads, ceilings = _prepared(e2e.VLLM)
     arms = {KVTIER: True, EXAMPLE: True, NONE: False}
     order = e2e.alternate(list(vllm_host.VLLM_ARMS), 2)
     runs = _runs(arms, order, workloads, KVTIER)
-    wording = e2e._vllm_wording(drive, placement, 256, "0", 1, 2)
-    doc = build_report(e2e._VLLM_CAST, wording, runs, [], workloads, ceilings, 1, True).to_json()
+    wording = e2e.vllm_wording(plan, placement, 256, "0", 1, 2)
+    doc = build_report(e2e.VLLM_CAST, wording, runs, [], workloads, ceilings, 1, True).to_json()
     rows = {r["id"]: r for r in doc["rows"]}
     assert [r["id"] for r in doc["rows"] if not r["id"].startswith("steps.")] == VLLM_IDS
     assert rows["prefix_pool.hit_rate.example"]["label"].startswith(
@@ -223,13 +222,13 @@ AA_IDS = [
 def test_the_a_a_pair_judges_the_machine_by_the_no_reuse_targets_either_way_round() -> None:
     # OFF again runs 5% faster than OFF in repetition 0 and 1% slower in repetition 1: the A/A
     # ratio of an arm to itself has no sign, so 1.05 misses ">= 0.97" as 1/1.05 would
-    drive, placement, workloads, ceilings = _prepared(e2e.NATIVE)
+    plan, placement, workloads, ceilings = _prepared(e2e.NATIVE)
     order = e2e.arm_order(2, again=True)
     assert order == [(0, ON), (0, OFF), (0, OFF_AGAIN), (1, OFF_AGAIN), (1, OFF), (1, ON)]
     pace = {(OFF_AGAIN, 0): 1 / 1.05, (OFF_AGAIN, 1): 1.01}
     runs = _runs({ON: True, OFF: False, OFF_AGAIN: False}, order, workloads, ON, pace)
-    cast = replace(e2e._NATIVE_CAST, again=OFF_AGAIN)
-    wording = e2e._native_wording(drive, placement, 2, again=True)
+    cast = replace(e2e.NATIVE_CAST, again=OFF_AGAIN)
+    wording = e2e.native_wording(plan, placement, 2, again=True)
     doc = build_report(cast, wording, runs, [], workloads, ceilings, 1, True).to_json()
     rows = {r["id"]: r for r in doc["rows"]}
     ids = [r["id"] for r in doc["rows"]]
@@ -252,12 +251,12 @@ def test_the_a_a_pair_judges_the_machine_by_the_no_reuse_targets_either_way_roun
 
 
 def test_an_a_a_pair_within_the_margin_passes_and_no_pair_adds_no_rows() -> None:
-    drive, placement, workloads, ceilings = _prepared(e2e.NATIVE)
+    plan, placement, workloads, ceilings = _prepared(e2e.NATIVE)
     order = e2e.arm_order(1, again=True)
     runs = _runs({ON: True, OFF: False, OFF_AGAIN: False}, order, workloads, ON,
                  {(OFF_AGAIN, 0): 1.01})  # fmt: skip
-    cast = replace(e2e._NATIVE_CAST, again=OFF_AGAIN)
-    wording = e2e._native_wording(drive, placement, 1, again=True)
+    cast = replace(e2e.NATIVE_CAST, again=OFF_AGAIN)
+    wording = e2e.native_wording(plan, placement, 1, again=True)
     rows = {
         r["id"]: r
         for r in build_report(cast, wording, runs, [], workloads, ceilings, 1, True).to_json()[
@@ -267,7 +266,7 @@ def test_an_a_a_pair_within_the_margin_passes_and_no_pair_adds_no_rows() -> None
     assert rows["no_reuse.output_throughput.aa_worst_rep"]["pass"] is True
     assert rows["no_reuse.ttft_p50_ms.aa_worst_rep"]["pass"] is True
     plain = build_report(
-        e2e._NATIVE_CAST, wording, _runs({ON: True, OFF: False}, e2e.arm_order(1), workloads, ON),
+        e2e.NATIVE_CAST, wording, _runs({ON: True, OFF: False}, e2e.arm_order(1), workloads, ON),
         [], workloads, ceilings, 1, True,
     ).to_json()  # fmt: skip
     assert not any(r["id"].endswith("aa_worst_rep") for r in plain["rows"])
@@ -286,11 +285,11 @@ def test_on_vllm_the_a_a_pair_runs_back_to_back_and_kvtier_keeps_its_neighbours(
 def test_the_a_a_arms_greedy_outputs_must_equal_the_baselines() -> None:
     # the baseline run again is the same server on the same prompts: one output differing
     # there means the host is not deterministic, so the tier's zero mismatches prove nothing
-    drive, placement, workloads, ceilings = _prepared(e2e.NATIVE)
+    plan, placement, workloads, ceilings = _prepared(e2e.NATIVE)
     order = e2e.arm_order(1, again=True)
     arms = {ON: True, OFF: False, OFF_AGAIN: False}
-    cast = replace(e2e._NATIVE_CAST, again=OFF_AGAIN)
-    wording = e2e._native_wording(drive, placement, 1, again=True)
+    cast = replace(e2e.NATIVE_CAST, again=OFF_AGAIN)
+    wording = e2e.native_wording(plan, placement, 1, again=True)
 
     def row(mismatch: dict[tuple[str, int], int]) -> dict:
         runs = _runs(arms, order, workloads, ON, mismatch=mismatch)

@@ -205,13 +205,13 @@ def test_bad_host_chunk_and_pool_are_refused_up_front(tmp_path: Path) -> None:
 
 
 def test_vllm_plan_sizes_the_pool_in_vllm_blocks() -> None:
-    plan = e2e._plan(False, None, None, None, host=e2e.VLLM)
+    plan = e2e.plan_for(False, None, None, None, host=e2e.VLLM)
     assert plan == e2e.VLLM_FULL
     # 4 requests of 544 + 16 tokens: 5 blocks each, inside the 31 usable blocks
     assert plan.concurrency * 5 <= plan.hbm_blocks - 1
-    assert e2e._plan(True, None, 24, None, host=e2e.VLLM).no_reuse_requests == 6
+    assert e2e.plan_for(True, None, 24, None, host=e2e.VLLM).no_reuse_requests == 6
     # the native plan is untouched by the host parameter's default
-    assert e2e._plan(False, None, None, None) == e2e.FULL
+    assert e2e.plan_for(False, None, None, None) == e2e.FULL
 
 
 # ---- one real run -------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ from kvtier.bench.workload import (
     bust_marker,
     dumps,
     extend_prompt,
-    load_trace,
     multi_turn,
     no_reuse,
     place_in_window,
@@ -32,6 +31,7 @@ from kvtier.bench.workload import (
     with_arrivals,
     write_specs,
 )
+from kvtier.cachemodel.trace import read_trace_rows
 from kvtier.errors import ConfigError
 
 VOCAB = 2048
@@ -198,7 +198,7 @@ def _trace(tmp_path: Path, rows: list[dict[str, object]] = ROWS) -> Path:
 
 
 def test_trace_replay_is_deterministic_and_shares_blocks(tmp_path: Path) -> None:
-    rows = load_trace(_trace(tmp_path))
+    rows = read_trace_rows(_trace(tmp_path))
     assert rows[0] == TraceRow(1000.0, 40, 5, (1, 2, 3))
     a = trace_requests(rows, seed=3, vocab=VOCAB, block=16)
     assert dumps(a) == dumps(trace_requests(rows, seed=3, vocab=VOCAB, block=16))
@@ -215,7 +215,7 @@ def test_trace_replay_is_deterministic_and_shares_blocks(tmp_path: Path) -> None
 
 
 def test_trace_time_scale_applies_to_timestamps(tmp_path: Path) -> None:
-    rows = load_trace(_trace(tmp_path))
+    rows = read_trace_rows(_trace(tmp_path))
     assert [s.arrival for s in trace_requests(rows, 0, VOCAB, block=16)] == [0.0, 0.5, 3.0]
     fast = trace_requests(rows, 0, VOCAB, block=16, time_scale=0.1)
     assert [s.arrival for s in fast] == pytest.approx([0.0, 0.05, 0.3])
@@ -236,14 +236,14 @@ def test_load_trace_names_the_bad_line(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps(ROWS[0]) + "\n" + '{"timestamp": 1, "hash_ids": [1]}\n')
     with pytest.raises(ConfigError, match=r"bad.jsonl:2: 'input_length' must be .* \(got None\)"):
-        load_trace(bad)
+        read_trace_rows(bad)
     neg = tmp_path / "neg.jsonl"
     neg.write_text('{"timestamp": 1, "input_length": 0, "hash_ids": [1]}\n')
     with pytest.raises(ConfigError, match=r"'input_length' must be an integer >= 1 \(got 0\)"):
-        load_trace(neg)
-    assert len(load_trace(_trace(tmp_path), limit=2)) == 2
+        read_trace_rows(neg)
+    assert len(read_trace_rows(_trace(tmp_path), limit=2)) == 2
     with pytest.raises(ConfigError, match="is not a file"):
-        load_trace(tmp_path / "missing.jsonl")
+        read_trace_rows(tmp_path / "missing.jsonl")
 
 
 def test_poisson_arrivals_are_seeded_and_rate_shaped() -> None:

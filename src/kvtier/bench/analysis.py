@@ -18,56 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.bench.client import Record
-from kvtier.scrape import (
-    EXT_HITS,
-    EXT_QUERIES,
-    HBM_HITS,
-    HBM_QUERIES,
-    PROMPT_TOKENS,
-    RESIDENCY,
-    RETRIEVED,
-    SAMPLED,
-    Counters,
-    Identity,
-    MetricSet,
-    cache_config,
-    identities,
-)
-
-__all__ = [
-    # re-exported for bench/arms.py, bench/e2e.py and bench/vllm_host.py, which still import
-    # them from here; new code imports kvtier.scrape
-    "EXT_HITS",
-    "EXT_QUERIES",
-    "HBM_HITS",
-    "HBM_QUERIES",
-    "PROMPT_TOKENS",
-    "RETRIEVED",
-    "Counters",
-    "Identity",
-    "MetricSet",
-    "cache_config",
-    "identities",
-    # this module's own
-    "Bucket",
-    "OutputComparison",
-    "Spread",
-    "Summary",
-    "after_cut",
-    "client_server_checks",
-    "compare_outputs",
-    "counters_since",
-    "itl_ms",
-    "on_off_ratio",
-    "percentile",
-    "residency_series",
-    "sample",
-    "server_hit_series",
-    "spread",
-    "summarize",
-    "summarize_window",
-    "time_series",
-]
+from kvtier.scrape import RESIDENCY, SAMPLED, Counters, Identity, MetricSet
 
 
 def client_server_checks(records: Sequence[Record], c: Counters) -> list[Identity]:
@@ -87,11 +38,6 @@ def client_server_checks(records: Sequence[Record], c: Counters) -> list[Identit
             c.hbm_hits + c.ext_hits,
         ),
     ]
-
-
-# ----------------------------------------------------------------------------------------------
-# client-side summary
-# ----------------------------------------------------------------------------------------------
 
 
 def percentile(values: Iterable[float], q: float) -> float:
@@ -134,11 +80,6 @@ class Summary:
         return {k: _nan_none(v) for k, v in asdict(self).items()}
 
 
-def itl_ms(records: Iterable[Record]) -> list[float]:
-    """Inter-token gaps (ms) of completed requests, pooled."""
-    return [g * 1e3 for r in records if r.ok for g in r.itl()]
-
-
 def summarize(records: Sequence[Record], duration_s: float) -> Summary:
     """Throughput over the window's wall clock, TTFT and inter-token latency percentiles of
     completed requests, and the client-side cache-read share."""
@@ -146,7 +87,7 @@ def summarize(records: Sequence[Record], duration_s: float) -> Summary:
         raise ValueError(f"duration_s={duration_s!r} must be a positive finite number")
     ok = [r for r in records if r.ok]
     ttfts = [r.ttft * 1e3 for r in ok if r.ttft is not None]
-    itls = itl_ms(ok)
+    itls = [g * 1e3 for r in ok for g in r.itl()]  # pooled over requests
     out_tokens = sum(r.completion_tokens or 0 for r in ok)
     in_tokens = sum(r.prompt_tokens or 0 for r in ok)
     cached = sum(r.cached_tokens or 0 for r in ok)
@@ -156,9 +97,9 @@ def summarize(records: Sequence[Record], duration_s: float) -> Summary:
         completed=len(ok),
         failed=len(records) - len(ok),
         duration_s=duration_s,
-        total_input_tokens=sum(r.prompt_tokens or 0 for r in ok),
+        total_input_tokens=in_tokens,
         total_output_tokens=out_tokens,
-        total_cached_tokens=sum(r.cached_tokens or 0 for r in ok),
+        total_cached_tokens=cached,
         request_throughput=len(ok) / duration_s,
         output_throughput=out_tokens / duration_s,
         ttft_p50_ms=percentile(ttfts, 50) if has else math.nan,
@@ -173,11 +114,6 @@ def summarize(records: Sequence[Record], duration_s: float) -> Summary:
         itl_mean_ms=float(np.mean(itls)) if itls else math.nan,
         cache_read_pct=100.0 * cached / in_tokens if in_tokens else math.nan,
     )
-
-
-# ----------------------------------------------------------------------------------------------
-# windows and time series
-# ----------------------------------------------------------------------------------------------
 
 
 def after_cut(records: Iterable[Record], t0: float, cut_s: float) -> list[Record]:
@@ -252,11 +188,6 @@ def time_series(records: Sequence[Record], t0: float, bucket_s: float) -> list[B
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# periodic server samples
-# ----------------------------------------------------------------------------------------------
-
-
 def sample(ms: MetricSet, t: float) -> dict[str, Any]:
     """One periodic sample: time, tier residency bytes per tier (summed over ranks) and the
     `SAMPLED` counter totals the server exports."""
@@ -309,11 +240,6 @@ def counters_since(
     return Counters.of_samples(first.get("counters") or {}, last)
 
 
-# ----------------------------------------------------------------------------------------------
-# spread over repetitions
-# ----------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True, slots=True)
 class Spread:
     """Mean, sample sd, min and max of one metric over repetitions (NaNs left out)."""
@@ -338,16 +264,24 @@ def spread(values: Iterable[float]) -> Spread:
     return Spread(len(xs), statistics.fmean(xs), sd, min(xs), max(xs))
 
 
-# ----------------------------------------------------------------------------------------------
-# ON vs OFF
-# ----------------------------------------------------------------------------------------------
-
-
 def on_off_ratio(on: float, off: float) -> float | None:
     """`on / off`, or None when `off` is not a positive finite number."""
     if not (math.isfinite(on) and math.isfinite(off) and off > 0):
         return None
     return on / off
+
+
+def paired_ratios(
+    values: Mapping[int, float | None], base: Mapping[int, float | None]
+) -> dict[int, float]:
+    """`values` over `base`, repetition by repetition, where both are known and the ratio is
+    defined (`on_off_ratio`)."""
+    out = {}
+    for rep, v in values.items():
+        b = base.get(rep)
+        if v is not None and b is not None and (r := on_off_ratio(v, b)) is not None:
+            out[rep] = r
+    return out
 
 
 @dataclass(frozen=True, slots=True)

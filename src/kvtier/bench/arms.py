@@ -1,18 +1,12 @@
 """Matched arms: one fresh server subprocess per arm (or an endpoint already running), the same
 request stream in each.
 
-`kvtier bench e2e`'s arms (`run_arm`) start `kvtier serve` (same flags, same HBM pool; only
-`--offload`/`--no-offload` differs), wait for `/health` under a deadline, run a warmup, then per
-workload: reset the HBM prefix cache, scrape `/metrics`, send the stream, scrape again once the
-counters stop moving, and finally stop the server (SIGTERM, a deadline, then SIGKILL).
-`arm_order` alternates ON,OFF / OFF,ON across repetitions so drift on a shared machine falls on
-both arms alike; with `again` it runs OFF twice in a row (OFF_AGAIN, an A/A pair), whose ratio is
-what the machine alone moves a ratio by.
-
-Generic arms (`ArmSpec`, `run_endpoint_arm`) run any server command (`{port}` and `{host}` are
-filled in) or use a URL, and also sample `/metrics` every few seconds during the load (tier
-residency and the hit counters, with timestamps). `pool_mismatches` checks that the arms'
-commands pin the same HBM pool.
+`Drive.run` starts an arm's server, waits for its health path under a deadline, runs a warmup,
+then per workload resets the HBM prefix cache, scrapes `/metrics` settled, sends the stream
+(sampling `/metrics` every few seconds when asked) and scrapes again once the counters stop
+moving; finally it stops the server (SIGTERM, a deadline, then SIGKILL). `bench e2e` runs
+`kvtier serve` ON and OFF (`run_arm`, order from `arm_order`); `bench run` runs any server
+command or URL (`ArmSpec`, `run_endpoint_arm`).
 """
 
 from __future__ import annotations
@@ -27,16 +21,20 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Protocol, TypeVar
+from typing import IO, Any
 
 import httpx
 from rich.console import Console
 
-from kvtier.bench.analysis import (
+from kvtier.bench.analysis import sample
+from kvtier.bench.client import Clock, LoadOptions, LoadResult, run_load, write_jsonl
+from kvtier.bench.workload import RequestSpec
+from kvtier.errors import ConfigError, StartupError
+from kvtier.scrape import (
     EXT_HITS,
     EXT_QUERIES,
     HBM_HITS,
@@ -44,11 +42,7 @@ from kvtier.bench.analysis import (
     PROMPT_TOKENS,
     RETRIEVED,
     MetricSet,
-    sample,
 )
-from kvtier.bench.client import LoadOptions, LoadResult, run_load, write_jsonl
-from kvtier.bench.workload import RequestSpec
-from kvtier.errors import ConfigError, StartupError
 
 ON = "on"
 OFF = "off"
@@ -57,7 +51,8 @@ ARMS = (ON, OFF)
 OFF_AGAIN = "off_again"
 
 Say = Callable[[str], None]
-Clock = Callable[[], float]
+# resets the server's HBM prefix cache before a window; the second argument names the arm
+Reset = Callable[[httpx.AsyncClient, str], Awaitable[None]]
 
 _SETTLE_NAMES = (PROMPT_TOKENS, HBM_QUERIES, HBM_HITS, EXT_QUERIES, EXT_HITS, RETRIEVED)
 _LOG_TAIL = 4000
@@ -97,6 +92,18 @@ class ServerConfig:
         """The server's environment: ours, overlaid with `env`."""
         return {**os.environ, **self.env}
 
+    def process(self, log_path: Path, offload: bool = True) -> ServerProcess:
+        """The server on a free port, not started yet."""
+        port = free_port(self.host)
+        return ServerProcess(
+            self.argv(port, offload),
+            self.environ(),
+            f"http://{self.host}:{port}",
+            log_path,
+            startup_timeout_s=self.startup_timeout_s,
+            stop_timeout_s=self.stop_timeout_s,
+        )
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nobody listens on right now (the OS picks it)."""
@@ -131,6 +138,7 @@ class ServerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
         self.startup_s: float | None = None
+        self.exit_code: int | None = None
 
     def start(self) -> None:
         """Spawn the process (its output goes to `log_path`) and wait until it is healthy."""
@@ -170,18 +178,15 @@ class ServerProcess:
                 except subprocess.TimeoutExpired:
                     code = None
                 if code is not None:
-                    raise StartupError(
-                        f"server exited with code {code} before {self.health_path} answered; "
-                        "command: "
-                        f"{' '.join(self.argv)}\n--- {self.log_path} (tail) ---\n{self.log_tail()}"
-                    )
-                if self.clock() > deadline:
-                    raise StartupError(
-                        f"server did not answer {self.health_path} within "
-                        f"{self.startup_timeout_s:g}s; "
-                        f"command: {' '.join(self.argv)}\n--- {self.log_path} (tail) ---\n"
-                        f"{self.log_tail()}"
-                    )
+                    why = f"exited with code {code} before {self.health_path} answered"
+                elif self.clock() > deadline:
+                    why = f"did not answer {self.health_path} within {self.startup_timeout_s:g}s"
+                else:
+                    continue
+                raise StartupError(
+                    f"server {why}; command: {' '.join(self.argv)}\n"
+                    f"--- {self.log_path} (tail) ---\n{self.log_tail()}"
+                )
 
     def stop(self) -> int | None:
         """SIGTERM the process group, wait `stop_timeout_s`, then SIGKILL; returns the exit code."""
@@ -199,6 +204,7 @@ class ServerProcess:
         if self._log is not None:
             self._log.close()
             self._log = None
+        self.exit_code = code
         return code
 
     def log_tail(self, n: int = _LOG_TAIL) -> str:
@@ -228,11 +234,6 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
         return  # already gone
 
 
-# ----------------------------------------------------------------------------------------------
-# one arm
-# ----------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True, slots=True)
 class Workload:
     """A named request stream."""
@@ -243,17 +244,22 @@ class Workload:
 
 @dataclass(slots=True)
 class Window:
-    """One workload's load and the server counters scraped around it."""
+    """One workload's load, the server counters scraped around it (None without `/metrics`)
+    and the periodic samples taken during it."""
 
     workload: str
     load: LoadResult
-    before: MetricSet
-    after: MetricSet
+    before: MetricSet | None
+    after: MetricSet | None
     records_path: Path | None = None
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    sample_errors: int = 0
 
     @property
     def delta(self) -> MetricSet:
         """Counter deltas over the window."""
+        if self.before is None or self.after is None:
+            raise RuntimeError(f"window {self.workload} has no /metrics scrapes")
         return self.after.delta(self.before)
 
 
@@ -263,21 +269,24 @@ class ArmRun:
 
     arm: str
     rep: int
-    offload: bool
+    offload: bool | None
     windows: dict[str, Window]
-    startup_s: float
+    startup_s: float | None
     exit_code: int | None
-    log_path: Path
+    log_path: Path | None
+    model: str | None = None
+    facts: dict[str, Any] = field(default_factory=dict)  # the host's own, for to_json
 
     def to_json(self) -> dict[str, Any]:
-        """Startup, exit, log and where each window's records went."""
+        """Startup, exit, log, where each window's records went and the host's facts."""
         return {
             "arm": self.arm,
             "rep": self.rep,
-            "startup_s": round(self.startup_s, 2),
+            "startup_s": None if self.startup_s is None else round(self.startup_s, 2),
             "exit_code": self.exit_code,
             "log": str(self.log_path),
             "records": {w.workload: str(w.records_path) for w in self.windows.values()},
+            **self.facts,
         }
 
 
@@ -291,65 +300,160 @@ def arm_order(repeat: int, *, again: bool = False) -> list[tuple[int, str]]:
     return alternate((*ARMS, OFF_AGAIN) if again else ARMS, repeat)
 
 
+def alternate(names: Sequence[str], repeat: int) -> list[tuple[int, str]]:
+    """(repetition, arm) in run order: the arms in order, then reversed, alternating."""
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"repeat={repeat!r} must be an integer >= 1")
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"arm names {list(names)} must be unique and at least one")
+    out = []
+    for rep in range(repeat):
+        order = list(names) if rep % 2 == 0 else list(names)[::-1]
+        out += [(rep, name) for name in order]
+    return out
+
+
+def post_reset(path: str, hint: str = "") -> Reset:
+    """A `Reset` that POSTs `path` once; any answer but 200 raises (`hint` says why)."""
+
+    async def reset(http: httpx.AsyncClient, tag: str) -> None:
+        resp = await http.post(path)
+        if resp.status_code != 200:
+            raise RuntimeError(f"{tag} POST {path}: HTTP {resp.status_code}{hint}")
+
+    return reset
+
+
 @dataclass(frozen=True, slots=True)
 class Drive:
-    """How every arm's windows are driven: the workloads, their concurrency and warmup, where
-    the records go, progress, and how long the counters may take to settle."""
+    """How every arm's windows are driven; `records` is each window's records file under
+    `out_dir`, formatted with the workload, arm and repetition."""
 
     workloads: Sequence[Workload]
-    concurrency: int
     out_dir: Path
+    options: LoadOptions
     warmup: Sequence[RequestSpec] = ()
+    reset: Reset | None = None
     say: Say = _quiet
     progress: bool = True
     console: Console | None = None
     settle_timeout_s: float = 15.0
+    sample_every_s: float | None = None
+    records: str = "{workload}-{arm}-rep{rep}.jsonl"
 
-    def serve(
+    def run(
         self,
         arm: str,
         rep: int,
-        argv: tuple[int, Sequence[str]],
-        environ: Mapping[str, str],
-        server: Served,
+        offload: bool | None,
+        server: ServerProcess | str,
         *,
-        shown: str,
-        what: str,
-        reset: Callable[[httpx.AsyncClient, str], Awaitable[None]],
-        model: str | None = None,
-    ) -> tuple[dict[str, Window], float, int | None, Path]:
-        """Start the server (`argv`: its port and command), drive the warmup and every window
-        (`shown` names the arm in logs), stop it; returns the windows, the startup seconds,
-        the exit code and the server's log."""
-        port, command = argv
-        log_path = self.out_dir / f"server-{arm}-rep{rep}.log"
-        windows, startup_s, code = serve_and_drive(
-            port,
-            command,
-            environ,
-            server,
-            log_path,
-            tag=f"[{shown} rep {rep}]",
-            what=what,
-            say=self.say,
-            drive=lambda base_url: drive_windows(
-                base_url,
-                arm,
-                rep,
-                self.workloads,
-                shown=shown,
-                reset=reset,
-                model=model,
-                concurrency=self.concurrency,
-                warmup=self.warmup,
-                out_dir=self.out_dir,
-                say=self.say,
-                progress=self.progress,
-                console=self.console,
-                settle_timeout_s=self.settle_timeout_s,
-            ),
+        shown: str | None = None,
+        what: str = "",
+    ) -> ArmRun:
+        """Start `server` (`what` says what it is), drive the warmup and every window, stop it;
+        a URL instead of a server is an endpoint already running. `shown` names the arm in
+        logs and progress bars."""
+        shown = shown or arm
+        tag = f"[{shown} rep {rep}]"
+        if isinstance(server, str):
+            self.say(f"{tag} endpoint {server}")
+            model, windows = asyncio.run(self._windows(server, arm, rep, shown))
+            return ArmRun(arm, rep, offload, windows, None, None, None, model)
+        self.say(f"{tag} starting {what}")
+        with server:
+            assert server.startup_s is not None
+            self.say(f"{tag} server healthy after {server.startup_s:.1f}s on {server.base_url}")
+            model, windows = asyncio.run(self._windows(server.base_url, arm, rep, shown))
+        startup_s, code = server.startup_s, server.exit_code
+        return ArmRun(arm, rep, offload, windows, startup_s, code, server.log_path, model)
+
+    async def _windows(
+        self, base_url: str, arm: str, rep: int, shown: str
+    ) -> tuple[str | None, dict[str, Window]]:
+        tag = f"[{shown} rep {rep}]"
+        o = self.options
+        async with httpx.AsyncClient(base_url=base_url, timeout=30.0, headers=o.headers) as http:
+            model = o.model or await discover_model(http)
+            common: dict[str, Any] = {
+                "model": model,
+                "timeout_s": o.timeout_s,
+                "headers": dict(o.headers),
+                "require_token_ids": o.require_token_ids,
+            }
+            if self.warmup:
+                self.say(f"{tag} warmup: {len(self.warmup)} requests")
+                res = await run_load(
+                    base_url, self.warmup, progress=False, concurrency=o.concurrency or 4, **common
+                )
+                if bad := [r.error for r in res.records if not r.ok]:
+                    raise RuntimeError(f"{tag} warmup requests failed: {bad[:3]}")
+            windows = {}
+            for wl in self.workloads:
+                if self.reset is not None:
+                    await self.reset(http, tag)
+                label = f"{shown} rep {rep} {wl.name}"
+                window = await self._window(http, base_url, wl, tag, label, common)
+                path = self.out_dir / self.records.format(workload=wl.name, arm=arm, rep=rep)
+                window.records_path = write_jsonl(path, window.load.records)
+                windows[wl.name] = window
+        return model, windows
+
+    async def _window(
+        self,
+        http: httpx.AsyncClient,
+        base_url: str,
+        wl: Workload,
+        tag: str,
+        label: str,
+        common: dict[str, Any],
+    ) -> Window:
+        """Settled counters, the load (sampled), settled counters again."""
+        o = self.options
+        try:
+            before: MetricSet | None = await settled_metrics(http, self.settle_timeout_s)
+        except MetricsUnavailable:
+            self.say(f"{tag} no /metrics on {base_url}: client-side numbers only")
+            before = None
+        every = None if before is None else self.sample_every_s
+        samples: list[dict[str, Any]] = []
+        stop = asyncio.Event()
+        sampler = (
+            None if every is None else asyncio.create_task(_sample(http, stop, every, samples))
         )
-        return windows, startup_s, code, log_path
+        try:
+            load = await run_load(
+                base_url,
+                wl.specs,
+                concurrency=o.concurrency,
+                open_loop=o.open_loop,
+                duration_s=o.duration_s,
+                history=o.history,
+                progress=self.progress,
+                label=label,
+                console=self.console,
+                **common,
+            )
+        finally:
+            stop.set()
+            errors = 0 if sampler is None else await sampler
+        after = None if before is None else await settled_metrics(http, self.settle_timeout_s)
+        if every is not None and before is not None and after is not None:
+            # the settled scrapes bound the series: counters at the load's start and end
+            samples.insert(0, sample(before, load.started))
+            samples.append(sample(after, time.perf_counter()))
+        done = sum(1 for r in load.records if r.ok)
+        self.say(
+            f"{tag} {wl.name}: {done}/{len(load.records)} requests completed in "
+            f"{load.duration_s:.1f}s"
+            + (f" ({load.unsent} not sent: the duration ran out)" if load.unsent else "")
+        )
+        if o.duration_s is not None and not load.unsent:
+            self.say(
+                f"{tag} the stream ran out before --duration {o.duration_s:g}s; "
+                "pass a larger --requests (or more conversations) to fill it"
+            )
+        return Window(wl.name, load, before, after, None, samples, errors)
 
 
 def run_arm(arm: str, rep: int, server: ServerConfig, drive: Drive) -> ArmRun:
@@ -358,137 +462,9 @@ def run_arm(arm: str, rep: int, server: ServerConfig, drive: Drive) -> ArmRun:
         raise ValueError(f"arm={arm!r} must be one of {(*ARMS, OFF_AGAIN)}")
     offload = arm == ON
     flag = "--offload" if offload else "--no-offload"
-    port = free_port(server.host)
-    windows, startup_s, code, log_path = drive.serve(
-        arm,
-        rep,
-        (port, server.argv(port, offload)),
-        server.environ(),
-        server,
-        shown=arm.upper(),
-        what=f"kvtier serve (tp={server.tp}, hbm_blocks={server.hbm_blocks}, {flag})",
-        reset=_post_reset,
-    )
-    return ArmRun(arm, rep, offload, windows, startup_s, code, log_path)
-
-
-_T = TypeVar("_T")
-
-
-class Served(Protocol):
-    """Where and how patiently an arm's server is started and stopped."""
-
-    host: str
-    startup_timeout_s: float
-    stop_timeout_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class Serving:
-    """A `Served` of plain values (a generic arm's server)."""
-
-    host: str
-    startup_timeout_s: float
-    stop_timeout_s: float
-
-
-def serve_and_drive(
-    port: int,
-    argv: Sequence[str],
-    environ: Mapping[str, str],
-    server: Served,
-    log_path: Path,
-    *,
-    tag: str,
-    what: str,
-    say: Say,
-    drive: Callable[[str], Coroutine[Any, Any, _T]],
-    base_url: str | None = None,
-    health_path: str = "/health",
-) -> tuple[_T, float, int | None]:
-    """Start a server (`argv`, listening on `port`, reached at `base_url` when given), run
-    `drive(base_url)` once `health_path` answers, stop it; returns the drive's result, the
-    startup seconds and the server's exit code."""
-    base_url = base_url or f"http://{server.host}:{port}"
-    proc = ServerProcess(
-        argv,
-        environ,
-        base_url,
-        log_path,
-        startup_timeout_s=server.startup_timeout_s,
-        stop_timeout_s=server.stop_timeout_s,
-        health_path=health_path,
-    )
-    say(f"{tag} starting {what}")
-    with proc:
-        assert proc.startup_s is not None
-        say(f"{tag} server healthy after {proc.startup_s:.1f}s on {base_url}")
-        result = asyncio.run(drive(base_url))
-        startup_s = proc.startup_s
-    code = proc.proc.returncode if proc.proc is not None else None
-    return result, startup_s, code
-
-
-async def _post_reset(http: httpx.AsyncClient, tag: str) -> None:
-    resp = await http.post("/reset_prefix_cache")
-    if resp.status_code != 200:
-        raise RuntimeError(f"{tag} POST /reset_prefix_cache: HTTP {resp.status_code}")
-
-
-async def drive_windows(
-    base_url: str,
-    arm: str,
-    rep: int,
-    workloads: Sequence[Workload],
-    *,
-    shown: str,
-    reset: Callable[[httpx.AsyncClient, str], Awaitable[None]],
-    concurrency: int,
-    warmup: Sequence[RequestSpec],
-    out_dir: Path,
-    say: Say,
-    progress: bool,
-    console: Console | None,
-    settle_timeout_s: float,
-    model: str | None = None,
-) -> dict[str, Window]:
-    """Run the warmup, then each workload as a window: `reset(http, tag)` the prefix cache,
-    scrape settled counters around the load, write its records; `shown` names the arm in logs."""
-    tag = f"[{shown} rep {rep}]"
-    async with httpx.AsyncClient(base_url=base_url, timeout=30.0) as http:
-        await warm_up(base_url, warmup, tag, say, concurrency=concurrency, model=model)
-        windows: dict[str, Window] = {}
-        for wl in workloads:
-            await reset(http, tag)
-            before = await settled_metrics(http, settle_timeout_s)
-            load = await run_load(
-                base_url,
-                wl.specs,
-                concurrency=concurrency,
-                model=model,
-                progress=progress,
-                label=f"{shown} rep {rep} {wl.name}",
-                console=console,
-            )
-            after = await settled_metrics(http, settle_timeout_s)
-            path = write_jsonl(out_dir / f"{wl.name}-{arm}-rep{rep}.jsonl", load.records)
-            done = sum(1 for r in load.records if r.ok)
-            say(f"{tag} {wl.name}: {done}/{len(wl.specs)} requests in {load.duration_s:.1f}s")
-            windows[wl.name] = Window(wl.name, load, before, after, path)
-    return windows
-
-
-async def warm_up(
-    base_url: str, warmup: Sequence[RequestSpec], tag: str, say: Say, **load: Any
-) -> None:
-    """Send `warmup` (`run_load`'s `load` arguments, no progress bar); a failed one raises."""
-    if not warmup:
-        return
-    say(f"{tag} warmup: {len(warmup)} requests")
-    res = await run_load(base_url, warmup, progress=False, **load)
-    bad = [r.error for r in res.records if not r.ok]
-    if bad:
-        raise RuntimeError(f"{tag} warmup requests failed: {bad[:3]}")
+    proc = server.process(drive.out_dir / f"server-{arm}-rep{rep}.log", offload)
+    what = f"kvtier serve (tp={server.tp}, hbm_blocks={server.hbm_blocks}, {flag})"
+    return drive.run(arm, rep, offload, proc, shown=arm.upper(), what=what)
 
 
 class MetricsUnavailable(RuntimeError):
@@ -533,9 +509,41 @@ def _family(m: MetricSet, name: str) -> dict[tuple[tuple[str, str], ...], float]
     return {k: v for (n, k), v in m.samples.items() if n == name}
 
 
-# ----------------------------------------------------------------------------------------------
-# generic arms: any server command, or an endpoint already running
-# ----------------------------------------------------------------------------------------------
+async def _sample(
+    http: httpx.AsyncClient, stop: asyncio.Event, interval_s: float, out: list[dict[str, Any]]
+) -> int:
+    """Scrape into `out` every `interval_s` until `stop` is set; returns the failed scrapes
+    (counted, not fatal)."""
+    errors = 0
+    while not stop.is_set():
+        try:
+            ms = await scrape(http)
+        except MetricsUnavailable:
+            return errors
+        except (httpx.HTTPError, RuntimeError, ValueError):
+            errors += 1  # a busy server may miss one scrape; the series just has a gap
+        else:
+            out.append(sample(ms, time.perf_counter()))
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=interval_s)
+        except TimeoutError:
+            continue
+    return errors
+
+
+async def discover_model(http: httpx.AsyncClient) -> str | None:
+    """The first model id `GET /v1/models` lists, or None when the server does not say."""
+    try:
+        resp = await http.get("/v1/models")
+        if resp.status_code != 200:
+            return None
+        data = resp.json().get("data") or []
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    first = data[0] if data and isinstance(data[0], dict) else {}
+    model = first.get("id")
+    return model if isinstance(model, str) else None
+
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 # Flags that size or shape the HBM pool (kvtier serve's and vLLM's): equal in every arm.
@@ -546,7 +554,6 @@ POOL_FLAGS = (
     "--gpu-memory-utilization",
     "--block-size",
 )
-_TP_FLAGS = ("--tp", "--tensor-parallel-size", "-tp")
 
 
 @dataclass(frozen=True)
@@ -630,280 +637,61 @@ def pool_mismatches(arms: Sequence[ArmSpec]) -> list[str]:
     return out
 
 
-def alternate(names: Sequence[str], repeat: int) -> list[tuple[int, str]]:
-    """(repetition, arm) in run order: the arms in order, then reversed, alternating."""
-    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
-        raise ValueError(f"repeat={repeat!r} must be an integer >= 1")
-    if not names or len(set(names)) != len(names):
-        raise ValueError(f"arm names {list(names)} must be unique and at least one")
-    out = []
-    for rep in range(repeat):
-        order = list(names) if rep % 2 == 0 else list(names)[::-1]
-        out += [(rep, name) for name in order]
-    return out
-
-
-@dataclass(slots=True)
-class EndpointRun:
-    """One arm of one repetition against an endpoint: its load, the counters scraped around it
-    (None without `/metrics`), the periodic samples and where it was all written."""
-
-    arm: str
-    rep: int
-    base_url: str
-    model: str | None
-    load: LoadResult
-    before: MetricSet | None
-    after: MetricSet | None
-    samples: list[dict[str, Any]]
-    startup_s: float | None
-    exit_code: int | None
-    log_path: Path | None
-    records_path: Path
-    scrapes_path: Path
-    sample_errors: int = 0
-
-    @property
-    def delta(self) -> MetricSet | None:
-        """Counter deltas over the load (None without `/metrics`)."""
-        return None if self.before is None or self.after is None else self.after.delta(self.before)
-
-
 def run_endpoint_arm(
     arm: ArmSpec,
     rep: int,
-    specs: Sequence[RequestSpec],
+    drive: Drive,
     *,
-    options: LoadOptions,
-    out_dir: Path,
-    warmup: Sequence[RequestSpec] = (),
-    reset_path: str | None = None,
     host: str = "127.0.0.1",
     port: int = 8000,
     health_path: str = "/health",
     startup_timeout_s: float = 600.0,
     stop_timeout_s: float = 30.0,
-    settle_timeout_s: float = 15.0,
-    scrape_interval_s: float = 2.0,
-    say: Say | None = None,
-    progress: bool = True,
-    console: Console | None = None,
-) -> EndpointRun:
-    """Start the arm's server (or use its URL), run the warmup, scrape, send `specs` while
-    sampling `/metrics`, scrape again on the drained server, stop the server, and write the
-    records (`records/ARM-repN.jsonl`) and scrapes (`scrapes/ARM-repN.json`) under `out_dir`."""
-    log = say or (lambda _m: None)
-    tag = f"[{arm.name} rep {rep}]"
-
-    def drive(base_url: str) -> Coroutine[Any, Any, EndpointRun]:
-        return _drive_endpoint(
-            arm, rep, base_url, specs, options, out_dir, warmup, reset_path,
-            settle_timeout_s, scrape_interval_s, log, progress, console,
-        )  # fmt: skip
-
-    if not arm.argv:
+) -> ArmRun:
+    """`drive.run` on the arm's server (or its URL), its one window's counters, samples and
+    server facts written to `scrapes/ARM-repN.json` under `drive.out_dir`."""
+    out_dir = drive.out_dir
+    server: ServerProcess | str
+    if arm.argv:
+        use_port = free_port(host) if any("{port}" in a for a in arm.argv) else port
+        argv = arm.command(host, use_port)
+        server = ServerProcess(
+            argv,
+            {**os.environ, **arm.env},
+            arm.url or f"http://{host}:{use_port}",
+            out_dir / "logs" / f"{arm.name}-rep{rep}.log",
+            startup_timeout_s=startup_timeout_s,
+            stop_timeout_s=stop_timeout_s,
+            health_path=health_path,
+        )
+        base_url, what = server.base_url, shlex.join(argv)
+    else:
         assert arm.url is not None
-        log(f"{tag} endpoint {arm.url}")
-        return _written(asyncio.run(drive(arm.url)), out_dir, arm)
-    use_port = free_port(host) if any("{port}" in a for a in arm.argv) else port
-    argv = arm.command(host, use_port)
-    log_path = out_dir / "logs" / f"{arm.name}-rep{rep}.log"
-    run, startup_s, code = serve_and_drive(
-        use_port,
-        argv,
-        {**os.environ, **arm.env},
-        Serving(host, startup_timeout_s, stop_timeout_s),
-        log_path,
-        tag=tag,
-        what=shlex.join(argv),
-        say=log,
-        drive=drive,
-        base_url=arm.url,
-        health_path=health_path,
-    )
-    run.startup_s, run.exit_code, run.log_path = startup_s, code, log_path
-    return _written(run, out_dir, arm)
-
-
-async def discover_model(http: httpx.AsyncClient) -> str | None:
-    """The first model id `GET /v1/models` lists, or None when the server does not say."""
-    try:
-        resp = await http.get("/v1/models")
-        if resp.status_code != 200:
-            return None
-        data = resp.json().get("data") or []
-    except (httpx.HTTPError, ValueError, AttributeError):
-        return None
-    first = data[0] if data and isinstance(data[0], dict) else {}
-    model = first.get("id")
-    return model if isinstance(model, str) else None
-
-
-async def _drive_endpoint(
-    arm: ArmSpec,
-    rep: int,
-    base_url: str,
-    specs: Sequence[RequestSpec],
-    options: LoadOptions,
-    out_dir: Path,
-    warmup: Sequence[RequestSpec],
-    reset_path: str | None,
-    settle_timeout_s: float,
-    scrape_interval_s: float,
-    say: Say,
-    progress: bool,
-    console: Console | None,
-) -> EndpointRun:
-    tag = f"[{arm.name} rep {rep}]"
-    clock = time.perf_counter
-    headers = dict(options.headers)
-    async with httpx.AsyncClient(base_url=base_url, timeout=30.0, headers=headers) as http:
-        model = options.model or await discover_model(http)
-        common: dict[str, Any] = {
-            "model": model,
-            "timeout_s": options.timeout_s,
-            "headers": headers,
-            "require_token_ids": options.require_token_ids,
-        }
-        await warm_up(base_url, warmup, tag, say, concurrency=options.concurrency or 4, **common)
-        if reset_path:
-            resp = await http.post(reset_path)
-            if resp.status_code != 200:
-                raise RuntimeError(
-                    f"{tag} POST {reset_path}: HTTP {resp.status_code}; vLLM serves it only in "
-                    "dev mode (VLLM_SERVER_DEV_MODE=1), or drop --reset"
-                )
-        try:
-            before: MetricSet | None = await settled_metrics(http, settle_timeout_s)
-        except MetricsUnavailable:
-            say(f"{tag} no /metrics on {base_url}: client-side numbers only")
-            before = None
-        samples: list[dict[str, Any]] = []
-        errors = [0]
-        load = await _sampled(
-            http,
-            scrape_interval_s if before is not None else None,
-            clock,
-            samples,
-            errors,
-            run_load(
-                base_url,
-                specs,
-                concurrency=options.concurrency,
-                open_loop=options.open_loop,
-                duration_s=options.duration_s,
-                history=options.history,
-                progress=progress,
-                label=f"{arm.name} rep {rep}",
-                console=console,
-                clock=clock,
-                **common,
-            ),
-        )
-        after = await settled_metrics(http, settle_timeout_s) if before is not None else None
-        if before is not None and after is not None:
-            # the settled scrapes bound the series: counters at the load's start and end
-            samples.insert(0, sample(before, load.started))
-            samples.append(sample(after, clock()))
-    done = sum(1 for r in load.records if r.ok)
-    say(
-        f"{tag} {done}/{len(load.records)} requests completed in {load.duration_s:.1f}s"
-        + (f" ({load.unsent} not sent: the duration ran out)" if load.unsent else "")
-    )
-    if options.duration_s is not None and not load.unsent:
-        say(
-            f"{tag} the stream ran out before --duration {options.duration_s:g}s; "
-            "pass a larger --requests (or more conversations) to fill it"
-        )
-    name = f"{arm.name}-rep{rep}"
-    return EndpointRun(
-        arm=arm.name,
-        rep=rep,
-        base_url=base_url,
-        model=model,
-        load=load,
-        before=before,
-        after=after,
-        samples=samples,
-        startup_s=None,
-        exit_code=None,
-        log_path=None,
-        records_path=out_dir / "records" / f"{name}.jsonl",
-        scrapes_path=out_dir / "scrapes" / f"{name}.json",
-        sample_errors=errors[0],
-    )
-
-
-async def _sampled(
-    http: httpx.AsyncClient,
-    interval_s: float | None,
-    clock: Clock,
-    samples: list[dict[str, Any]],
-    errors: list[int],
-    load: Awaitable[LoadResult],
-) -> LoadResult:
-    """Await `load` while scraping `/metrics` into `samples` every `interval_s` (None: no
-    scrapes, the server has no `/metrics`)."""
-    stop = asyncio.Event()
-    sampler = (
-        asyncio.create_task(_sample_loop(http, stop, interval_s, clock, samples, errors))
-        if interval_s is not None
-        else None
-    )
-    try:
-        return await load
-    finally:
-        stop.set()
-        if sampler is not None:
-            await sampler
-
-
-async def _sample_loop(
-    http: httpx.AsyncClient,
-    stop: asyncio.Event,
-    interval_s: float,
-    clock: Clock,
-    out: list[dict[str, Any]],
-    errors: list[int],
-) -> None:
-    """Scrape every `interval_s` until `stop` is set; a failed scrape is counted, not fatal."""
-    while not stop.is_set():
-        try:
-            ms = await scrape(http)
-        except MetricsUnavailable:
-            return
-        except (httpx.HTTPError, RuntimeError, ValueError):
-            errors[0] += 1  # a busy server may miss one scrape; the series just has a gap
-        else:
-            out.append(sample(ms, clock()))
-        try:
-            await asyncio.wait_for(stop.wait(), timeout=interval_s)
-        except TimeoutError:
-            continue
-
-
-def _written(run: EndpointRun, out_dir: Path, arm: ArmSpec) -> EndpointRun:
-    """Write the run's records and scrapes; returns the run."""
-    write_jsonl(run.records_path, run.load.records)
+        server = base_url = arm.url
+        what = ""
+    run = drive.run(arm.name, rep, arm.offload, server, what=what)
+    (window,) = run.windows.values()
+    load = window.load
     doc = {
-        "arm": run.arm,
-        "rep": run.rep,
-        "base_url": run.base_url,
+        "arm": arm.name,
+        "rep": rep,
+        "base_url": base_url,
         "model": run.model,
         "argv": list(arm.argv),
         "offload": arm.offload,
-        "started": run.load.started,
-        "finished": run.load.finished,
-        "unsent": run.load.unsent,
-        "stopped_by": run.load.stopped_by,
+        "started": load.started,
+        "finished": load.finished,
+        "unsent": load.unsent,
+        "stopped_by": load.stopped_by,
         "startup_s": run.startup_s,
         "exit_code": run.exit_code,
         "log": None if run.log_path is None else str(run.log_path.relative_to(out_dir)),
-        "before": None if run.before is None else run.before.to_json(),
-        "after": None if run.after is None else run.after.to_json(),
-        "samples": run.samples,
-        "sample_errors": run.sample_errors,
+        "before": None if window.before is None else window.before.to_json(),
+        "after": None if window.after is None else window.after.to_json(),
+        "samples": window.samples,
+        "sample_errors": window.sample_errors,
     }
-    run.scrapes_path.parent.mkdir(parents=True, exist_ok=True)
-    run.scrapes_path.write_text(json.dumps(doc, allow_nan=False) + "\n", encoding="utf-8")
+    path = out_dir / "scrapes" / f"{arm.name}-rep{rep}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, allow_nan=False) + "\n", encoding="utf-8")
     return run

@@ -16,8 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from kvtier.bench.analysis import MetricSet
-from kvtier.scrape import LabelKey
+from kvtier.scrape import LabelKey, MetricSet
 
 SCHEDULER = "scheduler"
 HOOK = "kvtier_hook_seconds"

@@ -1,31 +1,14 @@
-"""`kvtier bench cache`: what the tier's replacement policy serves under capacity pressure,
-printed as ratios to the offline optimum, in one run.
-
-Every row replays one request stream (prefix pools with Zipf and uniform popularity, chat
-sessions, round-robin conversations, the Mooncake synthetic trace) at one tier capacity (a
-fraction of the stream's working set: its distinct chunks), with the tier alone or behind an HBM
-prefix cache of 5% of the working set. Per row: the offline optimum (Belady) and the infinite
-tier from `kvtier.cachemodel`, kvtier's real tier driven as the engine drives it, and the policy
-kvtier shipped before (segmented LRU, modelled in `kvtier.cachemodel.legacy`). Rates are tier
-hits over the chunks the HBM missed.
-
-Targets: sessions behind HBM at a 30% tier reach 0.55 of the optimum, and no row loses more
-than 2 points to the old policy.
-
-Retention rows replay timed conversations (the sessions, agent loops with tool and human pauses,
-the Mooncake trace's timestamps) behind a 5% HBM with clients that hint "retain this prompt until
-my next turn" (`kvtier.cachemodel.hinting`), sized as fractions of the distinct chunks and of
-the peak live working set. Targets: hinted sessions at a 30% tier reach 0.8 of the optimum in
-both normalizations, and the silent conversations of a mixed run never fall below their rate
-on a tier shrunk by the retention budget.
-"""
+"""`kvtier bench cache`: what the tier's replacement policy serves under capacity pressure, as
+ratios to the offline optimum, next to the previous policy and behind the scheduler's
+admission; then the retention rows, with clients that hint their next turn. Streams, columns
+and targets: docs/benchmarks.md."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from rich.console import Console
 from rich.table import Table
@@ -60,17 +43,19 @@ QUICK_RETENTION_TIERS = (0.3,)
 RETENTION_BUDGET, RETENTION_SHARE = 0.7, 0.5
 RETENTION_RATIO = 0.8
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True, slots=True)
-class Workload:
-    """A named request stream and where it came from."""
+class Workload(Generic[T]):
+    """A named stream (of requests, or of timed conversation turns) and where it came from."""
 
     name: str
     describe: str
-    build: Callable[[], list[Request]]
+    build: Callable[[], list[T]]
 
 
-def default_workloads(trace: Path | None) -> list[Workload]:
+def default_workloads(trace: Path | None) -> list[Workload[Request]]:
     """The table's streams; the Mooncake row needs `trace` (None leaves it out)."""
     out = [
         Workload(
@@ -106,24 +91,15 @@ def default_workloads(trace: Path | None) -> list[Workload]:
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class TimedWorkload:
-    """A named stream of timed conversation turns and where it came from."""
-
-    name: str
-    describe: str
-    build: Callable[[], list[Turn]]
-
-
-def retention_workloads(trace: Path | None) -> list[TimedWorkload]:
+def retention_workloads(trace: Path | None) -> list[Workload[Turn]]:
     """The retention rows' streams; the Mooncake row needs `trace` (None leaves it out)."""
     out = [
-        TimedWorkload(
+        Workload(
             SESSIONS,
             "the sessions above, each turn at its time, next turn known to its client",
             lambda: workloads.session_turns(),
         ),
-        TimedWorkload(
+        Workload(
             "agent loops",
             "600 agents over 2000 s, 12 steps on average, 4 shared system prompts of 4 chunks, "
             "tool pauses 3 s or (10%) a person's 600 s",
@@ -132,7 +108,7 @@ def retention_workloads(trace: Path | None) -> list[TimedWorkload]:
     ]
     if trace is not None:
         out.append(
-            TimedWorkload(
+            Workload(
                 "mooncake trace",
                 f"{trace.name} at its timestamps, a turn's next the first later prompt holding it",
                 lambda: trace_turns(read_trace_rows(trace), MOONCAKE_BLOCK),
@@ -147,8 +123,8 @@ def run(
     trace: Path | None = DEFAULT_TRACE,
     json_path: Path | None = None,
     progress: Callable[[str], None] = lambda _: None,
-    workload_list: Sequence[Workload] | None = None,
-    retention_list: Sequence[TimedWorkload] | None = None,
+    workload_list: Sequence[Workload[Request]] | None = None,
+    retention_list: Sequence[Workload[Turn]] | None = None,
     retention_budget: float = RETENTION_BUDGET,
 ) -> dict[str, Any]:
     """Run the table, write its JSON document and return it. `workload_list` and
@@ -243,7 +219,7 @@ def run(
 
 def _retention(
     report: Report,
-    streams: Sequence[TimedWorkload],
+    streams: Sequence[Workload[Turn]],
     capacities: Sequence[float],
     budget: float,
     progress: Callable[[str], None],
@@ -344,49 +320,15 @@ def _add_target(report: Report, rows: Sequence[dict[str, Any]]) -> None:
 
 def print_table(doc: dict[str, Any], console: Console | None = None) -> None:
     """The table with the previous policy as a column, then the targets."""
-    table = Table(title=doc["title"], title_justify="left")
-    for name, justify in (
-        ("workload", "left"),
-        ("HBM", "right"),
-        ("tier", "right"),
-        ("optimum", "right"),
-        ("infinite", "right"),
-        ("kvtier", "right"),
-        ("/opt", "right"),
-        ("previous", "right"),
-        ("/opt", "right"),
-        ("Δ pts", "right"),
-        ("admission", "right"),
-        ("/opt", "right"),
-        ("writes", "right"),
-        ("result", "left"),
-    ):
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
-    for r in doc["meta"]["table"]:
-        k, t, o = r["kvtier"], r["previous"], r["optimum"]
-        ok = k >= t - MAX_LOSS_POINTS
-        table.add_row(
-            r["workload"],
-            f"{100 * r['hbm_fraction']:.0f}%",
-            f"{100 * r['tier_fraction']:.0f}%",
-            f"{o:.1f}%",
-            f"{r['infinite']:.1f}%",
-            f"{k:.1f}%",
-            _fmt_ratio(_ratio(k, o)),
-            f"{t:.1f}%",
-            _fmt_ratio(_ratio(t, o)),
-            f"{k - t:+.1f}",
-            f"{r['admission']:.1f}%",
-            _fmt_ratio(_ratio(r["admission"], o)),
-            _fmt_ratio(_ratio(r["admission_written"], r["written"])),
-            Text(PASS, style="bold green") if ok else Text(MISS, style="bold red"),
-        )
+    verdict = ("result", "left", lambda r: _verdict(r["kvtier"] >= r["previous"] - MAX_LOSS_POINTS))
+    rows = doc["meta"]["table"]
     out = console or report_console()
-    out.print(table)
+    out.print(_rich_table(doc["title"], (*_POLICY_COLUMNS, verdict), rows))
     for i, note in enumerate(doc["footnotes"], start=1):
         out.print(Text(f"[{i}] {note}", style="dim"))
     if doc["meta"].get("retention"):
-        out.print(_retention_table(doc["meta"]["retention"]))
+        title = "retention hints: a client that knows its next turn, behind a 5% HBM"
+        out.print(_rich_table(title, _RETENTION_COLUMNS, doc["meta"]["retention"], no_wrap=2))
     for row in doc["rows"]:
         if row["id"].startswith("target."):
             verdict = PASS if row["pass"] else MISS
@@ -408,37 +350,68 @@ def print_table(doc: dict[str, Any], console: Console | None = None) -> None:
     out.print(f"targets met: {s['passed']} of {s['targets']}")
 
 
-def _retention_table(rows: Sequence[dict[str, Any]]) -> Table:
-    """The retention rows: no hints, hints and a mixed run next to the optimum."""
-    table = Table(
-        title="retention hints: a client that knows its next turn, behind a 5% HBM",
-        title_justify="left",
-    )
-    table.add_column("workload", no_wrap=True)
-    table.add_column("of", no_wrap=True)
-    for name in (
-        "tier", "optimum", "no hints", "/opt", "hints", "/opt",
-        "mix: hint", "silent", "silent w/o", "floor", "clipped",
-    ):  # fmt: skip
-        table.add_column(name, justify="right")
+Column = tuple[str, str, Callable[[dict[str, Any]], str | Text]]
+
+
+def _rich_table(
+    title: str, columns: Sequence[Column], rows: Sequence[dict[str, Any]], no_wrap: int = 0
+) -> Table:
+    """A table of `rows`, one column per (name, justify, cell); the first `no_wrap` unwrapped."""
+    table = Table(title=title, title_justify="left")
+    for i, (name, justify, _cell) in enumerate(columns):
+        table.add_column(name, justify=justify, no_wrap=i < no_wrap)  # type: ignore[arg-type]
     for r in rows:
-        o = r["optimum"]
-        table.add_row(
-            r["workload"],
-            r["normalization"],
-            f"{100 * r['tier_fraction']:.0f}%",
-            f"{o:.1f}%",
-            f"{r['plain']:.1f}%",
-            _fmt_ratio(_ratio(r["plain"], o)),
-            f"{r['hinted']:.1f}%",
-            _fmt_ratio(_ratio(r["hinted"], o)),
-            f"{r['mixed_hinted']:.1f}%",
-            f"{r['mixed_silent']:.1f}%",
-            f"{r['silent_plain']:.1f}%",
-            f"{r['silent_floor']:.1f}%",
-            f"{r['hints']['clipped']:,}",
-        )
+        table.add_row(*(cell(r) for _name, _justify, cell in columns))
     return table
+
+
+def _pct(key: str) -> Callable[[dict[str, Any]], str]:
+    return lambda r: f"{r[key]:.1f}%"
+
+
+def _share(key: str) -> Callable[[dict[str, Any]], str]:
+    return lambda r: f"{100 * r[key]:.0f}%"
+
+
+def _of_optimum(key: str) -> Callable[[dict[str, Any]], str]:
+    return lambda r: _fmt_ratio(_ratio(r[key], r["optimum"]))
+
+
+def _verdict(ok: bool) -> Text:
+    return Text(PASS, style="bold green") if ok else Text(MISS, style="bold red")
+
+
+_POLICY_COLUMNS: tuple[Column, ...] = (
+    ("workload", "left", lambda r: r["workload"]),
+    ("HBM", "right", _share("hbm_fraction")),
+    ("tier", "right", _share("tier_fraction")),
+    ("optimum", "right", _pct("optimum")),
+    ("infinite", "right", _pct("infinite")),
+    ("kvtier", "right", _pct("kvtier")),
+    ("/opt", "right", _of_optimum("kvtier")),
+    ("previous", "right", _pct("previous")),
+    ("/opt", "right", _of_optimum("previous")),
+    ("Δ pts", "right", lambda r: f"{r['kvtier'] - r['previous']:+.1f}"),
+    ("admission", "right", _pct("admission")),
+    ("/opt", "right", _of_optimum("admission")),
+    ("writes", "right", lambda r: _fmt_ratio(_ratio(r["admission_written"], r["written"]))),
+)
+# the retention rows: no hints, hints and a mixed run next to the optimum
+_RETENTION_COLUMNS: tuple[Column, ...] = (
+    ("workload", "left", lambda r: r["workload"]),
+    ("of", "left", lambda r: r["normalization"]),
+    ("tier", "right", _share("tier_fraction")),
+    ("optimum", "right", _pct("optimum")),
+    ("no hints", "right", _pct("plain")),
+    ("/opt", "right", _of_optimum("plain")),
+    ("hints", "right", _pct("hinted")),
+    ("/opt", "right", _of_optimum("hinted")),
+    ("mix: hint", "right", _pct("mixed_hinted")),
+    ("silent", "right", _pct("mixed_silent")),
+    ("silent w/o", "right", _pct("silent_plain")),
+    ("floor", "right", _pct("silent_floor")),
+    ("clipped", "right", lambda r: f"{r['hints']['clipped']:,}"),
+)
 
 
 def _fmt_ratio(r: float | None) -> str:

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from kvtier.bench.workload import check_positive
 from kvtier.cachemodel.optimum import optimal_leading
 from kvtier.cachemodel.stream import ChainIds, ChainLRU, from_prompts
 from kvtier.errors import ConfigError
@@ -93,7 +95,7 @@ def simulate(
 
     `outputs` (one id sequence per prompt) puts each request's generated blocks in HBM too;
     `counted` (one flag per prompt) counts only the flagged requests in the totals."""
-    _check(block_size=block_size)
+    check_positive(block_size=block_size)
     if hbm_blocks is not None and hbm_blocks < 0:
         raise ConfigError(f"hbm_blocks={hbm_blocks} is negative; use 0 or more blocks")
     if tier_chunks < 0 or min_load_tokens < 0:
@@ -104,7 +106,7 @@ def simulate(
     if use_tier:
         if chunk_size is None:
             raise ConfigError("a tier needs chunk_size; pass chunk_size= with tier_chunks=")
-        _check(chunk_size=chunk_size)
+        check_positive(chunk_size=chunk_size)
         if chunk_size % block_size:
             raise ConfigError(
                 f"chunk_size={chunk_size} is not a multiple of block_size={block_size}"
@@ -150,69 +152,33 @@ def simulate(
     return Ceiling(name, requests, prompt_tokens, hbm_hits, ext_hits)
 
 
-def hbm_ceiling(
-    prompts: Iterable[Sequence[int]],
+def ceilings(
+    prompts: Sequence[Sequence[int]],
     block_size: int,
-    hbm_blocks: int,
-    *,
-    outputs: Iterable[Sequence[int]] | None = None,
-    counted: Iterable[bool] | None = None,
-) -> Ceiling:
-    """(a) The HBM pool alone: LRU of `hbm_blocks` blocks."""
-    return simulate(
-        prompts,
-        block_size=block_size,
-        hbm_blocks=hbm_blocks,
-        name="hbm",
-        outputs=outputs,
-        counted=counted,
-    )
-
-
-def tier_ceiling(
-    prompts: Iterable[Sequence[int]],
-    block_size: int,
-    hbm_blocks: int,
-    chunk_size: int,
-    tier_chunks: int,
+    hbm_blocks: int | None,
+    chunk_size: int | None = None,
+    tier_chunks: int | None = None,
     min_load_tokens: int = 0,
     *,
-    outputs: Iterable[Sequence[int]] | None = None,
-    counted: Iterable[bool] | None = None,
-) -> Ceiling:
-    """(b) The HBM pool in front of the offline-optimal tier of `tier_chunks` chunks."""
-    return simulate(
-        prompts,
-        block_size=block_size,
-        hbm_blocks=hbm_blocks,
-        chunk_size=chunk_size,
-        tier_chunks=tier_chunks,
-        min_load_tokens=min_load_tokens,
-        name="hbm+tier",
-        outputs=outputs,
-        counted=counted,
-    )
-
-
-def infinite_ceiling(
-    prompts: Iterable[Sequence[int]],
-    block_size: int,
-    *,
-    outputs: Iterable[Sequence[int]] | None = None,
-    counted: Iterable[bool] | None = None,
-) -> Ceiling:
-    """Every block ever computed stays: no arm can hit more."""
-    return simulate(
-        prompts,
-        block_size=block_size,
-        hbm_blocks=None,
-        name="infinite",
-        outputs=outputs,
-        counted=counted,
-    )
-
-
-def _check(**values: int) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+    outputs: Sequence[Sequence[int]] | None = None,
+    counted: Sequence[bool] | None = None,
+) -> dict[str, Ceiling]:
+    """The ceilings by name: "hbm" (an LRU of `hbm_blocks`) and "hbm+tier" (that LRU in front of
+    the offline-optimal tier of `tier_chunks` chunks) where those sizes are given, and
+    "infinite" (every block ever computed stays: no arm can hit more)."""
+    common: dict[str, Any] = {"block_size": block_size, "outputs": outputs, "counted": counted}
+    out = {}
+    if hbm_blocks:
+        out["hbm"] = simulate(prompts, hbm_blocks=hbm_blocks, name="hbm", **common)
+        if chunk_size and tier_chunks:
+            out["hbm+tier"] = simulate(
+                prompts,
+                hbm_blocks=hbm_blocks,
+                chunk_size=chunk_size,
+                tier_chunks=tier_chunks,
+                min_load_tokens=min_load_tokens,
+                name="hbm+tier",
+                **common,
+            )
+    out["infinite"] = simulate(prompts, hbm_blocks=None, name="infinite", **common)
+    return out

@@ -27,7 +27,7 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvtier.bench.workload import RequestSpec, extend_prompt
+from kvtier.bench.workload import RequestSpec, extend_prompt, read_lines, write_lines
 
 Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[None]]
@@ -121,16 +121,7 @@ class LoadOptions:
 
     def describe(self) -> dict[str, Any]:
         """The options as JSON, header values left out (they may be credentials)."""
-        return {
-            "concurrency": self.concurrency,
-            "open_loop": self.open_loop,
-            "duration_s": self.duration_s,
-            "history": self.history,
-            "require_token_ids": self.require_token_ids,
-            "model": self.model,
-            "timeout_s": self.timeout_s,
-            "headers": sorted(self.headers),
-        }
+        return {**asdict(self), "headers": sorted(self.headers)}
 
 
 class ProtocolError(RuntimeError):
@@ -200,7 +191,10 @@ async def run_load(
     limits = httpx.Limits(max_connections=cap, max_keepalive_connections=cap)
     # a bar on a pipe or file only adds blank lines
     out = console or Console(stderr=True)
-    bar = _progress(out) if progress and out.is_terminal else None
+    bar = None
+    if progress and out.is_terminal:
+        columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn())
+        bar = Progress(*columns, TimeElapsedColumn(), console=out, transient=True)
     task = bar.add_task(label, total=len(specs)) if bar is not None else None
 
     def tick() -> None:
@@ -449,26 +443,9 @@ def _absorb(rec: Record, chunk: dict[str, Any], clock: Clock) -> None:
 
 def write_jsonl(path: str | Path, records: Sequence[Record]) -> Path:
     """Write one JSON object per record (creating parent directories); returns the path."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", encoding="utf-8") as f:
-        for rec in records:
-            f.write(json.dumps(rec.to_json(), separators=(",", ":")) + "\n")
-    return out
+    return write_lines(path, (r.to_json() for r in records))
 
 
 def read_jsonl(path: str | Path) -> list[Record]:
     """Records written by `write_jsonl`."""
-    with Path(path).open(encoding="utf-8") as f:
-        return [Record(**json.loads(line)) for line in f if line.strip()]
-
-
-def _progress(console: Console) -> Progress:
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    )
+    return [Record(**doc) for doc in read_lines(path)]

@@ -3,20 +3,18 @@ check over HTTP, then a short ON/OFF prefix-pool run, summarised in one table.""
 
 from __future__ import annotations
 
-import asyncio
 import random
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from kvtier.bench import e2e
-from kvtier.bench.arms import ServerConfig, ServerProcess, free_port, settled_metrics
-from kvtier.bench.client import run_load
+from kvtier.bench.arms import Drive, ServerConfig, Workload, post_reset
+from kvtier.bench.client import LoadOptions
 from kvtier.bench.table import print_report, report_console
 from kvtier.bench.workload import RequestSpec
 from kvtier.scrape import (
@@ -27,7 +25,6 @@ from kvtier.scrape import (
     LOADS,
     RETRIEVED,
     SCHEDULER,
-    MetricSet,
 )
 
 CHUNK = 64
@@ -50,41 +47,33 @@ def _restore_specs(vocab: int, seed: int = 7) -> list[RequestSpec]:
     ]
 
 
-async def _two_passes(base_url: str, specs: list[RequestSpec]) -> dict[str, Any]:
-    async with httpx.AsyncClient(base_url=base_url, timeout=120.0) as http:
-        first = await run_load(base_url, specs, concurrency=4, progress=False, label="pass 1")
-        mid = await settled_metrics(http, 15.0)
-        resp = await http.post("/reset_prefix_cache")
-        resp.raise_for_status()
-        second = await run_load(base_url, specs, concurrency=4, progress=False, label="pass 2")
-        end = await settled_metrics(http, 15.0)
-    return {"first": first, "second": second, "mid": mid, "end": end}
-
-
 def restore_check(model: Path, tp: int, env: dict[str, str], say: Any) -> dict[str, Any]:
     """Pass 1 stores; the HBM prefix cache is reset; pass 2 must come from the tier."""
-    import json
-
-    vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
-    specs = _restore_specs(vocab)
-    cfg = ServerConfig(model_dir=model, tp=tp, hbm_blocks=256, max_num_seqs=4, env=env)
-    port = free_port()
-    log = Path("runs") / "demo-restore-server.log"
-    say(f"starting kvtier serve (TP={tp}, memory tier) for the two-pass restore check")
-    with ServerProcess(
-        cfg.argv(port, offload=True), cfg.environ(), f"http://127.0.0.1:{port}", log
-    ) as server:
-        say(f"server ready in {server.startup_s:.1f}s; pass 1 stores, pass 2 restores")
-        res = asyncio.run(_two_passes(server.base_url, specs))
-    delta: MetricSet = res["end"].delta(res["mid"])
+    specs = _restore_specs(int(e2e.model_config(model)["vocab_size"]))
+    runs = Path("runs")
+    log = runs / "demo-restore-server.log"
+    server = ServerConfig(model_dir=model, tp=tp, hbm_blocks=256, max_num_seqs=4, env=env)
+    drive = Drive(
+        [Workload("pass1", specs), Workload("pass2", specs)],
+        runs,
+        LoadOptions(concurrency=4, require_token_ids=True),
+        reset=post_reset("/reset_prefix_cache"),
+        say=say,
+        progress=False,
+        records="demo-restore-{workload}.jsonl",
+    )
+    what = f"kvtier serve (TP={tp}, memory tier): pass 1 stores, pass 2 restores"
+    run = drive.run("restore", 0, True, server.process(log), what=what)
+    first, second = run.windows["pass1"], run.windows["pass2"]
     prompt = sum(len(s.prompt) for s in specs)
+    delta, end = second.delta, second.after
+    assert end is not None
     ext = delta.total(EXT_HITS)
     hbm = delta.total(HBM_HITS)
     same = [
         a.output_ids == b.output_ids
-        for a, b in zip(res["first"].records, res["second"].records, strict=True)
+        for a, b in zip(first.load.records, second.load.records, strict=True)
     ]
-    end: MetricSet = res["end"]
     per_rank_tokens = end.by_label(RETRIEVED, "rank")
     per_rank_loads = end.by_label(LOADS, "rank")
     per_rank_tokens.pop(SCHEDULER, None)

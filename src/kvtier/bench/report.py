@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import html
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
 
-from kvtier.bench.table import fmt, print_report, write_json
+from kvtier.bench.table import MISS, PASS, cells_of, fmt, print_report, write_json
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -57,24 +57,19 @@ def write_report(doc: Mapping[str, Any], out_dir: str | Path) -> dict[str, Path]
     return files
 
 
-# ----------------------------------------------------------------------------------------------
-# figures
-# ----------------------------------------------------------------------------------------------
-
-
 def _colors(names: Sequence[str]) -> dict[str, str]:
     palette = [f"C{i}" for i in range(10)]
     return {n: palette[i % len(palette)] for i, n in enumerate(dict.fromkeys(names))}
 
 
-def _figure(title: str, rows: int = 1, cols: int = 1) -> tuple[Figure, list[Axes]]:
+def _figure(title: str, rows: int = 1) -> tuple[Figure, list[Axes]]:
     # matplotlib (kvtier[bench]) loads with the first figure, not with every module importing this
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(9, 4.8 if rows == 1 else 7.5), dpi=_DPI)
     FigureCanvasAgg(fig)
-    axes = [fig.add_subplot(rows, cols, i + 1) for i in range(rows * cols)]
+    axes = [fig.add_subplot(rows, 1, i + 1) for i in range(rows)]
     fig.suptitle(title)
     return fig, axes
 
@@ -95,7 +90,9 @@ def _finish_time_axes(
     """Labels, grid, start-cut line and legend shared by every over-time chart."""
     if not drawn:
         _empty(ax, empty)
-    _cut_line(ax, doc)
+    cut = doc.get("cut_s") or 0
+    if cut > 0:
+        ax.axvline(cut, color="0.4", linestyle="--", linewidth=1, label=f"start cut {cut:g}s")
     ax.set_xlabel("seconds since the load started")
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
@@ -103,63 +100,56 @@ def _finish_time_axes(
         ax.legend(fontsize=8)
 
 
-def _cut_line(ax: Axes, doc: Mapping[str, Any]) -> None:
-    cut = doc.get("cut_s") or 0
-    if cut > 0:
-        ax.axvline(cut, color="0.4", linestyle="--", linewidth=1, label=f"start cut {cut:g}s")
-
-
 def _ttft_figure(doc: Mapping[str, Any], colors: Mapping[str, str]) -> Figure:
-    bucket = doc["bucket_s"]
-    fig, (ax,) = _figure(f"TTFT p50 per {bucket:g}s bucket (by send time)")
+    fig, (ax,) = _figure(f"TTFT p50 per {doc['bucket_s']:g}s bucket (by send time)")
     drawn = False
     for run in doc["runs"]:
-        pts = [
-            (b["t_s"] + bucket / 2, b["ttft_p50_ms"])
-            for b in run["series"]["buckets"]
-            if b["ttft_p50_ms"] is not None
-        ]
-        if pts:
-            xs, ys = zip(*pts, strict=True)
-            ax.plot(
-                xs, ys, _STYLES[run["rep"] % len(_STYLES)], marker="o", markersize=3,
-                color=colors[run["arm"]], label=f"{run['arm']} rep {run['rep']}",
-            )  # fmt: skip
-            drawn = True
+        drawn |= _buckets(ax, doc, run, "ttft_p50_ms", 1.0, colors, "")
     _finish_time_axes(ax, doc, drawn, "TTFT p50 (ms)", "no completed request")
     return fig
 
 
 def _hit_figure(doc: Mapping[str, Any], colors: Mapping[str, str]) -> Figure:
-    bucket = doc["bucket_s"]
     fig, (ax,) = _figure("Cache-read rate over time (client: per bucket; server: per scrape)")
     drawn = False
     for run in doc["runs"]:
-        color = colors[run["arm"]]
-        style = _STYLES[run["rep"] % len(_STYLES)]
-        pts = [
-            (b["t_s"] + bucket / 2, 100.0 * b["hit_rate"])
-            for b in run["series"]["buckets"]
-            if b["hit_rate"] is not None
-        ]
-        if pts:
-            xs, ys = zip(*pts, strict=True)
-            ax.plot(
-                xs, ys, style, marker="o", markersize=3, color=color,
-                label=f"{run['arm']} rep {run['rep']} (client)",
-            )  # fmt: skip
-            drawn = True
+        drawn |= _buckets(ax, doc, run, "hit_rate", 100.0, colors, " (client)")
         server = run["series"]["server_hit"]
         if server:
             ax.plot(
-                [p["t_s"] for p in server], [100.0 * p["hit_rate"] for p in server], style,
-                marker="x", markersize=4, color=color, alpha=0.6,
-                label=f"{run['arm']} rep {run['rep']} (server)",
+                [p["t_s"] for p in server], [100.0 * p["hit_rate"] for p in server],
+                _STYLES[run["rep"] % len(_STYLES)], marker="x", markersize=4, alpha=0.6,
+                color=colors[run["arm"]], label=f"{run['arm']} rep {run['rep']} (server)",
             )  # fmt: skip
             drawn = True
     _finish_time_axes(ax, doc, drawn, "cache-read rate (%)", "no prompt tokens counted")
     ax.set_ylim(-2, 102)
     return fig
+
+
+def _buckets(
+    ax: Axes,
+    doc: Mapping[str, Any],
+    run: Mapping[str, Any],
+    key: str,
+    scale: float,
+    colors: Mapping[str, str],
+    suffix: str,
+) -> bool:
+    """Plot a run's per-bucket `key` (x `scale`) at the buckets' middles; False if it has none."""
+    bucket = doc["bucket_s"]
+    pts = [
+        (b["t_s"] + bucket / 2, scale * b[key])
+        for b in run["series"]["buckets"]
+        if b[key] is not None
+    ]
+    if pts:
+        xs, ys = zip(*pts, strict=True)
+        ax.plot(
+            xs, ys, _STYLES[run["rep"] % len(_STYLES)], marker="o", markersize=3,
+            color=colors[run["arm"]], label=f"{run['arm']} rep {run['rep']}{suffix}",
+        )  # fmt: skip
+    return bool(pts)
 
 
 def _residency_figure(doc: Mapping[str, Any], colors: Mapping[str, str]) -> Figure:
@@ -190,37 +180,44 @@ def _ceiling_figure(doc: Mapping[str, Any]) -> Figure:
         ("ceiling_hbm+tier_pct", "ceiling: HBM + tier"),
         ("ceiling_infinite_pct", "ceiling: infinite"),
     )
-    groups: list[tuple[str, dict[str, tuple[float, float, float] | None]]] = []
-    for name, arm in doc["arms"].items():
-        sp = arm["spread"].get("full") or {}
-        groups.append((name, {k: _mean_span(sp.get(k)) for k, _ in series}))
-    for a in doc.get("aiperf", []):
-        pct = a["summary"].get("cache_read_pct")
-        vals: dict[str, tuple[float, float, float] | None] = {k: None for k, _ in series}
-        vals["client_hit_pct"] = None if pct is None else (pct, pct, pct)
-        groups.append((f"aiperf {a['name']}", vals))
+
+    def client(summary: Mapping[str, Any], key: str) -> float | None:
+        return summary.get("cache_read_pct") if key == "client_hit_pct" else None
+
+    groups = _groups(doc, series, client)
     _grouped_bars(ax, groups, series, "cache-read rate (%)")
     ax.set_ylim(0, 105)
     return fig
 
 
 def _latency_figure(doc: Mapping[str, Any]) -> Figure:
-    fig, axes = _figure("Latency percentiles (full window; mean over repetitions)", 2, 1)
+    fig, axes = _figure("Latency percentiles (full window; mean over repetitions)", 2)
     for ax, key, label in ((axes[0], "ttft", "TTFT (ms)"), (axes[1], "itl", "ITL (ms)")):
         series = tuple((f"{key}_{p}_ms", p) for p in ("p50", "p90", "p99"))
-        groups: list[tuple[str, dict[str, tuple[float, float, float] | None]]] = []
-        for name, arm in doc["arms"].items():
-            sp = arm["spread"].get("full") or {}
-            groups.append((name, {k: _mean_span(sp.get(k)) for k, _ in series}))
-        for a in doc.get("aiperf", []):
-            groups.append(
-                (
-                    f"aiperf {a['name']}",
-                    {k: _point(a["summary"].get(k)) for k, _ in series},
-                )
-            )
+        groups = _groups(doc, series, lambda summary, k: summary.get(k))
         _grouped_bars(ax, groups, series, label)
     return fig
+
+
+Bars = dict[str, tuple[float, float, float] | None]
+
+
+def _groups(
+    doc: Mapping[str, Any],
+    series: Sequence[tuple[str, str]],
+    aiperf: Callable[[Mapping[str, Any], str], float | None],
+) -> list[tuple[str, Bars]]:
+    """A bar group per arm (its mean, min and max over repetitions, full window) and per aiperf
+    import (`aiperf(summary, key)`, one value)."""
+    groups = [
+        (name, {k: _mean_span((arm["spread"].get("full") or {}).get(k)) for k, _ in series})
+        for name, arm in doc["arms"].items()
+    ]
+    for a in doc.get("aiperf", []):
+        groups.append(
+            (f"aiperf {a['name']}", {k: _point(aiperf(a["summary"], k)) for k, _ in series})
+        )
+    return groups
 
 
 def _mean_span(sp: Mapping[str, Any] | None) -> tuple[float, float, float] | None:
@@ -266,10 +263,6 @@ def _grouped_bars(
     else:
         _empty(ax, "nothing measured")
 
-
-# ----------------------------------------------------------------------------------------------
-# HTML
-# ----------------------------------------------------------------------------------------------
 
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1100px; }
@@ -319,37 +312,31 @@ def render_html(doc: Mapping[str, Any], images: Sequence[str]) -> str:
     return "\n".join(parts)
 
 
+def _table(head: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """An HTML table: `head` escaped, the cells as given (HTML)."""
+    cols = "".join(f"<th>{html.escape(h)}</th>" for h in head)
+    lines = ["".join(f"<td>{c}</td>" for c in row) for row in rows]
+    return "\n".join([f"<table><tr>{cols}</tr>", *(f"<tr>{x}</tr>" for x in lines), "</table>"])
+
+
 def _summary_table(table: Mapping[str, Any]) -> str:
     e = html.escape
-    rows = [
-        "<table><tr><th>measurement</th><th>value</th><th>raw</th><th>ratio</th>"
-        "<th>target</th><th>result</th></tr>"
-    ]
+    rows = []
     for r in table["rows"]:
-        verdict = (
-            "—"
-            if r["pass"] is None
-            else "<span class='pass'>PASS</span>"
-            if r["pass"]
-            else "<span class='miss'>MISS</span>"
-        )
-        ratio = "—" if r["ratio"] is None else f"{r['ratio']:.2f}x"
-        raw = fmt(r["raw"], r["unit"]) if r["raw"] is not None else "—"
-        rows.append(
-            f"<tr><td>{e(r['label'])}</td><td>{e(fmt(r['value'], r['unit']))}</td>"
-            f"<td>{e(raw)}</td><td>{ratio}</td><td>{e(r['target'] or '—')}</td>"
-            f"<td>{verdict}</td></tr>"
-        )
-    rows.append("</table>")
-    rows += [f"<p class='note'>[{i}] {e(n)}</p>" for i, n in enumerate(table["footnotes"], 1)]
+        *cells, verdict = cells_of(r)
+        if verdict in (PASS, MISS):
+            verdict = f"<span class='{verdict.lower()}'>{verdict}</span>"
+        rows.append([*(e(c) for c in cells), verdict])
+    head = ("measurement", "value", "raw", "ratio", "target", "result")
+    parts = [_table(head, rows)]
+    parts += [f"<p class='note'>[{i}] {e(n)}</p>" for i, n in enumerate(table["footnotes"], 1)]
     s = table["summary"]
-    rows.append(f"<p>targets met: {s['passed']} of {s['targets']}</p>")
-    return "\n".join(rows)
+    parts.append(f"<p>targets met: {s['passed']} of {s['targets']}</p>")
+    return "\n".join(parts)
 
 
-_ARM_COLUMNS = (
-    ("completed", "completed", ""),
-    ("failed", "failed", ""),
+# (key, column, unit) of the HTML tables: the speeds both arms and aiperf imports show
+_SPEEDS = (
     ("request_throughput", "req/s", ""),
     ("output_throughput", "tok/s", ""),
     ("ttft_p50_ms", "TTFT p50", "ms"),
@@ -357,6 +344,11 @@ _ARM_COLUMNS = (
     ("ttft_p99_ms", "TTFT p99", "ms"),
     ("itl_p50_ms", "ITL p50", "ms"),
     ("itl_p99_ms", "ITL p99", "ms"),
+)
+_ARM_COLUMNS = (
+    ("completed", "completed", ""),
+    ("failed", "failed", ""),
+    *_SPEEDS,
     ("server_hit_pct", "hit % (server)", "%"),
     ("client_hit_pct", "hit % (client)", "%"),
     ("ceiling_hbm_pct", "ceiling HBM", "%"),
@@ -367,26 +359,20 @@ _ARM_COLUMNS = (
 
 def _arms_table(doc: Mapping[str, Any]) -> str:
     e = html.escape
-    head = "".join(f"<th>{e(label)}</th>" for _, label, _ in _ARM_COLUMNS)
-    rows = [f"<table><tr><th>arm</th><th>window</th><th>reps</th>{head}</tr>"]
+    rows = []
     for name, arm in doc["arms"].items():
         for window, sp in arm["spread"].items():
             cells = []
             for key, _label, unit in _ARM_COLUMNS:
                 v = sp.get(key) or {}
-                if v.get("mean") is None:
-                    cells.append("<td>—</td>")
-                    continue
-                text = fmt(v["mean"], unit)
-                if v.get("sd") is not None:
+                text = "—" if v.get("mean") is None else fmt(v["mean"], unit)
+                if v.get("mean") is not None and v.get("sd") is not None:
                     text += f" ± {fmt(v['sd'])}"
-                cells.append(f"<td>{e(text)}</td>")
+                cells.append(e(text))
             shown = "full" if window == "full" else f"from {doc['cut_s']:g}s"
-            rows.append(
-                f"<tr><td>{e(name)}</td><td>{shown}</td><td>{arm['reps']}</td>{''.join(cells)}</tr>"
-            )
-    rows.append("</table><p class='note'>mean ± sample sd over repetitions</p>")
-    return "\n".join(rows)
+            rows.append([e(name), shown, arm["reps"], *cells])
+    head = ("arm", "window", "reps", *(label for _, label, _ in _ARM_COLUMNS))
+    return _table(head, rows) + "<p class='note'>mean ± sample sd over repetitions</p>"
 
 
 def _arm_commands(meta: Mapping[str, Any]) -> str:
@@ -420,34 +406,21 @@ def _checks_html(checks: Mapping[str, Any]) -> str:
 
 def _aiperf_table(runs: Sequence[Mapping[str, Any]]) -> str:
     e = html.escape
-    keys = (
-        ("request_count", "requests", ""),
-        ("request_throughput", "req/s", ""),
-        ("output_throughput", "tok/s", ""),
-        ("ttft_p50_ms", "TTFT p50", "ms"),
-        ("ttft_p90_ms", "TTFT p90", "ms"),
-        ("ttft_p99_ms", "TTFT p99", "ms"),
-        ("itl_p50_ms", "ITL p50", "ms"),
-        ("itl_p99_ms", "ITL p99", "ms"),
-        ("cache_read_pct", "cache read", "%"),
-    )
-    head = "".join(f"<th>{e(label)}</th>" for _, label, _ in keys)
-    rows = [f"<table><tr><th>aiperf run</th><th>version</th>{head}</tr>"]
-    for a in runs:
-        cells = "".join(f"<td>{e(fmt(a['summary'].get(k), u))}</td>" for k, _, u in keys)
-        rows.append(f"<tr><td>{e(a['name'])}</td><td>{e(str(a.get('version')))}</td>{cells}</tr>")
-    rows.append("</table>")
-    rows += [f"<p class='note'>{e(a['name'])}: {e(a['source'])}</p>" for a in runs]
-    return "\n".join(rows)
+    keys = (("request_count", "requests", ""), *_SPEEDS, ("cache_read_pct", "cache read", "%"))
+    rows = [
+        [
+            e(a["name"]),
+            e(str(a.get("version"))),
+            *(e(fmt(a["summary"].get(k), u)) for k, _, u in keys),
+        ]
+        for a in runs
+    ]
+    notes = [f"<p class='note'>{e(a['name'])}: {e(a['source'])}</p>" for a in runs]
+    return "\n".join([_table(("aiperf run", "version", *(x for _, x, _ in keys)), rows), *notes])
 
 
 def _json_lines(doc: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in doc.items() if v is not None)
-
-
-# ----------------------------------------------------------------------------------------------
-# the command
-# ----------------------------------------------------------------------------------------------
 
 
 def bench_report_command(

@@ -21,9 +21,12 @@ from typing import Any
 import httpx
 import numpy as np
 
-from kvtier.bench.arms import ServerConfig, ServerProcess, free_port
-from kvtier.bench.e2e import ensure_model
+from kvtier.bench.analysis import percentile
+from kvtier.bench.arms import ServerConfig
+from kvtier.bench.client import completion_body
+from kvtier.bench.e2e import ensure_model, model_config
 from kvtier.bench.table import Report, Row, Target, write_json
+from kvtier.bench.workload import RequestSpec
 
 TTFT_TARGET = 0.6
 CHUNK = 256
@@ -119,22 +122,14 @@ def run_arm(
         "KVTIER_LOAD_GATE": "false",
     }
     server = ServerConfig(model, 1, hbm_blocks(plan), max_num_seqs=1, env=env)
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc = ServerProcess(
-        server.argv(port, offload=True), server.environ(), base, out_dir / f"{arm}.log"
-    )
+    proc = server.process(out_dir / f"{arm}.log")
     sent: list[Sent] = []
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    vocab = model_config(model)["vocab_size"]
     work = prompts(plan, vocab)
-    with proc, httpx.Client(base_url=base, timeout=120.0) as http:
+    with proc, httpx.Client(base_url=proc.base_url, timeout=120.0) as http:
         say(f"[{arm}] {len(work)} requests, one at a time")
         for c, t, prompt in work:
-            body: dict[str, Any] = {
-                "prompt": prompt, "max_tokens": plan.max_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True, "return_token_ids": True,
-                "stream_options": {"include_usage": True},
-            }  # fmt: skip
+            body = completion_body(RequestSpec(0, HINTED, tuple(prompt), plan.max_tokens))
             if arm == HINTED and c < plan.agents:
                 body["prompt_cache_key"] = f"agent-{c}"
                 body["prompt_cache_retention"] = "in_memory"
@@ -148,7 +143,7 @@ def run_arm(
 
 
 def _p50(values: Sequence[float]) -> float:
-    return float(np.percentile(values, 50)) if values else 0.0
+    return percentile(values, 50) if values else 0.0
 
 
 def run(

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -164,6 +165,15 @@ def write_json(path: str | Path, doc: Mapping[str, Any]) -> Path:
     return out
 
 
+def machine() -> dict[str, Any]:
+    """Where a bench ran: Python, platform and the cores this process may use."""
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cores": len(os.sched_getaffinity(0)),
+    }
+
+
 def fmt(value: float | None, unit: str = "") -> str:
     """A number with 3 significant digits (more for large values), or an em dash."""
     if value is None:
@@ -181,24 +191,13 @@ def render(doc: Mapping[str, Any]) -> Group:
     table.add_column("ratio", justify="right")
     table.add_column("target")
     table.add_column("result")
-    for row in _rows(doc):
-        passed = row.get("pass")
-        verdict = (
-            Text("—", style="dim")
-            if passed is None
-            else Text(PASS, style="bold green")
-            if passed
-            else Text(MISS, style="bold red")
-        )
-        r = row.get("ratio")
-        table.add_row(
-            str(row["label"]),
-            fmt(row["value"], row["unit"]),
-            fmt(row.get("raw"), row["unit"] if row.get("raw") is not None else ""),
-            "—" if r is None else f"{r:.2f}x",
-            str(row.get("target") or "—"),
-            verdict,
-        )
+    rows = doc.get("rows")
+    if not isinstance(rows, list):
+        raise ValueError("report document has no 'rows' list; build it with Report.to_json()")
+    for row in rows:
+        *cells, verdict = cells_of(row)
+        style = {PASS: "bold green", MISS: "bold red"}.get(verdict, "dim")
+        table.add_row(*cells, Text(verdict, style=style))
     parts: list[Table | Text] = [table]
     for i, note in enumerate(doc.get("footnotes", []), start=1):
         parts.append(Text(f"[{i}] {note}", style="dim"))
@@ -208,16 +207,22 @@ def render(doc: Mapping[str, Any]) -> Group:
     return Group(*parts)
 
 
+def cells_of(row: Mapping[str, Any]) -> tuple[str, str, str, str, str, str]:
+    """A row's label, value, raw, ratio, target and verdict (PASS, MISS or an em dash), shown."""
+    passed, r, raw = row.get("pass"), row.get("ratio"), row.get("raw")
+    return (
+        str(row["label"]),
+        fmt(row["value"], row["unit"]),
+        fmt(raw, row["unit"] if raw is not None else ""),
+        "—" if r is None else f"{r:.2f}x",
+        str(row.get("target") or "—"),
+        "—" if passed is None else PASS if passed else MISS,
+    )
+
+
 def print_report(doc: Mapping[str, Any], console: Console | None = None) -> None:
     """Print `render(doc)` to `console` (stdout by default)."""
     (console or report_console()).print(render(doc))
-
-
-def _rows(doc: Mapping[str, Any]) -> Sequence[Mapping[str, Any]]:
-    rows = doc.get("rows")
-    if not isinstance(rows, list):
-        raise ValueError("report document has no 'rows' list; build it with Report.to_json()")
-    return rows
 
 
 def report_console() -> Console:

@@ -18,41 +18,17 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from kvtier.bench.analysis import cache_config
-from kvtier.bench.arms import ArmRun, Drive, free_port
+from kvtier.bench.arms import ArmRun, Drive, Say, ServerProcess, free_port
+from kvtier.bench.client import Clock
 from kvtier.errors import ConfigError, StartupError
-
-__all__ = [
-    "ARM_LABELS",
-    "EXAMPLE",
-    "KVTIER",
-    "NONE",
-    "NONE_AGAIN",
-    "OFFLOADING_NOT_RUN",
-    "VLLM_ARMS",
-    "RUN_ORDER",
-    "VLLM_BLOCK_SIZE",
-    "VLLMArm",
-    "VLLMArmRun",
-    "VLLMServerConfig",
-    "default_venv",
-    "ensure_vllm_env",
-    "example_transfer_config",
-    "kvtier_transfer_config",
-    "make_arms",
-    "reset_prefix_cache",
-    "run_vllm_arm",
-]
-
-Say = Callable[[str], None]
-Clock = Callable[[], float]
+from kvtier.scrape import cache_config
 
 # vLLM's CPU backend allocates KV in blocks of 128 tokens (its default there; a multiple of 32)
 VLLM_BLOCK_SIZE = 128
@@ -133,11 +109,6 @@ def ensure_vllm_env(
     return cli
 
 
-# ----------------------------------------------------------------------------------------------
-# connectors and arms
-# ----------------------------------------------------------------------------------------------
-
-
 def kvtier_transfer_config(extra: Mapping[str, Any]) -> dict[str, Any]:
     """`--kv-transfer-config` loading KVTierConnector out of tree with `extra` as its
     KVTierConfig; a failed tier load is recomputed (what kvtier would switch to anyway)."""
@@ -162,12 +133,11 @@ def example_transfer_config(store: Path) -> dict[str, Any]:
 @dataclass(frozen=True)
 class VLLMArm:
     """One arm: its name, its `--kv-transfer-config` (None: no connector), whether it has a
-    connector (`offload`), whether it exports kvtier's retrieved counter, and its KV store dir."""
+    connector (`offload`) and its KV store dir."""
 
     name: str
     transfer_config: Mapping[str, Any] | None
     offload: bool
-    has_retrieved: bool
     store: Path | None = None
 
     @property
@@ -180,16 +150,11 @@ def make_arms(extra: Mapping[str, Any], store_dir: Path) -> dict[str, VLLMArm]:
     """The arms by name: kvtier (KVTierConnector with `extra`), ExampleConnector (files under
     `store_dir`, one directory per repetition), none, and none again (the A/A pair's second)."""
     return {
-        KVTIER: VLLMArm(KVTIER, kvtier_transfer_config(extra), True, True),
-        EXAMPLE: VLLMArm(EXAMPLE, example_transfer_config(store_dir), True, False, store_dir),
-        NONE: VLLMArm(NONE, None, False, False),
-        NONE_AGAIN: VLLMArm(NONE_AGAIN, None, False, False),
+        KVTIER: VLLMArm(KVTIER, kvtier_transfer_config(extra), True),
+        EXAMPLE: VLLMArm(EXAMPLE, example_transfer_config(store_dir), True, store_dir),
+        NONE: VLLMArm(NONE, None, False),
+        NONE_AGAIN: VLLMArm(NONE_AGAIN, None, False),
     }
-
-
-# ----------------------------------------------------------------------------------------------
-# the server
-# ----------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -263,10 +228,8 @@ class VLLMServerConfig:
         return self.env.get(key) or os.environ.get(key) or self.threads_bind
 
     def environ(self, tmp: Path) -> dict[str, str]:
-        """Ours, minus our venv, overlaid with offline mode, dev endpoints, KV space, thread
-        binding (`threads_bind` unless VLLM_CPU_OMP_THREADS_BIND is set), a cache under
-        `work_dir`, sockets and temp files in `tmp` and kvtier's source on PYTHONPATH, then
-        `env`."""
+        """Ours minus our venv, for an offline vLLM with dev endpoints, its sockets and temp
+        files in `tmp` and kvtier's source on PYTHONPATH; then `env`."""
         if len(str(tmp)) > _MAX_TMP_LEN:
             raise ConfigError(
                 f"vLLM temp dir {str(tmp)!r} is longer than {_MAX_TMP_LEN} characters; its ipc "
@@ -296,84 +259,58 @@ class VLLMServerConfig:
         return env
 
 
-@dataclass(slots=True)
-class VLLMArmRun:
-    """One vLLM arm of one repetition: the windows (as `ArmRun`), its command, vLLM's cache
-    config as `/metrics` reports it, and what ExampleConnector left on disk."""
-
-    run: ArmRun
-    argv: list[str]
-    cache_config: dict[str, str]
-    store_bytes: int | None = None
-    store_files: int | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        """Startup, exit, log, records, command, pool and store."""
-        return {
-            **self.run.to_json(),
-            "argv": self.argv,
-            "num_gpu_blocks": self.cache_config.get("num_gpu_blocks"),
-            "block_size": self.cache_config.get("block_size"),
-            "store_bytes": self.store_bytes,
-            "store_files": self.store_files,
-        }
-
-
-def run_vllm_arm(
-    arm: VLLMArm,
-    rep: int,
-    server: VLLMServerConfig,
-    drive: Drive,
-    *,
-    reset_timeout_s: float = 30.0,
-    keep_store: bool = False,
-) -> VLLMArmRun:
+def run_vllm_arm(arm: VLLMArm, rep: int, server: VLLMServerConfig, drive: Drive) -> ArmRun:
     """Start `vllm serve` for `arm`, run the warmup and every workload (prefix cache reset
-    before each), stop it; ExampleConnector's store is measured, then removed unless
-    `keep_store`."""
-    tag = f"[{arm.name} rep {rep}]"
+    before each), stop it; ExampleConnector's store is measured, then removed. The run's
+    facts: its command, vLLM's pool as `/metrics` reports it and what the store held."""
     if arm.store is not None:
         store = arm.store / f"rep{rep}"
         if store.exists():
             shutil.rmtree(store)  # a previous run's files would turn misses into hits
         store.mkdir(parents=True)
-        arm = VLLMArm(
-            arm.name, example_transfer_config(store), arm.offload, arm.has_retrieved, store
-        )
+        arm = replace(arm, transfer_config=example_transfer_config(store), store=store)
     port = free_port(server.host)
     argv = server.argv(port, arm)
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-vllm-", dir=_short_tmp()))
     try:
-        windows, startup_s, code, log_path = drive.serve(
-            arm.name,
-            rep,
-            (port, argv),
+        proc = ServerProcess(
+            argv,
             server.environ(tmp),
-            server,
-            shown=arm.name,
-            what=(
-                f"vllm serve (tp={server.tp}, num_gpu_blocks={server.hbm_blocks} x "
-                f"{server.block_size}, {server.dtype}, connector: {arm.label})"
-            ),
-            reset=lambda http, _tag: reset_prefix_cache(http, reset_timeout_s),
-            model=server.served_model_name,
+            f"http://{server.host}:{port}",
+            drive.out_dir / f"server-{arm.name}-rep{rep}.log",
+            startup_timeout_s=server.startup_timeout_s,
+            stop_timeout_s=server.stop_timeout_s,
         )
-        # vLLM's pool as the first window that reports it
-        config = next((c for w in windows.values() if (c := cache_config(w.before))), {})
+        what = (
+            f"vllm serve (tp={server.tp}, num_gpu_blocks={server.hbm_blocks} x "
+            f"{server.block_size}, {server.dtype}, connector: {arm.label})"
+        )
+        run = drive.run(arm.name, rep, arm.offload, proc, what=what)
     finally:
         # vLLM's ipc sockets and dist files; its processes are gone once the server stopped
         shutil.rmtree(tmp)
+    # vLLM's pool as the first window that reports it
+    config = next(
+        (c for w in run.windows.values() if w.before and (c := cache_config(w.before))), {}
+    )
     store_bytes = store_files = None
     if arm.store is not None:
         files = [f for f in arm.store.rglob("*") if f.is_file()]
         store_files = len(files)
         store_bytes = sum(f.stat().st_size for f in files)
         mib = store_bytes / 2**20
-        drive.say(f"{tag} ExampleConnector wrote {store_files} files, {mib:.1f} MiB")
-        if not keep_store:
-            shutil.rmtree(arm.store)
-    run = ArmRun(arm.name, rep, arm.offload, windows, startup_s, code, log_path)
-    return VLLMArmRun(run, argv, config, store_bytes, store_files)
+        drive.say(
+            f"[{arm.name} rep {rep}] ExampleConnector wrote {store_files} files, {mib:.1f} MiB"
+        )
+        shutil.rmtree(arm.store)
+    run.facts = {
+        "argv": argv,
+        "num_gpu_blocks": config.get("num_gpu_blocks"),
+        "block_size": config.get("block_size"),
+        "store_bytes": store_bytes,
+        "store_files": store_files,
+    }
+    return run
 
 
 def _short_tmp() -> str:

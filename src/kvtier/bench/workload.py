@@ -10,9 +10,6 @@ against the same live server cannot hit the first run's whole prompts.
 
 Streams: a prefix pool, unique prompts (no reuse), multi-turn conversations whose turns extend
 the previous prompt, and a Mooncake-format trace replayed with one block of token ids per hash id.
-
-Why one module over 500 lines: every stream shares the marker, the bust suffix and the seeding,
-which is the point (the streams stay comparable); trace reading is `cachemodel.trace`.
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.cachemodel.reuse import pool_reuse_distance
-from kvtier.cachemodel.trace import TraceRow, read_trace_rows
+from kvtier.cachemodel.trace import TraceRow
 from kvtier.errors import ConfigError
 
 # Token ids below this are the tiny model's special tokens (<s>, </s>, <unk>); never sent.
@@ -89,32 +86,41 @@ def dumps(specs: Sequence[RequestSpec]) -> str:
     return json.dumps([s.to_json() for s in specs], sort_keys=True, separators=(",", ":"))
 
 
-def write_specs(path: str | Path, specs: Iterable[RequestSpec]) -> Path:
-    """One spec per line as JSON (parent directories created); returns the path."""
+def write_lines(path: str | Path, docs: Iterable[Mapping[str, Any]]) -> Path:
+    """One compact JSON object per line (parent directories created); returns the path."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as f:
-        for spec in specs:
-            f.write(json.dumps(spec.to_json(), separators=(",", ":")) + "\n")
+        for doc in docs:
+            f.write(json.dumps(doc, separators=(",", ":")) + "\n")
     return out
+
+
+def read_lines(path: str | Path) -> list[dict[str, Any]]:
+    """The objects `write_lines` wrote."""
+    with Path(path).open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_specs(path: str | Path, specs: Iterable[RequestSpec]) -> Path:
+    """One spec per line as JSON (parent directories created); returns the path."""
+    return write_lines(path, (s.to_json() for s in specs))
 
 
 def read_specs(path: str | Path) -> list[RequestSpec]:
     """Specs written by `write_specs`."""
-    with Path(path).open(encoding="utf-8") as f:
-        return [RequestSpec.from_json(json.loads(line)) for line in f if line.strip()]
+    return [RequestSpec.from_json(doc) for doc in read_lines(path)]
 
 
-def bust_marker(bust: int, vocab: int) -> list[int]:
-    """`BUST_TOKENS` non-special token ids derived from a run's bust id (same id, same tokens)."""
+def bust_marker(bust: int | None, vocab: int) -> list[int]:
+    """`BUST_TOKENS` non-special token ids derived from a run's bust id (same id, same tokens);
+    none without one."""
+    if bust is None:
+        return []
     if isinstance(bust, bool) or not isinstance(bust, int) or bust < 0:
         raise ConfigError(f"bust={bust!r} must be an integer >= 0 (a run id)")
     rng = np.random.default_rng([bust, _SALT_BUST])
     return [int(t) for t in rng.integers(FIRST_TOKEN, vocab, size=BUST_TOKENS)]
-
-
-def _bust(bust: int | None, vocab: int) -> list[int]:
-    return [] if bust is None else bust_marker(bust, vocab)
 
 
 def prefix_pool(
@@ -131,7 +137,7 @@ def prefix_pool(
     """`n_requests` prompts, each one of `n_prefixes` shared random prefixes of `prefix_len`
     tokens (drawn uniformly at random per request) followed by a unique tail of `tail_len`
     (and the run's bust marker when `bust` is given)."""
-    _check_positive(n_prefixes=n_prefixes, prefix_len=prefix_len, n_requests=n_requests)
+    check_positive(n_prefixes=n_prefixes, prefix_len=prefix_len, n_requests=n_requests)
     _check_common(seed, vocab, max_tokens, n_requests)
     if tail_len < MARKER_TOKENS:
         raise ConfigError(
@@ -142,7 +148,7 @@ def prefix_pool(
     prefixes = rng.integers(FIRST_TOKEN, vocab, size=(n_prefixes, prefix_len)).tolist()
     picks = rng.integers(0, n_prefixes, size=n_requests).tolist()
     rest = rng.integers(FIRST_TOKEN, vocab, size=(n_requests, tail_len - MARKER_TOKENS)).tolist()
-    suffix = _bust(bust, vocab)
+    suffix = bust_marker(bust, vocab)
     return [
         RequestSpec(
             index=i,
@@ -166,7 +172,7 @@ def no_reuse(
 ) -> list[RequestSpec]:
     """`n_requests` random prompts of `prompt_len` tokens sharing no block: each one starts with
     its own marker, so not even a first block repeats. `tag` WARMUP draws another stream."""
-    _check_positive(n_requests=n_requests)
+    check_positive(n_requests=n_requests)
     _check_common(seed, vocab, max_tokens, n_requests)
     if prompt_len < MARKER_TOKENS + 1:
         raise ConfigError(
@@ -185,11 +191,6 @@ def no_reuse(
         )
         for i in range(n_requests)
     ]
-
-
-# ----------------------------------------------------------------------------------------------
-# multi-turn conversations
-# ----------------------------------------------------------------------------------------------
 
 
 def multi_turn(
@@ -213,7 +214,7 @@ def multi_turn(
     output tokens, and `user_len` new random tokens. The client may swap the stand-in for the
     output the server really gave (`extend_prompt`).
     """
-    _check_positive(n_conversations=n_conversations, turns=turns, user_len=user_len)
+    check_positive(n_conversations=n_conversations, turns=turns, user_len=user_len)
     _check_common(seed, vocab, max_tokens, n_conversations)
     if user_len < MARKER_TOKENS:
         raise ConfigError(
@@ -232,7 +233,7 @@ def multi_turn(
     first = rng.integers(FIRST_TOKEN, vocab, size=(n_conversations, user_len - MARKER_TOKENS))
     later = rng.integers(FIRST_TOKEN, vocab, size=(n_conversations, turns, user_len))
     standin = rng.integers(FIRST_TOKEN, vocab, size=(n_conversations, turns, max_tokens))
-    suffix = _bust(bust, vocab)
+    suffix = bust_marker(bust, vocab)
     prompts: list[list[int]] = []
     for c in range(n_conversations):
         head = prefixes[picks[c]] if n_prefixes else []
@@ -289,18 +290,6 @@ def sent_prompts(
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# Mooncake-format trace replay
-# ----------------------------------------------------------------------------------------------
-
-
-def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRow]:
-    """Rows of a Mooncake JSONL trace in replay order, the first `limit` of them (the one
-    reader, `kvtier.cachemodel.trace`, decides every edge case); a bad row raises naming its
-    line."""
-    return read_trace_rows(path, limit=limit)
-
-
 def trace_requests(
     rows: Sequence[TraceRow],
     seed: int,
@@ -320,11 +309,11 @@ def trace_requests(
     a trace replayed with smaller blocks keeps its shape instead of growing a long last block.
     `max_tokens` caps output_length. The bust marker, when given, is appended to every prompt.
     """
-    _check_positive(block=block)
+    check_positive(block=block)
     if source_block is not None:
-        _check_positive(source_block=source_block)
+        check_positive(source_block=source_block)
     if max_tokens is not None:
-        _check_positive(max_tokens=max_tokens)
+        check_positive(max_tokens=max_tokens)
     _check_common(seed, vocab, 1, 1)
     if not (math.isfinite(time_scale) and time_scale >= 0):
         raise ConfigError(f"time_scale={time_scale!r} must be a finite number >= 0")
@@ -332,7 +321,7 @@ def trace_requests(
         raise ConfigError("the trace has no rows; pass at least one")
     t0 = min(r.timestamp_ms for r in rows)
     blocks: dict[int, list[int]] = {}
-    suffix = _bust(bust, vocab)
+    suffix = bust_marker(bust, vocab)
     out = []
     for i, row in enumerate(rows):
         n = row.input_length
@@ -365,30 +354,9 @@ def trace_requests(
     return out
 
 
-def trace_rows_json(rows: Sequence[TraceRow]) -> str:
-    """Rows back as Mooncake JSONL (for writing a generated trace)."""
-    return "".join(
-        json.dumps(
-            {
-                "timestamp": r.timestamp_ms,
-                "input_length": r.input_length,
-                "output_length": r.output_length,
-                "hash_ids": list(r.hash_ids),
-            }
-        )
-        + "\n"
-        for r in rows
-    )
-
-
-# ----------------------------------------------------------------------------------------------
-# open-loop arrivals
-# ----------------------------------------------------------------------------------------------
-
-
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
     """`n` arrival times (s) of a Poisson process of `rate` requests/s, the first at 0."""
-    _check_positive(n=n)
+    check_positive(n=n)
     if not (math.isfinite(rate) and rate > 0):
         raise ConfigError(f"rate={rate!r} must be a positive number of requests per second")
     rng = np.random.default_rng([seed, _SALT_ARRIVALS])
@@ -401,11 +369,6 @@ def with_arrivals(specs: Sequence[RequestSpec], arrivals: Sequence[float]) -> li
     if len(arrivals) != len(specs):
         raise ConfigError(f"{len(arrivals)} arrival times for {len(specs)} requests")
     return [replace(s, arrival=float(t)) for s, t in zip(specs, arrivals, strict=True)]
-
-
-# ----------------------------------------------------------------------------------------------
-# placement in [HBM pool, tier)
-# ----------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -438,24 +401,18 @@ def place_in_window(
     tail_len: int = 0,
     *,
     low_margin: float = 2.0,
-    high_margin: float = 2.0,
-    min_prefixes: int = 2,
 ) -> Placement:
-    """The smallest prefix count whose reuse distance is at least `low_margin` x the HBM pool
-    and at most the tier over `high_margin`; raises ConfigError naming the sizes if none is.
+    """The smallest prefix count (at least 2) whose reuse distance is at least `low_margin` x
+    the HBM pool and at most half the tier; raises ConfigError naming the sizes if none is.
 
     Random prefix choice spreads reuse gaps geometrically (some reuses come back soon and hit
     HBM; some wait several rounds), hence the margins on both sides.
     """
-    _check_positive(
-        hbm_pool_tokens=hbm_pool_tokens,
-        tier_tokens=tier_tokens,
-        prefix_len=prefix_len,
-        min_prefixes=min_prefixes,
-    )
+    check_positive(hbm_pool_tokens=hbm_pool_tokens, tier_tokens=tier_tokens, prefix_len=prefix_len)
     if tail_len < 0:
         raise ConfigError(f"tail_len={tail_len} is negative; use 0 or more tokens")
-    if not (low_margin >= 1.0 and high_margin >= 1.0):
+    high_margin, min_prefixes = 2.0, 2
+    if not low_margin >= 1.0:
         raise ConfigError(
             f"low_margin={low_margin}, high_margin={high_margin}: margins must be >= 1.0"
         )
@@ -475,11 +432,6 @@ def place_in_window(
     return Placement(n, prefix_len, tail_len, d, hbm_pool_tokens, tier_tokens, low, high)
 
 
-# ----------------------------------------------------------------------------------------------
-# helpers
-# ----------------------------------------------------------------------------------------------
-
-
 def _marker(i: int, vocab: int) -> list[int]:
     """Request `i` as two base-(vocab - FIRST_TOKEN) digits of non-special token ids."""
     base = vocab - FIRST_TOKEN
@@ -491,7 +443,7 @@ def _check_common(seed: int, vocab: int, max_tokens: int, n_requests: int) -> No
         raise ConfigError(f"seed={seed!r} must be an integer >= 0")
     if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab <= FIRST_TOKEN + 1:
         raise ConfigError(f"vocab={vocab!r} must be an integer > {FIRST_TOKEN + 1}")
-    _check_positive(max_tokens=max_tokens)
+    check_positive(max_tokens=max_tokens)
     if n_requests > (vocab - FIRST_TOKEN) ** 2:
         raise ConfigError(
             f"n_requests={n_requests} exceeds the {(vocab - FIRST_TOKEN) ** 2} unique markers "
@@ -499,7 +451,8 @@ def _check_common(seed: int, vocab: int, max_tokens: int, n_requests: int) -> No
         )
 
 
-def _check_positive(**values: int) -> None:
+def check_positive(**values: int) -> None:
+    """Each of `values` must be an integer >= 1 (ConfigError naming it)."""
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name}={value!r} must be an integer >= 1")
