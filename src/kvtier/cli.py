@@ -275,6 +275,13 @@ def bench_e2e(
         "by the no-reuse targets too: a miss there means this run's noise is larger than the "
         "targets' margin.",
     ),
+    load: str | None = typer.Option(
+        None,
+        "--load",
+        help="Load engine: kvtier (kvtier's own client; native's default) or vllm-bench "
+        "(vLLM's benchmark loop, the one behind `vllm bench serve`, in .venv-vllm; vllm's "
+        "default).",
+    ),
 ) -> None:
     """kvtier serve with the tier ON vs OFF: throughput, TTFT, hits vs ceilings, identities."""
     from rich.console import Console
@@ -298,6 +305,7 @@ def bench_e2e(
         console=progress,
         host=host,
         noise_floor=noise_floor,
+        load=load,
     )
     table.print_report(doc)
 

@@ -93,6 +93,21 @@ def test_compare_outputs_counts_mismatches_and_missing() -> None:
     assert analysis.compare_outputs(a, a).mismatches == 0
 
 
+def test_compare_outputs_compares_text_where_an_engine_returns_no_ids_and_never_nothing() -> None:
+    """vllm-bench records carry text only: texts are compared; a record with neither ids nor
+    text is missing, never an empty output equal to another empty one."""
+    a = [rec(i, 1.0, ids=[]) for i in range(3)]
+    b = [rec(i, 1.0, ids=[]) for i in range(3)]
+    for r, t in zip(a, ["x y", "z", "w"], strict=True):
+        r.output_text = t
+    for r, t in zip(b, ["x y", "q", None], strict=True):
+        r.output_text = t
+    cmp = analysis.compare_outputs(a, b)
+    assert (cmp.compared, cmp.mismatches, cmp.missing, cmp.first_mismatches) == (2, 1, 1, [1])
+    bare = [rec(0, 1.0, ids=[])]
+    assert analysis.compare_outputs(bare, bare).missing == 1
+
+
 # ---- the client against a mock server --------------------------------------------------------
 
 

@@ -285,6 +285,8 @@ def test_quick_run_against_real_vllm_servers(tmp_path: Path) -> None:
     assert sum(c["compared"] for cs in kv_out.values() for c in cs) == sum(sent.values())
     rows = {r["id"]: r for r in doc["rows"]}
     assert rows["outputs.mismatches"]["value"] == 0 and rows["outputs.mismatches"]["pass"]
+    # vLLM's own benchmark loop sent every window (its records hold text, compared as text)
+    assert meta["load"] == "vllm-bench" and "(texts)" in rows["outputs.mismatches"]["label"]
     assert rows["outputs.mismatches.example"]["target"] is None  # reported as measured
     assert rows["identity.retrieved_eq_external_hits"]["pass"] is True
     assert rows["identity.hbm_misses_eq_external_queries"]["pass"] is True

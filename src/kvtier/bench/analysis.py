@@ -289,7 +289,7 @@ class OutputComparison:
     """Greedy outputs of two arms, request by request."""
 
     compared: int  # requests completed in both arms
-    mismatches: int  # of which the token ids differ
+    mismatches: int  # of which the outputs differ
     missing: int  # requests not completed in one arm or both
     first_mismatches: list[int]  # up to 10 request indices, for a look
 
@@ -299,7 +299,8 @@ class OutputComparison:
 
 
 def compare_outputs(a: Sequence[Record], b: Sequence[Record]) -> OutputComparison:
-    """Compare the output token ids of the same requests (by index) in two arms."""
+    """Compare the outputs of the same requests (by index) in two arms: token ids, or the text
+    where a load engine returned text only; a request with neither is missing, never equal."""
     ra = {r.index: r for r in a}
     rb = {r.index: r for r in b}
     if len(ra) != len(a) or len(rb) != len(b):
@@ -311,12 +312,22 @@ def compare_outputs(a: Sequence[Record], b: Sequence[Record]) -> OutputCompariso
         if x is None or y is None or not x.ok or not y.ok:
             missing += 1
             continue
+        out_x, out_y = _output(x), _output(y)
+        if out_x is None or out_y is None:
+            missing += 1
+            continue
         compared += 1
-        if x.output_ids != y.output_ids:
+        if out_x != out_y:
             mismatches += 1
             if len(first) < 10:
                 first.append(idx)
     return OutputComparison(compared, mismatches, missing, first)
+
+
+def _output(r: Record) -> tuple[int, ...] | str | None:
+    if r.output_ids:
+        return tuple(r.output_ids)
+    return r.output_text
 
 
 def _nan_none(v: Any) -> Any:

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import httpx
 from rich.console import Console
@@ -324,6 +324,23 @@ def post_reset(path: str, hint: str = "") -> Reset:
     return reset
 
 
+class LoadEngine(Protocol):
+    """What sends a window's requests in place of kvtier's client (`--load vllm-bench`)."""
+
+    async def __call__(
+        self,
+        base_url: str,
+        specs: Sequence[RequestSpec],
+        *,
+        concurrency: int | None,
+        open_loop: bool,
+        model: str | None,
+        progress: bool,
+        label: str,
+        console: Console | None,
+    ) -> LoadResult: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Drive:
     """How every arm's windows are driven; `records` is each window's records file under
@@ -340,6 +357,8 @@ class Drive:
     settle_timeout_s: float = 15.0
     sample_every_s: float | None = None
     records: str = "{workload}-{arm}-rep{rep}.jsonl"
+    # another load engine (`vllm_load.VLLMBenchLoad`); None sends with kvtier's client
+    engine: LoadEngine | None = None
 
     def run(
         self,
@@ -383,9 +402,7 @@ class Drive:
             }
             if self.warmup:
                 self.say(f"{tag} warmup: {len(self.warmup)} requests")
-                res = await run_load(
-                    base_url, self.warmup, progress=False, concurrency=o.concurrency or 4, **common
-                )
+                res = await self._send(base_url, self.warmup, o.concurrency or 4, False, common)
                 if bad := [r.error for r in res.records if not r.ok]:
                     raise RuntimeError(f"{tag} warmup requests failed: {bad[:3]}")
             windows = {}
@@ -422,17 +439,8 @@ class Drive:
             None if every is None else asyncio.create_task(_sample(http, stop, every, samples))
         )
         try:
-            load = await run_load(
-                base_url,
-                wl.specs,
-                concurrency=o.concurrency,
-                open_loop=o.open_loop,
-                duration_s=o.duration_s,
-                history=o.history,
-                progress=self.progress,
-                label=label,
-                console=self.console,
-                **common,
+            load = await self._send(
+                base_url, wl.specs, o.concurrency, o.open_loop, common, label, self.progress
             )
         finally:
             stop.set()
@@ -454,6 +462,35 @@ class Drive:
                 "pass a larger --requests (or more conversations) to fill it"
             )
         return Window(wl.name, load, before, after, None, samples, errors)
+
+
+    async def _send(
+        self,
+        base_url: str,
+        specs: Sequence[RequestSpec],
+        concurrency: int | None,
+        open_loop: bool,
+        common: dict[str, Any],
+        label: str = "warmup",
+        progress: bool = False,
+    ) -> LoadResult:
+        """One load through the engine: kvtier's client, or `engine` (which sends independent
+        requests, without a duration cap or extra headers)."""
+        shown = {"progress": progress, "label": label, "console": self.console}
+        if self.engine is None:
+            o = self.options
+            return await run_load(
+                base_url,
+                specs,
+                concurrency=concurrency,
+                open_loop=open_loop,
+                duration_s=o.duration_s,
+                history=o.history,
+                **shown,
+                **common,
+            )
+        kw = {"concurrency": concurrency, "open_loop": open_loop, "model": common["model"]}
+        return await self.engine(base_url, specs, **kw, **shown)
 
 
 def run_arm(arm: str, rep: int, server: ServerConfig, drive: Drive) -> ArmRun:

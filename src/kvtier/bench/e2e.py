@@ -47,6 +47,7 @@ from kvtier.bench.vllm_host import (
     RUN_ORDER,
     VLLM_BLOCK_SIZE,
 )
+from kvtier.bench.vllm_load import KVTIER_CLIENT, LOADS, VLLM_BENCH, VLLMBenchLoad
 from kvtier.bench.workload import (
     NO_REUSE,
     PREFIX_POOL,
@@ -209,16 +210,21 @@ def run(
     console: Console | None = None,
     host: str = NATIVE,
     noise_floor: bool = True,
+    load: str | None = None,
 ) -> dict[str, Any]:
     """Run every arm (`repeat` times, order alternating), write the JSON report and return it.
 
     Tier settings come from `KVTIER_*` variables (`KVTIER_MEMORY_BYTES` defaults to 256MiB
     native, 512MiB vLLM); `noise_floor` runs the baseline once more right after it (the A/A
-    pair). Missed targets are reported in rows, never raised; a server that fails to start or
-    a window with no completed request raises.
+    pair). `load` sends the windows with kvtier's client ("kvtier", native's default) or vLLM's
+    benchmark loop ("vllm-bench", vLLM's default). Missed targets are reported in rows, never
+    raised; a server that fails to start or a window with no completed request raises.
     """
     if host not in HOSTS:
         raise ConfigError(f"--host {host!r} is unknown; use one of {list(HOSTS)}")
+    load = load or (VLLM_BENCH if host == VLLM else KVTIER_CLIENT)
+    if load not in LOADS:
+        raise ConfigError(f"--load {load!r} is unknown; use one of {list(LOADS)}")
     tp = DEFAULT_TP[host] if tp is None else tp
     chunk_size = DEFAULT_CHUNK[host] if chunk_size is None else chunk_size
     if tp < 1:
@@ -235,8 +241,9 @@ def run(
     t0 = time.perf_counter()
     env, extra, kv_config = tier_config(host, chunk_size)
     cli = None
-    if host == VLLM:
-        cli = vllm_host.ensure_vllm_env(None, say)
+    if host == VLLM or load == VLLM_BENCH:
+        vllm_cli = vllm_host.ensure_vllm_env(None, say)
+        cli = vllm_cli if host == VLLM else None
     model = ensure_model(model_dir, "tiny" if quick else "small").resolve()
     config = model_config(model)
     dtype = VLLM_DTYPE if host == VLLM else KV_DTYPE
@@ -250,25 +257,34 @@ def run(
     options = LoadOptions(concurrency=plan.concurrency, require_token_ids=True)
     records_dir = out.parent / f"{out.stem}-records"
     reset = post_reset("/reset_prefix_cache")
-    drive = Drive(workloads, records_dir, options, warm, reset, say, bars, console)
-    again = OFF_AGAIN if noise_floor else None
-    if cli is None:
-        runs = _native_arms(drive, plan, model, tp, env, repeat, noise_floor)
-        servers, head = [r.to_json() for r in runs], {}
-        cast = replace(NATIVE_CAST, again=again)
-        wording = native_wording(plan, placement, repeat, noise_floor)
-    else:
-        runs, servers, head = _vllm_arms(
-            drive, plan, cli, model, tp, env, extra, seed, repeat, noise_floor
-        )
-        cast = replace(VLLM_CAST, again=NONE_AGAIN if noise_floor else None)
-        bind = head["threads_bind"]
-        wording = vllm_wording(plan, placement, chunk_size, bind, tp, repeat, noise_floor)
+    engine = None
+    if load == VLLM_BENCH:
+        engine = VLLMBenchLoad(vllm_cli.parent / "python", records_dir / "vllm-bench")
+    drive = Drive(workloads, records_dir, options, warm, reset, say, bars, console, engine=engine)
+    outputs = "texts" if engine is not None else "token ids"
+    try:
+        if cli is None:
+            runs = _native_arms(drive, plan, model, tp, env, repeat, noise_floor)
+            servers, head = [r.to_json() for r in runs], {}
+            cast = replace(NATIVE_CAST, again=OFF_AGAIN if noise_floor else None, outputs=outputs)
+            wording = native_wording(plan, placement, repeat, noise_floor)
+        else:
+            runs, servers, head = _vllm_arms(
+                drive, plan, cli, model, tp, env, extra, seed, repeat, noise_floor
+            )
+            again = NONE_AGAIN if noise_floor else None
+            cast = replace(VLLM_CAST, again=again, outputs=outputs)
+            bind = head["threads_bind"]
+            wording = vllm_wording(plan, placement, chunk_size, bind, tp, repeat, noise_floor)
+    finally:
+        if engine is not None:
+            engine.close()
     report = build_report(cast, wording, runs, servers, workloads, cs, tp, quick)
     report.meta.update(
         {
             "kvtier": __version__,
             "host": host,
+            "load": load,
             "quick": quick,
             "seed": seed,
             "repeat": repeat,

@@ -50,6 +50,7 @@ class Cast:
     others: tuple[str, ...] = ()
     pool_metrics: tuple[str, ...] = ("output_throughput", "ttft_p50_ms", "ttft_p99_ms")
     again: str | None = None
+    outputs: str = "token ids"  # what the load engine returns to compare ("texts": vllm-bench)
 
     @property
     def compared(self) -> tuple[str, ...]:
@@ -369,7 +370,7 @@ def _output_rows(
         report.add(
             Row(
                 "outputs.mismatches" if tier else f"outputs.mismatches.{arm}",
-                f"{c.says('greedy outputs differing', arm)} vs {c.labels[c.base]} (token ids)"
+                f"{c.says('greedy outputs differing', arm)} vs {c.labels[c.base]} ({c.outputs})"
                 + ("" if tier else " (A/A)" if again else ", as measured"),
                 sum(x.mismatches for x in cmp),
                 "requests",

@@ -30,7 +30,9 @@ from kvtier.bench.client import LoadResult, Record
 from kvtier.bench.workload import RequestSpec
 from kvtier.errors import StartupError
 
-ENGINE = "vllm-bench"
+KVTIER_CLIENT = "kvtier"  # kvtier's own client (`bench.client`)
+VLLM_BENCH = "vllm-bench"
+LOADS = (KVTIER_CLIENT, VLLM_BENCH)
 _READY = "kvtier-vllm-load ready"
 _DRIVER_START_TIMEOUT_S = 180.0
 
@@ -49,7 +51,6 @@ class VLLMBenchLoad:
     def _driver(self) -> subprocess.Popen[str]:
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
-        self.work_dir.mkdir(parents=True, exist_ok=True)
         log = (self.work_dir / "vllm-bench-driver.log").open("a", encoding="utf-8")
         proc = subprocess.Popen(
             [str(self.python), "-m", "kvtier.bench.vllm_load"],
@@ -106,6 +107,7 @@ class VLLMBenchLoad:
     ) -> LoadResult:
         with self._lock:
             self._loads += 1
+            self.work_dir.mkdir(parents=True, exist_ok=True)
             job = self.work_dir / f"vllm-bench-load-{self._loads}.json"
             out = job.with_suffix(".out.json")
             doc = {
