@@ -287,6 +287,8 @@ def test_quick_run_against_real_vllm_servers(tmp_path: Path) -> None:
     assert rows["outputs.mismatches"]["value"] == 0 and rows["outputs.mismatches"]["pass"]
     # vLLM's own benchmark loop sent every window (its records hold text, compared as text)
     assert meta["load"] == "vllm-bench" and "(texts)" in rows["outputs.mismatches"]["label"]
+    # and kvtier's other checks hold on what it returned (no cached count: that sum is not made)
+    assert rows["identity.other_failing"]["value"] == 0, rows["identity.other_failing"]["detail"]
     assert rows["outputs.mismatches.example"]["target"] is None  # reported as measured
     assert rows["identity.retrieved_eq_external_hits"]["pass"] is True
     assert rows["identity.hbm_misses_eq_external_queries"]["pass"] is True

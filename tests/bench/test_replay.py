@@ -139,6 +139,20 @@ def test_command_line_errors_name_the_fix(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "pass --reset" in result.output
     result = CliRunner().invoke(app, ["run", "--workload", "chat", "--vocab", "9", "--url", "u"])
     assert result.exit_code == 2 and "--workload 'chat'" in result.output
+    result = CliRunner().invoke(
+        app, ["run", "--load", "vllm-bench", "--workload", "multi-turn", "--duration", "5s",
+              "--vocab", "9", "--url", "u"],
+    )  # fmt: skip
+    assert result.exit_code == 2
+    assert "--load vllm-bench does not take --workload multi-turn" in result.output
+    assert "--duration; use --load kvtier" in result.output
+    result = CliRunner().invoke(app, ["run", "--load", "aiperf", "--vocab", "9", "--url", "u"])
+    assert result.exit_code == 2 and "--load 'aiperf' is not one of" in result.output
+    result = CliRunner().invoke(
+        app, ["run", "--load", "vllm-bench", "--vllm-python", str(tmp_path / "no-python"),
+              "--vocab", "9", "--url", "u"],
+    )  # fmt: skip
+    assert result.exit_code == 2 and "no-python does not exist; build it with" in result.output
 
 
 # ---- start-cut analysis on synthetic records -------------------------------------------------

@@ -18,9 +18,12 @@ from typing import Any
 
 import openai
 import pytest
+import typer
 from tokenizers import Tokenizer
+from typer.testing import CliRunner
 
 from kvtier.bench.client import run_load
+from kvtier.bench.run_cli import bench_run_command
 from kvtier.bench.vllm_load import VLLMBenchLoad
 from kvtier.bench.workload import RequestSpec
 from tests.native.cli_server import Served, clean_env, kvtier_serve
@@ -131,6 +134,33 @@ def test_vllm_bench_load_sends_kvtiers_exact_prompts_and_gets_its_clients_output
     assert all(r.ttft is not None and r.ttft > 0 and r.token_times for r in theirs.records)
     # open loop: vLLM's self-timed replay sends each request at its arrival
     assert again.records[1].start - again.records[0].start >= 0.4 - 0.05
+
+
+def test_bench_run_with_the_vllm_bench_load_closes_every_identity(
+    served: Served, vllm_python: Path, tmp_path: Path
+):
+    """`kvtier bench run --load vllm-bench --url`: vLLM's loop sends the placed prefix pool,
+    and kvtier's checks hold on what the server counted."""
+    vocab = json.loads((served.model_dir / "config.json").read_text())["vocab_size"]
+    out = tmp_path / "run"
+    app = typer.Typer()
+    app.command("run")(bench_run_command)
+    result = CliRunner().invoke(
+        app,
+        ["run", "--url", served.base, "--vocab", str(vocab), "--load", "vllm-bench",
+         "--vllm-python", str(vllm_python), "--requests", "12", "--prefixes", "2",
+         "--prefix-len", "128", "--isl", "16", "--osl", "4", "--concurrency", "2",
+         "--scrape-interval", "200ms", "--no-html", "--out", str(out)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    doc = json.loads((out / "summary.json").read_text())
+    assert json.loads((out / "meta.json").read_text())["load"]["engine"] == "vllm-bench"
+    (run,) = doc["runs"]
+    w = run["windows"]["full"]
+    assert w["completed"] == w["requests"] == 12 and w["osl_mismatch"] == 0, w["errors"]
+    assert doc["checks"]["identities_failing"] == []
+    recs = [json.loads(x) for x in (out / "records" / f"{run['arm']}-rep0.jsonl").open()]
+    assert all(r["output_text"] is not None and r["prompt_tokens"] for r in recs)
 
 
 def test_vllm_bench_load_refuses_a_multi_turn_stream_naming_the_fix(tmp_path: Path):

@@ -22,22 +22,27 @@ from kvtier.scrape import RESIDENCY, SAMPLED, Counters, Identity, MetricSet
 
 
 def client_server_checks(records: Sequence[Record], c: Counters) -> list[Identity]:
-    """The client's usage sums against the server's counters over the same window."""
+    """The client's usage sums against the server's counters over the same window; the cached
+    sum only where every request reported one (vLLM's benchmark loop keeps no cached count)."""
     ok = [r for r in records if r.ok]
-    return [
+    checks = [
         Identity(
             "client_prompt_tokens_eq_server",
             "sum usage.prompt_tokens == vllm:prompt_tokens",
             float(sum(r.prompt_tokens or 0 for r in ok)),
             c.prompt_tokens,
-        ),
-        Identity(
-            "client_cached_eq_server_hits",
-            "sum usage.cached_tokens == prefix_cache_hits + external_prefix_cache_hits",
-            float(sum(r.cached_tokens or 0 for r in ok)),
-            c.hbm_hits + c.ext_hits,
-        ),
+        )
     ]
+    if all(r.cached_tokens is not None for r in ok):
+        checks.append(
+            Identity(
+                "client_cached_eq_server_hits",
+                "sum usage.cached_tokens == prefix_cache_hits + external_prefix_cache_hits",
+                float(sum(r.cached_tokens or 0 for r in ok)),
+                c.hbm_hits + c.ext_hits,
+            )
+        )
+    return checks
 
 
 def percentile(values: Iterable[float], q: float) -> float:

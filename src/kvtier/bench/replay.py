@@ -55,6 +55,7 @@ from kvtier.bench.breakdown import breakdown
 from kvtier.bench.ceiling import Ceiling, ceilings
 from kvtier.bench.client import OUTPUTS, LoadOptions, Record, read_jsonl
 from kvtier.bench.table import Report, Row, Target, machine, write_json
+from kvtier.bench.vllm_load import KVTIER_CLIENT, VLLM_BENCH, VLLMBenchLoad
 from kvtier.bench.workload import (
     MULTI_TURN,
     PREFIX_POOL,
@@ -164,6 +165,8 @@ class RunConfig:
     health_path: str = "/health"
     startup_timeout_s: float = 600.0
     aiperf: tuple[tuple[str, Path], ...] = ()
+    engine: str = KVTIER_CLIENT  # or VLLM_BENCH: vLLM's benchmark loop, from `vllm_python`
+    vllm_python: Path | None = None
 
 
 def parse_seconds(text: str | float | int, what: str = "--from") -> float:
@@ -281,6 +284,10 @@ def run(
     if cfg.reset_path:
         hint = "; vLLM serves it only in dev mode (VLLM_SERVER_DEV_MODE=1), or drop --reset"
         reset = post_reset(cfg.reset_path, hint)
+    engine = None
+    if cfg.engine == VLLM_BENCH:
+        assert cfg.vllm_python is not None
+        engine = VLLMBenchLoad(cfg.vllm_python, out / "vllm-bench")
     drive = Drive(
         [Workload(cfg.workload.kind, specs)],
         out,
@@ -292,17 +299,22 @@ def run(
         console,
         sample_every_s=cfg.scrape_interval_s,
         records="records/{arm}-rep{rep}.jsonl",
+        engine=engine,
     )
-    for rep, name in order:
-        run_endpoint_arm(
-            by_name[name],
-            rep,
-            drive,
-            host=cfg.host,
-            port=cfg.port,
-            health_path=cfg.health_path,
-            startup_timeout_s=cfg.startup_timeout_s,
-        )
+    try:
+        for rep, name in order:
+            run_endpoint_arm(
+                by_name[name],
+                rep,
+                drive,
+                host=cfg.host,
+                port=cfg.port,
+                health_path=cfg.health_path,
+                startup_timeout_s=cfg.startup_timeout_s,
+            )
+    finally:
+        if engine is not None:
+            engine.close()
     meta["complete"] = True
     meta["elapsed_s"] = round(time.perf_counter() - t0, 2)
     meta["env"]["loadavg_end"] = list(os.getloadavg())
@@ -325,7 +337,7 @@ def run_meta(
         "workload": cfg.workload.to_json(),
         "requests": len(specs),
         "prompt_tokens": sum(len(s.prompt) for s in specs),
-        "load": cfg.load.describe(),
+        "load": {**cfg.load.describe(), "engine": cfg.engine},
         "arms": [a.to_json() for a in cfg.arms],
         "order": [[rep, name] for rep, name in order],
         "repeat": cfg.repeat,

@@ -31,6 +31,8 @@ from kvtier.bench.replay import (
     run,
 )
 from kvtier.bench.table import write_json
+from kvtier.bench.vllm_host import default_venv
+from kvtier.bench.vllm_load import KVTIER_CLIENT, LOADS
 from kvtier.errors import ConfigError, StartupError
 
 
@@ -146,6 +148,16 @@ def bench_run_command(
         600.0, "--startup-timeout", help="Seconds a server may take to become healthy."
     ),
     html: bool = typer.Option(True, "--html/--no-html", help="Write report.html and the PNGs."),
+    load_engine: str = typer.Option(
+        KVTIER_CLIENT,
+        "--load",
+        help="Load engine: kvtier (its own client) or vllm-bench (vLLM's benchmark loop, the "
+        "one behind `vllm bench serve`; prefix-pool and trace workloads, no --duration or "
+        "--api-key).",
+    ),
+    vllm_python: Path | None = typer.Option(
+        None, "--vllm-python", help="--load vllm-bench: the vLLM venv's python [.venv-vllm]."
+    ),
 ) -> None:
     """A seeded workload against OpenAI-compatible endpoints, arm by arm: latency, hit rates
     next to simulated ceilings, counter identities, time series, HTML report."""
@@ -159,6 +171,7 @@ def bench_run_command(
             raise ConfigError(f"--cache-bust {cache_bust!r} is not one of {list(CACHE_BUST)}")
         if arm and url:
             raise ConfigError("--arm and --url exclude each other: give server commands or one URL")
+        python = _load_engine(load_engine, vllm_python, workload, duration, api_key)
         if concurrency < 1:
             raise ConfigError(f"--concurrency {concurrency} must be >= 1")
         if warmup < 0:
@@ -216,6 +229,8 @@ def bench_run_command(
             health_path=health_path,
             startup_timeout_s=startup_timeout,
             aiperf=tuple(named_paths(aiperf, "--aiperf")),
+            engine=load_engine,
+            vllm_python=python,
         )
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -307,6 +322,31 @@ def _arms_and_ceiling(
         )
     bs = bs or 16
     return arms, vocab, CeilingConfig(bs, ceiling_hbm, chunk, tier_chunks, min_load)
+
+
+def _load_engine(
+    engine: str, python: Path | None, workload: str, duration: str | None, api_key: str | None
+) -> Path | None:
+    """The vLLM venv's python for `--load vllm-bench` (None for kvtier's client), once the
+    options are ones vLLM's loop can serve."""
+    if engine not in LOADS:
+        raise ConfigError(f"--load {engine!r} is not one of {list(LOADS)}")
+    if engine == KVTIER_CLIENT:
+        return None
+    refused = {
+        "--workload multi-turn (a later turn waits for its previous one)": workload == "multi-turn",
+        "--duration": duration is not None,
+        "--api-key": api_key is not None,
+    }
+    if bad := [name for name, on in refused.items() if on]:
+        raise ConfigError(f"--load vllm-bench does not take {', '.join(bad)}; use --load kvtier")
+    python = python or default_venv() / "bin" / "python"
+    if not python.is_file():
+        raise ConfigError(
+            f"--load vllm-bench: {python} does not exist; build it with `make vllm-env` or pass "
+            "--vllm-python"
+        )
+    return python
 
 
 def _positive_seconds(text: str, what: str) -> float:
