@@ -278,9 +278,8 @@ def bench_e2e(
     load: str | None = typer.Option(
         None,
         "--load",
-        help="Load engine: kvtier (kvtier's own client; native's default) or vllm-bench "
-        "(vLLM's benchmark loop, the one behind `vllm bench serve`, in .venv-vllm; vllm's "
-        "default).",
+        help="Load engine: kvtier (kvtier's own client, the default) or vllm-bench (vLLM's "
+        "benchmark loop, the one behind `vllm bench serve`, run from .venv-vllm).",
     ),
 ) -> None:
     """kvtier serve with the tier ON vs OFF: throughput, TTFT, hits vs ceilings, identities."""

@@ -216,13 +216,13 @@ def run(
 
     Tier settings come from `KVTIER_*` variables (`KVTIER_MEMORY_BYTES` defaults to 256MiB
     native, 512MiB vLLM); `noise_floor` runs the baseline once more right after it (the A/A
-    pair). `load` sends the windows with kvtier's client ("kvtier", native's default) or vLLM's
-    benchmark loop ("vllm-bench", vLLM's default). Missed targets are reported in rows, never
+    pair). `load` sends the windows with kvtier's client ("kvtier", the default) or vLLM's
+    benchmark loop ("vllm-bench"). Missed targets are reported in rows, never
     raised; a server that fails to start or a window with no completed request raises.
     """
     if host not in HOSTS:
         raise ConfigError(f"--host {host!r} is unknown; use one of {list(HOSTS)}")
-    load = load or (VLLM_BENCH if host == VLLM else KVTIER_CLIENT)
+    load = load or KVTIER_CLIENT
     if load not in LOADS:
         raise ConfigError(f"--load {load!r} is unknown; use one of {list(LOADS)}")
     tp = DEFAULT_TP[host] if tp is None else tp
