@@ -198,8 +198,9 @@ def test_slow_corrupt_full_and_unreachable_rows_read_nothing_lost_and_say_why(ot
     assert _moved(corrupt, "ranks:verify_failures", "tier=remote") > 0, sorted(corrupt)
     assert _moved(corrupt, "scheduler:load_failures") > 0
     full = others["disk_full"]["detail"]
+    # a full disk refuses the disk tier's saves; chunks the memory tier still holds may hit
+    # (128 tokens in one run of several), so only "fewer than before" holds, checked above
     assert full["counter:ranks:store_failures{reason=enospc,tier=disk}"] > 0
-    assert full["hits_during"] == 0
     down = others["lookup_down"]["detail"]
     assert down["counter:scheduler:skipped_loads{reason=lookup_timeout}"] > 0
     assert "lookup_timeouts" in down["why"] and down["hits_during"] == 0

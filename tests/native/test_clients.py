@@ -143,11 +143,11 @@ def test_bench_run_with_the_vllm_bench_load_closes_every_identity(
     and kvtier's checks hold on what the server counted."""
     vocab = json.loads((served.model_dir / "config.json").read_text())["vocab_size"]
     out = tmp_path / "run"
-    app = typer.Typer()
+    app = typer.Typer()  # one command: invoked without its name
     app.command("run")(bench_run_command)
     result = CliRunner().invoke(
         app,
-        ["run", "--url", served.base, "--vocab", str(vocab), "--load", "vllm-bench",
+        ["--url", served.base, "--vocab", str(vocab), "--load", "vllm-bench",
          "--vllm-python", str(vllm_python), "--requests", "12", "--prefixes", "2",
          "--prefix-len", "128", "--isl", "16", "--osl", "4", "--concurrency", "2",
          "--scrape-interval", "200ms", "--no-html", "--out", str(out)],
