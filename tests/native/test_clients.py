@@ -10,7 +10,9 @@ import asyncio
 import json
 import math
 import random
+import socketserver
 import subprocess
+import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -161,6 +163,52 @@ def test_bench_run_with_the_vllm_bench_load_closes_every_identity(
     assert doc["checks"]["identities_failing"] == []
     recs = [json.loads(x) for x in (out / "records" / f"{run['arm']}-rep0.jsonl").open()]
     assert all(r["output_text"] is not None and r["prompt_tokens"] for r in recs)
+
+
+@pytest.fixture
+def stalled_url() -> Iterator[str]:
+    """An HTTP endpoint that answers GETs (vLLM's loop reads /metrics first) with an empty 200
+    and never answers a completion."""
+    release = threading.Event()
+
+    class Stall(socketserver.BaseRequestHandler):
+        def handle(self) -> None:
+            if self.request.recv(65536).startswith(b"GET "):
+                self.request.sendall(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 0\r\n"
+                    b"Connection: close\r\n\r\n"
+                )
+                return
+            release.wait()
+
+    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), Stall) as server:
+        server.daemon_threads = True
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield f"http://127.0.0.1:{server.server_address[1]}"
+        finally:
+            release.set()
+            server.shutdown()
+
+
+def test_vllm_bench_load_fails_a_request_with_no_answer_after_its_timeout(
+    vllm_python: Path, stalled_url: str, tmp_path: Path
+):
+    """vLLM's loop would wait six hours for a silent server; the driver fails each request after
+    `timeout_s` as a record with the reason, and the next load still runs."""
+    specs = [RequestSpec(i, "st", (5, 6, 7, 8), 2) for i in range(3)]
+    load = VLLMBenchLoad(vllm_python, tmp_path, timeout_s=1.0)
+    try:
+        first = asyncio.run(load(stalled_url, specs, concurrency=2, model="tiny"))
+        again = asyncio.run(load(stalled_url, specs[:1], concurrency=1, model="tiny"))
+    finally:
+        load.close()
+    records = first.records + again.records
+    assert [r.index for r in first.records] == [0, 1, 2]
+    assert [r.error for r in records] == ["no complete response within 1s"] * 4
+    assert not any(r.ok for r in records)
+    assert all(r.start > 0 for r in records)
 
 
 def test_vllm_bench_load_refuses_a_multi_turn_stream_naming_the_fix(tmp_path: Path):

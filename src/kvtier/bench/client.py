@@ -40,7 +40,7 @@ STOP_ALL_SENT = "all_sent"
 STOP_DURATION = "duration"
 
 _DONE = "[DONE]"
-_DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_TIMEOUT_S = 300.0  # a request with no response for this long fails
 
 
 @dataclass(slots=True)
@@ -116,7 +116,7 @@ class LoadOptions:
     history: str = OUTPUTS
     require_token_ids: bool = False
     model: str | None = None
-    timeout_s: float = _DEFAULT_TIMEOUT_S
+    timeout_s: float = DEFAULT_TIMEOUT_S
     headers: Mapping[str, str] = field(default_factory=dict, repr=False)  # may hold a key
 
     def describe(self) -> dict[str, Any]:
@@ -162,7 +162,7 @@ async def run_load(
     console: Console | None = None,
     clock: Clock = time.perf_counter,
     sleep: Sleep = asyncio.sleep,
-    timeout_s: float = _DEFAULT_TIMEOUT_S,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
     transport: httpx.AsyncBaseTransport | None = None,
     headers: Mapping[str, str] | None = None,
 ) -> LoadResult:

@@ -259,7 +259,8 @@ def run(
     reset = post_reset("/reset_prefix_cache")
     engine = None
     if load == VLLM_BENCH:
-        engine = VLLMBenchLoad(vllm_cli.parent / "python", records_dir / "vllm-bench")
+        python = vllm_cli.parent / "python"
+        engine = VLLMBenchLoad(python, records_dir / "vllm-bench", options.timeout_s)
     drive = Drive(workloads, records_dir, options, warm, reset, say, bars, console, engine=engine)
     outputs = "texts" if engine is not None else "token ids"
     try:

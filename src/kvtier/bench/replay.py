@@ -287,7 +287,7 @@ def run(
     engine = None
     if cfg.engine == VLLM_BENCH:
         assert cfg.vllm_python is not None
-        engine = VLLMBenchLoad(cfg.vllm_python, out / "vllm-bench")
+        engine = VLLMBenchLoad(cfg.vllm_python, out / "vllm-bench", cfg.load.timeout_s)
     drive = Drive(
         [Workload(cfg.workload.kind, specs)],
         out,

@@ -7,6 +7,11 @@ parent writes the exact token-id prompts to a file, the driver runs `vllm.benchm
 benchmark` on them (closed loop at the concurrency cap, no ready-check request, greedy,
 `ignore_eos`) and writes its per-request results back, which become the bench's `Record`s.
 
+vLLM's loop gives a request six hours; here a request with no answer within `timeout_s` fails
+as a record (the driver wraps vLLM's request function), and a job the driver does not finish
+within its deadline (every round of requests timing out) stops the driver and raises: a stalled
+server costs one window, never a hung bench.
+
 vLLM's result carries text, not token ids, so greedy outputs are compared by text in such runs.
 """
 
@@ -20,13 +25,14 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from rich.console import Console
 
-from kvtier.bench.client import LoadResult, Record
+from kvtier.bench.client import DEFAULT_TIMEOUT_S, LoadResult, Record
 from kvtier.bench.workload import RequestSpec
 from kvtier.errors import StartupError
 
@@ -35,15 +41,20 @@ VLLM_BENCH = "vllm-bench"
 LOADS = (KVTIER_CLIENT, VLLM_BENCH)
 _READY = "kvtier-vllm-load ready"
 _DRIVER_START_TIMEOUT_S = 180.0
+_TIMED = "kvtier-openai"  # vLLM's completions request function under a per-request timeout
 
 
 class VLLMBenchLoad:
     """A `run_load`-shaped callable that sends each load through vLLM's benchmark loop in a
-    driver process of `python` (the vLLM venv's interpreter); `close()` ends the driver."""
+    driver process of `python` (the vLLM venv's interpreter); a request fails after `timeout_s`
+    without an answer; `close()` ends the driver."""
 
-    def __init__(self, python: Path, work_dir: Path) -> None:
+    def __init__(self, python: Path, work_dir: Path, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise ValueError(f"timeout_s={timeout_s!r} must be a positive number of seconds")
         self.python = python
         self.work_dir = work_dir
+        self.timeout_s = timeout_s
         self._proc: subprocess.Popen[str] | None = None
         self._loads = 0
         self._lock = threading.Lock()
@@ -51,20 +62,22 @@ class VLLMBenchLoad:
     def _driver(self) -> subprocess.Popen[str]:
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
-        log = (self.work_dir / "vllm-bench-driver.log").open("a", encoding="utf-8")
-        proc = subprocess.Popen(
-            [str(self.python), "-m", "kvtier.bench.vllm_load"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-        )
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        with (self.work_dir / "vllm-bench-driver.log").open("a", encoding="utf-8") as log:
+            proc = subprocess.Popen(
+                [str(self.python), "-m", "kvtier.bench.vllm_load"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+            )
         line = _read_line(proc.stdout, _DRIVER_START_TIMEOUT_S)
         if line != _READY:
-            proc.kill()
+            self._stop(proc)
+            said = f"nothing within {_DRIVER_START_TIMEOUT_S:g}s" if line is None else repr(line)
             raise StartupError(
                 f"the vllm-bench load driver ({self.python} -m kvtier.bench.vllm_load) did not "
-                f"start (said {line!r}); see {self.work_dir / 'vllm-bench-driver.log'}"
+                f"start (said {said}); see {self.work_dir / 'vllm-bench-driver.log'}"
             )
         self._proc = proc
         return proc
@@ -115,6 +128,7 @@ class VLLMBenchLoad:
                 "model": model or "default",
                 "concurrency": concurrency,
                 "open_loop": open_loop,
+                "timeout_s": self.timeout_s,
                 "requests": [[list(s.prompt), s.max_tokens, s.arrival] for s in specs],
                 "out": str(out),
             }
@@ -123,14 +137,34 @@ class VLLMBenchLoad:
             assert proc.stdin is not None
             proc.stdin.write(str(job) + "\n")
             proc.stdin.flush()
-            line = _read_line(proc.stdout, None)
-            if line != "done":
+            deadline = job_deadline_s(specs, concurrency, self.timeout_s)
+            line = _read_line(proc.stdout, deadline)
+            if line is None:
+                self._stop(proc)
                 raise RuntimeError(
-                    f"{label}: the vllm-bench load driver failed ({line!r}); see "
+                    f"{label}: the vllm-bench load driver did not finish {len(specs)} requests "
+                    f"within {deadline:g}s (each request may take {self.timeout_s:g}s); it was "
+                    f"stopped; see {self.work_dir / 'vllm-bench-driver.log'}"
+                )
+            if line != "done":
+                if not line:  # its output ended: the driver is gone or broken
+                    self._stop(proc)
+                    line = f"its output ended, exit code {proc.returncode}"
+                raise RuntimeError(
+                    f"{label}: the vllm-bench load driver failed ({line}); see "
                     f"{self.work_dir / 'vllm-bench-driver.log'}"
                 )
             result = json.loads(out.read_text(encoding="utf-8"))
         return to_load_result(specs, result)
+
+    def _stop(self, proc: subprocess.Popen[str]) -> None:
+        """Kill a stuck or broken driver; the next load starts a fresh one."""
+        self._proc = None
+        proc.kill()
+        proc.wait(10)
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
 
     def close(self) -> None:
         """End the driver (its stdin closes; it exits at end of input)."""
@@ -146,14 +180,24 @@ class VLLMBenchLoad:
             proc.wait(10)
 
 
-def _read_line(stream: IO[str] | None, timeout_s: float | None) -> str:
-    """One line from the driver, or "" at its end or after `timeout_s` (a stuck start)."""
+def job_deadline_s(
+    specs: Sequence[RequestSpec], concurrency: int | None, timeout_s: float
+) -> float:
+    """How long a driver may take over one load: the last arrival, then every round of
+    `concurrency` requests timing out in turn, plus one timeout for the driver's own work."""
+    last = max((s.arrival or 0.0 for s in specs), default=0.0)
+    rounds = -(-len(specs) // max(1, concurrency or len(specs) or 1))
+    return last + timeout_s * (rounds + 1)
+
+
+def _read_line(stream: IO[str] | None, timeout_s: float) -> str | None:
+    """One line from the driver, "" at the end of its output, None after `timeout_s`."""
     assert stream is not None
     box: list[str] = []
     reader = threading.Thread(target=lambda: box.append(stream.readline()), daemon=True)
     reader.start()
     reader.join(timeout_s)
-    return box[0].strip() if box else ""
+    return box[0].strip() if box else None
 
 
 def to_load_result(specs: Sequence[RequestSpec], result: dict[str, Any]) -> LoadResult:
@@ -207,9 +251,35 @@ def vllm_version(name: str, _orig: Any = md.version) -> str:
         raise
 
 
+def _timed_request_func(timeout_s: float) -> Any:
+    """vLLM's completions request function, failing a request with no answer in `timeout_s`."""
+    from vllm.benchmarks.lib.endpoint_request_func import (
+        RequestFuncOutput,
+        async_request_openai_completions,
+    )
+
+    async def call(request_func_input: Any, **kw: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            coro = async_request_openai_completions(request_func_input=request_func_input, **kw)
+            return await asyncio.wait_for(coro, timeout_s)
+        except TimeoutError:
+            return RequestFuncOutput(
+                prompt_len=request_func_input.prompt_len,
+                start_time=start,
+                error=f"no complete response within {timeout_s:g}s",
+            )
+
+    return call
+
+
 async def _drive(job: dict[str, Any]) -> dict[str, Any]:
     from vllm.benchmarks.datasets import SampleRequest
+    from vllm.benchmarks.lib.endpoint_request_func import ASYNC_REQUEST_FUNCS
     from vllm.benchmarks.serve import benchmark
+
+    # vLLM's own extension point: benchmark() looks its endpoint type up in this table
+    ASYNC_REQUEST_FUNCS[_TIMED] = _timed_request_func(float(job["timeout_s"]))
 
     requests = [
         SampleRequest(prompt=prompt, prompt_len=len(prompt), expected_output_len=n, timestamp=at)
@@ -218,7 +288,7 @@ async def _drive(job: dict[str, Any]) -> dict[str, Any]:
     base = job["base_url"].rstrip("/")
     return await benchmark(
         task_type=_generation(),
-        endpoint_type="openai",
+        endpoint_type=_TIMED,
         api_url=f"{base}/v1/completions",
         base_url=base,
         model_id=job["model"],
