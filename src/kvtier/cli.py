@@ -278,8 +278,9 @@ def bench_e2e(
     load: str | None = typer.Option(
         None,
         "--load",
-        help="Load engine: kvtier (kvtier's own client, the default) or vllm-bench (vLLM's "
-        "benchmark loop, the one behind `vllm bench serve`, run from .venv-vllm).",
+        help="Load engine: kvtier (kvtier's own client; the native default) or vllm-bench "
+        "(vLLM's benchmark loop, the one behind `vllm bench serve`, run from .venv-vllm; the "
+        "vLLM host's default).",
     ),
 ) -> None:
     """kvtier serve with the tier ON vs OFF: throughput, TTFT, hits vs ceilings, identities."""

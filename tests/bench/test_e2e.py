@@ -227,6 +227,7 @@ def test_quick_run_against_real_servers(tmp_path: Path) -> None:
         (a, w) for a in ("on", "off", "off_again") for w in ("prefix_pool", "no_reuse")
     }
     assert [s["arm"] for s in meta["servers"]] == ["on", "off", "off_again"]
+    assert meta["load"] == "kvtier"  # natively kvtier's client is the default engine
     sent = {"prefix_pool": 32, "no_reuse": meta["plan"]["no_reuse_requests"]}
     for w in windows:
         s = w["summary"]

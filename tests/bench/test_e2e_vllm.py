@@ -234,7 +234,7 @@ def test_quick_run_against_real_vllm_servers(tmp_path: Path) -> None:
         # a fourth vLLM start costs the suite half a minute; the A/A pair is wired and judged
         # in test_e2e_report and runs end to end in test_e2e's native run
         noise_floor=False,
-        load="vllm-bench",
+        # no load= : vLLM's own benchmark loop is this host's default engine
     )
     assert json.loads(out.read_text()) == doc
     meta = doc["meta"]

@@ -81,6 +81,9 @@ HOSTS = (NATIVE, VLLM)
 DEFAULT_TP = {NATIVE: 2, VLLM: 1}
 DEFAULT_CHUNK = {NATIVE: 64, VLLM: 256}
 DEFAULT_JSON_VLLM = Path("runs/bench-e2e-vllm.json")
+# vLLM's own loop where its venv is there anyway; natively kvtier's client, which needs no 3.5 GB
+# venv (the demo's budget); on a quiet machine both gave the same ratios (docs/benchmarks.md)
+DEFAULT_LOAD = {NATIVE: KVTIER_CLIENT, VLLM: VLLM_BENCH}
 # vLLM's CPU backend computes in the model's float32 as the native engine does; all three vLLM
 # arms share it (bfloat16 also runs there, float32 keeps greedy ties rare)
 VLLM_DTYPE = "float32"
@@ -216,13 +219,13 @@ def run(
 
     Tier settings come from `KVTIER_*` variables (`KVTIER_MEMORY_BYTES` defaults to 256MiB
     native, 512MiB vLLM); `noise_floor` runs the baseline once more right after it (the A/A
-    pair). `load` sends the windows with kvtier's client ("kvtier", the default) or vLLM's
-    benchmark loop ("vllm-bench"). Missed targets are reported in rows, never
-    raised; a server that fails to start or a window with no completed request raises.
+    pair). `load` sends the windows with kvtier's client ("kvtier", the native default) or
+    vLLM's benchmark loop ("vllm-bench", the vLLM default). Missed targets are reported in rows,
+    never raised; a server that fails to start or a window with no completed request raises.
     """
     if host not in HOSTS:
         raise ConfigError(f"--host {host!r} is unknown; use one of {list(HOSTS)}")
-    load = load or KVTIER_CLIENT
+    load = load or DEFAULT_LOAD[host]
     if load not in LOADS:
         raise ConfigError(f"--load {load!r} is unknown; use one of {list(LOADS)}")
     tp = DEFAULT_TP[host] if tp is None else tp
