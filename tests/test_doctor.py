@@ -57,6 +57,7 @@ from kvtier.native.modelgen import init_model
 from kvtier.native.offload import connector_spec
 from kvtier.native.serve_metrics import ServeMetrics
 from kvtier.native.server import EngineServer, bind_socket
+from tests.local_http import serving
 
 CHUNK = 64
 
@@ -510,15 +511,8 @@ def static_metrics(text: str) -> Iterator[str]:
         def log_message(self, *args: Any) -> None:
             return
 
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}"
-    finally:
-        srv.shutdown()
-        srv.server_close()
-        thread.join(timeout=5)
+    with serving(http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)) as url:
+        yield url
 
 
 def test_cli_json_exit_codes_and_table(tmp_path):

@@ -28,6 +28,7 @@ from kvtier.bench.client import run_load
 from kvtier.bench.run_cli import bench_run_command
 from kvtier.bench.vllm_load import VLLMBenchLoad
 from kvtier.bench.workload import RequestSpec
+from tests.local_http import serving
 from tests.native.cli_server import Served, clean_env, kvtier_serve
 from tests.vllm.conftest import DRIVERS, REPO, _run
 from tests.vllm.drivers.common import RESULT_PREFIX
@@ -181,15 +182,13 @@ def stalled_url() -> Iterator[str]:
                 return
             release.wait()
 
-    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), Stall) as server:
-        server.daemon_threads = True
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
-        thread.start()
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Stall)
+    server.daemon_threads = True
+    with serving(server) as url:
         try:
-            yield f"http://127.0.0.1:{server.server_address[1]}"
+            yield url
         finally:
-            release.set()
-            server.shutdown()
+            release.set()  # the handlers end before the server shuts down
 
 
 def test_vllm_bench_load_fails_a_request_with_no_answer_after_its_timeout(
