@@ -18,8 +18,9 @@ import typer
 from typer.testing import CliRunner
 
 from kvtier.bench import analysis, replay
+from kvtier.bench.aiperf import INPUTS_NAME
 from kvtier.bench.arms import ArmSpec, ServerProcess, alternate, free_port, parse_arm
-from kvtier.bench.client import STANDIN, LoadOptions, Record, run_load
+from kvtier.bench.client import STANDIN, LoadOptions, Record, completion_body, run_load
 from kvtier.bench.replay import (
     RunConfig,
     WorkloadConfig,
@@ -28,7 +29,14 @@ from kvtier.bench.replay import (
 )
 from kvtier.bench.report import PNGS, bench_report_command
 from kvtier.bench.run_cli import bench_run_command
-from kvtier.bench.workload import MULTI_TURN, TRACE, multi_turn, no_reuse, with_arrivals
+from kvtier.bench.workload import (
+    MULTI_TURN,
+    TRACE,
+    multi_turn,
+    no_reuse,
+    read_specs,
+    with_arrivals,
+)
 from kvtier.errors import ConfigError
 from kvtier.native.modelgen import init_model
 from kvtier.scrape import MetricSet
@@ -376,6 +384,13 @@ def test_run_with_arm_commands_against_the_mock(tmp_path: Path) -> None:
     meta = json.loads((out / "meta.json").read_text())
     assert meta["complete"] and meta["order"] == [[0, "a"], [0, "b"], [1, "b"], [1, "a"]]
     assert meta["workload"]["bust"] == 5
+    # the stream for aiperf: a session per conversation, its turns' exact token-id prompts
+    specs = read_specs(out / "workload.jsonl")
+    sessions = json.loads((out / INPUTS_NAME).read_text())["data"]
+    assert [x["session_id"] for x in sessions] == ["c0", "c1", "c2", "c3"]
+    sent = [p for x in sessions for p in x["payloads"]]
+    by_conv = sorted(specs, key=lambda sp: (sp.conversation, sp.index))
+    assert sent == [completion_body(sp) for sp in by_conv] and len(sent) == 12
     # the ceiling's HBM pool and block size come from the arms' own flags
     assert meta["ceiling"]["hbm_blocks"] == 40 and meta["ceiling"]["block_size"] == 16
     for rep, name in meta["order"]:

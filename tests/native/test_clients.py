@@ -24,10 +24,11 @@ import typer
 from tokenizers import Tokenizer
 from typer.testing import CliRunner
 
+from kvtier.bench.aiperf import INPUTS_ARGS, INPUTS_NAME, load_profile_export, write_inputs
 from kvtier.bench.client import run_load
 from kvtier.bench.run_cli import bench_run_command
 from kvtier.bench.vllm_load import VLLMBenchLoad
-from kvtier.bench.workload import RequestSpec
+from kvtier.bench.workload import RequestSpec, prefix_pool
 from tests.local_http import serving
 from tests.native.cli_server import Served, clean_env, kvtier_serve
 from tests.vllm.conftest import DRIVERS, REPO, _run
@@ -226,6 +227,38 @@ def aiperf() -> Path:
                           timeout=1800, check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return AIPERF
+
+
+def test_aiperf_sends_a_bench_stream_written_as_its_inputs_file_token_for_token(
+    served: Served, aiperf: Path, tmp_path: Path
+):
+    """`bench run` writes its stream as aiperf's inputs.json: aiperf sends those exact
+    token-id prompts, in order (the server counts exactly their tokens and hits every prefix
+    seen before), and its export reads back into a report."""
+    vocab = json.loads((served.model_dir / "config.json").read_text())["vocab_size"]
+    specs = prefix_pool(2, 128, 16, 8, seed=31, vocab=vocab, max_tokens=4)
+    inputs = write_inputs(tmp_path / INPUTS_NAME, specs, model=None)
+    before = served.counters()
+    env = {**clean_env(), "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    cmd = [str(aiperf), "profile", "--model", "tiny", "--url", served.base,
+           "--tokenizer", str(served.model_dir), "--input-file", str(inputs), *INPUTS_ARGS.split(),
+           "--request-count", str(len(specs)), "--concurrency", "1",
+           "--use-server-token-count", "--artifact-dir", str(tmp_path / "out"),
+           "--no-server-metrics", "--ui-type", "none"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    d = delta(served, before)
+    assert d["vllm:prompt_tokens_total"] == sum(len(s.prompt) for s in specs)
+    assert d["vllm:request_success_total"] == len(specs)
+    seen: set[int | None] = set()
+    reused = 0
+    for s in specs:  # one at a time, in order: a prefix seen before is a hit, whole
+        reused += 128 if s.prefix_id in seen else 0
+        seen.add(s.prefix_id)
+    hits = d["vllm:prefix_cache_hits_total"] + d["vllm:external_prefix_cache_hits_total"]
+    assert reused > 0 and hits == reused
+    run = load_profile_export(tmp_path / "out")
+    assert run.summary["request_count"] == len(specs)
 
 
 AIPERF_RUNS = [("chat", True), ("chat", False), ("completions", True), ("completions", False)]

@@ -1,4 +1,5 @@
-"""Read an aiperf `profile_export_aiperf.json` so its numbers sit in a kvtier bench report.
+"""Read an aiperf `profile_export_aiperf.json` so its numbers sit in a kvtier bench report, and
+write a bench stream as aiperf's own `inputs.json` so aiperf can send it.
 
 aiperf (ai-dynamo/aiperf) writes one object per metric tag, e.g. `time_to_first_token`:
 `{unit, avg, p1, ..., p50, p90, p99, min, max, std, count, sum}` (aggregates carry only `unit`
@@ -10,14 +11,22 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.client import completion_body
+from kvtier.bench.workload import RequestSpec
 from kvtier.errors import ConfigError
 
 EXPORT_NAME = "profile_export_aiperf.json"
+INPUTS_NAME = "aiperf-inputs.json"
+# what sends the file, exactly as written and in its order
+INPUTS_ARGS = (
+    "--custom-dataset-type inputs_json --dataset-sampling-strategy sequential "
+    "--endpoint-type completions --streaming"
+)
 
 # aiperf tag -> (our key prefix, percentiles taken); times are converted to ms
 _LATENCY = {
@@ -165,3 +174,18 @@ def _num(m: Mapping[str, Any] | None, stat: str) -> float | None:
 
 def _str(v: object) -> str | None:
     return None if v is None else str(v)
+
+
+def write_inputs(path: Path, specs: Sequence[RequestSpec], model: str | None) -> Path:
+    """`specs` as aiperf's inputs.json: one session per conversation (or request), each turn
+    the completion body kvtier's client sends (token-id prompt, greedy, `ignore_eos`, usage),
+    which aiperf sends verbatim. A later turn carries the stream's seeded stand-in for the
+    previous output: a payload cannot carry a reply not yet made."""
+    sessions: dict[str, list[dict[str, Any]]] = {}
+    for spec in sorted(specs, key=lambda s: s.index):
+        sid = f"r{spec.index}" if spec.conversation is None else f"c{spec.conversation}"
+        sessions.setdefault(sid, []).append(completion_body(spec, model))
+    data = [{"session_id": sid, "payloads": payloads} for sid, payloads in sessions.items()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"data": data}), encoding="utf-8")
+    return path

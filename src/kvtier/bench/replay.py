@@ -8,6 +8,7 @@ server. Everything lands in one run directory:
 
     meta.json          what was run: workload, load, arms (commands), ceiling sizes, versions
     workload.jsonl     the request stream (one spec per line)
+    aiperf-inputs.json the same stream as aiperf's inputs.json (aiperf sends it verbatim)
     records/ARM-repN.jsonl   one client record per request (times, usage, output ids)
     scrapes/ARM-repN.json    /metrics before and after, periodic samples, server start/exit
     logs/ARM-repN.log        each server's output
@@ -38,7 +39,14 @@ from rich.console import Console
 
 from kvtier import __version__, scrape
 from kvtier.bench import analysis
-from kvtier.bench.aiperf import AiperfRun, export_path, load_profile_export
+from kvtier.bench.aiperf import (
+    INPUTS_ARGS,
+    INPUTS_NAME,
+    AiperfRun,
+    export_path,
+    load_profile_export,
+    write_inputs,
+)
 from kvtier.bench.arms import (
     OFF_AGAIN,
     ArmSpec,
@@ -270,6 +278,7 @@ def run(
     )  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     write_specs(out / "workload.jsonl", specs)
+    inputs = write_inputs(out / INPUTS_NAME, specs, cfg.load.model)
     aiperf = _copy_aiperf(cfg.aiperf, out)
     meta = run_meta(cfg, order, specs, aiperf)
     write_json(out / "meta.json", meta)
@@ -278,7 +287,7 @@ def run(
     log(
         f"{len(specs)} requests ({cfg.workload.kind}, seed {cfg.workload.seed}), "
         f"{'open loop' if cfg.load.open_loop else f'concurrency {cfg.load.concurrency}'}; "
-        f"arms {names} x {cfg.repeat}"
+        f"arms {names} x {cfg.repeat}; for aiperf: --input-file {inputs} {INPUTS_ARGS}"
     )
     reset = None
     if cfg.reset_path:
