@@ -510,6 +510,14 @@ def test_multi_turn_on_off_against_kvtier_serve(tmp_path: Path) -> None:
     assert on["series"]["residency"]["memory"][-1][1] > 0
     assert all((out / p).stat().st_size > 5 * 1024 for p in PNGS)
     assert "on: TTFT p50" in (out / "report.html").read_text()
+    # the tier arm's step breakdown: the step, kvtier's CPU on it, its hooks, the parked loads
+    rows = {r["id"]: r for r in doc["table"]["rows"]}
+    assert not any(i.startswith("steps.off.") for i in rows)
+    step = rows["steps.on.step_ms"]
+    assert step["value"] > 0 and step["raw"] > 0 and step["detail"]["rep0.steps"] > 0
+    assert 0 < rows["steps.on.path_cpu_ms"]["value"] < step["raw"]
+    assert rows["steps.on.scheduler.lookup"]["detail"]["rep0.steps_run"] > 0
+    assert rows["steps.on.parked_steps"]["detail"]["rep0.loads"] > 0
 
 
 def test_a_server_that_fails_to_start_names_its_exit_and_the_partial_run(tmp_path: Path) -> None:

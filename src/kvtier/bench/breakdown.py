@@ -14,8 +14,13 @@ counter delta holds their bucket deltas; quantiles interpolate within buckets as
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from functools import partial
+from operator import attrgetter
+from typing import Any
 
+from kvtier.bench.table import Report, Row
 from kvtier.scrape import LabelKey, MetricSet
 
 SCHEDULER = "scheduler"
@@ -142,6 +147,12 @@ class Breakdown:
         out["path_cpu_per_step_ms"] = self.path_cpu_per_step_ms
         return out
 
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> Breakdown:
+        """The breakdown `to_json` wrote (a recorded run's summary)."""
+        kw = {f.name: doc[f.name] for f in fields(cls) if f.name != "hooks"}
+        return cls(hooks=tuple(HookCost(**h) for h in doc["hooks"]), **kw)
+
 
 def _ms(x: float | None) -> float | None:
     return None if x is None else x * 1e3
@@ -203,3 +214,119 @@ def _counter(delta: MetricSet, name: str, *, scheduler: bool, **labels: str) -> 
         found = True
         total += value
     return total if found else None
+
+
+def step_rows(
+    report: Report, scope: str, shown: str, reps: Sequence[tuple[int, Breakdown]]
+) -> None:
+    """Rows `steps.<scope>.*`: the step time per rank and what kvtier took of it (its hooks,
+    its CPU, the lookup calls' wait, the parked steps), means over the repetitions `reps`
+    (each repetition in the detail); `shown` names the scope in labels. None without steps."""
+    steps = [b for _, b in reps]
+    if _known_mean([b.step_p50_ms for b in steps]) is None:
+        return
+    step_mean = _known_mean([b.step_mean_ms for b in steps])
+    raw = step_mean if step_mean is not None and step_mean > 0 else None
+    row = partial(_steps_row, report, scope, shown, reps, raw=raw)
+    note = report.note(
+        "step breakdown from the kvtier histograms on /metrics: step = one engine step on a "
+        "rank, from its metadata to its report (the forward and every hook inside); a hook's "
+        "value is its total time per engine step (ratio = its share of the step) and its "
+        "detail the p50/p99 over the steps it ran in; scheduler hooks run in the engine "
+        "process before (lookup, meta) and after (reports, stats) the forward, rank hooks "
+        "around it (load: start_load_kv, where synchronous loads run; save: queueing saves; "
+        "report: the rank's report and metrics snapshot); parked = engine steps a request "
+        "waited per load, 0 for a load finished inside its step's forward"
+    )
+    step = attrgetter("step_p50_ms")
+    row(
+        "step_ms",
+        f"kvtier step time per rank, p50 (raw = mean) {note}",
+        step,
+        p50=step,
+        p99=attrgetter("step_p99_ms"),
+        steps=attrgetter("steps"),
+    )
+    cpu = report.note(
+        "CPU rows: thread CPU time inside kvtier's hooks (scheduler + one rank) per engine "
+        "step, and of the ranks' copy lanes per step per rank; a hook's wall time less its CPU "
+        "time is waiting (for the GIL behind a host thread, or a core), which the host's own "
+        "code would wait too; CPU time is read within each window, so the share does not move "
+        "with the machine's speed between windows as tok/s ratios do"
+    )
+    path = attrgetter("path_cpu_per_step_ms")
+    row(
+        "path_cpu_ms",
+        f"kvtier CPU on the step's path, ms per step (raw = step mean) {cpu}",
+        path,
+        ms=path,
+    )
+    lanes = attrgetter("lanes_cpu_per_step_ms")
+    row("lanes_cpu_ms", "copy lanes' CPU, ms per step per rank (raw = step mean)", lanes, ms=lanes)
+    for hook in steps[0].hooks:
+        h = hook.hook
+        if not any(c.steps for b in steps if (c := b.hook(h)) is not None):
+            continue
+        row(
+            f"{hook.side}.{h}",
+            f"{h} ({hook.side}), ms per step (raw = step mean)",
+            _cost(h, "per_step_ms"),
+            p50_ms=_cost(h, "p50_ms"),
+            p99_ms=_cost(h, "p99_ms"),
+            steps_run=_cost(h, "steps"),
+            cpu_ms=_cost(h, "cpu_per_step_ms"),
+        )
+    row(
+        "lookup_call_ms",
+        "scheduler wait per lookup call, p50 (raw = step mean)",
+        attrgetter("lookup_call_p50_ms"),
+        p99_ms=attrgetter("lookup_call_p99_ms"),
+        calls=attrgetter("lookup_calls"),
+    )
+    row(
+        "parked_steps",
+        "steps a request waited parked per load, mean",
+        attrgetter("parked_mean_steps"),
+        unit="steps",
+        raw=None,
+        p50=attrgetter("parked_p50_steps"),
+        p99=attrgetter("parked_p99_steps"),
+        loads=attrgetter("loads"),
+        sync_loads=attrgetter("sync_loads"),
+    )
+
+
+def _steps_row(
+    report: Report,
+    scope: str,
+    shown: str,
+    reps: Sequence[tuple[int, Breakdown]],
+    key: str,
+    label: str,
+    of: Callable[[Breakdown], float | None],
+    unit: str = "ms",
+    raw: float | None = None,
+    **detail: Callable[[Breakdown], Any],
+) -> None:
+    """Row `steps.<scope>.<key>`: `of`'s mean over the repetitions (no row where it is
+    unknown), each repetition's `detail` values in its detail."""
+    value = _known_mean([of(b) for _, b in reps])
+    if value is None:
+        return
+    per_rep = {
+        f"rep{rep}.{k}": float(v)
+        for k, get in detail.items()
+        for rep, b in reps
+        if (v := get(b)) is not None
+    }
+    report.add(Row(f"steps.{scope}.{key}", f"{shown}: {label}", value, unit, raw, None, per_rep))
+
+
+def _cost(hook: str, field: str) -> Callable[[Breakdown], float | None]:
+    """A hook's `field` in a breakdown (None where the hook is unknown)."""
+    return lambda b: None if (c := b.hook(hook)) is None else getattr(c, field)
+
+
+def _known_mean(xs: Sequence[float | None]) -> float | None:
+    known = [x for x in xs if x is not None]
+    return sum(known) / len(known) if known else None

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
-from operator import attrgetter
 from typing import Any
 
 from kvtier.bench import analysis
 from kvtier.bench.arms import ArmRun, Window, Workload
-from kvtier.bench.breakdown import Breakdown, breakdown
+from kvtier.bench.breakdown import Breakdown, breakdown, step_rows
 from kvtier.bench.ceiling import Ceiling
 from kvtier.bench.table import Report, Row, Target
 from kvtier.bench.workload import NO_REUSE, PREFIX_POOL
@@ -480,118 +478,11 @@ _WORKLOAD_NAMES = {PREFIX_POOL: "prefix pool", NO_REUSE: "no reuse"}
 
 
 def _breakdown_rows(report: Report, results: Sequence[WindowResult], arm: str) -> None:
-    """Per workload, `arm`'s step time on the ranks and what kvtier took of it; means over the
-    repetitions, each repetition in the detail."""
-    note = report.note(
-        "step breakdown from the kvtier histograms on /metrics: step = one engine step on a "
-        "rank, from its metadata to its report (the forward and every hook inside); a hook's "
-        "value is its total time per engine step (ratio = its share of the step) and its "
-        "detail the p50/p99 over the steps it ran in; scheduler hooks run in the engine "
-        "process before (lookup, meta) and after (reports, stats) the forward, rank hooks "
-        "around it (load: start_load_kv, where synchronous loads run; save: queueing saves; "
-        "report: the rank's report and metrics snapshot); parked = engine steps a request "
-        "waited per load, 0 for a load finished inside its step's forward"
-    )
-    for workload in (PREFIX_POOL, NO_REUSE):
-        xs = sorted(
-            (x for x in results if x.arm == arm and x.workload == workload and x.steps),
-            key=lambda x: x.rep,
-        )
-        steps = [x.steps for x in xs if x.steps is not None]
-        p50 = _known_mean([b.step_p50_ms for b in steps])
-        if p50 is None:
-            continue
-        step_mean = _positive(_known_mean([b.step_mean_ms for b in steps]) or 0.0)
-
-        row = partial(_steps_row, report, workload, xs, raw=step_mean)
-        step = attrgetter("step_p50_ms")
-        row(
-            "step_ms",
-            f"kvtier step time per rank, p50 (raw = mean) {note}",
-            step,
-            p50=step,
-            p99=attrgetter("step_p99_ms"),
-            steps=attrgetter("steps"),
-        )
-        cpu = report.note(
-            "CPU rows: thread CPU time inside kvtier's hooks (scheduler + one rank) per engine "
-            "step, and of the ranks' copy lanes per step per rank; a hook's wall time less its CPU "
-            "time is waiting (for the GIL behind a host thread, or a core), which the host's own "
-            "code would wait too; CPU time is read within each window, so the share does not move "
-            "with the machine's speed between windows as tok/s ratios do"
-        )
-        path = attrgetter("path_cpu_per_step_ms")
-        row(
-            "path_cpu_ms",
-            f"kvtier CPU on the step's path, ms per step (raw = step mean) {cpu}",
-            path,
-            ms=path,
-        )
-        lanes = attrgetter("lanes_cpu_per_step_ms")
-        row(
-            "lanes_cpu_ms",
-            "copy lanes' CPU, ms per step per rank (raw = step mean)",
-            lanes,
-            ms=lanes,
-        )
-        for hook in steps[0].hooks:
-            h = hook.hook
-            if not any(c.steps for b in steps if (c := b.hook(h)) is not None):
-                continue
-            row(
-                f"{hook.side}.{h}",
-                f"{h} ({hook.side}), ms per step (raw = step mean)",
-                _cost(h, "per_step_ms"),
-                p50_ms=_cost(h, "p50_ms"),
-                p99_ms=_cost(h, "p99_ms"),
-                steps_run=_cost(h, "steps"),
-                cpu_ms=_cost(h, "cpu_per_step_ms"),
-            )
-        row(
-            "lookup_call_ms",
-            "scheduler wait per lookup call, p50 (raw = step mean)",
-            attrgetter("lookup_call_p50_ms"),
-            p99_ms=attrgetter("lookup_call_p99_ms"),
-            calls=attrgetter("lookup_calls"),
-        )
-        row(
-            "parked_steps",
-            "steps a request waited parked per load, mean",
-            attrgetter("parked_mean_steps"),
-            unit="steps",
-            raw=None,
-            p50=attrgetter("parked_p50_steps"),
-            p99=attrgetter("parked_p99_steps"),
-            loads=attrgetter("loads"),
-            sync_loads=attrgetter("sync_loads"),
-        )
-
-
-def _steps_row(
-    report: Report,
-    workload: str,
-    xs: Sequence[WindowResult],
-    key: str,
-    label: str,
-    of: Callable[[Breakdown], float | None],
-    unit: str = "ms",
-    raw: float | None = None,
-    **detail: Callable[[Breakdown], Any],
-) -> None:
-    """Row `steps.<workload>.<key>`: `of`'s mean over the repetitions `xs` (no row where it is
-    unknown), each repetition's `detail` values in its detail."""
-    steps = [x.steps for x in xs if x.steps is not None]
-    value = _known_mean([of(b) for b in steps])
-    if value is None:
-        return
-    reps = {
-        f"rep{x.rep}.{k}": float(v)
-        for k, get in detail.items()
-        for x, v in zip(xs, map(get, steps), strict=True)
-        if v is not None
-    }
-    label = f"{_WORKLOAD_NAMES[workload]}: {label}"
-    report.add(Row(f"steps.{workload}.{key}", label, value, unit, raw, None, reps))
+    """Per workload, `arm`'s step time on the ranks and what kvtier took of it."""
+    for workload, shown in _WORKLOAD_NAMES.items():
+        xs = sorted((x for x in results if x.arm == arm and x.workload == workload and x.steps),
+                    key=lambda x: x.rep)  # fmt: skip
+        step_rows(report, workload, shown, [(x.rep, x.steps) for x in xs if x.steps is not None])
 
 
 def _noise_floor_rows(report: Report, res: _Results, again: str, sep: str) -> None:
@@ -658,18 +549,8 @@ def _no_reuse_worst(
             report.add(row)
 
 
-def _cost(hook: str, field: str) -> Callable[[Breakdown], float | None]:
-    """A hook's `field` in a breakdown (None where the hook is unknown)."""
-    return lambda b: None if (c := b.hook(hook)) is None else getattr(c, field)
-
-
 def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs)
-
-
-def _known_mean(xs: Sequence[float | None]) -> float | None:
-    known = [x for x in xs if x is not None]
-    return _mean(known) if known else None
 
 
 def _worst_rep_row(

@@ -59,7 +59,7 @@ from kvtier.bench.arms import (
     post_reset,
     run_endpoint_arm,
 )
-from kvtier.bench.breakdown import breakdown
+from kvtier.bench.breakdown import Breakdown, breakdown, step_rows
 from kvtier.bench.ceiling import Ceiling, ceilings
 from kvtier.bench.client import OUTPUTS, LoadOptions, Record, read_jsonl
 from kvtier.bench.table import Report, Row, Target, machine, write_json
@@ -802,63 +802,14 @@ def _write_rows(report: Report, doc: Mapping[str, Any]) -> None:
 
 
 def _step_rows(report: Report, doc: Mapping[str, Any]) -> None:
-    """Per arm with a tier: its engine step time and what each kvtier hook took of it (ms per
-    step, means over repetitions; ratio = share of the step), and the lookup calls' wait."""
+    """Per arm with a tier: its engine step time and what kvtier took of it (`step_rows`)."""
     for name in doc["arms"]:
-        steps = [x["steps"] for x in doc["runs"] if x["arm"] == name and x.get("steps")]
-        p50s = [b["step_p50_ms"] for b in steps if b.get("step_p50_ms") is not None]
-        if not p50s:
-            continue
-        means = [b["step_mean_ms"] for b in steps if b.get("step_mean_ms") is not None]
-        step_mean = sum(means) / len(means) if means else None
-        note = report.note(
-            "step breakdown from the kvtier histograms on /metrics: step = one engine step on a "
-            "rank, from its metadata to its report; a hook's value is its total time per engine "
-            "step (ratio = its share of the step's mean); lookup call = the scheduler loop's "
-            "wait per lookup call"
-        )
-        report.add(
-            Row(
-                f"steps.{name}.step_ms",
-                f"{name}: engine step per rank, p50 (raw = mean) {note}",
-                sum(p50s) / len(p50s),
-                "ms",
-                raw=step_mean if step_mean else None,
-                detail={"steps": sum(b["steps"] for b in steps) / len(steps)},
-            )
-        )
-        for hook in steps[0]["hooks"]:
-            per = [
-                h["per_step_ms"]
-                for b in steps
-                for h in b["hooks"]
-                if h["hook"] == hook["hook"] and h["per_step_ms"] is not None
-            ]
-            if not per or not any(h["steps"] for b in steps for h in b["hooks"]):
-                continue
-            report.add(
-                Row(
-                    f"steps.{name}.{hook['side']}.{hook['hook']}",
-                    f"{name}: {hook['side']} hook {hook['hook']}, ms per step",
-                    sum(per) / len(per),
-                    "ms",
-                    raw=step_mean if step_mean else None,
-                )
-            )
-        calls = [b for b in steps if b.get("lookup_call_p50_ms") is not None]
-        if calls:
-            report.add(
-                Row(
-                    f"steps.{name}.lookup_call_ms",
-                    f"{name}: scheduler wait per lookup call, p50 (detail: p99)",
-                    sum(b["lookup_call_p50_ms"] for b in calls) / len(calls),
-                    "ms",
-                    detail={
-                        "p99_ms": sum(b["lookup_call_p99_ms"] or 0.0 for b in calls) / len(calls),
-                        "calls": sum(b["lookup_calls"] for b in calls) / len(calls),
-                    },
-                )
-            )
+        reps = [
+            (x["rep"], Breakdown.from_json(x["steps"]))
+            for x in doc["runs"]
+            if x["arm"] == name and x.get("steps")
+        ]
+        step_rows(report, name, name, reps)
 
 
 def _hit_rows(report: Report, doc: Mapping[str, Any], windows: Sequence[str]) -> None:
