@@ -13,10 +13,9 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	# torch first, pinned to the CPU build, so no dependency drags in a CUDA wheel. --no-compile:
-	# byte-compiling every file of torch at install costs 20 s; imports compile what they use
-	$(BIN)/python -m pip install --quiet --no-compile "torch==2.13.0+cpu" || $(BIN)/python -m pip install --quiet --no-compile "torch==2.13.0"
-	$(BIN)/python -m pip install --quiet --no-compile -e ".[native,bench,dev]"
+	# torch first, pinned to the CPU build, so no dependency drags in a CUDA wheel
+	$(BIN)/python -m pip install --quiet "torch==2.13.0+cpu" || $(BIN)/python -m pip install --quiet "torch==2.13.0"
+	$(BIN)/python -m pip install --quiet -e ".[native,bench,dev]"
 	touch $(STAMP)
 
 # Services the tests start themselves (a throwaway redis-server per test session).
