@@ -26,7 +26,7 @@ def test_restore_check_serves_pass_two_from_the_tier(tmp_path: Path, monkeypatch
     assert r == er == 8 * 319
 
 
-def _doc(mismatches: int = 0) -> dict:
+def _doc(mismatches: int = 0, cost: float = 99.0, cost_aa: float = 0.98) -> dict:
     def row(id_: str, value: float, raw: float | None = None, ok: bool | None = None) -> dict:
         return {"id": id_, "label": id_, "value": value, "raw": raw, "pass": ok}
 
@@ -38,8 +38,8 @@ def _doc(mismatches: int = 0) -> dict:
             row("prefix_pool.ttft_p50_ms.aa_worst_rep", 1.04),
             row("prefix_pool.output_throughput", 150.0, 100.0),
             row("prefix_pool.output_throughput.aa_worst_rep", 0.97),
-            row("no_reuse.output_throughput", 99.0, 100.0, True),
-            row("no_reuse.output_throughput.aa_worst_rep", 0.98),
+            row("no_reuse.output_throughput", cost, 100.0, cost >= 97.0),
+            row("no_reuse.output_throughput.aa_worst_rep", cost_aa),
             row("outputs.mismatches", mismatches, None, mismatches == 0),
             row("requests.failed", 0, None, True),
             row("identity.hbm_misses_eq_external_queries", 0, None, True),
@@ -74,3 +74,21 @@ def test_the_demo_tells_one_story_in_at_most_twelve_rows(tmp_path: Path) -> None
     assert story(uneven, _doc(), tp=2)[0][2] == "FAIL"
     png = write_figure(_doc(), tmp_path / "demo.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_tiers_cost_inside_the_runs_own_noise_is_no_failure() -> None:
+    """A no-reuse ratio under the 0.97 target but no lower than the A/A pair's own worst
+    repetition cannot be told from the machine's noise: said so, not failed (a false alarm
+    would fail `make demo`); a cost beyond the noise still fails the verdict."""
+    from kvtier.bench.demo import story
+
+    cost = "no reuse: output tok/s ON/OFF (the tier's cost)"
+    rows = {name: (value, verdict) for name, value, verdict in story(RESTORE, _doc(), tp=2)}
+    assert rows[cost] == ("0.99x (A/A 0.98x)", "PASS")
+    noisy = story(RESTORE, _doc(cost=96.0, cost_aa=0.93), tp=2)
+    rows = {name: (value, verdict) for name, value, verdict in noisy}
+    assert rows[cost] == ("0.96x (A/A 0.93x: inside this run's noise)", "")
+    assert noisy[-1][2] == "PASS"
+    beyond = story(RESTORE, _doc(cost=90.0, cost_aa=0.98), tp=2)
+    rows = {name: (value, verdict) for name, value, verdict in beyond}
+    assert rows[cost] == ("0.90x (A/A 0.98x)", "FAIL") and beyond[-1][2] == "FAIL"

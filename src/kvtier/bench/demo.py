@@ -189,11 +189,16 @@ def story(restore: dict[str, Any], doc: dict[str, Any], tp: int) -> list[tuple[s
     aa_t, aa_p = rows[_ROW["ttft_aa"]]["value"], rows[_ROW["tput_aa"]]["value"]
     out.append(("prefix pool: TTFT p50 ON/OFF", f"{ratio('ttft'):.2f}x (A/A {aa_t:.2f}x)", ""))
     out.append(("prefix pool: output tok/s ON/OFF", f"{ratio('tput'):.2f}x (A/A {aa_p:.2f}x)", ""))
-    cost = rows[_ROW["cost"]]
+    # a miss no lower than the A/A pair's own worst repetition (folded to <= 1) is the
+    # machine's noise, not the tier's cost: said, not failed (that would be a false alarm)
+    cost, cost_aa = ratio("cost"), rows[_ROW["cost_aa"]]["value"]
+    met = bool(rows[_ROW["cost"]].get("pass"))
+    noise = not met and cost >= cost_aa
+    shown = f"{cost:.2f}x (A/A {cost_aa:.2f}x" + (": inside this run's noise)" if noise else ")")
     out.append((
         "no reuse: output tok/s ON/OFF (the tier's cost)",
-        f"{ratio('cost'):.2f}x (A/A {rows[_ROW['cost_aa']]['value']:.2f}x)",
-        "PASS" if cost.get("pass") else "FAIL",
+        shown,
+        "" if noise else "PASS" if met else "FAIL",
     ))  # fmt: skip
     mism = rows[_ROW["mismatch"]]
     check("greedy outputs ON vs OFF", f"{mism['value']:.0f} differ", bool(mism.get("pass")))
