@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,3 +84,29 @@ def test_rank_startup_failure_names_the_rank_and_cause(tiny_model: Path):
     with pytest.raises(WorkerError, match=r"(?s)failed to start up.*no_such_module"):
         Engine(tiny_model, EngineConfig(tensor_parallel_size=2), connector_factory=spec)
     assert time.monotonic() - t0 < 60
+
+
+def test_a_rank_killed_while_the_server_is_idle_fails_it_and_stops_the_survivor(
+    tiny_model: Path,
+):
+    """The serving loop finds a dead rank at an idle wake-up, before any step: it fails the
+    engine naming the rank and ends the survivor (blocked for good in a collective with its
+    dead peer) at once, as a failed step does, not only when the process closes the engine."""
+    from kvtier.native.server import EngineServer
+
+    eng = Engine(tiny_model, EngineConfig(tensor_parallel_size=2, num_threads=1))
+    srv = EngineServer(eng, model_name="tiny").start()
+    try:
+        assert srv.loop.wait_idle(30.0)
+        victim = eng.executor.pids[1]
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 30.0
+        pause = threading.Event()  # never set: a bounded wait between checks
+        procs = eng.executor.procs
+        while not (srv.loop.fatal and all(p.poll() is not None for p in procs)):
+            assert time.monotonic() < deadline, (srv.loop.fatal, [p.poll() for p in procs])
+            pause.wait(0.05)
+        assert f"TP rank 1 (pid {victim}) exited with code -9" in srv.loop.fatal
+        assert "stopped the surviving ranks [0]" in srv.loop.fatal
+    finally:
+        srv.close()

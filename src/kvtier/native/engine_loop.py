@@ -38,6 +38,7 @@ from kvtier.native.engine import Engine
 from kvtier.native.sampling import SamplingParams
 from kvtier.native.sequence import RequestOutput, loggable
 from kvtier.native.serve_metrics import RequestTimes, ServeMetrics
+from kvtier.native.tp import WorkerError
 
 __all__ = [
     "DuplicateRequestId", "EngineFailure", "EngineLoop", "EngineUnavailable", "Overloaded",
@@ -335,9 +336,13 @@ class EngineLoop:
                     break
                 for cmd in cmds:
                     self._apply(cmd)
-                dead = self.dead_rank()
-                if dead is not None:
-                    raise _RankDied(dead)
+                if self.dead_rank() is not None:
+                    # found between steps: the executor names it and stops the survivors, as
+                    # a failed step would (else they wait on their dead peer until close)
+                    try:
+                        self.engine.executor.check_ranks()
+                    except WorkerError as exc:
+                        raise _RankDied(str(exc)) from None
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self._publish()

@@ -265,6 +265,9 @@ class LocalExecutor:
         result = self.runner.execute(_step_decoder.decode(encode(step)))
         return [_result_decoder.decode(encode(result))]
 
+    def check_ranks(self) -> None:
+        """The one rank lives in this process: nothing can have exited."""
+
     def close(self) -> None:
         """Shut the worker-side connector down."""
         self.runner.shutdown()

@@ -239,6 +239,13 @@ class MultiprocExecutor:
             wait([self.conns[r] for r in pending], _POLL_S)
         return results
 
+    def check_ranks(self) -> None:
+        """Raise `WorkerError` when a rank has exited, between steps too; like a failed step
+        it stops the survivors, which would wait for good in a collective with the dead one."""
+        for rank, proc in enumerate(self.procs):
+            if proc.poll() is not None:
+                raise self._dead(rank, "exited between steps")
+
     def _dead(self, rank: int, what: str) -> WorkerError:
         self._broken = True
         # a rank that closed its pipe or failed is on its way out: let it be reaped
