@@ -31,7 +31,7 @@ CHUNK = 64
 RESTORE_PROMPTS = 8
 RESTORE_LEN = 5 * CHUNK  # whole chunks: pass 2 can restore all but the last token
 # 96 prefix-pool requests (and 38 unique ones) per arm: a fresh clone's `make demo`, its .venv
-# build included, takes about 3m55s on 2 cores; with 80, the shorter no-reuse window read the
+# build included, takes 3m55s-4m15s on 2 cores; with 80, the shorter no-reuse window read the
 # tier's cost at 0.96x and 0.89x against 1.10x and 1.02x with 96
 DEMO_REQUESTS = 96
 
