@@ -23,7 +23,6 @@ import json
 import math
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -186,7 +185,7 @@ def job_deadline_s(
     """How long a driver may take over one load: the last arrival, then every round of
     `concurrency` requests timing out in turn, plus one timeout for the driver's own work."""
     last = max((s.arrival or 0.0 for s in specs), default=0.0)
-    rounds = -(-len(specs) // max(1, concurrency or len(specs) or 1))
+    rounds = -(-len(specs) // (concurrency or max(len(specs), 1)))
     return last + timeout_s * (rounds + 1)
 
 
@@ -339,11 +338,6 @@ def main() -> None:
             print("done", file=out, flush=True)
         except Exception as exc:  # noqa: BLE001 - the parent gets the reason and raises it
             print(f"failed: {type(exc).__name__}: {exc}".replace("\n", " "), file=out, flush=True)
-
-
-def scratch_dir() -> Path:
-    """A fresh directory for the driver's job files."""
-    return Path(tempfile.mkdtemp(prefix="kvtier-vllm-load-"))
 
 
 if __name__ == "__main__":

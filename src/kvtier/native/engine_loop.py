@@ -336,13 +336,12 @@ class EngineLoop:
                     break
                 for cmd in cmds:
                     self._apply(cmd)
-                if self.dead_rank() is not None:
-                    # found between steps: the executor names it and stops the survivors, as
-                    # a failed step would (else they wait on their dead peer until close)
-                    try:
-                        self.engine.executor.check_ranks()
-                    except WorkerError as exc:
-                        raise _RankDied(str(exc)) from None
+                # a rank dead between steps: the executor names it and stops the survivors, as
+                # a failed step would (else they wait on their dead peer until close)
+                try:
+                    self.engine.executor.check_ranks()
+                except WorkerError as exc:
+                    raise _RankDied(str(exc)) from None
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self._publish()
