@@ -21,9 +21,10 @@ from kvtier.cachemodel.predict import DISK, MEMORY, predict, tally
 from kvtier.cachemodel.reuse import pool_reuse_distance
 from kvtier.cachemodel.stream import Request, from_trace, hbm_floors, working_set
 from kvtier.cachemodel.trace import TraceRow, parse_trace_rows, read_trace_rows
+from kvtier.data import bundled_trace
 from kvtier.errors import ConfigError
 
-MOONCAKE = Path(__file__).resolve().parents[2] / "shared/data/mooncake-synthetic-trace.jsonl"
+MOONCAKE = bundled_trace()
 
 
 def _lines(*rows: dict[str, object]) -> list[str]:

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 import typer
-from click.testing import Result
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from kvtier.cachemodel.reuse import percentile, reuse_distances
 from kvtier.errors import ConfigError, LayoutError

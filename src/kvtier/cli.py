@@ -11,9 +11,8 @@ import importlib
 from pathlib import Path
 from typing import Any, ClassVar
 
-import click
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 # group -> command -> ("module:function", the function's first docstring line)
 LAZY: dict[str, dict[str, tuple[str, str]]] = {
@@ -53,20 +52,22 @@ class _LazyGroup(TyperGroup):
     def _lazy(self) -> dict[str, tuple[str, str]]:
         return LAZY.get(self.group, {})
 
-    def list_commands(self, ctx: click.Context) -> list[str]:
+    def list_commands(self, ctx: typer.Context) -> list[str]:
         names = super().list_commands(ctx)
         return [*names, *(n for n in self._lazy if n not in names)]
 
-    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+    def get_command(self, ctx: typer.Context, cmd_name: str) -> Any:
         lazy = self._lazy.get(cmd_name)
         if lazy is not None and cmd_name not in self.commands:
             if self._listing:
                 # the listing needs a name and a line of help, not the command's imports
-                return click.Command(cmd_name, help=lazy[1], short_help=lazy[1])
+                return TyperCommand(cmd_name, help=lazy[1], short_help=lazy[1])
             self.commands[cmd_name] = load_command(cmd_name, lazy[0])
         return super().get_command(ctx, cmd_name)
 
-    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+    # typer 0.29 vends its own click (typer._click, no `click` dependency): the command and
+    # formatter types come from typer, never from a separately installed click
+    def format_help(self, ctx: typer.Context, formatter: Any) -> None:
         self._listing = True
         try:
             super().format_help(ctx, formatter)
@@ -74,7 +75,7 @@ class _LazyGroup(TyperGroup):
             self._listing = False
 
 
-def load_command(name: str, path: str) -> click.Command:
+def load_command(name: str, path: str) -> Any:
     """Import `module:function` and build its click command as typer would."""
     module, _, attr = path.partition(":")
     fn: Any = getattr(importlib.import_module(module), attr)
@@ -177,10 +178,11 @@ def bench_tier(
 @bench_app.command("cache")
 def bench_cache(
     quick: bool = typer.Option(False, "--quick", help="Tier sizes 10% and 30% only."),
-    trace: Path = typer.Option(
-        Path("../shared/data/mooncake-synthetic-trace.jsonl"),
+    trace: str = typer.Option(
+        "mooncake-synthetic",
         "--trace",
-        help="Mooncake JSONL trace for the trace rows (read in place, never copied).",
+        help="Mooncake JSONL trace (.jsonl or .jsonl.gz) for the trace rows, read in place; "
+        "mooncake-synthetic is the trace bundled with kvtier.",
     ),
     no_trace: bool = typer.Option(False, "--no-trace", help="Leave the trace rows out."),
     json_path: Path | None = typer.Option(
@@ -199,7 +201,7 @@ def bench_cache(
     try:
         doc = cache.run(
             quick=quick,
-            trace=None if no_trace else trace,
+            trace=None if no_trace else Path(trace),
             json_path=json_path,
             progress=lambda msg: progress.print(f"[dim]{escape(msg)}[/dim]"),
         )

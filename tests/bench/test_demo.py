@@ -26,7 +26,13 @@ def test_restore_check_serves_pass_two_from_the_tier(tmp_path: Path, monkeypatch
     assert r == er == 8 * 319
 
 
-def _doc(mismatches: int = 0, cost: float = 99.0, cost_aa: float = 0.98) -> dict:
+def _doc(
+    mismatches: int = 0,
+    cost: float = 99.0,
+    cost_aa: float = 0.98,
+    path_ms: float | None = 0.6,
+    lanes_ms: float = 0.5,
+) -> dict:
     def row(id_: str, value: float, raw: float | None = None, ok: bool | None = None) -> dict:
         return {"id": id_, "label": id_, "value": value, "raw": raw, "pass": ok}
 
@@ -44,7 +50,9 @@ def _doc(mismatches: int = 0, cost: float = 99.0, cost_aa: float = 0.98) -> dict
             row("requests.failed", 0, None, True),
             row("identity.hbm_misses_eq_external_queries", 0, None, True),
             row("identity.retrieved_eq_external_hits", 0, None, True),
+            row("steps.no_reuse.lanes_cpu_ms", lanes_ms, 72.0),
         ]
+        + ([] if path_ms is None else [row("steps.no_reuse.path_ms", path_ms, 72.0)])
     }
 
 
@@ -76,19 +84,25 @@ def test_the_demo_tells_one_story_in_at_most_twelve_rows(tmp_path: Path) -> None
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_the_tiers_cost_inside_the_runs_own_noise_is_no_failure() -> None:
-    """A no-reuse ratio under the 0.97 target but no lower than the A/A pair's own worst
-    repetition cannot be told from the machine's noise: said so, not failed (a false alarm
-    would fail `make demo`); a cost beyond the noise still fails the verdict."""
+def test_the_tiers_cost_is_kvtiers_time_on_the_step_not_a_noisy_ratio() -> None:
+    """The verdict on the tier's cost reads kvtier's own time on the ON arm's steps (hooks'
+    wall time plus the copy lanes' CPU, share of the step); the ON/OFF throughput ratio of two
+    short windows is shown beside it and never fails the demo (0.91x failed a correct tier on a
+    2-core machine), while a real cost over the limit does, and so does an unmeasured one."""
     from kvtier.bench.demo import story
 
-    cost = "no reuse: output tok/s ON/OFF (the tier's cost)"
-    rows = {name: (value, verdict) for name, value, verdict in story(RESTORE, _doc(), tp=2)}
-    assert rows[cost] == ("0.99x (A/A 0.98x)", "PASS")
-    noisy = story(RESTORE, _doc(cost=96.0, cost_aa=0.93), tp=2)
-    rows = {name: (value, verdict) for name, value, verdict in noisy}
-    assert rows[cost] == ("0.96x (A/A 0.93x: inside this run's noise)", "")
-    assert noisy[-1][2] == "PASS"
-    beyond = story(RESTORE, _doc(cost=90.0, cost_aa=0.98), tp=2)
-    rows = {name: (value, verdict) for name, value, verdict in beyond}
-    assert rows[cost] == ("0.90x (A/A 0.98x)", "FAIL") and beyond[-1][2] == "FAIL"
+    shown, cost = "no reuse: output tok/s ON/OFF", "the tier's cost: kvtier's time on the step"
+
+    def table(doc: dict) -> tuple[dict[str, tuple[str, str]], str]:
+        rows = story(RESTORE, doc, tp=2)
+        return {name: (value, verdict) for name, value, verdict in rows}, rows[-1][2]
+
+    rows, verdict = table(_doc())
+    assert rows[cost] == ("1.5% of the step (limit 5%)", "PASS") and verdict == "PASS"
+    rows, verdict = table(_doc(cost=91.0, cost_aa=0.95))
+    assert rows[shown] == ("0.91x (A/A 0.95x: the machine's own noise)", "")
+    assert verdict == "PASS"
+    rows, verdict = table(_doc(path_ms=7.5))  # a hook that takes 10% of every step
+    assert rows[cost] == ("11.1% of the step (limit 5%)", "FAIL") and verdict == "FAIL"
+    rows, verdict = table(_doc(path_ms=None))
+    assert rows[cost] == ("not measured", "FAIL") and verdict == "FAIL"

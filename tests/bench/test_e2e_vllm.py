@@ -89,7 +89,7 @@ def test_arms_differ_only_in_their_connector(tmp_path: Path) -> None:
 def test_environment_is_offline_with_dev_endpoints_and_tp_binding(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("VIRTUAL_ENV", "/work/main/.venv")
+    monkeypatch.setenv("VIRTUAL_ENV", str(tmp_path / ".venv"))
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)

@@ -23,10 +23,11 @@ from kvtier.cachemodel.predict import predict, tally
 from kvtier.cachemodel.stream import Request, from_trace, hbm_floors, working_set
 from kvtier.cachemodel.trace import MOONCAKE_BLOCK, read_trace_rows
 from kvtier.cachemodel.turns import Turn, trace_turns
+from kvtier.data import MOONCAKE_SYNTHETIC, bundled_trace, resolve_trace
 from kvtier.errors import ConfigError
 from kvtier.offload.admission import ADAPTIVE
 
-DEFAULT_TRACE = Path("../shared/data/mooncake-synthetic-trace.jsonl")
+DEFAULT_TRACE = bundled_trace()
 DEFAULT_JSON = Path("runs/bench-cache.json")
 
 HBM_FRACTIONS = (0.0, 0.05)
@@ -130,10 +131,12 @@ def run(
     """Run the table, write its JSON document and return it. `workload_list` and
     `retention_list` replace the default streams; given `workload_list` alone, no retention
     rows are run."""
+    trace = None if trace is None else resolve_trace(trace)
     if trace is not None and not trace.is_file():
         raise ConfigError(
-            f"--trace {str(trace)!r} is not a file; pass the Mooncake synthetic trace "
-            f"(default {DEFAULT_TRACE}) or --no-trace to leave its rows out"
+            f"--trace {str(trace)!r} is not a file; pass a Mooncake JSONL trace, "
+            f"{MOONCAKE_SYNTHETIC!r} (the default, bundled with kvtier) or --no-trace to leave "
+            "its rows out"
         )
     capacities = QUICK_CAPACITIES if quick else CAPACITIES
     report = Report(

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from kvtier.bench import e2e
 from kvtier.bench.arms import Drive, ServerConfig, Workload, post_reset
+from kvtier.bench.breakdown import COST_SHARE_LIMIT, cost_share
 from kvtier.bench.client import LoadOptions
 from kvtier.bench.table import print_report, report_console
 from kvtier.bench.workload import RequestSpec
@@ -149,12 +150,23 @@ _ROW = {
     "tput": "prefix_pool.output_throughput",
     "tput_aa": "prefix_pool.output_throughput.aa_worst_rep",
     "cost": "no_reuse.output_throughput",
+    "cost_path": "steps.no_reuse.path_ms",
+    "cost_lanes": "steps.no_reuse.lanes_cpu_ms",
     "cost_aa": "no_reuse.output_throughput.aa_worst_rep",
     "mismatch": "outputs.mismatches",
     "failed": "requests.failed",
 }
 _IDENTITIES = ("identity.hbm_misses_eq_external_queries", "identity.retrieved_eq_external_hits")
 MAX_ROWS = 12
+
+
+def tier_cost_share(rows: dict[str, dict[str, Any]]) -> float | None:
+    """The ON arm's no-reuse window: kvtier's share of the step (`breakdown.cost_share`),
+    from the report's step rows (value = ms per step, raw = the step's mean)."""
+    path, lanes = rows.get(_ROW["cost_path"]), rows.get(_ROW["cost_lanes"])
+    if path is None:
+        return None
+    return cost_share(path["value"], None if lanes is None else lanes["value"], path.get("raw"))
 
 
 def story(restore: dict[str, Any], doc: dict[str, Any], tp: int) -> list[tuple[str, str, str]]:
@@ -190,17 +202,22 @@ def story(restore: dict[str, Any], doc: dict[str, Any], tp: int) -> list[tuple[s
     aa_t, aa_p = rows[_ROW["ttft_aa"]]["value"], rows[_ROW["tput_aa"]]["value"]
     out.append(("prefix pool: TTFT p50 ON/OFF", f"{ratio('ttft'):.2f}x (A/A {aa_t:.2f}x)", ""))
     out.append(("prefix pool: output tok/s ON/OFF", f"{ratio('tput'):.2f}x (A/A {aa_p:.2f}x)", ""))
-    # a miss no lower than the A/A pair's own worst repetition (folded to <= 1) is the
-    # machine's noise, not the tier's cost: said, not failed (that would be a false alarm)
+    # the tier's cost is judged by kvtier's own time on the ON arm's steps, read within one
+    # window; the ON/OFF ratio of two 12 s windows moves 5-10% with a 2-core machine alone
+    # (it failed a correct tier at 0.91x), so it is shown beside the verdict, not as one
+    share = tier_cost_share(rows)
     cost, cost_aa = ratio("cost"), rows[_ROW["cost_aa"]]["value"]
-    met = bool(rows[_ROW["cost"]].get("pass"))
-    noise = not met and cost >= cost_aa
-    shown = f"{cost:.2f}x (A/A {cost_aa:.2f}x" + (": inside this run's noise)" if noise else ")")
     out.append((
-        "no reuse: output tok/s ON/OFF (the tier's cost)",
-        shown,
-        "" if noise else "PASS" if met else "FAIL",
+        "no reuse: output tok/s ON/OFF",
+        f"{cost:.2f}x (A/A {cost_aa:.2f}x: the machine's own noise)",
+        "",
     ))  # fmt: skip
+    check(
+        "the tier's cost: kvtier's time on the step",
+        "not measured" if share is None
+        else f"{share:.1%} of the step (limit {COST_SHARE_LIMIT:.0%})",
+        share is not None and share <= COST_SHARE_LIMIT,
+    )
     mism = rows[_ROW["mismatch"]]
     check("greedy outputs ON vs OFF", f"{mism['value']:.0f} differ", bool(mism.get("pass")))
     q, eq = restore["identity_queries"]

@@ -13,12 +13,14 @@ prefixes. The edge cases, decided once for every tool:
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.data import MOONCAKE_SYNTHETIC, resolve_trace
 from kvtier.errors import ConfigError
 
 MOONCAKE_BLOCK = 512
@@ -40,10 +42,14 @@ def read_trace_rows(
     path: str | Path, *, block_tokens: int | None = None, limit: int | None = None
 ) -> list[TraceRow]:
     """The rows of the trace file at `path` in replay order (the first `limit` of them)."""
-    p = Path(path)
+    p = resolve_trace(path)
     if not p.is_file():
-        raise ConfigError(f"trace {str(path)!r} is not a file; pass a Mooncake JSONL trace path")
-    with p.open(encoding="utf-8") as fh:
+        raise ConfigError(
+            f"trace {str(path)!r} is not a file; pass a Mooncake JSONL trace path (.jsonl or "
+            f".jsonl.gz) or {MOONCAKE_SYNTHETIC!r} for the trace bundled with kvtier"
+        )
+    opened = gzip.open(p, "rt", encoding="utf-8") if p.suffix == ".gz" else p.open(encoding="utf-8")
+    with opened as fh:
         return parse_trace_rows(fh, source=p.name, block_tokens=block_tokens, limit=limit)
 
 

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Every install the README names, checked as a user gets it: a fresh venv, kvtier's wheel (not
+# the source tree), then what that install promises.
+#
+#   plain      pip install kvtier            kvtier --help, plan, doctor --help, version, and
+#                                            every module of the tier, the tools and the vLLM
+#                                            connector imports (vLLM itself excepted)
+#   [native]   pip install 'kvtier[native]'  kvtier serve --help, model init
+#   [bench]    pip install 'kvtier[bench]'   kvtier bench cache --quick on the bundled trace
+#
+# The extras nest (bench > native > plain), so one venv grows one extra at a time and each
+# step's checks run before the next extra is installed: a module an install needs but does not
+# declare fails the step that needs it. torch is the CPU build from the machine's wheel cache,
+# as `make setup` installs it. Usage: scripts/check-installs.sh [WORK_DIR]
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+WORK="${1:-$ROOT/build/install-check}"
+PYTHON="${PYTHON:-python3.11}"
+VENV="$WORK/venv"
+say() { printf '[check-installs %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+start=$SECONDS
+
+rm -rf "$WORK"
+mkdir -p "$WORK"
+say "building kvtier's wheel"
+"$PYTHON" -m pip wheel --quiet --no-deps --wheel-dir "$WORK/dist" "$ROOT"
+WHEEL="$(ls "$WORK"/dist/kvtier-*.whl)"
+say "fresh venv $VENV"
+"$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install --quiet --no-compile --progress-bar off)
+"${PIP[@]}" "torch==2.13.0+cpu" || "${PIP[@]}" "torch==2.13.0"
+# run from an empty directory: nothing of the source tree may stand in for the install
+cd "$WORK"
+KV="$VENV/bin/kvtier"
+
+say "plain: pip install kvtier"
+"${PIP[@]}" "$WHEEL"
+"$KV" --help >/dev/null
+"$KV" version
+"$KV" doctor --help >/dev/null
+"$KV" plan --model llama-3.1-8b --tier-bytes 1GiB --hbm-tokens 4096 --prefixes 4 \
+    --prefix-len 2048 --json >"$WORK/plan.json"
+"$VENV/bin/python" - <<'PY'
+import importlib, json, pkgutil, sys
+import kvtier
+# the plain install: everything but the native engine and the benches
+skip = ("kvtier.native", "kvtier.bench")
+failed = []
+for mod in pkgutil.walk_packages(kvtier.__path__, "kvtier."):
+    if mod.name.startswith(skip):
+        continue
+    try:
+        importlib.import_module(mod.name)
+    except ModuleNotFoundError as e:
+        # the connector's modules that need vLLM itself are vLLM's install, not ours
+        if not (mod.name.startswith("kvtier.vllm.") and (e.name or "").startswith("vllm")):
+            failed.append(f"{mod.name}: {e}")
+json.load(open("plan.json"))
+if failed:
+    sys.exit("the plain install cannot import:\n  " + "\n  ".join(failed))
+print("plain install: every module of the tier, tools and connector imports")
+PY
+
+say "native: pip install 'kvtier[native]'"
+"${PIP[@]}" "$WHEEL[native]"
+"$KV" serve --help >/dev/null
+"$KV" model init "$WORK/model" >/dev/null
+test -f "$WORK/model/config.json"
+
+say "bench: pip install 'kvtier[bench]'"
+"${PIP[@]}" "$WHEEL[bench]"
+"$KV" bench cache --quick --json "$WORK/bench-cache.json" >"$WORK/bench-cache.txt"
+"$VENV/bin/python" - <<'PY'
+import json
+doc = json.load(open("bench-cache.json"))
+trace = [r for r in doc["rows"] if "mooncake" in r["id"]]
+assert trace, "bench cache --quick ran no row on the bundled Mooncake trace"
+print(f"bench install: bench cache --quick, {len(doc['rows'])} rows, {len(trace)} on the trace")
+PY
+say "every install works as the README says ($((SECONDS - start)) s)"
