@@ -35,13 +35,13 @@ aiperf-env:
 	scripts/setup-aiperf-env.sh
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests scripts
 
 # The environments are independent (separate venvs, mostly downloads and unpacking), so a
 # fresh clone builds them side by side instead of one after another.
 test:
 	@$(MAKE) --no-print-directory -j3 $(STAMP) services vllm-env aiperf-env
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests scripts
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS)
 
 demo: $(STAMP)

@@ -1,41 +1,53 @@
 #!/usr/bin/env bash
-# The GPU check: the layout matrix on the device, the codec self-test, `bench tier --device`,
-# the native two-pass restore at TP=1 and the transfer pipeline (save/load GB/s of a 64-chunk
-# step vs raw pinned cudaMemcpyAsync, lane CPU time per GB, step time offload on vs off under a
-# save burst), printed as one table (scripts/gpu_check.py, scripts/gpu_pipeline.py).
+# The GPU check: the layout matrix on the device, the codec self-test, `kvtier bench tier
+# --device` (save/load at 4, 16 and 64 chunks per step against raw pinned copies, a one-chunk
+# load's latency, the forward under a save burst) and the native two-pass restore, printed as
+# one table (scripts/gpu_check.py).
 #
-# Target machine: one CUDA GPU, python3 with a CUDA build of torch, no vLLM, no network.
-#   here (network):   scripts/gpu-check.sh --prepare     # wheels into build/wheels (~30 MB)
+# Target machine: one CUDA GPU, a python3 with a CUDA build of torch, no network.
+#   here (network):   scripts/gpu-check.sh --prepare [--python-version 3.12]
+#                     # wheels for that Python into build/wheels (default 3.12, about 30 MB)
 #   there (carry build/wheels with the tree):
 #                     scripts/gpu-check.sh               # --device cuda (default)
-#   anywhere:         scripts/gpu-check.sh --device cpu  # same checks on host tensors
-# Extra arguments go to gpu_check.py (--quick, --out DIR).
+#   anywhere:         scripts/gpu-check.sh --device cpu  # the same checks on host tensors
+# Extra arguments go to gpu_check.py (--quick, --out DIR). PYTHON picks the interpreter
+# (default python3); WHEELS the wheel directory. `make test` runs the CPU form end to end, the
+# offline install included (tests/test_gpu_check.py).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-WHEELS="$ROOT/build/wheels"
-VENV="$ROOT/build/gpu-check-venv"
+WHEELS="${WHEELS:-$ROOT/build/wheels}"
 PYTHON="${PYTHON:-python3}"
-# what the checks import (no server, no plotting, no redis); torch comes from the machine
-NEEDS=(numpy blake3 xxhash msgspec pyzmq prometheus-client pyyaml typer rich safetensors
-       tokenizers pytest pytest-timeout)
+# what the checks import (no server, no plotting, no shared store); torch is the machine's
+NEEDS=(numpy blake3 xxhash cryptography msgspec pyzmq prometheus-client pyyaml typer rich httpx
+       safetensors tokenizers pytest pytest-timeout hypothesis)
 
 say() { printf '[gpu-check %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
-if [[ "${1:-}" == "--prepare" ]]; then
-    mkdir -p "$WHEELS"
-    # kvtier's pins where it has them, so the device runs what the tests ran here
-    pins="$("$PYTHON" - "$ROOT/pyproject.toml" "${NEEDS[@]}" <<'PY'
+pins() {  # kvtier's pins where it has them, so the device runs what the tests ran here
+    "$1" - "$ROOT/pyproject.toml" "${NEEDS[@]}" <<'PY'
 import re, sys, tomllib
 d = tomllib.load(open(sys.argv[1], "rb"))["project"]
 specs = d["dependencies"] + [s for extra in d["optional-dependencies"].values() for s in extra]
-pins = {re.split(r"[=<>!~ ]", s, maxsplit=1)[0].lower(): s for s in specs}
+pins = {re.split(r"[=<>!~ \[]", s, maxsplit=1)[0].lower(): s for s in specs}
 print(" ".join(pins.get(n, n) for n in sys.argv[2:]))
 PY
-)"
-    say "downloading wheels for $("$PYTHON" -V) into $WHEELS: $pins"
-    # shellcheck disable=SC2086  # the pin list is meant to split
-    "$PYTHON" -m pip download --quiet --only-binary=:all: --dest "$WHEELS" $pins
+}
+
+if [[ "${1:-}" == "--prepare" ]]; then
+    version=3.12  # the GPU machine's Python (its own CUDA torch)
+    [[ "${2:-}" == "--python-version" ]] && version="${3:?--python-version needs X.Y}"
+    host="$(command -v python3.11 || command -v python3)"
+    mkdir -p "$WHEELS"
+    # shellcheck disable=SC2207  # the pin list is meant to split
+    specs=($(pins "$host"))
+    say "downloading wheels for CPython $version (manylinux x86_64) into $WHEELS"
+    "$host" -m pip download --quiet --only-binary=:all: --dest "$WHEELS" \
+        --python-version "$version" --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 \
+        --platform manylinux1_x86_64 --platform linux_x86_64 \
+        "${specs[@]}"
     say "done: $(du -sh "$WHEELS" | cut -f1); carry build/wheels to the device machine"
     exit 0
 fi
@@ -54,7 +66,7 @@ if [[ " ${args[*]} " == *" --device cuda"* ]] && \
          "GPU machine, or pass --device cpu for the same checks on host tensors" >&2
     exit 2
 fi
-missing_in() {
+missing_in() {  # the NEEDS a Python cannot import (by distribution name)
     "$1" - "${NEEDS[@]}" <<'PY'
 import importlib.metadata as md, sys
 out = []
@@ -67,18 +79,34 @@ print(" ".join(out))
 PY
 }
 RUN="$PYTHON"
-if [[ -n "$(missing_in "$PYTHON")" ]]; then
-    if [[ ! -x "$VENV/bin/python" ]]; then
-        say "venv $VENV over the machine's torch (--system-site-packages)"
-        "$PYTHON" -m venv --system-site-packages "$VENV"
+SITE=""
+missing="$(missing_in "$PYTHON")"
+if [[ -n "$missing" ]]; then
+    if [[ ! -d "$WHEELS" ]]; then
+        echo "gpu-check: $PYTHON lacks $missing and $WHEELS does not exist; run" \
+             "'scripts/gpu-check.sh --prepare --python-version $("$PYTHON" -c \
+             'import sys; print("%d.%d" % sys.version_info[:2])')' on a machine with network and" \
+             "carry build/wheels" >&2
+        exit 2
     fi
-    RUN="$VENV/bin/python"
-    missing="$(missing_in "$RUN")"
-    if [[ -n "$missing" ]]; then
-        say "installing from $WHEELS (no network): $missing"
-        # shellcheck disable=SC2086
-        "$RUN" -m pip install --quiet --no-index --find-links "$WHEELS" $missing
+    # the missing packages go to a directory of their own, ahead of the machine's site-packages
+    # (no venv: a device image may lack ensurepip); the machine's torch stays the one imported
+    tag="$("$PYTHON" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')"
+    SITE="$ROOT/build/gpu-check-site-$tag"
+    # shellcheck disable=SC2207
+    want=($(pins "$PYTHON"))
+    if [[ ! -f "$SITE/.complete" ]]; then
+        say "installing from $WHEELS (no network) into $SITE: $missing"
+        rm -rf "$SITE"
+        picked=()
+        for spec in "${want[@]}"; do
+            name="${spec%%[=<>!~ []*}"
+            [[ " $missing " == *" $name "* ]] && picked+=("$spec")
+        done
+        "$PYTHON" -m pip install --quiet --no-index --find-links "$WHEELS" --target "$SITE" \
+            "${picked[@]}"
+        touch "$SITE/.complete"
     fi
 fi
 cd "$ROOT"
-PYTHONPATH="$ROOT/src:$ROOT" exec "$RUN" scripts/gpu_check.py "${args[@]}"
+PYTHONPATH="$ROOT/src:$ROOT${SITE:+:$SITE}" exec "$RUN" scripts/gpu_check.py "${args[@]}"

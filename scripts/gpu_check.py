@@ -1,15 +1,19 @@
 """The device checks of `scripts/gpu-check.sh`, printed as one table.
 
-1. the layout matrix (tests/offload/test_codec.py) with every KV view on the device;
+1. the layout matrix (tests/offload/test_codec.py, test_worker.py) with every KV view on the
+   device;
 2. the startup self-test through the codec on the device, for the layouts vLLM uses there;
-3. `kvtier bench tier --device` (save/load through the real path vs a raw pinned copy);
+3. `kvtier bench tier --device`'s rows: save and load at 4, 16 and (on a GPU) 64 chunks per
+   step against raw pinned copies of the same bytes, a one-chunk load's latency, the host time
+   in `wait_for_save`, and the forward's step time under a save burst per layout (the same code
+   and bytes as the bench: `kvtier.bench.datapath`);
 4. the native engine's two-pass restore at TP=1 on the device: pass 2 from the tier, outputs
-   equal to an engine without offload;
-5. the transfer pipeline (`scripts/gpu_pipeline.py`): a step's 64-chunk save and load in GB/s
-   against raw pinned cudaMemcpyAsync of the same bytes, the copy lanes' CPU time per GB, and
-   the forward's step time with offload on (a save burst per step) vs off.
+   equal to an engine without offload.
 
-Usage: python scripts/gpu_check.py --device cuda|cpu [--out DIR]. Exit code 1 on any FAIL.
+Every argument a device run passes is checked before anything runs (`plan`), and the CPU form
+runs in `make test` (tests/test_gpu_check.py), so an import or argument error cannot wait for
+a GPU. Usage: python scripts/gpu_check.py --device cuda|cuda:N|cpu [--quick] [--out DIR].
+Exit code 1 on any FAIL, 2 when the device is unusable.
 """
 
 from __future__ import annotations
@@ -21,39 +25,70 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from prometheus_client import CollectorRegistry
+
+from kvtier.bench import tier
+from kvtier.bench.datapath import MODELS, kv_views, resolve_device, summarize
+from kvtier.config import KVTierConfig
+from kvtier.metrics import Metrics
+from kvtier.native import Engine, EngineConfig, SamplingParams
+from kvtier.native.modelgen import init_model
+from kvtier.native.offload import connector_spec
+from kvtier.offload.pages import KVCacheDescription
+from kvtier.offload.worker import OffloadWorker
 
 ROOT = Path(__file__).resolve().parents[1]
 Row = tuple[str, str, bool | None]
+SELF_TEST_LAYOUTS = ("BLHNC", "LBNHC", "LBHNC")
+RESTORE_PROMPTS = 8
+RESTORE_CHUNK = 64
 
 
-def layout_matrix(device: str, out: Path) -> Row:
-    env = {**os.environ, "KVTIER_TEST_DEVICE": device}
-    log = out / "layout-matrix.log"
+@dataclass(frozen=True)
+class Plan:
+    """Everything a run passes to kvtier, built (and so validated) before any check runs."""
+
+    device: str  # as torch names it: cpu or cuda:N
+    engine: EngineConfig
+    tier: KVTierConfig
+    out: Path
+    quick: bool
+
+
+def plan(device_arg: str, out: Path, quick: bool) -> Plan:
+    """The run's arguments for `--device device_arg`; ValueError/ConfigError name the fix.
+    Needs no GPU: CPU tests build the plans of `cuda`, `cuda:0` and `cuda:1`."""
+    kind, _, index = device_arg.partition(":")
+    if kind not in ("cpu", "cuda") or (kind == "cpu" and index) or (index and not index.isdigit()):
+        raise ValueError(f"--device {device_arg!r}: use cpu, cuda or cuda:N")
+    device = "cpu" if kind == "cpu" else f"cuda:{index or 0}"
+    engine = EngineConfig(device=device, dtype="bfloat16", num_blocks=512, num_threads=2)
+    restore = KVTierConfig(chunk_size=RESTORE_CHUNK, memory_bytes="256MiB", load_gate=False)
+    return Plan(device, engine, restore, out, quick)
+
+
+def layout_matrix(p: Plan) -> list[Row]:
+    env = {**os.environ, "KVTIER_TEST_DEVICE": p.device}
+    log = p.out / "layout-matrix.log"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     cmd += ["tests/offload/test_codec.py", "tests/offload/test_worker.py"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     log.write_text(proc.stdout + proc.stderr)
     tail = (proc.stdout.strip().splitlines() or ["no output"])[-1]
-    return (f"layout matrix on {device} (pytest)", tail, proc.returncode == 0)
+    return [(f"layout matrix on {p.device} (pytest)", tail, proc.returncode == 0)]
 
 
-def self_test(device: str) -> list[Row]:
-    from prometheus_client import CollectorRegistry
-
-    from kvtier.bench.datapath import MODELS, kv_views
-    from kvtier.config import KVTierConfig
-    from kvtier.metrics import Metrics
-    from kvtier.offload.pages import KVCacheDescription
-    from kvtier.offload.worker import OffloadWorker
-
+def self_test(p: Plan) -> list[Row]:
     rows: list[Row] = []
-    for layout in ("BLHNC", "LBHNC"):
+    for layout in SELF_TEST_LAYOUTS:
         for model in MODELS:
-            views = kv_views(model, layout, 64, torch.device(device))
+            views = kv_views(model, layout, 64, torch.device(p.device))
             worker = OffloadWorker(
                 KVTierConfig(chunk_size=256, memory_bytes=model.chunk_bytes * 4),
                 rank=0,
@@ -74,41 +109,25 @@ def self_test(device: str) -> list[Row]:
     return rows
 
 
-def bench(device: str, out: Path, quick: bool) -> list[Row]:
-    from kvtier.bench import tier
-
-    doc = tier.run(quick=quick, json_path=out / "bench-tier.json", disk_dir=out, device=device)
-    rows: list[Row] = []
-    for r in doc["rows"]:
-        if not r["id"].startswith("datapath."):
-            continue
-        ratio = f", {r['ratio']:.2f}x raw" if r["ratio"] is not None else ""
-        rows.append(
-            (
-                f"bench: {r['label'].split(' [')[0]}",
-                f"{r['value']:.3g} {r['unit']}{ratio}",
-                r["pass"],
-            )
-        )
-    return rows
+def bench(p: Plan) -> list[Row]:
+    doc = tier.run(
+        quick=p.quick, json_path=p.out / "bench-tier.json", disk_dir=p.out, device=p.device
+    )
+    return summarize(doc["rows"])
 
 
-def two_pass(device: str, out: Path) -> list[Row]:
-    from kvtier.config import KVTierConfig
-    from kvtier.native import Engine, EngineConfig, SamplingParams
-    from kvtier.native.modelgen import init_model
-    from kvtier.native.offload import connector_spec
-
-    model = init_model(out / "model", dtype="bfloat16")
-    cfg = EngineConfig(device=device, dtype="bfloat16", num_blocks=512, num_threads=2)
+def two_pass(p: Plan) -> list[Row]:
+    model = init_model(p.out / "model", dtype="bfloat16")
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 2000, (5 * 64,), generator=g).tolist() for _ in range(8)]
+    prompts = [
+        torch.randint(3, 2000, (5 * RESTORE_CHUNK,), generator=g).tolist()
+        for _ in range(RESTORE_PROMPTS)
+    ]
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
-    with Engine(model, cfg) as plain:
+    with Engine(model, p.engine) as plain:
         want = [o.output_token_ids for o in plain.generate(prompts, greedy)]
-    tier = KVTierConfig(chunk_size=64, memory_bytes="256MiB", load_gate=False)
-    spec = connector_spec(tier, model, run_dir=out / "run")
-    with Engine(model, cfg, spec) as eng:
+    spec = connector_spec(p.tier, model, run_dir=p.out / "run")
+    with Engine(model, p.engine, spec) as eng:
         first = [o.output_token_ids for o in eng.generate(prompts, greedy)]
         eng.reset_prefix_cache()
         before = eng.stats()
@@ -116,67 +135,67 @@ def two_pass(device: str, out: Path) -> list[Row]:
         after = eng.stats()
     ext = after["external_prefix_cache_hits"] - before["external_prefix_cache_hits"]
     hbm = after["prefix_cache_hits"] - before["prefix_cache_hits"]
-    loadable = sum(len(p) - 1 for p in prompts)
+    loadable = sum(len(q) - 1 for q in prompts)
+    same = first == want and second == want
     return [
-        (
-            "two-pass restore: pass-2 tokens from the tier",
-            f"{ext:.0f} of {loadable}",
-            ext >= 0.99 * loadable,
-        ),
+        ("two-pass restore: pass-2 tokens from the tier", f"{ext:.0f} of {loadable}",
+         ext >= 0.99 * loadable),
         ("two-pass restore: pass-2 HBM hits", f"{hbm:.0f}", hbm == 0),
-        (
-            "two-pass restore: outputs equal no-offload",
-            str(first == want and second == want),
-            first == want and second == want,
-        ),
-    ]
+        ("two-pass restore: outputs equal no-offload", str(same), same),
+    ]  # fmt: skip
 
 
-def pipeline(device: str) -> list[Row]:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from gpu_pipeline import pipeline_rows
+CHECKS: tuple[tuple[str, Callable[[Plan], list[Row]]], ...] = (
+    ("layout matrix", layout_matrix),
+    ("self-test", self_test),
+    ("bench tier", bench),
+    ("two-pass restore", two_pass),
+)
 
-    return pipeline_rows(device)
 
-
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
-    p.add_argument("--out", default=str(ROOT / "build" / "gpu-check"))
-    p.add_argument("--quick", action="store_true", help="quick bench (fewer repetitions)")
-    a = p.parse_args()
-    device = "cuda:0" if a.device == "cuda" else a.device
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    env: dict[str, Any] = {"torch": torch.__version__, "device": device}
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            print(
-                f"--device {device}: torch {torch.__version__} sees no CUDA device", file=sys.stderr
-            )
-            return 2
-        env["gpu"] = torch.cuda.get_device_name(torch.device(device))
+def run(p: Plan) -> tuple[dict[str, Any], list[Row]]:
+    """Every check in order; a check that crashes is one FAIL row and the rest still run."""
+    env: dict[str, Any] = {"torch": torch.__version__, "device": p.device, "quick": p.quick}
+    if p.device.startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name(torch.device(p.device))
     rows: list[Row] = []
     t0 = time.perf_counter()
-    for step in (
-        lambda: [layout_matrix(device, out)],
-        lambda: self_test(device),
-        lambda: bench(device, out, a.quick),
-        lambda: two_pass(device, out),
-        lambda: pipeline(device),
-    ):
+    for name, check in CHECKS:
         try:
-            rows += step()
+            rows += check(p)
         except Exception as e:  # noqa: BLE001 - a crashed check is a FAIL row, the rest still run
-            (out / "crash.log").open("a").write(traceback.format_exc())
-            rows.append(("check crashed", f"{type(e).__name__}: {e}"[:160], False))
+            with (p.out / "crash.log").open("a") as log:
+                log.write(f"--- {name}\n{traceback.format_exc()}")
+            rows.append((f"{name}: check crashed", f"{type(e).__name__}: {e}"[:160], False))
     env["elapsed_s"] = round(time.perf_counter() - t0, 1)
+    return env, rows
+
+
+def print_table(env: dict[str, Any], rows: list[Row]) -> None:
     width = max(len(r[0]) for r in rows)
     print(f"\nkvtier gpu-check: {json.dumps(env)}")
     print(f"{'check':<{width}}  {'result':<6}  value")
     for name, value, ok in rows:
         verdict = "-" if ok is None else ("PASS" if ok else "FAIL")
         print(f"{name:<{width}}  {verdict:<6}  {value}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
+    ap.add_argument("--out", default=str(ROOT / "build" / "gpu-check"))
+    ap.add_argument("--quick", action="store_true", help="fewer bench repetitions")
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        p = plan(a.device, out, a.quick)
+        resolve_device(p.device)
+    except ValueError as e:
+        print(f"gpu-check: {e}", file=sys.stderr)
+        return 2
+    env, rows = run(p)
+    print_table(env, rows)
     (out / "gpu-check.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
     return 0 if all(ok is not False for _, _, ok in rows) else 1
 

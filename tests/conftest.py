@@ -20,6 +20,8 @@ from tests.vllm.drivers.common import RESULT_PREFIX
 SERVE_ARGS: dict[str, Any] = {"extra": TIER, "hostile_ids": True, "retention": True}
 
 
+# optional: the GPU check runs tests/offload on a machine with pytest and no pytest-xdist
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Under `pytest -n N` (as `make test` runs): a test file per worker at a time, files that
     share an expensive session fixture together, the slowest first (tests/xdist_files.py)."""

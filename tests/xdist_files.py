@@ -26,6 +26,8 @@ SHARED_UNITS = {
 # the slowest units (the durations every run prints), longest first; the rest keep their order
 SLOW_FIRST = (
     "tests/bench/test_e2e_vllm.py",
+    "tests/test_installs.py",
+    "tests/test_gpu_check.py",
     "tests/vllm/test_dp2_vllm.py",
     "tests/vllm/test_hybrid_vllm.py",
     "vllm_served",

@@ -185,6 +185,12 @@ def bench_cache(
         "mooncake-synthetic is the trace bundled with kvtier.",
     ),
     no_trace: bool = typer.Option(False, "--no-trace", help="Leave the trace rows out."),
+    workload: list[str] = typer.Option(
+        [],
+        "--workload",
+        help="Only this stream's rows (repeatable): zipf-pool, uniform-pool, sessions, "
+        "round-robin-turns, agent-loops, mooncake-trace.",
+    ),
     json_path: Path | None = typer.Option(
         None, "--json", help="Where to write the JSON results (default: runs/bench-cache.json)."
     ),
@@ -203,6 +209,7 @@ def bench_cache(
             quick=quick,
             trace=None if no_trace else Path(trace),
             json_path=json_path,
+            only=workload,
             progress=lambda msg: progress.print(f"[dim]{escape(msg)}[/dim]"),
         )
     except KVTierError as e:

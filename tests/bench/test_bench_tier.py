@@ -43,16 +43,18 @@ REMOTE_ROW_IDS = {
 }
 # save/load through the worker's real path on the KV device (the CPU here)
 DATAPATH = {
-    f"datapath.cpu.{model}.{what}"
+    f"datapath.cpu.{model}.{what}.{n}chunks"
     for model in ("llama-3.1-8b", "deepseek-v3")
     for what in ("save", "load")
+    for n in (4, 16)
 }
 WAIT_FOR_SAVE = {f"datapath.cpu.{m}.wait_for_save" for m in ("llama-3.1-8b", "deepseek-v3")}
+LATENCY = {f"datapath.cpu.{m}.load_latency" for m in ("llama-3.1-8b", "deepseek-v3")}
 # encryption at rest (AES-GCM) against the same tier authenticating only, 4 MiB chunks
 ENCRYPTED = {
     f"{tier}.{what}_encrypted" for tier in ("disk", "remote") for what in ("write.put", "read.get")
 }
-ROW_IDS |= DATAPATH | WAIT_FOR_SAVE | REMOTE_ROW_IDS | ENCRYPTED
+ROW_IDS |= DATAPATH | WAIT_FOR_SAVE | LATENCY | REMOTE_ROW_IDS | ENCRYPTED
 RATIO_TARGETED = {
     "memory.store.reserve_commit",
     "memory.store.put",
@@ -297,3 +299,18 @@ def test_render_shows_verdicts_and_footnotes() -> None:
     assert text.count("PASS") == 1 and text.count("MISS") == 1
     assert "0.90x" in text and "0.80x" in text
     assert "targets met: 1 of 2" in text
+
+
+def test_datapath_rows_move_whole_steps_and_time_a_one_chunk_load(quick: dict[str, Any]) -> None:
+    rows = _rows(quick["doc"])
+    for model, chunk in (("llama-3.1-8b", 32 << 20), ("deepseek-v3", 61 * 1152 * 256)):
+        for n in (4, 16):
+            for what in ("save", "load"):
+                row = rows[f"datapath.cpu.{model}.{what}.{n}chunks"]
+                # the step's bytes: n whole chunks, against n raw chunk copies
+                assert row["detail"]["bytes"] == n * chunk
+                assert row["detail"]["samples"] == tier.QUICK.datapath_reps
+                assert row["detail"]["lane_cpu_s_per_gb"] > 0
+        lat = rows[f"datapath.cpu.{model}.load_latency"]
+        assert 0 < lat["value"] <= lat["detail"]["p99_ms"]
+        assert lat["detail"]["raw_copy_p50_ms"] > 0 and lat["detail"]["samples"] == 10

@@ -52,3 +52,19 @@ def test_a_missing_trace_is_an_error_naming_the_flag(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["bench", "cache", "--trace", str(tmp_path / "nope.jsonl")])
     assert result.exit_code == 2
     assert "is not a file" in result.output
+
+
+def test_workload_keeps_only_the_named_streams_and_refuses_an_unknown_one(tmp_path: Path) -> None:
+    from kvtier.bench.cache import _only, default_workloads, retention_workloads
+
+    table, retention = _only(
+        ["Mooncake Trace", "round_robin_turns"],
+        default_workloads(cache.DEFAULT_TRACE),
+        retention_workloads(cache.DEFAULT_TRACE),
+    )
+    assert [w.name for w in table] == ["round-robin turns", "mooncake trace"]
+    assert [w.name for w in retention] == ["mooncake trace"]
+    with pytest.raises(ConfigError, match=r"--workload nope is unknown; use one of agent-loops"):
+        cache.run(only=["nope"], json_path=tmp_path / "x.json")
+    with pytest.raises(ConfigError, match="mooncake-trace needs a --trace"):
+        cache.run(trace=None, only=["mooncake-trace"], json_path=tmp_path / "x.json")

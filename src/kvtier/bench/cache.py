@@ -127,11 +127,16 @@ def run(
     workload_list: Sequence[Workload[Request]] | None = None,
     retention_list: Sequence[Workload[Turn]] | None = None,
     retention_budget: float = RETENTION_BUDGET,
+    only: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Run the table, write its JSON document and return it. `workload_list` and
     `retention_list` replace the default streams; given `workload_list` alone, no retention
-    rows are run."""
+    rows are run. `only` keeps the default streams of those names (`--workload`)."""
     trace = None if trace is None else resolve_trace(trace)
+    if only:
+        workload_list, retention_list = _only(
+            only, default_workloads(trace), retention_workloads(trace)
+        )
     if trace is not None and not trace.is_file():
         raise ConfigError(
             f"--trace {str(trace)!r} is not a file; pass a Mooncake JSONL trace, "
@@ -298,6 +303,30 @@ def _add_row(report: Report, r: dict[str, Any]) -> None:
             target=Target("value", ">=", r["previous"] - MAX_LOSS_POINTS),
             detail={"previous": r["previous"], "infinite": r["infinite"], "optimum": r["optimum"]},
         )
+    )
+
+
+def _slug(name: str) -> str:
+    return name.lower().replace(" ", "-").replace("_", "-")
+
+
+def _only(
+    names: Sequence[str],
+    table: Sequence[Workload[Request]],
+    retention: Sequence[Workload[Turn]],
+) -> tuple[list[Workload[Request]], list[Workload[Turn]]]:
+    """The default streams named in `names` (any of "mooncake trace", mooncake-trace,
+    mooncake_trace); an unknown name is an error listing the known ones."""
+    known = {_slug(w.name) for w in (*table, *retention)}
+    wanted = {_slug(n) for n in names}
+    if unknown := sorted(wanted - known):
+        raise ConfigError(
+            f"--workload {', '.join(unknown)} is unknown; use one of {', '.join(sorted(known))}"
+            + ("" if "mooncake-trace" in known else " (mooncake-trace needs a --trace)")
+        )
+    return (
+        [w for w in table if _slug(w.name) in wanted],
+        [w for w in retention if _slug(w.name) in wanted],
     )
 
 

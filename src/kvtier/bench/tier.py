@@ -7,8 +7,9 @@ Three measurements in one process (rank servers in spawned subprocesses):
 2. Disk tier put/get against a raw file write/read of the same bytes, warm and cold.
 3. Lookup of a 32k-token prompt (128 chunk keys) across 4 rank LookupServers, with leases,
    next to the time to hash the prompt into keys.
-4. Save and load through the offload worker's real path on the KV device (`--device`), next to
-   a raw pinned copy of the same bytes (`kvtier.bench.datapath`).
+4. Save and load through the offload worker's real path on the KV device (`--device`) at 4, 16
+   (and on a GPU 64) chunks per step, next to raw pinned copies of the same bytes, a one-chunk
+   load's latency, and on a GPU the forward under a save burst (`kvtier.bench.datapath`).
 
 Methods and their raw baselines are interleaved repetition by repetition (rotating the order), so
 a noisy neighbour on a shared machine slows both sides alike; each row is the median.
@@ -203,7 +204,7 @@ def run(
     else:
         from kvtier.bench.datapath import run_datapath
 
-        run_datapath(report, device, plan.datapath_reps, plan.datapath_warmup, say)
+        run_datapath(report, device, plan.datapath_reps, plan.datapath_warmup, say, quick)
     report.meta["elapsed_s"] = round(time.perf_counter() - t0, 2)
     report.meta["loadavg_end"] = list(os.getloadavg())
     doc = report.to_json()

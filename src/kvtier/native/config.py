@@ -16,6 +16,20 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+def device_kind(device: str) -> tuple[str, int]:
+    """("cpu", 0) or ("cuda", N) for "cpu", "cuda" (N = 0) and "cuda:N"; ConfigError otherwise.
+    Parsed without touching a GPU, so a CPU run checks what a CUDA run will be given."""
+    kind, sep, index = device.partition(":")
+    if kind == "cpu" and not sep:
+        return "cpu", 0
+    if kind == "cuda" and (not sep or (index.isdigit() and index.isascii())):
+        return "cuda", int(index) if sep else 0
+    raise ConfigError(
+        f"EngineConfig.device={device!r} must be 'cpu', 'cuda' or 'cuda:N' (N the first GPU; "
+        "TP rank r runs on GPU N + r)"
+    )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Sizes of the HBM block pool, the per-step batch and the parallel layout."""
@@ -28,7 +42,7 @@ class EngineConfig:
     dtype: str = "float32"
     tensor_parallel_size: int = 1
     seed: int = 0
-    device: str = "cpu"  # "cpu" or "cuda"; TP rank r uses cuda:r
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"; TP rank r uses cuda:(N + r), N = 0 for "cuda"
     enable_prefix_caching: bool = True
     # torch intra-op threads of each compute process; None keeps torch's default in process
     # (TP=1) and uses 1 per TP worker
@@ -47,14 +61,24 @@ class EngineConfig:
             )
         if self.dtype not in DTYPES:
             raise ConfigError(f"EngineConfig.dtype={self.dtype!r} must be one of {sorted(DTYPES)}")
-        if self.device not in ("cpu", "cuda"):
-            raise ConfigError(f"EngineConfig.device={self.device!r} must be 'cpu' or 'cuda'")
+        device_kind(self.device)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"EngineConfig.max_model_len={self.max_model_len} must be >= 2")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(f"EngineConfig.num_threads={self.num_threads} must be >= 1 or None")
         if self.step_timeout_s <= 0 or self.startup_timeout_s <= 0:
             raise ConfigError("EngineConfig step_timeout_s and startup_timeout_s must be > 0")
+
+    @property
+    def is_cuda(self) -> bool:
+        """Whether the engine's ranks run on CUDA devices."""
+        return device_kind(self.device)[0] == "cuda"
+
+    def rank_device(self, rank: int) -> torch.device:
+        """TP rank `rank`'s device: the CPU, or the `rank`-th CUDA device from the first one
+        named (`cuda` and `cuda:0` start at 0, `cuda:1` at 1)."""
+        kind, first = device_kind(self.device)
+        return torch.device("cpu") if kind == "cpu" else torch.device("cuda", first + rank)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -141,8 +141,8 @@ def connector_context(
 
 
 def device_for(config: EngineConfig, rank: int) -> torch.device:
-    """cpu, or cuda:<rank> for TP rank `rank`."""
-    return torch.device("cpu") if config.device == "cpu" else torch.device("cuda", rank)
+    """TP rank `rank`'s device (`EngineConfig.rank_device`)."""
+    return config.rank_device(rank)
 
 
 class ModelRunner:

@@ -95,9 +95,9 @@ def worker_main(conn: Connection) -> None:
         config = EngineConfig(**init.config)
         # ranks share the cores; oversubscribed OpenMP threads only slow every rank down
         torch.set_num_threads(config.num_threads or 1)
-        if config.device == "cuda":
+        if config.is_cuda:
             torch.cuda.set_device(device_for(config, rank))
-        backend = "nccl" if config.device == "cuda" else "gloo"
+        backend = "nccl" if config.is_cuda else "gloo"
         # gloo binds to the hostname's address unless told otherwise; loopback always works
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         torch.distributed.init_process_group(
