@@ -1,11 +1,16 @@
-"""Every install the README names works as written (scripts/check-installs.sh): a fresh venv,
-kvtier's wheel, then what the plain install, `[native]` and `[bench]` each promise. A module the
-code imports but no install declares fails here, not on a user's machine."""
+"""What a fresh machine gets, checked on one: a venv holding only torch (the GPU machine's shape)
+runs the GPU check's CPU form from offline wheels, then grows into every install the README
+names (scripts/check-installs.sh: kvtier's wheel, plain, then `[native]`, then `[bench]`, each
+running what it promises). A module the code imports but no install declares fails here, not on
+a user's machine or a GPU. The two share one venv: in this order, the GPU check sees torch and
+nothing else of kvtier's."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,10 +18,68 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="module")
+def torch_only(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh venv with the CPU build of torch and nothing else."""
+    venv = tmp_path_factory.mktemp("fresh") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile"]
+    if subprocess.run([*pip, "torch==2.13.0+cpu"], check=False).returncode:
+        subprocess.run([*pip, "torch==2.13.0"], check=True)
+    return venv
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, **extra}
+    env.pop("PYTHONPATH", None)
+    return env
+
+
 @pytest.mark.timeout(600)
-def test_each_install_the_readme_names_runs_what_it_promises(tmp_path: Path) -> None:
+def test_the_gpu_checks_cpu_form_runs_every_check_from_offline_wheels(
+    torch_only: Path, tmp_path: Path
+) -> None:
+    script = str(ROOT / "scripts" / "gpu-check.sh")
+    wheels = tmp_path / "wheels"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    env = _env(WHEELS=str(wheels), PYTHON=str(torch_only / "bin" / "python"))
+    prep = subprocess.run([script, "--prepare", "--python-version", version], env=env,
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    assert prep.returncode == 0, prep.stderr[-3000:]
+    out = tmp_path / "out"
+    run = subprocess.run([script, "--device", "cpu", "--quick", "--out", str(out)], env=env,
+                         capture_output=True, text=True, check=False)  # fmt: skip
+    said = run.stdout + run.stderr
+    assert run.returncode == 0, said[-6000:]
+    # the machine lacked kvtier's dependencies: they came from the wheels, offline
+    assert "(no network)" in said and "msgspec" in said
+    doc = json.loads((out / "gpu-check.json").read_text())
+    rows = {name: (value, ok) for name, value, ok in doc["rows"]}
+    assert not [n for n in rows if "crashed" in n], rows
+    assert all(ok is not False for _, ok in rows.values()), rows
+    assert "passed" in rows["layout matrix on cpu (pytest)"][0]
+    assert sum(n.startswith("self-test through the codec") for n in rows) == 6
+    for model in ("Llama-3.1-8B (GQA, TP1)", "DeepSeek-V3 (MLA 576)"):
+        for n in (4, 16):
+            for what in ("save", "load"):
+                # measured, not judged: the targets are a GPU's
+                assert rows[f"bench tier: {model}: {what}, {n} chunks per step"][1] is None
+        assert f"bench tier: {model}: one-chunk load, issue to landed, p50" in rows
+    assert rows["two-pass restore: pass-2 tokens from the tier"] == ("2552 of 2552", True)
+    # the rows are bench tier's own datapath rows, written beside the table
+    bench = json.loads((out / "bench-tier.json").read_text())
+    assert {r["id"] for r in bench["rows"]} >= {
+        "datapath.cpu.llama-3.1-8b.save.16chunks", "datapath.cpu.deepseek-v3.load_latency"}
+
+
+@pytest.mark.timeout(600)
+def test_each_install_the_readme_names_runs_what_it_promises(
+    torch_only: Path, tmp_path: Path
+) -> None:
+    work = tmp_path / "work"
     proc = subprocess.run(
-        [str(ROOT / "scripts" / "check-installs.sh"), str(tmp_path / "work")],
+        [str(ROOT / "scripts" / "check-installs.sh"), str(work)],
+        env=_env(PYTHON_VENV=str(torch_only)),
         capture_output=True,
         text=True,
         check=False,
@@ -24,13 +87,11 @@ def test_each_install_the_readme_names_runs_what_it_promises(tmp_path: Path) -> 
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert "plain install: every module of the tier, tools and connector imports" in out
-    venv = tmp_path / "work" / "venv"
-    # the plain install runs without the packages only the extras bring
-    plan = json.loads((tmp_path / "work" / "plan.json").read_text())
+    plan = json.loads((work / "plan.json").read_text())
     assert plan["model"] == "llama-3.1-8b" and plan["bytes_per_token_per_rank"] == 131072
     # the bench install read the trace that ships in the wheel, not one beside the source
-    rows = json.loads((tmp_path / "work" / "bench-cache.json").read_text())["rows"]
+    rows = json.loads((work / "bench-cache.json").read_text())["rows"]
     assert any(r["id"].startswith("mooncake_trace.") for r in rows)
-    site = next(venv.glob("lib/python*/site-packages"))
+    site = next(torch_only.glob("lib/python*/site-packages"))
     assert (site / "kvtier" / "data" / "mooncake-synthetic-trace.jsonl.gz").is_file()
-    assert not (site / "kvtier" / "__editable__").exists()
+    assert not list(site.glob("__editable__*kvtier*"))

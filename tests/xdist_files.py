@@ -27,7 +27,6 @@ SHARED_UNITS = {
 SLOW_FIRST = (
     "tests/bench/test_e2e_vllm.py",
     "tests/test_installs.py",
-    "tests/test_gpu_check.py",
     "tests/vllm/test_dp2_vllm.py",
     "tests/vllm/test_hybrid_vllm.py",
     "vllm_served",

@@ -191,6 +191,9 @@ def bench_cache(
         help="Only this stream's rows (repeatable): zipf-pool, uniform-pool, sessions, "
         "round-robin-turns, agent-loops, mooncake-trace.",
     ),
+    no_retention: bool = typer.Option(
+        False, "--no-retention", help="Leave the retention (hinted conversations) rows out."
+    ),
     json_path: Path | None = typer.Option(
         None, "--json", help="Where to write the JSON results (default: runs/bench-cache.json)."
     ),
@@ -210,6 +213,7 @@ def bench_cache(
             trace=None if no_trace else Path(trace),
             json_path=json_path,
             only=workload,
+            retention=not no_retention,
             progress=lambda msg: progress.print(f"[dim]{escape(msg)}[/dim]"),
         )
     except KVTierError as e:

@@ -128,10 +128,12 @@ def run(
     retention_list: Sequence[Workload[Turn]] | None = None,
     retention_budget: float = RETENTION_BUDGET,
     only: Sequence[str] = (),
+    retention: bool = True,
 ) -> dict[str, Any]:
     """Run the table, write its JSON document and return it. `workload_list` and
     `retention_list` replace the default streams; given `workload_list` alone, no retention
-    rows are run. `only` keeps the default streams of those names (`--workload`)."""
+    rows are run. `only` keeps the default streams of those names (`--workload`);
+    `retention=False` leaves the retention rows out (`--no-retention`)."""
     trace = None if trace is None else resolve_trace(trace)
     if only:
         workload_list, retention_list = _only(
@@ -187,7 +189,9 @@ def run(
         }
     _add_target(report, rows)
     report.meta["table"] = rows
-    if retention_list is None and workload_list is None:
+    if not retention:
+        retention_list = []
+    elif retention_list is None and workload_list is None:
         retention_list = retention_workloads(trace)
     kept = _retention(
         report,

@@ -413,8 +413,9 @@ def _wait(worker: OffloadWorker) -> None:
         raise RuntimeError(f"a bench transfer failed: {failed[0].reason}")
 
 
-def summarize(rows: Sequence[dict]) -> list[tuple[str, str, bool | None]]:
-    """The datapath rows of a bench tier report as (check, value, verdict) lines (gpu_check)."""
+def summarize(rows: Sequence[dict], judged: bool = True) -> list[tuple[str, str, bool | None]]:
+    """The datapath rows of a bench tier report as (check, value, verdict) lines (gpu_check);
+    `judged=False` shows every verdict as "-" (the CPU form: its speeds are not a GPU's)."""
     out: list[tuple[str, str, bool | None]] = []
     for r in rows:
         if not r["id"].startswith("datapath."):
@@ -425,5 +426,6 @@ def summarize(rows: Sequence[dict]) -> list[tuple[str, str, bool | None]]:
         if r["id"].endswith(".load_latency"):
             d = r["detail"]
             shown += f" (p99 {d['p99_ms']:.3g} ms, raw copy {d['raw_copy_p50_ms']:.3g} ms)"
-        out.append((f"bench tier: {r['label'].split(' [')[0]}", shown, r.get("pass")))
+        verdict = r.get("pass") if judged else None
+        out.append((f"bench tier: {r['label'].split(' [')[0]}", shown, verdict))
     return out
