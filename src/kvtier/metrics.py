@@ -101,6 +101,7 @@ class _Families:
     hook_seconds: Histogram
     hook_cpu_seconds: Counter
     lane_cpu_seconds: Counter
+    transfer_chunks: Counter
     step_seconds: Histogram
     load_parked_steps: Histogram
     sync_loads: Counter
@@ -218,6 +219,15 @@ def _build(reg: CollectorRegistry) -> _Families:
             "lane_cpu_seconds",
             "CPU time a rank's copy lane (load, save) spent running transfer jobs.",
             "lane",
+        ),
+        transfer_chunks=c(
+            "transfer_chunks",
+            "Chunks a rank moved between its KV cache and host memory, by direction (save, "
+            "load) and path: dma = 2-D copies on the copy engine, no kernel; kernel = a gather "
+            "or scatter kernel and a staging buffer (fragmented block ids); host = the KV cache "
+            "is host memory.",
+            "lane",
+            "path",
         ),
         step_seconds=h(
             "step_seconds",
@@ -345,6 +355,9 @@ class Metrics:
 
     def lane_cpu(self, lane: str) -> Counter:
         return self.f.lane_cpu_seconds.labels(str(self.rank), lane)
+
+    def transfer_chunk(self, lane: str, path: str) -> Counter:
+        return self.f.transfer_chunks.labels(str(self.rank), lane, path)
 
     def lookup_timeout(self, target: int) -> Counter:
         return self.f.lookup_timeouts.labels(str(self.rank), str(target))

@@ -19,7 +19,7 @@ from kvtier.offload.pages import KVCacheDescription, manager_view
 from kvtier.offload.simdevice import CopyModel, SimOps
 from kvtier.offload.worker import OffloadWorker
 from tests.offload.test_worker import BS, CHUNK, WAIT_S, config, rank0
-from tests.offload.vllm_views import build, gqa
+from tests.offload.vllm_views import SUPPORTED, build, gqa, mla
 
 NB = 64
 K = CHUNK // BS  # blocks per chunk
@@ -33,13 +33,16 @@ class Rig:
     views: dict[str, torch.Tensor]
 
 
-def _rig(latency_us: float, depth: int = 2) -> Iterator[Rig]:
+def _rig(
+    latency_us: float, depth: int = 2, layout: str = "LBNHC", spec: str = "gqa"
+) -> Iterator[Rig]:
     ops = SimOps(CopyModel(gbps=1.0, latency_us=latency_us))
-    raw, views = build(gqa(block_size=BS), NB, "LBNHC")
+    specs = gqa(block_size=BS) if spec == "gqa" else mla(block_size=BS)
+    raw, views = build(specs, NB, layout)
     raw.copy_(torch.randint(-128, 127, raw.shape, generator=torch.Generator().manual_seed(11),
                             dtype=torch.int8))  # fmt: skip
     worker = rank0(config(memory_bytes="1MiB", transfer_depth=depth), ops)  # type: ignore[arg-type]
-    worker.register_kv_caches(KVCacheDescription(views, NB, BS, "LBNHC"))
+    worker.register_kv_caches(KVCacheDescription(views, NB, BS, layout))
     try:
         yield Rig(worker, ops, views)
     finally:
@@ -146,22 +149,96 @@ def test_lane_threads_sleep_while_their_copies_run(rig: Rig) -> None:
     assert cpu < 0.25 * wall, (cpu, wall)
 
 
+def _paths(rig: Rig) -> dict[tuple[str, str], float]:
+    m = rig.worker.metrics
+    return {(lane, path): m.value("transfer_chunks_total", lane=lane, path=path)
+            for lane in ("save", "load") for path in ("dma", "kernel", "host")}  # fmt: skip
+
+
 def test_copies_and_host_waits_per_step_are_one_per_chunk(rig: Rig) -> None:
     stats = rig.ops.stats
+    before = _paths(rig)
     copies, kernels = stats.copies, stats.kernels
     save_waits = stats.host_waits["kvtier-save-0"]
     _save_step(rig)
-    # one gather and one copy per chunk; the save lane waits once per chunk, to commit it
-    assert (stats.copies - copies, stats.kernels - kernels) == (N, N)
+    # a chunk of consecutive blocks is one 2-D copy on the copy engine (LBNHC: rows = the
+    # layers' K and V runs, one stride apart) and no kernel; the save lane waits once per
+    # chunk, to commit it
+    assert (stats.copies - copies, stats.kernels - kernels) == (N, 0)
     assert stats.host_waits["kvtier-save-0"] - save_waits == N
     copies, kernels = stats.copies, stats.kernels
     load_waits = stats.host_waits["kvtier-load-0"]
     rig.worker.start_load_kv(OffloadMeta(loads=[_load_op(rig, "ld1", _chunks(N * K), False)]))
     assert rig.worker.wait_idle(WAIT_S)
-    assert (stats.copies - copies, stats.kernels - kernels) == (N, N)
+    assert (stats.copies - copies, stats.kernels - kernels) == (N, 0)
     assert stats.host_waits["kvtier-load-0"] - load_waits == N
     # the forward's thread never waited on the host in any of this
     assert stats.host_waits["MainThread"] == 0
+    after = _paths(rig)
+    moved = {k: after[k] - before[k] for k in after if after[k] != before[k]}
+    assert moved == {("save", "dma"): N, ("load", "dma"): N}
+
+
+@pytest.mark.parametrize("spec", ["gqa", "mla"])
+@pytest.mark.parametrize("layout", SUPPORTED)
+def test_a_run_of_blocks_moves_by_the_copy_engine_with_no_kernel_in_every_layout(
+    layout: str, spec: str
+) -> None:
+    """Every vLLM 0.32 layout kvtier takes, GQA and MLA: a chunk of consecutive blocks saves
+    and loads with 0 kernels (no gather, no scatter on the SMs), by 2-D copies only, bytes
+    exact."""
+    for rig in _rig(100.0, layout=layout, spec=spec):
+        assert rig.worker.codec is not None
+        per_chunk = len(rig.worker.codec.regions(_chunks(0)[0], torch.empty(
+            rig.worker.codec.chunk_bytes, dtype=torch.uint8)) or [])  # fmt: skip
+        assert per_chunk >= 1
+        stats = rig.ops.stats
+        copies, kernels = stats.copies, stats.kernels
+        src = _save_step(rig)
+        want = [_blocks(rig.views, b) for b in src]
+        dst = _chunks(N * K)
+        rig.worker.start_load_kv(OffloadMeta(loads=[_load_op(rig, "ld", dst, sync=False)]))
+        assert rig.worker.wait_idle(WAIT_S)
+        assert [r.ok for r in rig.worker.take_report().results] == [True]
+        assert stats.kernels - kernels == 0
+        assert stats.copies - copies == 2 * N * per_chunk
+        for ids, w in zip(dst, want, strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(_blocks(rig.views, ids), w, strict=True))
+
+
+def test_fragmented_block_ids_take_the_kernel_path_and_are_counted(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Block ids in more runs than a few go through a gather (or scatter) kernel and a staging
+    buffer, one copy each, and the counter says so; the bytes are the same."""
+    from kvtier.offload import codec
+
+    monkeypatch.setattr(codec, "_MAX_RUNS", 1)  # this rig's chunks have 2 blocks: 2 runs
+    stats = rig.ops.stats
+    before = _paths(rig)
+    # every other block: K runs of one block per chunk
+    ids = [[2 * (c * K + j) for j in range(K)] for c in range(N // 2)]
+    want = [_blocks(rig.views, b) for b in ids]
+    refs = [ChunkRef(_key(i), b) for i, b in enumerate(ids)]
+    copies, kernels = stats.copies, stats.kernels
+    rig.worker.wait_for_save(OffloadMeta(saves=[SaveOp("f#sv", "f", refs, CHUNK * len(ids))]))
+    assert rig.worker.wait_idle(WAIT_S)
+    assert [r.ok for r in rig.worker.take_report().results] == [True]
+    assert (stats.copies - copies, stats.kernels - kernels) == (N // 2, N // 2)
+    assert _paths(rig)[("save", "kernel")] - before[("save", "kernel")] == N // 2
+    assert _paths(rig)[("save", "dma")] == before[("save", "dma")]
+    dst = [[b + 1 for b in c] for c in ids]  # the odd blocks: fragmented again
+    lease = "lk-frag"
+    assert rig.worker.stack is not None
+    assert rig.worker.stack.lookup([_key(i) for i in range(N // 2)], lease) == N // 2
+    load = LoadOp("fl", "q-fl", lease, [ChunkRef(_key(i), b) for i, b in enumerate(dst)],
+                  CHUNK * len(dst))  # fmt: skip
+    rig.worker.start_load_kv(OffloadMeta(loads=[load]))
+    assert rig.worker.wait_idle(WAIT_S)
+    assert [r.ok for r in rig.worker.take_report().results] == [True]
+    assert _paths(rig)[("load", "kernel")] - before[("load", "kernel")] == N // 2
+    for b, w in zip(dst, want, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(_blocks(rig.views, b), w, strict=True))
 
 
 def test_the_serial_design_keeps_one_transfer_in_flight_and_moves_the_same_bytes() -> None:
@@ -234,24 +311,37 @@ def test_transfer_depth_outside_its_range_is_refused_naming_the_fix() -> None:
             KVTierConfig(transfer_depth=bad)
 
 
+@pytest.mark.parametrize("path", ["dma", "kernel"])
 def test_a_device_fault_mid_pipeline_fails_the_save_and_commits_none_of_its_chunks(
-    rig: Rig, monkeypatch: pytest.MonkeyPatch
+    rig: Rig, monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
-    """A kernel that fails on the device surfaces at the mark's wait (as CUDA reports an
-    asynchronous error at the next synchronisation): the chunks behind it never commit, their
-    slots go back, and the save reports failed."""
+    """A copy (DMA path) or kernel (gather path) that fails on the device surfaces at the
+    mark's wait (as CUDA reports an asynchronous error at the next synchronisation): the chunks
+    behind it never commit, their slots go back, and the save reports failed."""
     from kvtier.offload.codec import PageCodec
 
-    gather = PageCodec.gather
     calls: list[int] = []
+    if path == "dma":
+        real_copy = SimOps._engine_copy
 
-    def faulty(self: PageCodec, block_ids: list[int], dst: torch.Tensor) -> None:
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("injected device fault")
-        gather(self, block_ids, dst)
+        def faulty_copy(self: SimOps, dst, src, ready, ok, to_host):  # type: ignore[no-untyped-def]
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("injected device fault")
+            return real_copy(self, dst, src, ready, ok, to_host)
 
-    monkeypatch.setattr(PageCodec, "gather", faulty)
+        monkeypatch.setattr(SimOps, "_engine_copy", faulty_copy)
+    else:
+        gather = PageCodec.gather
+
+        def faulty(self: PageCodec, block_ids: list[int], dst: torch.Tensor) -> None:
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("injected device fault")
+            gather(self, block_ids, dst)
+
+        monkeypatch.setattr(PageCodec, "regions", lambda *a, **k: None)
+        monkeypatch.setattr(PageCodec, "gather", faulty)
     ids = _chunks(0)
     refs = [ChunkRef(_key(i), b) for i, b in enumerate(ids)]
     rig.worker.wait_for_save(OffloadMeta(saves=[SaveOp("r1#sv", "r1", refs, CHUNK * N)]))

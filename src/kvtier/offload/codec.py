@@ -78,6 +78,32 @@ class PageCodec:
             off += count * n * sb
         return out
 
+    def regions(
+        self, block_ids: Sequence[int], buf: torch.Tensor, *, skips: bool = False
+    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The chunk as `(KV region, buffer region)` pairs that one 2-D copy each moves: per
+        stack and run of consecutive ids, the run's bytes of every segment (rows = segments,
+        pitch = the stack's stride) and the same bytes of `buf`. None when the ids form more
+        than a few runs, or a stack's blocks are not adjacent in memory: a gather or scatter
+        kernel moves those. With `skips`, -1 positions are left out (a load's HBM blocks)."""
+        self._check(block_ids, skips=skips)
+        runs = [r for r in _runs(block_ids) if r[1] >= 0]
+        if len(runs) > _MAX_RUNS:
+            return None
+        out = []
+        for view, rows in self._rows(buf):
+            count, _, sb = view.shape
+            for p, b, n in runs:
+                kv = view[:, b : b + n]
+                if n > 1 and kv.stride(1) != sb:
+                    return None  # the run's blocks are not adjacent in this stack
+                mine = rows[:, p : p + n]
+                out.append((
+                    kv.as_strided((count, n * sb), (kv.stride(0), 1)),
+                    mine.as_strided((count, n * sb), (mine.stride(0), 1)),
+                ))  # fmt: skip
+        return out
+
     def gather(self, block_ids: Sequence[int], dst: torch.Tensor) -> None:
         """Copy the chunk's blocks into `dst` (uint8, `chunk_bytes`, on the KV device)."""
         self._check(block_ids, skips=False)

@@ -12,10 +12,15 @@ copy engine on the host, so the asynchronous path is tested without one.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import torch
+
+from kvtier.offload import dma
+
+log = logging.getLogger("kvtier")
 
 
 class Mark(Protocol):
@@ -57,6 +62,18 @@ class Lane(Protocol):
         """Queue one host <-> device copy on the copy stream, after `after`; its mark."""
         ...
 
+    def copy_regions(
+        self,
+        pieces: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        to_host: bool,
+        fence: object | None = None,
+    ) -> Mark:
+        """Queue the 2-D copies between KV regions and host regions (`(kv, host)` pairs, the
+        codec's `regions`) on the copy stream, after `fence` (the forward that wrote or may
+        still read the blocks): the copy engine moves a contiguous run with no kernel and no
+        staging buffer. Its mark."""
+        ...
+
     def finish(self) -> None:
         """Block the calling thread until every op queued on this lane has completed."""
         ...
@@ -69,6 +86,9 @@ class DeviceOps(Protocol):
     # copies and kernels are queued and complete later (CUDA, the simulated device); False
     # where every op is complete when it returns (the CPU backend)
     asynchronous: bool
+    # the lanes' `copy_regions` moves contiguous runs by DMA (CUDA with its runtime bound, the
+    # simulated device); False: every chunk goes through a kernel and staging, or in place
+    dma: bool
 
     def bind_thread(self) -> None:
         """Run in every thread that touches the device: sets the rank's device there."""
@@ -134,6 +154,16 @@ class HostLane:
         dst.copy_(src)
         return DONE
 
+    def copy_regions(
+        self,
+        pieces: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        to_host: bool,
+        fence: object | None = None,
+    ) -> Mark:
+        for kv, host in pieces:
+            (host if to_host else kv).copy_(kv if to_host else host)
+        return DONE
+
     def finish(self) -> None:
         return
 
@@ -145,6 +175,7 @@ class CpuOps:
     """The KV cache is host memory: no staging, no streams."""
 
     asynchronous = False
+    dma = False  # the codec writes the host slot in place: nothing to copy twice
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
@@ -232,6 +263,17 @@ class _CudaLane:
             dst.copy_(src, non_blocking=True)
         return _CudaMark(self._copies)
 
+    def copy_regions(
+        self,
+        pieces: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        to_host: bool,
+        fence: object | None = None,
+    ) -> Mark:
+        if fence is not None:
+            self._copies.wait_event(fence)  # type: ignore[arg-type]
+        dma.copy_2d([(h, k) if to_host else (k, h) for k, h in pieces], self._copies)
+        return _CudaMark(self._copies)
+
     def finish(self) -> None:
         _CudaMark(self._kernels).wait()
         _CudaMark(self._copies).wait()
@@ -246,6 +288,16 @@ class CudaOps:
         if device.type != "cuda" or device.index is None:
             raise ValueError(f"CudaOps needs a cuda device with an index, got {device}")
         self.device = device
+        try:
+            dma.load()
+            self.dma = True
+        except (RuntimeError, OSError, AttributeError) as e:
+            # correct either way: every chunk then takes the gather/scatter kernel and a
+            # staging buffer (kvtier_transfer_chunks_total{path="kernel"} says how many)
+            log.warning(
+                "kvtier: no 2-D DMA on %s (%s); chunks move through a copy kernel", device, e
+            )
+            self.dma = False
 
     def bind_thread(self) -> None:
         """A new thread starts on cuda:0; every rank's lanes must run on the rank's device."""

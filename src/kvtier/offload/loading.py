@@ -104,7 +104,10 @@ class LoadPath:
         report: Callable[[LoadRun], None],
         guard: HookGuard,
         tag: str,
+        moved: Callable[[str], None] = lambda path: None,
     ) -> None:
+        """`moved(path)` counts each chunk by the path it took (dma, kernel, host)."""
+        self._moved = moved
         self._stack = stack
         self._codec = codec
         self._ops = ops
@@ -269,14 +272,24 @@ class LoadPath:
                 if p.expired:
                     held.close()
                     return _EXPIRED  # its deadline reported it failed: write no more blocks
-                lane.after(p.fence)
-                with lane.active():
-                    if bufs.staging is None:
-                        mark = lane.launch(lambda: codec.scatter(src, ids))
-                    else:
-                        staging = bufs.staging
-                        copied = lane.copy(staging, src, after=reusable)
-                        mark = lane.launch(lambda: codec.scatter(staging, ids), after=copied)
+                regions = None
+                if self._ops.dma and bufs.staging is not None:
+                    regions = codec.regions(ids, src, skips=True)
+                if regions is not None:
+                    # the slot straight into the KV pages on the copy engine, after the forward
+                    # that may still use the blocks: no staging buffer, no scatter kernel
+                    mark = lane.copy_regions(regions, to_host=False, fence=p.fence)
+                    self._moved("dma")
+                else:
+                    lane.after(p.fence)
+                    with lane.active():
+                        if bufs.staging is None:
+                            mark = lane.launch(lambda: codec.scatter(src, ids))
+                        else:
+                            staging = bufs.staging
+                            copied = lane.copy(staging, src, after=reusable)
+                            mark = lane.launch(lambda: codec.scatter(staging, ids), after=copied)
+                    self._moved("host" if bufs.staging is None else "kernel")
                 p.marks.append(mark)
         except BaseException:
             # a copy queued out of the slot before the raise must land before it is unpinned

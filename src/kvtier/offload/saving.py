@@ -70,14 +70,19 @@ class SavePath:
         report: Report,
         guard: HookGuard,
         tag: str,
+        dma: bool = False,
+        moved: Callable[[str], None] = lambda path: None,
     ) -> None:
-        """`staging`: one device buffer per transfer in flight (None: gather into the slot)."""
+        """`staging`: one device buffer per transfer in flight (None: gather into the slot);
+        `dma`: contiguous runs go by the lane's 2-D copies; `moved(path)` counts each chunk."""
         self._stack = stack
         self._codec = codec
         self._staging = list(staging)
         self._report = report
         self._guard = guard
         self._tag = tag
+        self._dma = dma
+        self._moved = moved
         self.peak_in_flight = 0
 
     def run(self, lane: Lane, jobs: Sequence[PendingSave]) -> None:
@@ -136,12 +141,20 @@ class SavePath:
         try:
             staging = flights.acquire()
             codec, ids = self._codec, list(ref.block_ids)
-            lane.after(job.fence)
-            with lane.active():
-                dst = slot if staging is None else staging
-                mark = lane.launch(lambda: codec.gather(ids, dst))
-                if staging is not None:
-                    mark = lane.copy(slot, staging, after=mark)
+            regions = codec.regions(ids, slot) if self._dma and staging is not None else None
+            if regions is not None:
+                # KV pages straight into the pinned slot on the copy engine: no kernel on the
+                # SMs beside the forward, no staging buffer
+                mark = lane.copy_regions(regions, to_host=True, fence=job.fence)
+                self._moved("dma")
+            else:
+                lane.after(job.fence)
+                with lane.active():
+                    dst = slot if staging is None else staging
+                    mark = lane.launch(lambda: codec.gather(ids, dst))
+                    if staging is not None:
+                        mark = lane.copy(slot, staging, after=mark)
+                self._moved("host" if staging is None else "kernel")
             run.in_flight += 1
             flights.push(mark, lambda error: self._landed(run, ref, error))
             issued = True

@@ -118,11 +118,14 @@ class SimEvent:
 
 @dataclass(slots=True)
 class _Item:
-    kind: str  # "kernel" | "copy" | "wait" | "record"
+    kind: str  # "kernel" | "copy" | "regions" | "wait" | "record"
     event: SimEvent | None
     fn: Callable[[], object] | None = None
     dst: torch.Tensor | None = None
     src: torch.Tensor | None = None
+    # "regions": (kv, host) 2-D pairs, one engine copy each, and their direction
+    pieces: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
+    to_host: bool = False
     dep: SimEvent | None = None
     queued_at: float = field(default_factory=time.monotonic)
 
@@ -211,6 +214,17 @@ class SimStream:
             except RuntimeError as e:
                 self._error = self._error or e
                 self._last_t = time.monotonic()
+        elif item.kind == "regions":
+            for kv, host in item.pieces:
+                dst, src = (host, kv) if item.to_host else (kv, host)
+                try:
+                    ready = self._ops._engine_copy(
+                        dst, src, ready, self._error is None, item.to_host
+                    )
+                except RuntimeError as e:
+                    self._error = self._error or e
+                    ready = time.monotonic()
+            self._last_t = ready
         else:
             self._last_t = ready
         if item.event is not None:
@@ -257,6 +271,21 @@ class _SimLane:
         self.copies.put(_Item("copy", ev, dst=dst, src=src, dep=_dep(after)))
         return ev
 
+    def copy_regions(
+        self,
+        pieces: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        to_host: bool,
+        fence: object | None = None,
+    ) -> Mark:
+        if fence is not None:
+            assert isinstance(fence, SimEvent), f"a fence of another device: {fence!r}"
+            self.copies.put(_Item("wait", None, dep=fence))
+        ev = SimEvent(self._ops)
+        for _ in pieces:
+            self._ops._copy_queued()
+        self.copies.put(_Item("regions", ev, pieces=list(pieces), to_host=to_host))
+        return ev
+
     def finish(self) -> None:
         self.kernels.record().wait()
         self.copies.record().wait()
@@ -275,6 +304,7 @@ class SimOps:
     end: it stops the stream threads."""
 
     asynchronous = True
+    dma = True
 
     def __init__(self, model: CopyModel | None = None) -> None:
         self.model = model or CopyModel()
@@ -399,6 +429,12 @@ class SimOps:
                 "simulated device: a copy must cross between a staging buffer and host memory "
                 f"(dst {tuple(dst.shape)}, src {tuple(src.shape)})"
             )
+        return self._engine_copy(dst, src, ready, ok, to_host)
+
+    def _engine_copy(
+        self, dst: torch.Tensor, src: torch.Tensor, ready: float, ok: bool, to_host: bool
+    ) -> float:
+        """One copy of `to_host`'s direction on its engine (a 2-D one moves its rows as one)."""
         nbytes = src.numel() * src.element_size()
         seconds = self.model.seconds(nbytes)
         engine = self._engines[1 if to_host and len(self._engines) > 1 else 0]

@@ -245,12 +245,17 @@ class OffloadWorker:
             self._save_reported,
             self.guard,
             self.tag,
+            dma=ops.dma,
+            moved=lambda path: self.metrics.transfer_chunk("save", path).inc(),
         )
 
         def load_path(report: Callable[[LoadRun], None]) -> LoadPath:
             assert self.stack is not None and self.codec is not None
             bufs = [Buffers(ops.staging(chunk_bytes)) for _ in range(depth)]
-            return LoadPath(self.stack, self.codec, ops, bufs, report, self.guard, self.tag)
+            return LoadPath(
+                self.stack, self.codec, ops, bufs, report, self.guard, self.tag,
+                moved=lambda path: self.metrics.transfer_chunk("load", path).inc(),
+            )  # fmt: skip
 
         self._loads = load_path(self._load_reported)
         self._sync_loads = load_path(lambda run: None)
