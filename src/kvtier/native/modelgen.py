@@ -64,17 +64,18 @@ def _train_tokenizer(seed: int, vocab_size: int) -> Tokenizer:
 
 def _weights(
     seed: int, *, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int,
-    head_dim: int, intermediate: int, dtype: torch.dtype,
+    head_dim: int, intermediate: int, dtype: torch.dtype, device: str = "cpu",
 ) -> dict[str, torch.Tensor]:  # fmt: skip
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        # drawn on `device` (a GPU makes an 8B model's weights in seconds), kept on the host
+        return torch.randn(*shape, generator=gen, dtype=torch.float32, device=device)
 
     def linear(out_f: int, in_f: int) -> torch.Tensor:
-        w = torch.randn(out_f, in_f, generator=gen, dtype=torch.float32) / in_f**0.5
-        return w.to(dtype)
+        return (randn(out_f, in_f) / in_f**0.5).to(dtype).cpu()
 
-    w: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=gen).to(dtype)
-    }
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": randn(vocab, hidden).to(dtype).cpu()}
     for i in range(layers):
         p = f"model.layers.{i}."
         w[p + "self_attn.q_proj.weight"] = linear(heads * head_dim, hidden)
@@ -104,10 +105,12 @@ def init_model(
     intermediate: int = 512,
     max_position: int = 4096,
     dtype: str = "bfloat16",
+    device: str = "cpu",
 ) -> Path:
     """Write a tiny Llama model into `directory` (created if missing); returns its path.
 
-    Deterministic: the same arguments give byte-identical `model.safetensors`.
+    Deterministic: the same arguments give byte-identical `model.safetensors` (`device` draws
+    the weights there, with that device's generator: a GPU makes full-size shapes quickly).
     """
     if dtype not in _DTYPES:
         raise ConfigError(f"dtype={dtype!r} is not one of {sorted(_DTYPES)}; pick one of them")
@@ -162,7 +165,7 @@ def init_model(
     )
     weights = _weights(
         seed, vocab=vocab_size, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
-        head_dim=head_dim, intermediate=intermediate, dtype=_DTYPES[dtype],
+        head_dim=head_dim, intermediate=intermediate, dtype=_DTYPES[dtype], device=device,
     )  # fmt: skip
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
