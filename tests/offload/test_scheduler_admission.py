@@ -63,7 +63,7 @@ def teach(sched: OffloadScheduler) -> None:
 def test_a_rejected_request_saves_nothing_and_is_counted() -> None:
     sched, metrics = make()
     teach(sched)
-    assert (False, 4) in sched.admission.rejected_classes
+    assert (False, 4) in sched.planner.admission.rejected_classes
     rejected0 = metrics.value("admission_total", decision="rejected")
     assert serve(sched, "late", one_off(10_000)) == 0
     assert metrics.value("admission_total", decision="rejected") == rejected0 + 8

@@ -69,15 +69,15 @@ def test_a_hinted_prompt_is_retained_on_the_ranks_and_always_saved() -> None:
     assert serve(sched, view, len(tokens)) == 4
     [(op, keys, until, waited)] = lookup.admins
     assert (op, waited) == ("retain", False)  # from a hook: never waits for the ranks
-    assert keys == sched.keys_for(tokens)[:3]  # up to the marked message, whole chunks
-    decision = sched.retention_decision("r1")
+    assert keys == sched.planner.keys_for(tokens)[:3]  # up to the marked message, whole chunks
+    decision = sched.planner.retention_decision("r1")
     assert decision is not None and decision.status == RETAINED
     assert (decision.tokens, decision.ttl_s) == (3 * CHUNK, 120.0)
-    assert sched.retention_decision("r1") is None  # read once
+    assert sched.planner.retention_decision("r1") is None  # read once
     assert metrics.value("retention_total", status="retained") == 1
     assert metrics.value("retained_chunks") == 3
     # the conversation is found again by its key
-    assert sched.keys_for(session="conv-1") == sched.keys_for(tokens)
+    assert sched.planner.keys_for(session="conv-1") == sched.planner.keys_for(tokens)
 
 
 def test_the_budget_clips_then_rejects_and_a_ttl_past_the_maximum_is_clipped() -> None:
@@ -85,20 +85,20 @@ def test_the_budget_clips_then_rejects_and_a_ttl_past_the_maximum_is_clipped() -
     sched, lookup, metrics = make(chunks=20, retention_budget=0.5, retention_tenant_share=1.0)
     first = HintedView("a", prompt(1, 8), RetentionHint())
     serve(sched, first, 8 * CHUNK)
-    assert sched.retention_decision("a").status == RETAINED
+    assert sched.planner.retention_decision("a").status == RETAINED
     second = HintedView("b", prompt(2, 8), RetentionHint())
     serve(sched, second, 8 * CHUNK)
-    clipped = sched.retention_decision("b")
+    clipped = sched.planner.retention_decision("b")
     assert (clipped.status, clipped.tokens, clipped.reason) == (CLIPPED, 2 * CHUNK, "budget")
-    assert lookup.admins[-1][1] == sched.keys_for(prompt(2, 8))[:2]  # the leading chunks
+    assert lookup.admins[-1][1] == sched.planner.keys_for(prompt(2, 8))[:2]  # the leading chunks
     third = HintedView("c", prompt(3, 2), RetentionHint())
     serve(sched, third, 2 * CHUNK)
-    rejected = sched.retention_decision("c")
+    rejected = sched.planner.retention_decision("c")
     assert (rejected.status, rejected.tokens) == (REJECTED, 0)
     assert len(lookup.admins) == 2  # nothing sent for a rejected hint
     long = HintedView("d", prompt(1, 8), RetentionHint(ttl_s=10**9))
     serve(sched, long, 8 * CHUNK)  # already retained chunks cost no budget
-    ttl = sched.retention_decision("d")
+    ttl = sched.planner.retention_decision("d")
     assert (ttl.status, ttl.reason, ttl.ttl_s) == (CLIPPED, "ttl", 86400.0)
     assert metrics.value("retention_total", status="rejected") == 1
     assert metrics.value("retention_total", status="clipped") == 2
@@ -125,19 +125,19 @@ def test_admin_forget_and_prefetch_go_to_the_ranks_and_free_the_budget() -> None
     sched, lookup, _ = make()
     tokens = prompt(4, 3)
     serve(sched, HintedView("x", tokens, RetentionHint(session="s", tenant="u")), len(tokens))
-    keys = sched.keys_for(session="s", tenant="u")
-    assert keys == sched.keys_for(tokens) and sched.retention.retained_chunks() == 3
-    answers = sched.admin("prefetch", keys)
+    keys = sched.planner.keys_for(session="s", tenant="u")
+    assert keys == sched.planner.keys_for(tokens) and sched.planner.retention.retained_chunks() == 3
+    answers = sched.planner.admin("prefetch", keys)
     assert answers[0].count == 3 and lookup.admins[-1][0] == "prefetch"
-    sched.admin("forget", keys)
+    sched.planner.admin("forget", keys)
     assert lookup.admins[-1][:2] == ("forget", keys) and lookup.admins[-1][3]
-    assert sched.retention.retained_chunks() == 0
+    assert sched.planner.retention.retained_chunks() == 0
     # a key without a retention ask only tags the conversation
     tag = RetentionHint(session="s2", tenant="u", retain=False)
     serve(sched, HintedView("y", prompt(5, 2), tag), 2 * CHUNK)
-    assert sched.retention_decision("y") is None
-    assert sched.keys_for(session="s2", tenant="u") == sched.keys_for(prompt(5, 2))
-    assert set(sched.keys_for(tenant="u")) == set(keys) | set(sched.keys_for(prompt(5, 2)))
+    assert sched.planner.retention_decision("y") is None
+    assert sched.planner.keys_for(session="s2", tenant="u") == sched.planner.keys_for(prompt(5, 2))
+    assert set(sched.planner.keys_for(tenant="u")) == set(keys) | set(sched.planner.keys_for(prompt(5, 2)))
 
 
 def test_a_hinted_prompt_is_saved_even_where_admission_rejects_its_kind() -> None:
@@ -198,11 +198,11 @@ def test_releasing_a_conversation_sends_the_ranks_only_what_nobody_holds() -> No
     b = [*shared, *range(60_000, 60_000 + CHUNK)]
     serve(sched, HintedView("a", a, RetentionHint(session="a")), len(a))
     serve(sched, HintedView("b", b, RetentionHint(session="b")), len(b))
-    keys_a = sched.keys_for(session="a")
-    sched.admin("release", keys_a, ("", "a"))
+    keys_a = sched.planner.keys_for(session="a")
+    sched.planner.admin("release", keys_a, ("", "a"))
     op, keys, _, _ = lookup.admins[-1]
     assert op == "release" and keys == keys_a[2:]  # the shared two chunks stay retained
-    assert sched.retention.retained_chunks() == 3  # b's three
+    assert sched.planner.retention.retained_chunks() == 3  # b's three
 
 
 def test_soonest_takes_the_room_of_chunks_due_back_later_and_tells_the_ranks() -> None:
@@ -235,8 +235,8 @@ def test_a_scheduler_in_soonest_mode_releases_what_it_displaced_on_the_ranks() -
     serve(sched, late, 4 * CHUNK)
     soon = HintedView("soon", prompt(2, 2), RetentionHint(ttl_s=10))
     serve(sched, soon, 2 * CHUNK)
-    assert sched.retention_decision("soon").status == "retained"
+    assert sched.planner.retention_decision("soon").status == "retained"
     releases = [keys for op, keys, _, _ in lookup.admins if op == "release"]
-    assert len(releases) == 1 and set(releases[0]) <= set(sched.keys_for(prompt(1, 4)))
+    assert len(releases) == 1 and set(releases[0]) <= set(sched.planner.keys_for(prompt(1, 4)))
     assert len(releases[0]) == 2
     assert metrics.value("retention_displaced_chunks_total") == 2

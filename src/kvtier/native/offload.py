@@ -151,13 +151,13 @@ class SchedulerHalf:
 
     def retention_decision(self, req_id: str) -> dict[str, object] | None:
         """What the request's retention hint was granted (the response's usage extension)."""
-        decision = self.core.retention_decision(req_id)
+        decision = self.core.planner.retention_decision(req_id)
         return None if decision is None else decision.as_dict()
 
     def retention_admin(self, op: str, **target: Any) -> dict[str, Any]:
         """Retain, release, prefetch or forget a prompt, a conversation or a tenant's
         conversations, or report retention stats (`offload.retention_api`)."""
-        return run_admin(self.core, op, **target)
+        return run_admin(self.core.planner, op, **target)
 
     def shutdown(self) -> None:
         self.wiring.close()

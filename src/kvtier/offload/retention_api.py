@@ -17,7 +17,7 @@ OPS = ("retain", "release", "prefetch", "forget", "stats")
 
 
 class RetentionCore(Protocol):
-    """What the calls need of a scheduler (`OffloadScheduler` has it)."""
+    """What the calls need of a scheduler (`OffloadScheduler.planner` has it)."""
 
     retention: RetentionLedger
 

@@ -378,7 +378,7 @@ class SchedulerSide:
     def retention_params(self, request_id: str) -> dict[str, Any] | None:
         """What the request's retention hint was granted, as the `kv_transfer_params` vLLM
         returns to the client (None without a hint)."""
-        decision = self.core.retention_decision(request_id)
+        decision = self.core.planner.retention_decision(request_id)
         return None if decision is None else {"kvtier_retention": decision.as_dict()}
 
     def take_events(self) -> list[KVCacheEvent]:

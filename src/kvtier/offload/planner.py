@@ -1,0 +1,219 @@
+"""What a request may write into the tier and keep there, decided for the scheduler:
+
+- **admission** (`offload/admission.py`): how many of a request's chunks are worth writing,
+  decided once before its first save; a P/D producer's saves and a retained prompt's always go;
+- **retention** (`offload/retention.py`): a client's hint or an admin call retains a prompt's
+  chunks on every rank within the budget; decisions wait here until the host reads them;
+- **first chunks saved** (`offload/heads.py`): where this scheduler is its tiers' only writer,
+  a prompt whose first chunk it never saved is a miss known without asking the ranks.
+
+The scheduler owns operations (lookups, loads, saves, terminals); the planner owns these
+choices, so admission, retention and cold misses change here only.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvtier.config import KVTierConfig
+from kvtier.metrics import Metrics
+from kvtier.offload.admission import DECISIONS, AdmissionPolicy
+from kvtier.offload.heads import SavedHeads, private_tiers
+from kvtier.offload.protocols import LookupPort
+from kvtier.offload.retention import AdminCount, RetentionDecision, RetentionHint, RetentionLedger
+
+# retention decisions kept for hosts to read; an unread one goes after this many newer ones
+_DECISIONS_KEPT = 4096
+# the ranks' answer to an admin request with no key left to send
+_NOTHING = AdminCount(0, None)
+# an admin call waits this long for the ranks (prefetch and forget touch disk and the store)
+_ADMIN_TIMEOUT_MS = 5000
+# a retention budget the scheduler cannot size (chunk bytes unknown): the ranks bound it
+_UNBOUNDED = 1 << 40
+
+
+class SavePlanner:
+    """Admission, retention and the first chunks saved, for one engine's scheduler.
+
+    `keys_of(prompt)` gives a prompt's chunk keys in the scheduler's current epoch; `world` is
+    how many ranks answer an admin call; `loads=False` is a P/D producer (every save forced)."""
+
+    def __init__(
+        self,
+        config: KVTierConfig,
+        lookup: LookupPort,
+        metrics: Metrics,
+        *,
+        world: int,
+        keys_of: Callable[[Sequence[int]], list[bytes]],
+        bytes_per_token: int | None,
+        loads: bool,
+        saves: bool,
+        cold_misses: bool | None,
+    ) -> None:
+        self.chunk = config.chunk_size
+        self.world = world
+        self._lookup = lookup
+        self._m = metrics
+        self._keys_of = keys_of
+        self._forced = not loads
+        self.admission = AdmissionPolicy(
+            config.admission,
+            capacity=_tier_chunks(config, bytes_per_token),
+            history=_admission_history(config, bytes_per_token),
+        )
+        self.retention = RetentionLedger(
+            _retention_budget(config, bytes_per_token),
+            tenant_share=config.retention_tenant_share,
+            default_ttl_s=config.retention_ttl_s,
+            max_ttl_s=config.retention_max_ttl_s,
+            full=config.retention_full,
+        )
+        # request id -> what its hint was granted, until the host reads it (bounded)
+        self._decisions: OrderedDict[str, RetentionDecision] = OrderedDict()
+        # where this scheduler is its tiers' only writer, a never-saved first chunk is a miss
+        # known without a round trip to the ranks
+        if cold_misses is None:
+            cold_misses = private_tiers(config, saves=saves)
+        self._heads = SavedHeads() if cold_misses else None
+
+    # ---- first chunks ----------------------------------------------------------------------
+
+    def known_miss(self, first_key: bytes) -> bool:
+        """A prompt starting with `first_key` cannot hit (this scheduler never saved it)."""
+        return self._heads is not None and first_key not in self._heads
+
+    def saw_head(self, first_key: bytes) -> None:
+        """A save or a hit named this first chunk."""
+        if self._heads is not None:
+            self._heads.add(first_key)
+
+    def new_epoch(self) -> None:
+        """Every key of the old epoch is unreachable: none is a known head any more."""
+        if self._heads is not None:
+            self._heads.clear()
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def admit(
+        self, keys: Sequence[bytes], hbm_tokens: int, saved_tokens: int, retained: int
+    ) -> int:
+        """Chunks the request may save (decided once, before its first save)."""
+        decision, seen = self.admission.decide(
+            keys,
+            hbm_chunks=hbm_tokens // self.chunk,
+            tier_chunks=min(saved_tokens // self.chunk, len(keys)),
+            # a prefill producer's saves are what its consumer loads; a retained prompt's
+            # chunks are what its client said will come back
+            forced=self._forced or retained > 0,
+        )
+        if decision.candidates:
+            self._m.admission(decision.decision).inc(decision.candidates)
+        for label in DECISIONS:
+            if seen.returns[label]:
+                self._m.admission_return(label).inc(seen.returns[label])
+        self._m.admission_pressure.set(self.admission.pressure)
+        return decision.limit
+
+    # ---- retention ---------------------------------------------------------------------------
+
+    def hint(self, req_id: str, keys: Sequence[bytes], hint: RetentionHint) -> int:
+        """Grant a client's retention hint within the budget and tell the ranks (no wait: the
+        ranks mark the keys now and protect each chunk from the moment it is stored); the
+        leading chunks retained."""
+        if not hint.retain:
+            self.retention.note(keys, hint.session, hint.tenant)
+            return 0
+        decision, granted, until = self.retention.decide(keys, hint, self.chunk)
+        self._decisions[req_id] = decision
+        while len(self._decisions) > _DECISIONS_KEPT:
+            self._decisions.popitem(last=False)
+        self._m.retention(decision.status).inc()
+        self._release_displaced()
+        if granted:
+            self._lookup.admin_send("retain", granted, until)
+        self._m.retained_chunks.set(self.retention.retained_chunks())
+        return len(granted)
+
+    def _release_displaced(self) -> None:
+        """Chunks a sooner hint took the room of (`retention_full: soonest`) stop being
+        retained on the ranks too."""
+        gone = self.retention.take_displaced()
+        if gone:
+            self._m.retention_displaced.inc(len(gone))
+            self._lookup.admin_send("release", gone)
+
+    def retention_decision(self, req_id: str) -> RetentionDecision | None:
+        """What the request's retention hint was granted (once; None without a hint)."""
+        return self._decisions.pop(req_id, None)
+
+    # ---- admin: retain, release, prefetch, forget (any host's API calls these) -------------
+
+    def keys_for(
+        self, prompt: Sequence[int] | None = None, session: str | None = None, tenant: str = ""
+    ) -> list[bytes]:
+        """The chunk keys of a prompt, of a conversation (`session`, its prompt_cache_key), or
+        of every conversation of `tenant` (neither given)."""
+        if prompt is not None:
+            return self._keys_of(prompt)
+        return self.retention.keys_of(session, tenant)
+
+    def retain(self, prompt: Sequence[int], hint: RetentionHint) -> RetentionDecision:
+        """Retain a prompt as a hint on a request would, and wait for the ranks' answers."""
+        return self.retain_keys(self.keys_for(prompt), hint)
+
+    def retain_keys(self, keys: Sequence[bytes], hint: RetentionHint) -> RetentionDecision:
+        """Retain chunk `keys` (a prompt's or a conversation's) within the budget, waiting for
+        the ranks."""
+        decision, granted, until = self.retention.decide(keys, hint, self.chunk)
+        self._m.retention(decision.status).inc()
+        self._release_displaced()
+        if granted:
+            self._lookup.admin("retain", granted, until)
+        self._m.retained_chunks.set(self.retention.retained_chunks())
+        return decision
+
+    def admin(
+        self, op: str, keys: Sequence[bytes], holder: tuple[str, str | None] | None = None
+    ) -> dict[int, Any]:
+        """Release, prefetch or forget `keys` on every rank; the ranks' answers. A release by
+        `holder` (tenant, session) lets go only of what no other conversation still retains."""
+        if op == "release":
+            keys = self.retention.release(keys, holder)
+        elif op == "forget":
+            self.retention.release(keys)
+        if op in ("release", "forget"):
+            self._m.retained_chunks.set(self.retention.retained_chunks())
+        if not keys:
+            return {r: _NOTHING for r in range(self.world)}
+        # a forgotten chain's head stays in the saved heads: its next lookup asks the ranks,
+        # which answer the truth (a miss)
+        return dict(self._lookup.admin(op, keys, timeout_ms=_ADMIN_TIMEOUT_MS))
+
+
+def _retention_budget(config: KVTierConfig, bytes_per_token: int | None) -> int:
+    """Chunks clients may retain: the budget's share of a rank's largest private tier (as the
+    ranks bound it); unknown chunk sizes leave the bound to the ranks alone."""
+    if not bytes_per_token:
+        return _UNBOUNDED if config.retention_budget > 0 else 0
+    chunks = max(config.memory_bytes, config.disk_bytes) // (config.chunk_size * bytes_per_token)
+    return int(config.retention_budget * chunks)
+
+
+def _tier_chunks(config: KVTierConfig, bytes_per_token: int | None) -> int | None:
+    """Chunks a rank's own tiers hold (None: unknown, or a shared store behind them)."""
+    if not bytes_per_token or config.remote_url:
+        return None
+    return max(
+        1, (config.memory_bytes + config.disk_bytes) // (config.chunk_size * bytes_per_token)
+    )
+
+
+def _admission_history(config: KVTierConfig, bytes_per_token: int | None) -> int:
+    """Chunk keys the admission policy remembers: the config's, else 16 x the tiers' chunks."""
+    if config.admission_history:
+        return config.admission_history
+    chunks = _tier_chunks(config, bytes_per_token)
+    return 65536 if chunks is None else min(max(16 * chunks, 4096), 1 << 20)
