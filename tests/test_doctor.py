@@ -755,3 +755,15 @@ def test_admission_without_regret_passes_without_pressure_too() -> None:
     assert admission_fake(pressure=0.0, rejected_back=10).diagnose()[ADMISSION].status is (
         Status.PASS
     )
+
+
+def test_admission_fails_when_a_chunk_rejected_with_room_came_back() -> None:
+    """The admission policy writes through while the tiers have room; a chunk it rejected with
+    room that came back is a defect, not a judgement call: FAIL, whatever the pressure."""
+    fake = admission_fake(pressure=0.7, rejected_back=400)
+    assert fake.diagnose()[ADMISSION].numbers["rejected_with_room"] == 0
+    fake.sched.admission_rejected_roomy.inc(3)
+    check = fake.diagnose()[ADMISSION]
+    assert check.status is Status.FAIL
+    assert "3 chunks were rejected while the tiers had room" in check.detail
+    assert check.numbers["rejected_with_room"] == 3

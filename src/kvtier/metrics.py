@@ -109,6 +109,7 @@ class _Families:
     admission: Counter
     admission_returns: Counter
     admission_pressure: Gauge
+    admission_rejected_roomy: Counter
     retention: Counter
     retained_chunks: Gauge
     retention_displaced: Counter
@@ -259,6 +260,12 @@ def _build(reg: CollectorRegistry) -> _Families:
             "made for them; rejected ones are hits the policy gave up.",
             "decision",
         ),
+        admission_rejected_roomy=c(
+            "admission_rejected_with_room",
+            "Chunks the admission policy rejected while the tiers had room for them, that came "
+            "back needing the tier: hits lost to a rejection nothing required (a defect: kvtier "
+            "doctor fails on it).",
+        ),
         admission_pressure=g(
             "admission_pressure",
             "Share of the admitted chunks that came back needing the tier and were gone from it "
@@ -328,6 +335,7 @@ class Metrics:
         self.readmitted_retrieved_tokens = f.readmitted_retrieved_tokens.labels(r)
         self.prefetched_chunks = f.prefetched_chunks.labels(r)
         self.admission_pressure = f.admission_pressure.labels(r)
+        self.admission_rejected_roomy = f.admission_rejected_roomy.labels(r)
         self.retained_chunks = f.retained_chunks.labels(r)
         self.retention_displaced = f.retention_displaced.labels(r)
         self.stored_tokens = f.stored_tokens.labels(r)

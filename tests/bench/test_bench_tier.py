@@ -191,9 +191,18 @@ def test_the_stores_given_keep_none_of_the_benchs_keys(
     assert not [n for n in quick["doc"]["footnotes"] if "not measured" in n]
 
 
-def test_cli_prints_the_table_and_writes_json(tmp_path: Path) -> None:
+def test_cli_prints_the_table_and_writes_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = tmp_path / "cli.json"
-    # the remote rows are covered by the module's run; without a store the CLI leaves them out
+    # the remote rows are covered by the module's run; without a store the CLI leaves them out.
+    # The datapath section's rows are the module run's too: here it adds one row of its own
+    from kvtier.bench import datapath
+
+    def one_row(report: Report, device: str, *_: object) -> None:
+        report.add(Row(f"datapath.{device}.stub", "datapath (stubbed)", 1.0, "ms"))
+
+    monkeypatch.setattr(datapath, "run_datapath", one_row)
     args = ["bench", "tier", "--quick", "--json", str(out)]
     args += ["--disk-dir", str(tmp_path / "d")]
     result = CliRunner().invoke(app, args)
@@ -204,7 +213,10 @@ def test_cli_prints_the_table_and_writes_json(tmp_path: Path) -> None:
         assert word in result.output
     doc = json.loads(out.read_text())
     no_store = {r for r in ENCRYPTED if r.startswith("remote.")}
-    assert set(_rows(doc)) == ROW_IDS - REMOTE_ROW_IDS - no_store
+    datapath_rows = DATAPATH | WAIT_FOR_SAVE | LATENCY
+    assert set(_rows(doc)) == (ROW_IDS - REMOTE_ROW_IDS - no_store - datapath_rows) | {
+        "datapath.cpu.stub"
+    }
     verdicts = result.output.count("PASS") + result.output.count("MISS")
     assert verdicts == doc["summary"]["targets"]
     # the table says what it left out and which flag measures it

@@ -58,7 +58,7 @@ def lookup_hits(srv: EngineServer, prompt: list[int]) -> int:
     """Chunks of `prompt` every rank's tiers hold now (a probe: no lease)."""
 
     def probe(engine: Any) -> int:
-        keys = engine.connector.core.keys_for(prompt)
+        keys = engine.connector.core.planner.keys_for(prompt)
         return engine.connector.client.lookup(keys, "probe", lease=False).hit_chunks
 
     return srv.loop.call(probe).result(timeout=30)

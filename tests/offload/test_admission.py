@@ -125,3 +125,44 @@ def test_requests_without_chunks_decide_nothing() -> None:
     assert (d.limit, d.candidates) == (0, 0)
     assert seen.found == seen.lost == 0
     assert Request((), 0).usable == 0
+
+
+def _teach_a_rejected_class(policy: AdmissionPolicy) -> None:
+    """Long one-off prompts that never return, next to short ones that do."""
+    for i in range(400):
+        decide(policy, [100_000 + 8 * i + d for d in range(8)])
+        decide(policy, [i % 50, 50 + i % 50])
+
+
+def test_while_the_tiers_have_room_nothing_is_rejected() -> None:
+    """A plan that rejects a class still writes it while the tiers hold it without evicting
+    (a write into free slots costs no hit); it decides once the written chunks fill them."""
+    roomy = AdmissionPolicy(capacity=1_000_000)
+    _teach_a_rejected_class(roomy)
+    assert (False, 4) in roomy.rejected_classes  # the plan would reject these prompts
+    assert roomy.has_room(8)
+    assert decide(roomy, [900_000 + d for d in range(8)]) == ADMITTED
+    # the same plan with the tiers nearly full: the rejection applies
+    full = AdmissionPolicy(capacity=1000)
+    _teach_a_rejected_class(full)
+    assert (False, 4) in full.rejected_classes and not full.has_room(8)
+    assert decide(full, [900_000 + d for d in range(8)]) == REJECTED
+    # the margin: room means at most 90% of the capacity written
+    edge = AdmissionPolicy(capacity=100)
+    decide(edge, list(range(88)))
+    assert edge.written == 88 and edge.has_room(2) and not edge.has_room(3)
+
+
+def test_a_rejection_with_room_that_comes_back_is_counted_as_a_defect() -> None:
+    """The defect signal: `room_first=False` (the policy before the room rule) rejects while
+    the tiers have room; each such chunk that comes back is counted (doctor FAILs on it). The
+    room-first policy never makes one."""
+    for room_first, defects in ((False, 8), (True, 0)):
+        policy = AdmissionPolicy(capacity=1_000_000, room_first=room_first)
+        _teach_a_rejected_class(policy)
+        chunks = [key(900_000 + d) for d in range(8)]
+        first, _ = policy.decide(chunks, hbm_chunks=0, tier_chunks=0)
+        assert first.decision == (ADMITTED if room_first else REJECTED)
+        # the prompt comes back: its chunks were needed
+        _, seen = policy.decide(chunks, hbm_chunks=0, tier_chunks=8 if room_first else 0)
+        assert seen.rejected_roomy == defects

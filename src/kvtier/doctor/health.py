@@ -42,6 +42,7 @@ FAILS_REQUEST = "kvtier_load_failure_fails_request"
 ADMITTED_TOTAL = "kvtier_admission_total"
 RETURNS_TOTAL = "kvtier_admission_returns_total"
 PRESSURE = "kvtier_admission_pressure"
+ROOMY_REJECTS = "kvtier_admission_rejected_with_room_total"
 RETENTION_TOTAL = "kvtier_retention_total"
 RETAINED = "kvtier_retained_chunks"
 # hints refused or clipped beyond this share (of at least this many) mean a budget too small
@@ -329,6 +330,17 @@ def admission(s: Samples) -> Check:
         f"chunks decided: {fmt(decided)}; came back: {fmt(back) if back else 'none yet'}; "
         f"pressure {pressure:.2f}"
     )
+    roomy = s.scheduler_value(ROOMY_REJECTS) or 0.0
+    numbers["rejected_with_room"] = num(roomy)
+    if roomy > 0:
+        return Check(
+            ADMISSION,
+            Status.FAIL,
+            f"{said}: {num(roomy)} chunks were rejected while the tiers had room for them and "
+            "came back needing the tier: hits lost to a rejection nothing required (a defect of "
+            "the admission policy; admission=all writes everything meanwhile)",
+            numbers,
+        )
     if (
         pressure < LOW_PRESSURE
         and regret >= REGRET_WARN_MIN

@@ -20,6 +20,12 @@ rejecting only classes below `pressure x` the mean reuse, where pressure is how 
 admitted chunk that came back was already gone. Classes with few samples are admitted, rejected
 chunks are still measured (a class rejected in error comes back), and saves a host needs for
 correctness (a P/D producer's, a retained session's) are `forced`.
+
+**Room first.** While the tiers (C chunks known) have room for a request's chunks, with a
+margin, every request is written: a write into free slots evicts nothing, so rejecting it can
+only lose hits. The plan decides only once the written chunks fill the tiers. A rejected chunk
+that comes back although it was rejected with room is a defect, counted apart
+(`rejected_roomy`: `kvtier_admission_rejected_with_room_total`, a `kvtier doctor` FAIL).
 """
 
 from __future__ import annotations
@@ -53,6 +59,9 @@ _AGES = 4096
 _REPLAN = 256
 # a plan admits the fewest classes whose expected hits are within this share of the best
 _GAIN_SLACK = 0.03
+# the share of the tiers kept free of the room rule: past (1 - this) x capacity written, the
+# plan decides (LRU-like tiers start evicting somewhat before they are full)
+ROOM_MARGIN = 0.1
 
 
 @dataclass(slots=True)
@@ -92,6 +101,7 @@ class Observed:
     returns: dict[str, int]
     found: int
     lost: int
+    rejected_roomy: int = 0  # rejected with room in the tier, and back: a defect
 
 
 class AdmissionPolicy:
@@ -99,8 +109,15 @@ class AdmissionPolicy:
     unknown); `history` bounds the chunk keys remembered."""
 
     def __init__(
-        self, mode: str = ADAPTIVE, *, capacity: int | None = None, history: int = 65536
+        self,
+        mode: str = ADAPTIVE,
+        *,
+        capacity: int | None = None,
+        history: int = 65536,
+        room_first: bool = True,
     ) -> None:
+        """`room_first=False` lets the plan reject while the tiers have room (the policy before
+        the room rule, kept for comparisons; its rejections with room are counted defects)."""
         if mode not in MODES:
             raise ValueError(f"admission={mode!r} is not one of {', '.join(MODES)}")
         if history < 1:
@@ -110,8 +127,11 @@ class AdmissionPolicy:
         self.mode = mode
         self.capacity = capacity
         self.history = history
-        # key -> (class, decision, chunks decided before it): decided, not yet back or expired
-        self._ghost: OrderedDict[bytes, tuple[Class, str, int]] = OrderedDict()
+        self.room_first = room_first
+        self.written = 0  # chunks admitted (or forced) so far: what the tiers were asked to hold
+        # key -> (class, decision, chunks decided before it, decided with room): decided, not
+        # yet back or expired
+        self._ghost: OrderedDict[bytes, tuple[Class, str, int, bool]] = OrderedDict()
         self._heads: OrderedDict[bytes, None] = OrderedDict()  # first chunks seen
         self._classes: dict[Class, _ClassStats] = {}
         self._all = _ClassStats()
@@ -134,6 +154,12 @@ class AdmissionPolicy:
     def rejected_classes(self) -> frozenset[Class]:
         """The classes the current plan rejects."""
         return self._rejected
+
+    def has_room(self, chunks: int) -> bool:
+        """Whether the tiers hold `chunks` more without evicting (capacity known, margin kept)."""
+        if self.capacity is None:
+            return False
+        return self.written + chunks <= self.capacity * (1 - ROOM_MARGIN)
 
     def reuse(self, cls: Class) -> float | None:
         """A class's measured reuse, or None while it has too few samples."""
@@ -161,15 +187,18 @@ class AdmissionPolicy:
             self._heads.move_to_end(keys[0])
             while len(self._heads) > self.history:
                 self._heads.popitem(last=False)
+        fresh = keys[tier_chunks:]
+        roomy = self.has_room(len(fresh))
         if forced:
             decision = FORCED
-        elif self.mode == ALL or cls not in self._rejected:
+        elif self.mode == ALL or cls not in self._rejected or (roomy and self.room_first):
             decision = ADMITTED
         else:
             decision = REJECTED
-        fresh = keys[tier_chunks:]
+        if decision != REJECTED:
+            self.written += len(fresh)
         for key in fresh:
-            self._remember(key, cls, decision)
+            self._remember(key, cls, decision, roomy)
         self._stats(cls).add(decided=len(fresh))
         self._all.add(decided=len(fresh))
         self._clock += len(fresh)
@@ -181,7 +210,7 @@ class AdmissionPolicy:
 
     def _observe(self, keys: Sequence[bytes], hbm_chunks: int, tier_chunks: int) -> Observed:
         returns = dict.fromkeys(DECISIONS, 0)
-        found = lost = 0
+        found = lost = roomy_back = 0
         for c, key in enumerate(keys):
             needed = c >= hbm_chunks
             if needed and c < tier_chunks:
@@ -189,8 +218,9 @@ class AdmissionPolicy:
             entry = self._ghost.pop(key, None)
             if entry is None or not needed:
                 continue
-            cls, decision, born = entry
+            cls, decision, born, roomy = entry
             returns[decision] += 1
+            roomy_back += decision == REJECTED and roomy
             self._stats(cls).add(returned=1)
             self._all.add(returned=1)
             self._ages.append(self._clock - born)
@@ -201,7 +231,7 @@ class AdmissionPolicy:
         if self._found + self._lost > _DECAY_AT:
             self._found /= 2
             self._lost /= 2
-        return Observed(returns, found, lost)
+        return Observed(returns, found, lost, roomy_back)
 
     def _plan(self) -> frozenset[Class]:
         """The classes to reject: those left out of the admitted set with the most expected
@@ -235,10 +265,10 @@ class AdmissionPolicy:
         k = next(i for i, g in enumerate(gains) if g >= (1 - _GAIN_SLACK) * best)
         return frozenset(order[k:])
 
-    def _remember(self, key: bytes, cls: Class, decision: str) -> None:
+    def _remember(self, key: bytes, cls: Class, decision: str, roomy: bool) -> None:
         if key in self._ghost:
             self._ghost.move_to_end(key)
-        self._ghost[key] = (cls, decision, self._clock)
+        self._ghost[key] = (cls, decision, self._clock, roomy)
         while len(self._ghost) > self.history:
             self._ghost.popitem(last=False)  # expired: it stays counted as not returned
 

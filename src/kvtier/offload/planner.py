@@ -114,6 +114,8 @@ class SavePlanner:
         for label in DECISIONS:
             if seen.returns[label]:
                 self._m.admission_return(label).inc(seen.returns[label])
+        if seen.rejected_roomy:
+            self._m.admission_rejected_roomy.inc(seen.rejected_roomy)
         self._m.admission_pressure.set(self.admission.pressure)
         return decision.limit
 
