@@ -212,3 +212,18 @@ def test_counted_window_keeps_warming_the_cache() -> None:
     assert (last.requests, last.hit_rate) == (1, 64 / 80)
     with pytest.raises(ConfigError, match="2 counted flags for 3 prompts"):
         sim(prompts, counted=[True, True])
+
+
+def test_the_kvtier_model_drives_the_real_tier_between_hbm_and_the_optimum() -> None:
+    """With the tier's admission mode, "kvtier" is kvtier's own tier of that size behind the
+    same HBM: it serves every reuse where the tier holds everything (as the optimum does), and
+    at most the optimum where it is tight, never less than HBM alone."""
+    roomy = ceilings(alternating(N), BS, 5, 32, 100, policy="adaptive")
+    assert roomy["kvtier"].external_hit_tokens == roomy["hbm+tier"].external_hit_tokens
+    assert roomy["kvtier"].external_hit_tokens == (N - 2) * 64
+    tight = ceilings(alternating(N), BS, 5, 32, 3, policy="all")
+    assert tight["hbm"].hit_tokens <= tight["kvtier"].hit_tokens <= tight["hbm+tier"].hit_tokens
+    # a chain-aware LRU of 3 chunks for 2 prefixes of 2: every reuse finds the other prefix's
+    # head evicted last, so it reads less than the optimum
+    assert tight["kvtier"].external_hit_tokens < tight["hbm+tier"].external_hit_tokens
+    assert "kvtier" not in ceilings(alternating(N), BS, 5, 32, 100)  # no mode: no model

@@ -518,6 +518,14 @@ def test_multi_turn_on_off_against_kvtier_serve(tmp_path: Path) -> None:
     assert 0 < rows["steps.on.path_cpu_ms"]["value"] < step["raw"]
     assert rows["steps.on.scheduler.lookup"]["detail"]["rep0.steps_run"] > 0
     assert rows["steps.on.parked_steps"]["detail"]["rep0.loads"] > 0
+    # the model of kvtier's own tier (real classes, the run's size and admission) next to the
+    # live ON arm: within the infinite bound, and the live arm reads what it predicts
+    model = on["ceilings"]["full"]["kvtier"]["hit_rate"] * 100
+    assert on["ceilings"]["full"]["hbm"]["hit_rate"] * 100 <= model <= infinite + 1e-9
+    vs = rows["full.on.hit_rate_vs_model"]
+    assert vs["raw"] == pytest.approx(model) and vs["target"] == ">= 0.9x raw"
+    assert vs["pass"] is True, vs
+    assert "full.off.hit_rate_vs_model" not in rows
 
 
 def test_a_server_that_fails_to_start_names_its_exit_and_the_partial_run(tmp_path: Path) -> None:
@@ -533,3 +541,29 @@ def test_a_server_that_fails_to_start_names_its_exit_and_the_partial_run(tmp_pat
     assert "exited with code 3" in result.output and "no model" in result.output
     assert f"kvtier bench report {out}" in result.output
     assert json.loads((out / "meta.json").read_text())["complete"] is False
+
+
+def test_tier_tokens_sizes_the_on_arms_tier_and_the_ceilings_alike(tmp_path: Path) -> None:
+    """`--tier-tokens` for kvtier serve's ON/OFF arms sizes the ON server's memory tier, not
+    only the ceilings: a 1M-token ceiling over the default 64k-token tier read as hits lost."""
+    from kvtier.bench.run_cli import _arms_and_ceiling
+    from kvtier.layout import bytes_per_token_from_hf
+
+    model = init_model(tmp_path / "model", dtype="float32")
+    arms, _, cc = _arms_and_ceiling(
+        (), None, None, model, 1, 64, None, 64, 100_000, 4, 1024
+    )  # fmt: skip
+    per_token = bytes_per_token_from_hf(
+        json.loads((model / "config.json").read_text()), tp_size=1, kv_dtype="float32"
+    ).bytes_per_token
+    on = next(a for a in arms if a.name == "on")
+    # whole chunks: 100,000 tokens is 1562 chunks of 64
+    assert int(on.env["KVTIER_MEMORY_BYTES"]) == 1562 * 64 * per_token
+    assert cc.tier_chunks == 1562 and cc.chunk_size == 64
+    assert cc.admission == "adaptive"  # the model of the tier runs the server's policy
+    default_arms, _, default_cc = _arms_and_ceiling(
+        (), None, None, model, 1, 64, None, 64, None, 4, 1024
+    )  # fmt: skip
+    on = next(a for a in default_arms if a.name == "on")
+    assert "KVTIER_MEMORY_BYTES" not in on.env or on.env["KVTIER_MEMORY_BYTES"] == "256MiB"
+    assert default_cc.tier_chunks == (256 << 20) // (64 * per_token)

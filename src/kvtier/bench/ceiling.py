@@ -7,7 +7,13 @@ Three numbers, each as hit tokens over prompt tokens:
 * HBM + tier: the same HBM in front of the offline-optimal tier of `tier_chunks` chunks of
   `chunk_size` tokens (Belady over the prompts' chunk chains, `kvtier.cachemodel.optimum`): no
   tier policy of that size serves more of its own chunks;
-* infinite: every block ever computed stays (a hard upper bound on any arm).
+* infinite: every block ever computed stays (a hard upper bound on any arm);
+
+and, given the tier's admission mode, one prediction that is no bound:
+
+* kvtier: the same HBM in front of kvtier's own tier of that size, the real `TierStack` and
+  admission policy driven as the scheduler and worker drive them (`kvtier.cachemodel.predict`):
+  what the ON arm should read, so a live run that falls short of it says where to look.
 
 The rules follow the engine and kvtier: a hit never covers the last prompt token (it is computed
 to get logits), the tier counts whole leading chunks, a load starts at the HBM floor and counts
@@ -29,6 +35,7 @@ from typing import Any
 
 from kvtier.bench.workload import check_positive
 from kvtier.cachemodel.optimum import optimal_leading
+from kvtier.cachemodel.predict import drive_tier
 from kvtier.cachemodel.stream import ChainIds, ChainLRU, from_prompts
 from kvtier.errors import ConfigError
 
@@ -89,9 +96,11 @@ def simulate(
     name: str = "",
     outputs: Iterable[Sequence[int]] | None = None,
     counted: Iterable[bool] | None = None,
+    policy: str | None = None,
 ) -> Ceiling:
     """Replay `prompts` in order through an HBM LRU (`hbm_blocks` None: unbounded) and, when
-    `chunk_size` and `tier_chunks` are given, the offline-optimal chunk tier behind it.
+    `chunk_size` and `tier_chunks` are given, a chunk tier behind it: the offline optimum, or
+    with `policy` (an admission mode) kvtier's real tier.
 
     `outputs` (one id sequence per prompt) puts each request's generated blocks in HBM too;
     `counted` (one flag per prompt) counts only the flagged requests in the totals."""
@@ -123,27 +132,40 @@ def simulate(
     for i, prompt in enumerate(stream):
         if not prompt:
             raise ConfigError(f"request {i} has an empty prompt; every prompt needs tokens")
-    # the tier's leading chunks at each lookup, under the offline optimum
-    leads = [0] * len(stream)
-    if use_tier:
-        assert chunk_size is not None
-        leads = optimal_leading(from_prompts(stream, chunk_size), tier_chunks)
-    requests = prompt_tokens = hbm_hits = ext_hits = 0
-    for prompt, output, count, lead in zip(stream, outs, flags, leads, strict=True):
+    # the HBM hit of each request: the HBM holds what every request computed or loaded, so
+    # it does not depend on the tier
+    hits = []
+    for prompt, output in zip(stream, outs, strict=True):
         n = len(prompt)
         block_ids = blocks.of(prompt)
         # the last token is always computed: only blocks inside the first n - 1 tokens can hit
-        h = hbm.leading(block_ids[: (n - 1) // block_size]) * block_size
+        hits.append(hbm.leading(block_ids[: (n - 1) // block_size]) * block_size)
+        if output:
+            # the last generated token is sampled, never fed back: its KV is not computed
+            block_ids = blocks.of(prompt + list(output[:-1]))
+        hbm.touch_chain(block_ids)
+    # the tier's leading chunks at each lookup
+    leads = [0] * len(stream)
+    if use_tier:
+        assert chunk_size is not None
+        chunked = from_prompts(stream, chunk_size)
+        if policy is None:
+            leads = optimal_leading(chunked, tier_chunks)
+        else:
+            floors = [h // chunk_size for h in hits]
+            min_chunks = max(1, -(-min_load_tokens // chunk_size))
+            leads = drive_tier(
+                chunked, tier_chunks, floors, min_load=min_chunks, admission=policy
+            ).leads
+    requests = prompt_tokens = hbm_hits = ext_hits = 0
+    for prompt, count, lead, h in zip(stream, flags, leads, hits, strict=True):
+        n = len(prompt)
         ext = 0
         if use_tier:
             assert chunk_size is not None
             end = min(lead * chunk_size, n - 1)
             if end > h and end - h >= min_load_tokens:
                 ext = end - h
-        if output:
-            # the last generated token is sampled, never fed back: its KV is not computed
-            block_ids = blocks.of(prompt + list(output[:-1]))
-        hbm.touch_chain(block_ids)
         if count:
             requests += 1
             prompt_tokens += n
@@ -162,10 +184,12 @@ def ceilings(
     *,
     outputs: Sequence[Sequence[int]] | None = None,
     counted: Sequence[bool] | None = None,
+    policy: str | None = None,
 ) -> dict[str, Ceiling]:
     """The ceilings by name: "hbm" (an LRU of `hbm_blocks`) and "hbm+tier" (that LRU in front of
     the offline-optimal tier of `tier_chunks` chunks) where those sizes are given, and
-    "infinite" (every block ever computed stays: no arm can hit more)."""
+    "infinite" (every block ever computed stays: no arm can hit more); with `policy` (the tier's
+    admission mode) also "kvtier", the prediction of kvtier's own tier of that size."""
     common: dict[str, Any] = {"block_size": block_size, "outputs": outputs, "counted": counted}
     out = {}
     if hbm_blocks:
@@ -180,5 +204,16 @@ def ceilings(
                 name="hbm+tier",
                 **common,
             )
+            if policy is not None:
+                out["kvtier"] = simulate(
+                    prompts,
+                    hbm_blocks=hbm_blocks,
+                    chunk_size=chunk_size,
+                    tier_chunks=tier_chunks,
+                    min_load_tokens=min_load_tokens,
+                    name="kvtier",
+                    policy=policy,
+                    **common,
+                )
     out["infinite"] = simulate(prompts, hbm_blocks=None, name="infinite", **common)
     return out

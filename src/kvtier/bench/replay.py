@@ -136,6 +136,10 @@ class WorkloadConfig:
         return dict(self.__dict__)
 
 
+# the share of the model's predicted cache-read rate a live ON arm must reach
+MODEL_AGREEMENT = 0.9
+
+
 @dataclass(frozen=True)
 class CeilingConfig:
     """Cache sizes the ceilings are simulated with (None: that ceiling is not computed)."""
@@ -145,6 +149,9 @@ class CeilingConfig:
     chunk_size: int | None = None
     tier_chunks: int | None = None
     min_load_tokens: int = 0
+    # the tier's admission mode where it is known (kvtier serve's arms): adds the "kvtier"
+    # prediction of the real tier next to the ceilings
+    admission: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """Plain fields."""
@@ -595,8 +602,9 @@ def _ceilings(
         windows[CUT] = [r.start >= started + cut for r in sent]
     sizes = [cc.get(k) for k in ("block_size", "hbm_blocks", "chunk_size", "tier_chunks")]
     min_load = cc.get("min_load_tokens") or 0
+    policy = cc.get("admission")
     return {
-        w: ceilings(stream, *sizes, min_load, outputs=outs, counted=counted)
+        w: ceilings(stream, *sizes, min_load, outputs=outs, counted=counted, policy=policy)
         for w, counted in windows.items()
     }
 
@@ -853,6 +861,25 @@ def _hit_rows(report: Report, doc: Mapping[str, Any], windows: Sequence[str]) ->
                     detail=detail,
                 )
             )
+            model = (sp.get("ceiling_kvtier_pct") or {}).get("mean")
+            if arm["offload"] and model:
+                model_note = report.note(
+                    "the model: the same HBM in front of kvtier's own tier of the run's size, "
+                    "its real TierStack and admission policy driven request by request "
+                    "(kvtier.cachemodel.predict); the live arm reads at least "
+                    f"{MODEL_AGREEMENT:g} of it (concurrency can only lose hits a sequential "
+                    "run finds): less says the engine and the model disagree"
+                )
+                report.add(
+                    Row(
+                        f"{w}.{name}.hit_rate_vs_model",
+                        f"{name}: cache-read rate vs the model's{suffix} {model_note}",
+                        measured,
+                        "%",
+                        raw=model,
+                        target=Target("ratio", ">=", MODEL_AGREEMENT),
+                    )
+                )
 
 
 def _check_rows(report: Report, checks: Mapping[str, Any]) -> None:

@@ -15,7 +15,14 @@ from rich.markup import escape
 
 from kvtier.bench.arms import OFF, OFF_AGAIN, ArmSpec, ServerConfig, parse_arm
 from kvtier.bench.client import HISTORY_MODES, OUTPUTS, LoadOptions
-from kvtier.bench.e2e import NATIVE, ensure_model, model_config, tier_chunks_per_rank, tier_config
+from kvtier.bench.e2e import (
+    KV_DTYPE,
+    NATIVE,
+    ensure_model,
+    model_config,
+    tier_chunks_per_rank,
+    tier_config,
+)
 from kvtier.bench.replay import (
     CACHE_BUST,
     WORKLOADS,
@@ -34,6 +41,7 @@ from kvtier.bench.table import write_json
 from kvtier.bench.vllm_host import default_venv
 from kvtier.bench.vllm_load import KVTIER_CLIENT, LOADS
 from kvtier.errors import ConfigError, StartupError
+from kvtier.layout import bytes_per_token_from_hf
 
 
 def bench_run_command(
@@ -110,7 +118,10 @@ def bench_run_command(
         None, "--chunk-size", help="kvtier chunk size (ON/OFF arms: 64); the tier ceiling's."
     ),
     tier_tokens: int | None = typer.Option(
-        None, "--tier-tokens", help="Tier capacity in tokens per rank, for the ceiling."
+        None,
+        "--tier-tokens",
+        help="Tier capacity in tokens per rank: the ceilings' and, for the ON/OFF arms, the ON "
+        "server's memory tier.",
     ),
     max_batched_tokens: int = typer.Option(
         1024, "--max-batched-tokens", help="ON/OFF arms: tokens computed per step."
@@ -278,6 +289,7 @@ def _arms_and_ceiling(
     tier_chunks = None
     min_load = 0
     chunk = chunk_size
+    admission = None  # the tier's admission mode: known for kvtier serve's arms only
     if arm or url:
         arms = tuple(parse_arm(a) for a in arm) if arm else (ArmSpec("endpoint", url=url),)
         if vocab is None:
@@ -306,6 +318,14 @@ def _arms_and_ceiling(
         config = model_config(model)
         bs, ceiling_hbm = bs or 16, hbm_blocks or 128
         env, _, kv = tier_config(NATIVE, chunk or 64, bs)
+        memory = kv.memory_bytes
+        if tier_tokens is not None:
+            # the ON arm's tier is the size the ceiling and the model are computed for (it was
+            # the ceiling's only: a 1M-token ceiling over a 64k-token tier read as lost hits)
+            geometry = bytes_per_token_from_hf(config, tp_size=tp, kv_dtype=KV_DTYPE)
+            whole = max(1, tier_tokens // kv.chunk_size) * kv.chunk_size
+            memory = geometry.bytes_for_tokens(whole)
+            env = {**env, "KVTIER_MEMORY_BYTES": str(memory)}
         server = ServerConfig(
             model, tp, ceiling_hbm, bs, concurrency, max_batched_tokens, 1, env=env
         )
@@ -315,13 +335,10 @@ def _arms_and_ceiling(
         )
         vocab = vocab or int(config["vocab_size"])
         chunk, min_load = kv.chunk_size, kv.min_load(bs)
-        tier_chunks = (
-            tier_chunks_per_rank(config, tp, chunk, kv.memory_bytes)
-            if tier_tokens is None
-            else tier_tokens // chunk
-        )
+        tier_chunks = tier_chunks_per_rank(config, tp, chunk, memory)
+        admission = kv.admission
     bs = bs or 16
-    return arms, vocab, CeilingConfig(bs, ceiling_hbm, chunk, tier_chunks, min_load)
+    return arms, vocab, CeilingConfig(bs, ceiling_hbm, chunk, tier_chunks, min_load, admission)
 
 
 def _load_engine(
