@@ -560,3 +560,24 @@ def test_by_default_the_one_block_past_the_hbm_floor_is_loaded():
     sched, _, metrics = make(hits=2, min_load_tokens=CHUNK)
     assert sched.get_num_new_matched_tokens(SlotView("a", p), 3 * BLOCK) == 0
     assert metrics.value("skipped_loads_total", reason="too_small") == 1
+
+
+def test_the_gate_starts_from_the_self_tests_load_where_it_is_faster_than_the_seed():
+    """The gate's memory rate began at the config's 5 GB/s seed, which sent a GPU's first
+    restore to the load lane chunk by chunk; a rank's self-test load through the real path now
+    starts it, where faster (one chunk's time errs low: a slower reading keeps the seed)."""
+    def seeded() -> OffloadScheduler:
+        # 5 GB/s over 1 KiB per token: the seed is ~4.9M tokens/s
+        return OffloadScheduler(
+            KVTierConfig(chunk_size=CHUNK), FakeLookup(0), model_id="m", block_size=BLOCK,
+            world=1, metrics=Metrics(rank=0), bytes_per_token=1024, cold_misses=False,
+        )  # fmt: skip
+
+    sched = seeded()
+    seed = sched.gate.per_tier["memory"].value
+    sched.process_reports([WorkerReport(0, selftest_load=(256, 256 / (4 * seed)))])
+    assert sched.gate.per_tier["memory"].value == pytest.approx(4 * seed)
+    assert sched.gate.per_tier["memory"].samples == 1
+    slow = seeded()
+    slow.process_reports([WorkerReport(0, selftest_load=(256, 256 / (seed / 10)))])
+    assert slow.gate.per_tier["memory"].value == seed and slow.gate.per_tier["memory"].samples == 0

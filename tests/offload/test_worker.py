@@ -123,12 +123,17 @@ def test_save_then_load_moves_real_blocks_under_the_harness(rig) -> None:  # typ
     assert worker.wait_idle(WAIT_S)
     report = worker.take_report()
     assert [(r.ok, r.nbytes) for r in report.results] == [(True, worker.codec.chunk_bytes)]
+    # the first report carries the self-test's load through the real path, once (the
+    # scheduler's load gate starts from it)
+    tokens, seconds = report.selftest_load or (0, 0.0)
+    assert tokens == CHUNK and seconds > 0
     assert worker.stack.lookup([KEY_A], "lk1") == 1
     load = LoadOp("r2#ld", "r2", "lk1", [ChunkRef(KEY_A, [9, 8])], CHUNK)
     worker.start_load_kv(OffloadMeta(loads=[load]))
     assert worker.wait_idle(WAIT_S)
     report = worker.take_report()
     assert report.finished_recving == ["r2"] and report.results[0].ok
+    assert report.selftest_load is None
     assert all(torch.equal(a, b) for a, b in zip(blocks(views, [9, 8]), want, strict=True))
     # both lanes bound the device in their own thread (CUDA: set_device there)
     assert {"kvtier-load-0", "kvtier-save-0"} <= set(ops.bound)

@@ -148,6 +148,9 @@ class LoadPath:
 
     def _run_one(self, lane: Lane, flights: Flights[Buffers], run: LoadRun) -> None:
         op = run.p.op
+        # timed from its own first chunk, not from its job's start: a load queued behind others
+        # in one job would otherwise read as a slow tier to the load gate
+        run.t0 = time.perf_counter()
         try:
             run.reason = op.fail or self.degraded
             for ref in () if run.reason else op.chunks:

@@ -109,6 +109,9 @@ class WorkerReport(msgspec.Struct):
     changes: list[TierChange] = msgspec.field(default_factory=list)
     # this rank's metrics (kvtier.metrics.snapshot), for the process that serves /metrics
     metrics: bytes = b""
+    # the startup self-test's load through the real path (tokens, seconds), sent once: the
+    # scheduler's load gate starts from it instead of the config's seed
+    selftest_load: tuple[int, float] | None = None
 
     def is_empty(self) -> bool:
         return not (
@@ -117,6 +120,7 @@ class WorkerReport(msgspec.Struct):
             or self.finished_recving
             or self.invalid_block_ids
             or self.changes
+            or self.selftest_load
         )
 
 

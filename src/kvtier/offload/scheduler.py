@@ -400,6 +400,8 @@ class OffloadScheduler:
         with self.clock.time(REPORTS):
             outcomes = []
             for report in reports:
+                if report.selftest_load is not None:
+                    self._seed_from_selftest(*report.selftest_load)
                 for result in report.results:
                     term = self._quorum.report(report.rank, result)
                     if term is not None:
@@ -416,6 +418,17 @@ class OffloadScheduler:
             self._step_t0 = None
             self.gate.observe_step(step_s)
         return outcomes
+
+    def _seed_from_selftest(self, tokens: int, seconds: float) -> None:
+        """A rank's startup self-test loaded one chunk through the real path: before any real
+        load was timed, the gate's memory rate starts from it where it is faster than the
+        config's seed (one chunk's time holds a lane's wake-up too, so it only ever errs low:
+        a slower reading keeps the seed rather than turn loads away)."""
+        memory = self.gate.per_tier.get("memory")
+        if seconds <= 0 or (memory is not None and memory.samples > 0):
+            return
+        if memory is None or tokens / seconds > memory.value:
+            self.gate.observe_load(tokens, seconds, "memory")
 
     def _terminal(self, term: Terminal) -> LoadOutcome | None:
         req_id, kind = self._ops.pop(term.op_id)

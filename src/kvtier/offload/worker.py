@@ -137,6 +137,8 @@ class OffloadWorker:
         self.clock = HookClock(metrics)
         self._step_t0: float | None = None
         self._selftest_ids = itertools.count()
+        # the self-test's load (tokens, seconds), for the scheduler's gate (sent once)
+        self._selftest_load: tuple[int, float] | None = None
         self._report_changes = report_changes
         host = cpus.host_cpus()
         self.lane_cpus = cpus.lane_cpus(config.lane_cpus, compute_cpus, host)
@@ -312,9 +314,11 @@ class OffloadWorker:
             p = PendingLoad(op, 0.0, 0.0, self._ops_fence())
             loads = self._loads
             assert loads is not None
+            t0 = time.perf_counter()
             run = self._load_lane_call(lambda lane: loads.one(lane, p))
             if run.reason or not run.served:
                 raise RuntimeError(f"the load path failed: {run.reason or 'nothing read'}")
+            self._selftest_load = (self.config.chunk_size, time.perf_counter() - t0)
 
         try:
             bpc = self.config.chunk_size // desc.block_size  # a chunk's blocks in each group
@@ -558,8 +562,10 @@ class OffloadWorker:
                 finished_recving=self._recving,
                 invalid_block_ids=self._invalid,
                 changes=changes,
+                selftest_load=self._selftest_load,
             )
             self._results, self._sending, self._recving, self._invalid = [], [], [], []
+            self._selftest_load = None
         return report
 
     def encode_report(self, report: WorkerReport) -> bytes:
