@@ -268,14 +268,17 @@ CHECKS: tuple[tuple[str, Callable[[Plan], list[Row]]], ...] = (
 )
 
 
-def run(p: Plan) -> tuple[dict[str, Any], list[Row]]:
-    """Every check in order; a check that crashes is one FAIL row and the rest still run."""
+def run(p: Plan, only: set[str] | None = None) -> tuple[dict[str, Any], list[Row]]:
+    """Every check in order (or the `only` ones); a check that crashes is one FAIL row and the
+    rest still run."""
     env: dict[str, Any] = {"torch": torch.__version__, "device": p.device, "quick": p.quick}
     if p.device.startswith("cuda"):
         env["gpu"] = torch.cuda.get_device_name(torch.device(p.device))
     rows: list[Row] = []
     t0 = time.perf_counter()
     for name, check in CHECKS:
+        if only and name not in only:
+            continue
         try:
             rows += check(p)
         except Exception as e:  # noqa: BLE001 - a crashed check is a FAIL row, the rest still run
@@ -300,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
     ap.add_argument("--out", default=str(ROOT / "build" / "gpu-check"))
     ap.add_argument("--quick", action="store_true", help="fewer bench repetitions")
+    names = [n for n, _ in CHECKS]
+    ap.add_argument(
+        "--only", action="append", choices=names, help="run this check only (repeatable)"
+    )
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -309,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"gpu-check: {e}", file=sys.stderr)
         return 2
-    env, rows = run(p)
+    env, rows = run(p, set(a.only or ()))
     print_table(env, rows)
     (out / "gpu-check.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
     return 0 if all(ok is not False for _, _, ok in rows) else 1
