@@ -262,6 +262,37 @@ class Mock:
             self.in_flight -= 1
 
 
+def _aa_doc(open_loop: bool, full: dict[str, dict[str, float]]) -> dict[str, Any]:
+    runs = [{"arm": a, "rep": 0, "windows": {"full": w}} for a, w in full.items()]
+    return {
+        "baseline": "off", "arms": dict.fromkeys(full), "runs": runs,
+        "meta": {"load": {"open_loop": open_loop}},
+    }  # fmt: skip
+
+
+def test_open_loop_throughput_is_the_schedules_and_is_not_judged_against_the_aa_band() -> None:
+    """A roomy trace run, open loop: every arm finished the schedule, so throughputs read
+    0.99999x ON and 1.000004x A/A; judging them said FAIL on the fifth digit."""
+    same = {"output_throughput": 50.805, "request_throughput": 3.6443}
+    full = {
+        "on": {**same, "output_throughput": 50.80504, "ttft_p50_ms": 27.3},
+        "off": {**same, "output_throughput": 50.80571, "ttft_p50_ms": 36.0},
+        "off_again": {**same, "output_throughput": 50.80590, "ttft_p50_ms": 33.9},
+    }
+    for open_loop in (True, False):
+        report = replay.Report("run", "t")
+        replay._aa_rows(report, _aa_doc(open_loop, full))
+        rows = {r.id: r for r in report.rows}
+        ttft = rows["aa.on.ttft_p50_ms"]
+        assert ttft.target is not None and ttft.passed is True
+        tput = rows["aa.on.output_throughput"]
+        if open_loop:
+            assert tput.target is None and tput.passed is None
+            assert "not judged" in tput.label
+        else:  # closed loop, throughput is the server's: judged, and 0.99999x is no gain
+            assert tput.passed is False
+
+
 def test_closed_loop_runs_turns_in_order_with_real_outputs() -> None:
     specs = multi_turn(3, 3, 6, seed=0, vocab=VOCAB, max_tokens=2)
     mock = Mock()
