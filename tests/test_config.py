@@ -468,7 +468,7 @@ def test_describe_is_one_line_summary() -> None:
     assert line == (
         "kvtier: offload on; chunk=256 tokens; memory=64GiB/rank; disk=1TiB at /mnt/kv; "
         "remote=off; lookup=ipc over ranks [0, 1, 2, 3] within 200ms; min_load=1 block; "
-        "load_gate=on; sync_load_fraction=0.25; self_test=on"
+        "load_policy=cost; sync_load_fraction=0.25; self_test=on"
     )
     assert KVTierConfig(enabled=False).describe() == "kvtier: offload off"
 

@@ -11,7 +11,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,9 @@ from kvtier.lookup import (
     format_client_line,
     make_run_dir,
 )
+from kvtier.lookup.result import merged_runs
 from kvtier.metrics import Metrics
+from kvtier.store.stack import LookupRun
 from tests.lookup_helpers import FakeBackend, make_keys, recv_signed, run_fake_server, signed
 
 CHUNK = 16
@@ -355,6 +357,51 @@ def test_backend_error_is_an_error_reply_not_a_timeout(run_dir: Path) -> None:
         c.close()
         for s in servers.values():
             s.close()
+
+
+class _TieredBackend(FakeBackend):
+    """A rank whose chunks sit in named tiers: `lookup_run` says each run's tier."""
+
+    def __init__(self, rank: int, keys: Sequence[bytes], tiers: str) -> None:
+        super().__init__(rank, keys)
+        self.tiers = tiers  # one letter per key: m(emory), d(isk), r(emote)
+
+    def lookup_run(self, keys: Sequence[bytes], lease_id: str | None) -> Any:
+        names = {"m": "memory", "d": "disk", "r": "remote"}
+        n = self.lookup(keys, lease_id)
+        runs: list[tuple[str, int]] = []
+        for letter in self.tiers[:n]:
+            if runs and runs[-1][0] == names[letter]:
+                runs[-1] = (names[letter], runs[-1][1] + 1)
+            else:
+                runs.append((names[letter], 1))
+        return LookupRun(n, runs[-1][0] if runs else "", tuple(runs))
+
+
+def test_the_answer_carries_each_chunks_tier_the_slowest_rank_deciding(run_dir: Path) -> None:
+    """Every rank reads its part of a chunk: the chunk comes at the deepest tier any rank
+    serves it from, so a load-or-recompute choice reads the tail at the store's speed."""
+    keys = make_keys(5)
+    servers, eps = _servers(
+        run_dir,
+        {0: _TieredBackend(0, keys, "mmmmd"), 1: _TieredBackend(1, keys[:4], "mmrm")},
+    )
+    c = LookupClient(eps, Metrics(0), chunk_size=CHUNK, world=2, timeout_ms=2000)
+    try:
+        c.wait_ready(10.0)
+        res = c.lookup(keys, "tiers")
+        assert res.hit_chunks == 4
+        assert res.runs == (("memory", 2), ("remote", 1), ("memory", 1))
+        assert res.tier == "remote"
+    finally:
+        c.close()
+        for s in servers.values():
+            s.close()
+
+
+def test_merged_runs_are_empty_when_a_rank_said_none() -> None:
+    assert merged_runs([(("memory", 3),), ()], 2) == ()  # an older rank: the deepest tier only
+    assert merged_runs([(("memory", 1), ("disk", 2))], 2) == (("memory", 1), ("disk", 1))
 
 
 def test_endpoint_served_by_another_rank_is_detected(run_dir: Path) -> None:

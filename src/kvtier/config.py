@@ -73,6 +73,7 @@ _REMOTE_FULL = ("refuse", "warn")
 RETENTION_FULL_MODES = ("clip", "soonest")
 # the admission policy's modes (kvtier.offload.admission)
 ADMISSION_MODES = ("adaptive", "all")
+LOAD_POLICIES = ("cost", "always")
 _ADMISSION = ADMISSION_MODES
 _DISK_CONFLICT = ("refuse", "own_dir")
 _MIN_RECORD_KEY_CHARS = 32
@@ -441,7 +442,27 @@ class KVTierConfig:
         86400.0, "float", "longest retention a hint may ask for; longer ones are clipped to it"
     )
     write_queue_depth: int = _f(256, "int", "bound of each write-behind queue")
-    load_gate: bool = _f(True, "bool", "skip loads predicted slower than recompute")
+    load_gate: bool = _f(
+        True, "bool", "false = load_policy 'always' (kept for older configs; prefer load_policy)"
+    )
+    load_policy: str = _f(
+        "cost",
+        "str",
+        "'cost': each run of hits is loaded from the tier that holds it only where the load is "
+        "predicted faster than recomputing it (read and prefill times learnt live); 'always': "
+        "every hit is loaded",
+    )
+    load_margin: float = _f(
+        0.1,
+        "float",
+        "how much faster than recompute a load must be predicted to be chosen (0.1 = 10%)",
+    )
+    load_probe_s: float = _f(
+        10.0,
+        "float",
+        "a tier the cost policy turns away is still read once per this many seconds, so its "
+        "measured speed stays current",
+    )
     sync_load_fraction: float = _f(
         0.25,
         "float",
@@ -573,6 +594,18 @@ class KVTierConfig:
             raise _error(
                 "admission",
                 f"{_show('admission', self.admission)} is not one of {', '.join(_ADMISSION)}",
+            )
+        if self.load_policy not in LOAD_POLICIES:
+            raise _error(
+                "load_policy",
+                f"{_show('load_policy', self.load_policy)} is not one of "
+                f"{', '.join(LOAD_POLICIES)}; use 'cost' (the default) or 'always'",
+            )
+        if not (math.isfinite(self.load_margin) and 0 <= self.load_margin <= 10):
+            raise _error(
+                "load_margin",
+                f"{_show('load_margin', self.load_margin)} is outside 0..10; use a share such "
+                "as 0.1 (a load must be predicted 10% faster than recompute)",
             )
         if self.admission_history < 0:
             raise _error(
@@ -719,6 +752,7 @@ class KVTierConfig:
             "remote_read_gbps",
             "breaker_failures",
             "breaker_probe_s",
+            "load_probe_s",
         )
         for key in positive:
             value = getattr(self, key)
@@ -772,6 +806,11 @@ class KVTierConfig:
         return block_size if self.min_load_tokens is None else self.min_load_tokens
 
     @property
+    def effective_load_policy(self) -> str:
+        """`load_policy`, or 'always' where an older config turned `load_gate` off."""
+        return self.load_policy if self.load_gate else "always"
+
+    @property
     def memory_only(self) -> bool:
         """True when the ranks keep chunks in host memory alone (no disk, no remote tier)."""
         return not self.disk_bytes and not self.remote_url
@@ -822,7 +861,7 @@ class KVTierConfig:
             f"memory={format_size(self.memory_bytes)}/rank; disk={disk}; remote={remote}; "
             f"lookup={self.lookup_transport} over {scope} within {self.lookup_timeout_ms}ms; "
             f"min_load={min_load}; "
-            f"load_gate={'on' if self.load_gate else 'off'}; "
+            f"load_policy={self.effective_load_policy}; "
             f"sync_load_fraction={self.sync_load_fraction:g}; "
             f"self_test={'on' if self.self_test else 'off'}"
         )

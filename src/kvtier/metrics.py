@@ -58,6 +58,8 @@ _STEP_BUCKETS = (
 )
 # engine steps a request waited parked per load (0 = loaded inside the forward of its step)
 _STEP_COUNT_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+# measured over predicted: 2x either way is where a prediction counts as missed
+_RATIO_BUCKETS = (0.125, 0.25, 0.5, 0.8, 1.0, 1.25, 2.0, 4.0, 8.0, 16.0)
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,12 @@ class _Families:
     retention: Counter
     retained_chunks: Gauge
     retention_displaced: Counter
+    load_decisions: Counter
+    load_decision_tokens: Counter
+    load_predicted_seconds: Histogram
+    load_prediction_ratio: Histogram
+    load_mispredictions: Counter
+    load_misprediction_share: Gauge
 
 
 def _build(reg: CollectorRegistry) -> _Families:
@@ -285,6 +293,37 @@ def _build(reg: CollectorRegistry) -> _Families:
             "retained_chunks",
             "Chunks clients' hints retain now (the scheduler's ledger, within retention_budget).",
         ),
+        load_decisions=c(
+            "load_decisions",
+            "Runs of tier hits by what the load policy decided: load, recompute (predicted "
+            "slower than the prefill it replaces), probe (a turned-away tier read to keep its "
+            "measured speed current).",
+            "decision",
+            "tier",
+        ),
+        load_decision_tokens=c(
+            "load_decision_tokens",
+            "Tokens of tier hits by what the load policy decided (see load_decisions).",
+            "decision",
+            "tier",
+        ),
+        load_predicted_seconds=h(
+            "load_predicted_seconds", "The cost model's predicted time of each load it chose."
+        ),
+        load_prediction_ratio=h(
+            "load_prediction_ratio",
+            "Each finished load's measured over predicted time (1 = exact).",
+            buckets=_RATIO_BUCKETS,
+        ),
+        load_mispredictions=c(
+            "load_mispredictions",
+            "Loads whose measured time was off the prediction by more than 2x.",
+        ),
+        load_misprediction_share=g(
+            "load_misprediction_share",
+            "Recent share of loads off their prediction by more than 2x (kvtier doctor warns "
+            "above 0.5).",
+        ),
     )
 
 
@@ -351,6 +390,10 @@ class Metrics:
         self.step_seconds = f.step_seconds.labels(r)
         self.load_parked_steps = f.load_parked_steps.labels(r)
         self.sync_loads = f.sync_loads.labels(r)
+        self.load_predicted_seconds = f.load_predicted_seconds.labels(r)
+        self.load_prediction_ratio = f.load_prediction_ratio.labels(r)
+        self.load_mispredictions = f.load_mispredictions.labels(r)
+        self.load_misprediction_share = f.load_misprediction_share.labels(r)
 
     def hook(self, name: str) -> Histogram:
         return self.f.hook_seconds.labels(str(self.rank), name)
@@ -384,6 +427,12 @@ class Metrics:
 
     def admission_return(self, decision: str) -> Counter:
         return self.f.admission_returns.labels(str(self.rank), decision)
+
+    def load_decision(self, decision: str, tier: str) -> Counter:
+        return self.f.load_decisions.labels(str(self.rank), decision, tier)
+
+    def load_decision_tokens(self, decision: str, tier: str) -> Counter:
+        return self.f.load_decision_tokens.labels(str(self.rank), decision, tier)
 
     def skipped_load(self, reason: str) -> Counter:
         return self.f.skipped_loads.labels(str(self.rank), reason)

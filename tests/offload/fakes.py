@@ -12,6 +12,8 @@ class FakeResult:
     limiting_rank: int | None = None
     timed_out: tuple[int, ...] = ()
     per_rank: dict[int, int] = field(default_factory=dict)
+    tier: str = ""
+    runs: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass
@@ -32,9 +34,15 @@ class FakePending:
 class FakeLookup:
     """Answers `hits` chunks (capped by the keys asked) and records leases and releases."""
 
-    def __init__(self, hits: int = 0, timed_out: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        hits: int = 0,
+        timed_out: tuple[int, ...] = (),
+        runs: tuple[tuple[str, int], ...] = (),
+    ) -> None:
         self.hits = hits
         self.timed_out = timed_out
+        self.runs = runs  # (tier, chunks) per run of the hit, as a real lookup answers
         self.leased: list[str] = []
         self.released: list[str] = []
         # (op, keys, until, waited) of every admin request, in order
@@ -44,7 +52,13 @@ class FakeLookup:
         n = min(self.hits, len(keys))
         if lease and n:
             self.leased.append(lookup_id)
-        return FakeResult(n, timed_out=self.timed_out)
+        runs, left = [], n
+        for tier, chunks in self.runs:
+            if left:
+                runs.append((tier, min(chunks, left)))
+                left -= runs[-1][1]
+        tier = runs[-1][0] if runs else ""
+        return FakeResult(n, timed_out=self.timed_out, tier=tier, runs=tuple(runs))
 
     def release(self, lookup_ids: Sequence[str]) -> None:
         self.released.extend(lookup_ids)

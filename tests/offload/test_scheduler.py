@@ -574,10 +574,88 @@ def test_the_gate_starts_from_the_self_tests_load_where_it_is_faster_than_the_se
         )  # fmt: skip
 
     sched = seeded()
-    seed = sched.gate.per_tier["memory"].value
-    sched.process_reports([WorkerReport(0, selftest_load=(256, 256 / (4 * seed)))])
-    assert sched.gate.per_tier["memory"].value == pytest.approx(4 * seed)
-    assert sched.gate.per_tier["memory"].samples == 1
+    memory = sched.gate.cost.tier("memory")
+    seed = memory.seconds(256)
+    sched.process_reports([WorkerReport(0, selftest_load=(256, seed / 4))])
+    assert memory.seconds(256) == pytest.approx(seed / 4, rel=0.05)
+    assert memory.samples == 1
     slow = seeded()
-    slow.process_reports([WorkerReport(0, selftest_load=(256, 256 / (seed / 10)))])
-    assert slow.gate.per_tier["memory"].value == seed and slow.gate.per_tier["memory"].samples == 0
+    slow.process_reports([WorkerReport(0, selftest_load=(256, seed * 10))])
+    assert slow.gate.cost.tier("memory").seconds(256) == seed
+    assert slow.gate.cost.tier("memory").samples == 0
+
+
+def _cost_sched(runs: tuple[tuple[str, int], ...], **cfg) -> tuple[OffloadScheduler, Metrics]:
+    """A scheduler whose prefill was measured at 10k tokens/s, over a lookup answering `runs`;
+    memory reads at 1M tokens/s, the remote store at 2k (5x slower than recomputing)."""
+    hits = sum(n for _, n in runs)
+    metrics = Metrics(rank=0)
+    config = KVTierConfig(chunk_size=CHUNK, prefill_tokens_per_s=10_000.0, **cfg)
+    sched = OffloadScheduler(
+        config, FakeLookup(hits, runs=runs), model_id="m", block_size=BLOCK, world=1,
+        metrics=metrics, cold_misses=False, bytes_per_token=1000,
+    )  # fmt: skip
+    cost = sched.gate.cost
+    for _ in range(20):
+        cost.tier("memory").observe(4 * CHUNK, 4 * CHUNK / 1e6)
+        cost.tier("remote").observe(4 * CHUNK, 4 * CHUNK / 2000.0)
+        sched.observe_prefill(4 * CHUNK, 4 * CHUNK / 10_000.0)
+    return sched, metrics
+
+
+def test_the_head_in_memory_is_loaded_and_the_tail_only_the_slow_store_holds_is_recomputed():
+    sched, metrics = _cost_sched((("memory", 2), ("remote", 2)))
+    view = SlotView("a", prompt(5 * CHUNK))
+    assert sched.get_num_new_matched_tokens(view, 0) == 2 * CHUNK
+    assert metrics.value("load_decisions_total", decision="load", tier="memory") == 1
+    assert metrics.value("load_decisions_total", decision="recompute", tier="remote") == 1
+    assert metrics.value("load_decision_tokens_total", decision="recompute", tier="remote") == (
+        2 * CHUNK
+    )
+
+
+def test_a_hit_only_a_slow_store_holds_is_recomputed_and_counted():
+    sched, metrics = _cost_sched((("remote", 4),))
+    assert sched.get_num_new_matched_tokens(SlotView("a", prompt(5 * CHUNK)), 0) == 0
+    assert metrics.value("skipped_loads_total", reason="slower_than_recompute") == 1
+    assert metrics.value("load_decisions_total", decision="recompute", tier="remote") == 1
+
+
+def test_load_policy_always_loads_every_hit():
+    sched, metrics = _cost_sched((("memory", 2), ("remote", 2)), load_policy="always")
+    assert sched.get_num_new_matched_tokens(SlotView("a", prompt(5 * CHUNK)), 0) == 4 * CHUNK
+    assert metrics.value("load_decisions_total", decision="load", tier="remote") == 1
+
+
+def test_a_load_far_off_its_prediction_is_counted_and_teaches_the_model():
+    sched, metrics = _cost_sched((("memory", 3),))
+    view, need = _admit(sched, "a", 3 * CHUNK + 4)
+    (op,) = sched.build_meta([]).loads
+    predicted = sched._reqs["a"].load.predicted_s  # type: ignore[union-attr]
+    # learnt from 4-chunk loads only: the fit cannot split latency from rate exactly
+    assert predicted == pytest.approx(3 * CHUNK / 1e6, rel=0.5)
+    assert metrics.value("load_predicted_seconds_count") == 1
+    sched.process_reports(
+        [WorkerReport(0, results=[OpResult(op.op_id, True, seconds=10 * predicted, tier="memory")])]
+    )
+    assert metrics.value("load_mispredictions_total") == 1
+    assert metrics.value("load_prediction_ratio_count") == 1
+    assert metrics.value("load_misprediction_share") == 1.0
+    assert sched.gate.cost.tier("memory").seconds(3 * CHUNK) > 1.5 * predicted
+
+
+def test_a_read_that_timed_out_teaches_the_model_the_store_is_slow():
+    """A load that failed after waiting out the store's timeout was the seed's silent cost:
+    every restore paid the wait, then recomputed, and nothing learnt. Its time is evidence."""
+    sched, metrics = _cost_sched((("remote", 3),))
+    cost = sched.gate.cost
+    cost.tiers["remote"] = type(cost.tier("remote"))(1e6)  # believed fast
+    view, need = _admit(sched, "a", 3 * CHUNK + 4)
+    (op,) = sched.build_meta([]).loads
+    sched.process_reports(
+        [WorkerReport(0, results=[OpResult(op.op_id, False, "timeout", seconds=0.5)])]
+    )
+    assert cost.tier("remote").seconds(3 * CHUNK) == pytest.approx(0.5, rel=0.1)
+    # the next request with the same hit recomputes instead of waiting again
+    assert sched.get_num_new_matched_tokens(SlotView("b", prompt(3 * CHUNK + 4, 9)), 0) == 0
+    assert metrics.value("load_decisions_total", decision="recompute", tier="remote") == 1

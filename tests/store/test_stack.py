@@ -466,6 +466,9 @@ def test_a_leased_lookup_pins_exactly_its_run_across_tiers(
         assert disk.put(c, make_payload(9, SIZE))
         run = s.lookup_run([a, b, c, d, gap, e], "req-1")
         assert (run.chunks, run.tier) == (4, "disk")
+        # each chunk's own tier, for the load-or-recompute choice: the disk chunk is a run
+        assert run.runs == (("memory", 2), ("disk", 1), ("memory", 1))
+        assert s.lookup_run([a, b, c, d, gap, e]).runs == run.runs  # a probe says the same
         assert [memory.is_leased(k) for k in (a, b, d, e)] == [True, True, True, False]
         s.release("req-1")
         assert not any(memory.is_leased(k) for k in (a, b, d))

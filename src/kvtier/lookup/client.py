@@ -37,7 +37,7 @@ from kvtier.lookup.messages import (
     ReleaseRequest,
 )
 from kvtier.lookup.peers import Peers
-from kvtier.lookup.result import LookupResult, PendingLookup, deepest_tier
+from kvtier.lookup.result import LookupResult, PendingLookup, deepest_tier, merged_runs
 from kvtier.metrics import Metrics
 
 log = logging.getLogger("kvtier")
@@ -235,6 +235,10 @@ class LookupClient:
         ordered = {r: p.per_rank[r] for r in self.ranks}
         hit = min(ordered.values())
         limiting = None if hit == p.n else next(r for r, h in ordered.items() if h == hit)
+        runs = merged_runs((p.runs.get(r, ()) for r in self.ranks), hit)
+        # the counted chunks' deepest tier (a rank's own answer may name a deeper tier for
+        # chunks beyond the run every rank holds)
+        tier = deepest_tier(t for t, _ in runs) if runs else deepest_tier(p.tiers.values())
         p.result = LookupResult(
             hit_chunks=hit,
             hit_tokens=hit * self.chunk_size,
@@ -242,7 +246,8 @@ class LookupClient:
             per_rank=ordered,
             timed_out=tuple(missed),
             errors=p.errors,
-            tier=deepest_tier(p.tiers.values()) if hit else "",
+            tier=tier if hit else "",
+            runs=runs,
         )
         self._m.lookup_hit_tokens.inc(p.result.hit_tokens)
         self._m.lookup_seconds.observe(time.perf_counter() - p.t0)
@@ -268,6 +273,7 @@ class LookupClient:
         else:
             p.per_rank[rank] = msg.hit_chunks
             p.tiers[rank] = msg.tier
+            p.runs[rank] = msg.runs
         return True
 
     def release(self, lookup_ids: Iterable[str]) -> None:

@@ -31,6 +31,9 @@ REJECT_RANGE: Final = "range"  # a reply claiming more chunks than were asked (c
 Key = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
 LookupId = Annotated[str, msgspec.Meta(max_length=MAX_LOOKUP_ID_CHARS)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+TierName = Annotated[str, msgspec.Meta(max_length=32)]
+# (tier, chunks) per run of consecutive chunks one tier serves
+TierRun = tuple[TierName, Annotated[int, msgspec.Meta(ge=1)]]
 
 
 class LookupRequest(msgspec.Struct, tag="lookup", array_like=True, frozen=True):
@@ -50,7 +53,7 @@ class LookupRequest(msgspec.Struct, tag="lookup", array_like=True, frozen=True):
 class LookupReply(msgspec.Struct, tag="reply", array_like=True, frozen=True):
     """A rank's answer: `hit_chunks` leading chunks held; `error` set when it could not answer;
     `tier` the deepest tier any of those chunks lives in ("memory", "disk", "remote"; "" when
-    none or unknown)."""
+    none or unknown); `runs` the tier of each run of consecutive chunks (empty: all `tier`)."""
 
     version: int
     lookup_id: str
@@ -59,6 +62,7 @@ class LookupReply(msgspec.Struct, tag="reply", array_like=True, frozen=True):
     hit_chunks: NonNegative
     error: str | None = None
     tier: str = ""
+    runs: tuple[TierRun, ...] = ()
 
 
 class ReleaseRequest(msgspec.Struct, tag="release", array_like=True, frozen=True):

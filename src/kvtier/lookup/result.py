@@ -24,6 +24,9 @@ class LookupResult:
     errors: dict[int, str] = field(default_factory=dict)
     # the deepest tier any rank serves the counted run from ("" when nothing is held)
     tier: str = ""
+    # (tier, chunks) per run of the counted chunks: each chunk at the deepest tier any rank
+    # serves it from (empty when no rank said)
+    runs: tuple[tuple[str, int], ...] = ()
 
 
 # tiers from the accelerator outwards: a run's source is the outermost tier it touches
@@ -35,6 +38,30 @@ def deepest_tier(tiers: Iterable[str]) -> str:
     rank = {t: i for i, t in enumerate(TIER_ORDER)}
     named = [t for t in tiers if t]
     return max(named, key=lambda t: rank.get(t, len(TIER_ORDER))) if named else ""
+
+
+def merged_runs(
+    per_rank: Iterable[tuple[tuple[str, int], ...]], chunks: int
+) -> tuple[tuple[str, int], ...]:
+    """The first `chunks` chunks' runs, each chunk at the deepest tier any rank's runs put
+    it in (every rank must read it: the slowest decides); empty when a rank's runs are
+    missing or do not cover them."""
+    each: list[list[str]] = []
+    for runs in per_rank:
+        tiers = [t for t, n in runs for _ in range(n)]
+        if len(tiers) < chunks:
+            return ()
+        each.append(tiers[:chunks])
+    if not each or not chunks:
+        return ()
+    out: list[tuple[str, int]] = []
+    for i in range(chunks):
+        tier = deepest_tier(t[i] for t in each)
+        if out and out[-1][0] == tier:
+            out[-1] = (tier, out[-1][1] + 1)
+        else:
+            out.append((tier, 1))
+    return tuple(out)
 
 
 @dataclass(eq=False, slots=True)
@@ -53,4 +80,5 @@ class PendingLookup:
     per_rank: dict[int, int] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
     tiers: dict[int, str] = field(default_factory=dict)
+    runs: dict[int, tuple[tuple[str, int], ...]] = field(default_factory=dict)
     result: LookupResult | None = None

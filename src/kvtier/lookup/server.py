@@ -268,12 +268,14 @@ class LookupServer:
     def _lookup(self, router: zmq.Socket, peer: bytes, req: LookupRequest) -> None:
         error: str | None = None
         tier = ""
+        runs: tuple[tuple[str, int], ...] = ()
         lease = req.lookup_id if req.lease else None
         try:
             run = getattr(self._backend, "lookup_run", None)
             if run is not None:
                 answer = run(req.keys, lease)
                 hit, tier = operator.index(answer.chunks), str(answer.tier)
+                runs = tuple((str(t), operator.index(c)) for t, c in answer.runs)
             else:
                 hit = operator.index(self._backend.lookup(req.keys, lease))
         except Exception as e:  # a failing store costs hits, never the server (invariant 9)
@@ -286,9 +288,12 @@ class LookupServer:
                 error = f"backend returned {hit} hits for {len(req.keys)} keys"
                 log.error("kvtier: lookup %r on rank %d: %s", req.lookup_id, self.rank, error)
                 hit = 0
+        if not hit or sum(c for _, c in runs) != hit:
+            runs = ()
         reply = LookupReply(
-            PROTOCOL_VERSION, req.lookup_id, req.req, self.rank, hit, error, tier if hit else ""
-        )
+            PROTOCOL_VERSION, req.lookup_id, req.req, self.rank, hit, error,
+            tier if hit else "", runs,
+        )  # fmt: skip
         self._send(router, peer, self._codec.encode(reply))
         self.served += 1
         self._m.lookups.inc()

@@ -1,31 +1,16 @@
-"""The load gate: skip a tier load whose predicted time exceeds recomputing the same tokens, and
-choose where a load runs: inside the forward of its step (synchronous) when it is predicted to
-take a small share of a step, else on the load lane while its request waits (asynchronous).
+"""The load gate: where a load runs, inside the forward of its step (synchronous) when it is
+predicted to take a small share of a step, else on the load lane while its request waits
+(asynchronous); and, through its cost model (`offload/cost.py`), whether a hit is loaded at all.
 
-The rates and the step time are running estimates (exponentially weighted), seeded from the
-config and updated from every finished load and every step the host reports.
+The step time is a running estimate (exponentially weighted) of the steps the host reports; the
+read and prefill times are the cost model's, learnt from every finished load and every step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-@dataclass
-class Rate:
-    """An exponentially weighted tokens-per-second estimate."""
-
-    value: float
-    alpha: float = 0.2
-    samples: int = 0
-
-    def observe(self, tokens: float, seconds: float) -> None:
-        if tokens <= 0 or seconds <= 0:
-            return
-        rate = tokens / seconds
-        # the first real measurement replaces the seed outright
-        self.value = rate if self.samples == 0 else self.value + self.alpha * (rate - self.value)
-        self.samples += 1
+from kvtier.offload.cost import CostModel, PrefillTime, TierRead
 
 
 @dataclass
@@ -47,13 +32,9 @@ class Duration:
 
 @dataclass
 class LoadGate:
-    """Compares predicted load time with predicted recompute time for a token count."""
+    """The cost model of loads and prefill, and the measured step a sync load must fit in."""
 
-    prefill: Rate
-    load: Rate
-    # per-op fixed cost (dispatch, lookup round trip, wake-up step), measured as the residual
-    overhead_s: float = 0.002
-    per_tier: dict[str, Rate] = field(default_factory=dict)
+    cost: CostModel
     step: Duration = field(default_factory=Duration)  # one busy engine step, sync loads left out
 
     @classmethod
@@ -62,28 +43,22 @@ class LoadGate:
         prefill_tokens_per_s: float,
         load_tokens_per_s: float | None,
         tier_seeds: dict[str, float] | None = None,
+        *,
+        margin: float = 0.1,
+        probe_s: float = 10.0,
     ) -> LoadGate:
-        """A gate seeded from config; an unknown load rate never blocks until measured."""
-        per_tier = {name: Rate(v) for name, v in (tier_seeds or {}).items()}
-        return cls(
-            Rate(prefill_tokens_per_s), Rate(load_tokens_per_s or float("inf")), per_tier=per_tier
-        )
-
-    def load_seconds(self, tokens: int) -> float:
-        return self.overhead_s + tokens / self.load.value
-
-    def recompute_seconds(self, tokens: int) -> float:
-        return tokens / self.prefill.value
-
-    def worth_loading(self, tokens: int) -> bool:
-        """True when loading `tokens` is predicted to be no slower than recomputing them."""
-        return self.load_seconds(tokens) <= self.recompute_seconds(tokens)
+        """A gate seeded from config: `load_tokens_per_s` is memory's read rate (unknown: a
+        load never loses to recompute until measured); `tier_seeds` the other tiers'."""
+        seeds = dict(tier_seeds or {})
+        seeds["memory"] = load_tokens_per_s or seeds.get("memory") or float("inf")
+        tiers = {name: TierRead(rate) for name, rate in seeds.items()}
+        return cls(CostModel(PrefillTime(prefill_tokens_per_s), tiers, margin, probe_s))
 
     def transfer_seconds(self, tokens: int, tier: str | None = None) -> float:
-        """Predicted time to move `tokens` from `tier` (the blend of every tier when unknown)
-        into KV blocks, without the per-op overhead an asynchronous load adds."""
-        rate = self.per_tier.get(tier, self.load) if tier else self.load
-        return tokens / rate.value
+        """Predicted time to move `tokens` from `tier` into KV blocks (the fitted latency
+        included: with loads of one size the fit cannot tell it from the rate, and a sync
+        load that overruns its share of the forward costs every request in the step)."""
+        return self.cost.tier(tier or "").seconds(tokens)
 
     def runs_in_forward(
         self, tokens: int, fraction: float, booked_s: float = 0.0, tier: str | None = None
@@ -100,9 +75,7 @@ class LoadGate:
         self.step.observe(seconds)
 
     def observe_load(self, tokens: int, seconds: float, tier: str = "") -> None:
-        self.load.observe(tokens, seconds)
-        if tier:
-            self.per_tier.setdefault(tier, Rate(self.load.value)).observe(tokens, seconds)
+        self.cost.tier(tier).observe(tokens, seconds)
 
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        self.prefill.observe(tokens, seconds)
+    def observe_prefill(self, tokens: int, seconds: float, context: float = 0.0) -> None:
+        self.cost.prefill.observe(tokens, seconds, context)

@@ -16,10 +16,11 @@ from collections.abc import Callable
 
 from kvtier.config import KVTierConfig
 from kvtier.metrics import Metrics
+from kvtier.offload.cost import LoadChoice
 from kvtier.offload.gate import LoadGate
 from kvtier.offload.inflight import InFlight
 from kvtier.offload.planner import SavePlanner
-from kvtier.offload.protocols import LookupPort
+from kvtier.offload.protocols import LookupPort, LookupResultLike
 from kvtier.offload.request_state import LoadState, RequestState
 
 # Skip reasons (the `reason` label of kvtier_skipped_loads_total).
@@ -57,6 +58,7 @@ class LoadPlanner:
         self.min_load = config.min_load(block_size)
         self.gate = gate
         self.sync_loads = sync_loads
+        self.policy = config.effective_load_policy
         # the tier of a hit when the lookup names none: "memory" only where there is no other
         self.sync_tier = "memory" if config.memory_only else ""
         self.booked_s = 0.0  # predicted seconds of the sync loads promised this step
@@ -114,12 +116,19 @@ class LoadPlanner:
             return 0
         end = min(hit, st.prompt_len - 1)
         reason = self.skip_reason(num_computed_tokens, end)
-        if reason is not None:
-            self._m.skipped_load(reason).inc()
+        choice = None
+        if reason is None:
+            choice = self._choose(num_computed_tokens, end, result)
+            if choice.end <= num_computed_tokens:
+                reason = SLOWER
+        if reason is not None or choice is None:
+            self._m.skipped_load(reason or SLOWER).inc()
             self._lookup.release([lookup_id])
             return 0
+        # a tail only a slow tier holds is recomputed: the load ends at a chunk boundary
+        end = choice.end
         tokens = end - num_computed_tokens
-        st.hit_tier = getattr(result, "tier", "")
+        st.hit_tier = result.tier
         # a sync load blocks the forward for its whole read, with no deadline to abandon it:
         # only runs every rank holds in host memory qualify (a lookup that names no tier: only
         # a memory-only stack's)
@@ -135,8 +144,27 @@ class LoadPlanner:
         )
         if sync:
             self.booked_s += self.gate.transfer_seconds(tokens, tier)
-        st.load = LoadState(hbm=num_computed_tokens, end=end, lookup_id=lookup_id, sync=sync)
+        st.load = LoadState(
+            hbm=num_computed_tokens, end=end, lookup_id=lookup_id, sync=sync,
+            predicted_s=choice.predicted_s, reads=choice.reads(),
+        )  # fmt: skip
+        self._m.load_predicted_seconds.observe(choice.predicted_s)
         return tokens
+
+    def _choose(self, hbm: int, end: int, result: LookupResultLike) -> LoadChoice:
+        """Load or recompute each run of the hit `[hbm, end)` by the tier that serves it
+        (`load_policy`), counted per run."""
+        runs = result.runs or ((result.tier or self.sync_tier, result.hit_chunks),)
+        cost = self.gate.cost
+        if self.policy == "always":
+            choice = cost.load_all(hbm, end, runs, self.chunk)
+        else:
+            choice = cost.choose(hbm, end, runs, self.chunk, self.min_load, self._clock())
+        for seg in choice.segments:
+            tier = seg.tier or "unknown"
+            self._m.load_decision(seg.decision, tier).inc()
+            self._m.load_decision_tokens(seg.decision, tier).inc(seg.end - seg.start)
+        return choice
 
     def _behind_load(self, st: RequestState, first: int) -> bool:
         """Whether `st` waits for another request's load of its chunks: their blocks land in
@@ -179,7 +207,5 @@ class LoadPlanner:
             return UNALIGNED
         if end - hbm < self.min_load:
             return TOO_SMALL
-        if self.config.load_gate and not self.gate.worth_loading(end - hbm):
-            return SLOWER
         return None
 

@@ -53,6 +53,8 @@ class LookupResultLike(Protocol):
     hit_chunks: int
     limiting_rank: int | None
     timed_out: tuple[int, ...]
+    tier: str  # the deepest tier of the counted run ("" when unknown)
+    runs: tuple[tuple[str, int], ...]  # (tier, chunks) per run; empty when unknown
 
 
 class PendingLookupLike(Protocol):

@@ -20,6 +20,8 @@ class LoadState:
     step: int = 0  # the engine step that sent it to the ranks
     fail: str = ""  # sent as a load every rank fails at once (a hook failed after the promise)
     tables: list[list[int]] | None = None  # a hybrid load: every KV cache group's block table
+    predicted_s: float = 0.0  # the cost model's predicted read time, checked at its terminal
+    reads: tuple[tuple[str, int], ...] = ()  # (tier, tokens) the load reads from each tier
 
 
 @dataclass

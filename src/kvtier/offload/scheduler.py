@@ -104,8 +104,9 @@ class OffloadScheduler:
                 "remote": config.remote_read_gbps * 1e9 / bytes_per_token,
             }
         self.gate = LoadGate.seeded(
-            config.prefill_tokens_per_s, load_tokens_per_s or seeds.get("memory"), seeds
-        )
+            config.prefill_tokens_per_s, load_tokens_per_s or seeds.get("memory"), seeds,
+            margin=config.load_margin, probe_s=config.load_probe_s,
+        )  # fmt: skip
         self.planner = SavePlanner(
             config, lookup, metrics, world=world, keys_of=self._keys_of,
             bytes_per_token=bytes_per_token, loads=loads, saves=saves, cold_misses=cold_misses,
@@ -424,10 +425,10 @@ class OffloadScheduler:
         load was timed, the gate's memory rate starts from it where it is faster than the
         config's seed (one chunk's time holds a lane's wake-up too, so it only ever errs low:
         a slower reading keeps the seed rather than turn loads away)."""
-        memory = self.gate.per_tier.get("memory")
-        if seconds <= 0 or (memory is not None and memory.samples > 0):
+        memory = self.gate.cost.tier("memory")
+        if seconds <= 0 or memory.samples > 0:
             return
-        if memory is None or tokens / seconds > memory.value:
+        if memory.seconds(tokens) > seconds:
             self.gate.observe_load(tokens, seconds, "memory")
 
     def _terminal(self, term: Terminal) -> LoadOutcome | None:
@@ -475,8 +476,18 @@ class OffloadScheduler:
                 self._m.sync_loads.inc()
                 self._sync_done_s += term.seconds
             self._m.load_parked_steps.observe(0 if load.sync else self._step - load.step + 1)
+        predicted = load.predicted_s if load is not None else 0.0
+        if term.ok or term.seconds > predicted > 0:
+            # a failed load that took longer than predicted (a store's read timeout) is
+            # evidence of a slow read too: the model learns to recompute instead
+            reads = load.reads if load is not None and load.reads else ((term.tier, tokens),)
+            self.gate.cost.observe_read(reads, term.seconds, tokens)
+            if self.gate.cost.observe_outcome(predicted, term.seconds):
+                self._m.load_mispredictions.inc()
+            if predicted > 0 and term.seconds > 0:
+                self._m.load_prediction_ratio.observe(term.seconds / predicted)
+            self._m.load_misprediction_share.set(self.gate.cost.mispredicted_share)
         if term.ok:
-            self.gate.observe_load(tokens, term.seconds, term.tier)
             return LoadOutcome(req_id, True, tokens, "", term.tier)
         self._m.load_failure(term.reason or "unknown").inc()
         if st is not None and load is not None:

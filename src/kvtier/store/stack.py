@@ -171,7 +171,7 @@ class TierStack:
 
     def lookup_run(self, keys: Sequence[bytes], lease_id: str | None = None) -> LookupRun:
         """`lookup`, and the deepest tier any counted chunk lives in (the run's source)."""
-        deepest = -1
+        sources: list[int] = []  # per counted chunk, the index of the tier serving it
         if lease_id is None:
             # presence per lower tier comes in one batch (one round trip per remote shard)
             known: dict[int, dict[bytes, bool]] = {}
@@ -180,9 +180,9 @@ class TierStack:
                 where = 0 if self._memory.contains(keys[n]) else self._lower_holder(keys, n, known)
                 if where is None:
                     break
-                deepest = max(deepest, where)
+                sources.append(where)
                 n += 1
-            return LookupRun(n, self._name_of(deepest))
+            return self._run_of(sources)
         # memory always takes the lease (empty if it holds nothing), so each lookup lease is
         # counted released exactly once there and a second release as a double release
         touched: set[int] = {0}
@@ -192,23 +192,34 @@ class TierStack:
         # the run memory holds is leased in one step (key by key it cost ~1.5 us a chunk,
         # which was most of a lookup); the rest goes chunk by chunk through the tiers
         n = self._memory.lease_run(lease_id, keys)
-        if n:
-            deepest = 0
+        sources = [0] * n
         while n < len(keys):
             where = self._lease_one(keys, n, lease_id, touched, presence)
             if where is None:
                 break
-            deepest = max(deepest, where)
+            sources.append(where)
             n += 1
         self._remember_lease(lease_id, touched)
         if n:
             run = keys[:n]
             for t in self._chained:
                 t.touch(run)
-        return LookupRun(n, self._name_of(deepest))
+        return self._run_of(sources)
 
-    def _name_of(self, index: int) -> str:
-        return self._all()[index].name if index >= 0 else ""
+    def _run_of(self, sources: Sequence[int]) -> LookupRun:
+        """The answer for chunks served by tiers `sources` (indexes): their count, the deepest
+        tier, and the runs of consecutive chunks per tier (the load-or-recompute choice reads
+        each run at its own tier's speed)."""
+        tiers = self._all()
+        runs: list[tuple[str, int]] = []
+        for where in sources:
+            name = tiers[where].name
+            if runs and runs[-1][0] == name:
+                runs[-1] = (name, runs[-1][1] + 1)
+            else:
+                runs.append((name, 1))
+        deepest = tiers[max(sources)].name if sources else ""
+        return LookupRun(len(sources), deepest, tuple(runs))
 
     def _lease_one(
         self,
@@ -595,6 +606,8 @@ class LookupRun:
 
     chunks: int
     tier: str  # "" when nothing was held
+    # (tier, chunks) per run of consecutive chunks one tier serves, in prompt order
+    runs: tuple[tuple[str, int], ...] = ()
 
 
 def _leased(result: int | None) -> bool:
