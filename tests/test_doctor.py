@@ -767,3 +767,31 @@ def test_admission_fails_when_a_chunk_rejected_with_room_came_back() -> None:
     assert check.status is Status.FAIL
     assert "3 chunks were rejected while the tiers had room" in check.detail
     assert check.numbers["rejected_with_room"] == 3
+
+
+# ---- load or recompute ----
+
+
+def test_load_cost_shows_the_decisions_and_warns_when_predictions_miss_for_long() -> None:
+    from kvtier.doctor import LOAD_COST
+
+    fake = Fake().healthy()
+    fake.sched.load_decision("load", "memory").inc(40)
+    fake.sched.load_decision("recompute", "remote").inc(7)
+    for _ in range(40):
+        fake.sched.load_prediction_ratio.observe(1.1)
+    fake.sched.load_misprediction_share.set(0.1)
+    check = fake.diagnose()[LOAD_COST]
+    assert check.status is Status.PASS
+    assert check.numbers["decisions"] == {"memory/load": 40, "remote/recompute": 7}
+    fake.sched.load_misprediction_share.set(0.8)
+    check = fake.diagnose()[LOAD_COST]
+    assert check.status is Status.WARN
+    assert "80% of recent loads" in check.detail and "load_policy: always" in check.detail
+    # a few early misses are not "for long": no verdict before 32 predicted loads
+    few = Fake().healthy()
+    few.sched.load_decision("load", "memory").inc(3)
+    for _ in range(3):
+        few.sched.load_prediction_ratio.observe(5.0)
+    few.sched.load_misprediction_share.set(1.0)
+    assert few.diagnose()[LOAD_COST].status is Status.PASS

@@ -29,6 +29,7 @@ from kvtier.doctor.result import (
     HOOK_ERRORS,
     IDENTITIES,
     LEASES,
+    LOAD_COST,
     LOAD_FAILURES,
     POLICY,
     PRESENT,
@@ -48,6 +49,7 @@ from kvtier.doctor.samples import parse_client_line
 
 __all__ = [
     "ADMISSION",
+    "LOAD_COST",
     "BREAKERS",
     "CHECK_NAMES",
     "DROPPED",

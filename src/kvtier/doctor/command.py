@@ -79,6 +79,7 @@ def diagnose(metrics_text: str, log_text: str | None, tp: int | None) -> list[Ch
         health.policy(s),
         health.admission(s),
         health.retention(s),
+        health.load_cost(s),
     ]  # fmt: skip
 
 

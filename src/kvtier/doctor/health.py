@@ -10,6 +10,7 @@ from kvtier.doctor.result import (
     ADMISSION,
     BREAKERS,
     LEASES,
+    LOAD_COST,
     LOAD_FAILURES,
     POLICY,
     PROGRESS,
@@ -54,6 +55,12 @@ REGRET_WARN_SHARE = 0.05
 REGRET_WARN_MIN = 64
 # pressure below this: the tier kept what came back
 LOW_PRESSURE = 0.1
+DECISIONS = "kvtier_load_decisions_total"
+PREDICTED = "kvtier_load_prediction_ratio_count"
+MISPREDICTED_SHARE = "kvtier_load_misprediction_share"
+# the cost model's recent loads off by over 2x beyond this share, once it has seen enough
+MISPREDICTED_WARN_SHARE = 0.5
+MISPREDICTED_WARN_MIN = 32
 
 
 def absent(name: str, family: str) -> Check:
@@ -380,3 +387,30 @@ def retention(s: Samples) -> Check:
             numbers,
         )
     return Check(RETENTION, Status.PASS, said, numbers)
+
+
+def load_cost(s: Samples) -> Check:
+    """What the load policy decided per tier, and whether its predictions hold: a model whose
+    recent loads miss by over 2x decides on guesses (a tier's speed changed faster than it
+    learns, or the reads are erratic)."""
+    if not s.exported(DECISIONS):
+        return absent(LOAD_COST, DECISIONS)
+    by = {f"{t}/{d}": v for (d, t), v in s.group(DECISIONS, "decision", "tier").items() if v}
+    loads = s.scheduler_value(PREDICTED) or 0.0
+    share = s.scheduler_value(MISPREDICTED_SHARE) or 0.0
+    numbers: dict[str, Any] = {
+        "decisions": {k: num(v) for k, v in sorted(by.items())},
+        "predicted_loads": num(loads),
+        "mispredicted_share": share,
+    }
+    said = f"runs of hits by decision: {fmt(by) if by else 'none yet'}"
+    if loads >= MISPREDICTED_WARN_MIN and share > MISPREDICTED_WARN_SHARE:
+        return Check(
+            LOAD_COST,
+            Status.WARN,
+            f"{said}: {share:.0%} of recent loads took over 2x more or less than predicted, so "
+            "load-or-recompute decisions are guesses; check the tiers' read speed (kvtier bench "
+            "tier) or set load_policy: always",
+            numbers,
+        )
+    return Check(LOAD_COST, Status.PASS, f"{said}; predictions within 2x", numbers)

@@ -53,6 +53,7 @@ BREAKERS = "breakers"
 POLICY = "failed loads recompute"
 ADMISSION = "admission"
 RETENTION = "retention"
+LOAD_COST = "load or recompute"
 FAILS_REQUEST = "kvtier_load_failure_fails_request"
 
 CHECK_NAMES = (
@@ -76,4 +77,5 @@ CHECK_NAMES = (
     POLICY,
     ADMISSION,
     RETENTION,
+    LOAD_COST,
 )
