@@ -221,6 +221,38 @@ def bench_cache(
     cache.print_table(doc)
 
 
+@bench_app.command("load-cost")
+def bench_load_cost(
+    remote_url: str = typer.Option(
+        ..., "--remote-url", help="redis://HOST:PORT of a Valkey/Redis the bench may write to."
+    ),
+    quick: bool = typer.Option(False, "--quick", help="A smaller workload (tests and CI)."),
+    model_dir: Path | None = typer.Option(
+        None, "--model-dir", help="Model directory (default: the small preset under runs/)."
+    ),
+    json_path: Path | None = typer.Option(
+        None, "--json", help="Where to write the JSON results (default: runs/bench-load-cost.json)."
+    ),
+) -> None:
+    """Load or recompute: restores from a shared store throttled below the prefill's speed,
+    under load_policy cost and always, against no offload; a head in memory with its tail only
+    in the store; and the store's rate stepped across the break-even."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from kvtier.bench import loadcost, table
+
+    progress = Console(stderr=True)
+    doc = loadcost.run(
+        remote_url,
+        quick=quick,
+        model_dir=model_dir,
+        json_path=json_path,
+        progress=lambda msg: progress.print(f"[dim]{escape(msg)}[/dim]"),
+    )
+    table.print_report(doc)
+
+
 @bench_app.command("retention")
 def bench_retention(
     quick: bool = typer.Option(False, "--quick", help="A smaller workload (tests and CI)."),

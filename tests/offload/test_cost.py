@@ -144,3 +144,18 @@ def test_segments_clip_to_the_load_and_cover_an_unreported_tail() -> None:
         ("disk", 2 * CHUNK, 3 * CHUNK),
     ]
     assert segments_of([("memory", 1)], CHUNK, 0, 2 * CHUNK) == [("memory", 0, 2 * CHUNK)]
+
+
+def test_a_tier_whose_loads_fail_is_recomputed_though_its_reads_look_fast() -> None:
+    """A read cut by the store's timeout is a failed load: it cost the wait and then the
+    recompute. Its time alone (under the prefill's) would keep the model loading forever."""
+    m = model(1e6)
+    hit = [("remote", 4)]
+    assert m.choose(0, 4 * CHUNK, hit, CHUNK, 16, now=0.0).end == 4 * CHUNK
+    for _ in range(4):  # each waited out a 50 ms timeout, then the prompt was recomputed
+        m.observe_read([("remote", 4 * CHUNK)], 0.050, ok=False)
+    assert m.tiers["remote"].fail_share > 0.5
+    assert m.choose(0, 4 * CHUNK, hit, CHUNK, 16, now=1.0).end == 0
+    for _ in range(10):  # probes that succeed bring it back
+        m.observe_read([("remote", 4 * CHUNK)], 0.001, ok=True)
+    assert m.choose(0, 4 * CHUNK, hit, CHUNK, 16, now=2.0).end == 4 * CHUNK

@@ -510,7 +510,7 @@ def test_server_killed_mid_run_then_restarted(
 
 
 def test_slow_server_times_out_to_a_miss(
-    server: RedisServer, make_tier: MakeTier, metrics: Metrics
+    server: RedisServer, make_tier: MakeTier, metrics: Metrics, caplog: pytest.LogCaptureFixture
 ) -> None:
     tier = make_tier(server.url, timeout_ms=100, write_timeout_ms=150)
     key, payload = key_of(4), payload_of(4, 256)
@@ -542,6 +542,11 @@ def test_slow_server_times_out_to_a_miss(
     assert got is None
     assert elapsed < 0.3
     assert metrics.value("store_failures_total", tier="remote", reason="read_timeout") == 1
+    # glide's own raw "Error executing command: timed out" line gets kvtier's context, once
+    said = [r for r in caplog.records if "timed out" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "WARNING"
+    assert "read timed out" in said[0].getMessage()
+    assert "valkey-glide prints" in said[0].getMessage()
     # a write waits for its own (longer) timeout, then fails the same way
     t0 = time.monotonic()
     assert not tier.put(key_of(5), payload)

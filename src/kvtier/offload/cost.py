@@ -18,9 +18,10 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-# each sample weighs about as much as the 20 before it together: a store slowed by a proxy or
-# a busy link is followed within a few dozen loads
-FORGET = 0.95
+# each sample weighs about as much as the 4 before it together: a store that slowed down or
+# recovered is followed within a few loads (or probes); the hysteresis band absorbs the noise
+# this lets through
+FORGET = 0.8
 # the band around the break-even inside which a tier keeps its last decision
 HYSTERESIS = 0.1
 LOAD, RECOMPUTE, PROBE = "load", "recompute", "probe"
@@ -103,7 +104,10 @@ def _gauss(a: list[list[float]], b: list[float]) -> list[float]:
 
 
 class TierRead:
-    """One tier's read time: first-byte latency plus tokens over its rate."""
+    """One tier's read time: first-byte latency plus tokens over its rate; and the recent
+    share of its loads that failed (a failed load costs its wait and then the recompute)."""
+
+    fail_share: float = 0.0
 
     def __init__(self, tokens_per_s: float, latency_s: float = 0.0) -> None:
         per_ktok = max(1e3 / tokens_per_s, 1e-9)  # an unknown (infinite) rate reads as free
@@ -131,6 +135,9 @@ class TierRead:
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
             self.fit.observe((1.0, tokens / 1e3), seconds)
+
+    def observe_outcome(self, ok: bool) -> None:
+        self.fail_share += (1 - FORGET) * (float(not ok) - self.fail_share)
 
 
 class PrefillTime:
@@ -256,12 +263,15 @@ class CostModel:
         for e in ends:
             if e - hbm < min_load:
                 continue
-            cost = 0.0
+            cost, works = 0.0, 1.0
             for tier, lo, hi in segs:
                 if lo >= e:
                     break
-                cost += self.tier(tier).seconds(min(hi, e) - lo) * self._weight(tier)
-            saved = self.prefill.marginal_seconds(hbm, e)
+                read = self.tier(tier)
+                cost += read.seconds(min(hi, e) - lo) * self._weight(tier)
+                works *= 1.0 - read.fail_share
+            # a load that fails has cost its wait and saves nothing: the prompt is recomputed
+            saved = self.prefill.marginal_seconds(hbm, e) * works
             if saved - cost > best_gain:
                 best_end, best_gain, best_saved = e, saved - cost, saved
         turned_away = [t for t, lo, _ in segs if lo >= best_end]
@@ -299,11 +309,21 @@ class CostModel:
         return now - last >= self.probe_s
 
     def observe_read(
-        self, reads: Sequence[tuple[str, int]], seconds: float, tokens: int | None = None
+        self,
+        reads: Sequence[tuple[str, int]],
+        seconds: float,
+        tokens: int | None = None,
+        ok: bool = True,
     ) -> None:
         """A finished load that read `reads` (tier, tokens; the first `tokens` of them where
         the host granted less) in `seconds`: one tier's read teaches that tier; a mixed one
-        teaches its slowest tier what the others' predicted reads leave of the time."""
+        teaches its slowest tier what the others' predicted reads leave of the time. A failed
+        load counts against every tier it read, and teaches its time only where it waited
+        longer than predicted (a read cut by a timeout would have taken longer still)."""
+        for tier in {t for t, _ in reads}:
+            self.tier(tier).observe_outcome(ok)
+        if not ok and seconds <= self.predicted_seconds(reads):
+            return
         if not reads or seconds <= 0:
             return
         left = sum(n for _, n in reads) if tokens is None else tokens
@@ -319,6 +339,10 @@ class CostModel:
         others = sum(self.tier(t).seconds(n) for t, n in by_tier.items() if t != slowest)
         # the others' share is a prediction: never leave the slowest less than a tenth
         self.tier(slowest).observe(by_tier[slowest], max(seconds - others, seconds / 10))
+
+    def predicted_seconds(self, reads: Sequence[tuple[str, int]]) -> float:
+        """The predicted time of a load reading `reads` (tier, tokens)."""
+        return sum(self.tier(t).seconds(n) for t, n in reads)
 
     def observe_outcome(self, predicted_s: float, measured_s: float) -> bool:
         """A finished load's predicted against measured seconds; True when off by over 2x."""

@@ -477,11 +477,11 @@ class OffloadScheduler:
                 self._sync_done_s += term.seconds
             self._m.load_parked_steps.observe(0 if load.sync else self._step - load.step + 1)
         predicted = load.predicted_s if load is not None else 0.0
+        # a failed load (a store's read timeout) is evidence too: its tiers' failure share
+        # rises, and a wait longer than predicted teaches a slower read
+        reads = load.reads if load is not None and load.reads else ((term.tier, tokens),)
+        self.gate.cost.observe_read(reads, term.seconds, tokens, term.ok)
         if term.ok or term.seconds > predicted > 0:
-            # a failed load that took longer than predicted (a store's read timeout) is
-            # evidence of a slow read too: the model learns to recompute instead
-            reads = load.reads if load is not None and load.reads else ((term.tier, tokens),)
-            self.gate.cost.observe_read(reads, term.seconds, tokens)
             if self.gate.cost.observe_outcome(predicted, term.seconds):
                 self._m.load_mispredictions.inc()
             if predicted > 0 and term.seconds > 0:
