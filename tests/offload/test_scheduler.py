@@ -604,9 +604,14 @@ def _cost_sched(runs: tuple[tuple[str, int], ...], **cfg) -> tuple[OffloadSchedu
 
 
 def test_the_head_in_memory_is_loaded_and_the_tail_only_the_slow_store_holds_is_recomputed():
-    sched, metrics = _cost_sched((("memory", 2), ("remote", 2)))
+    sched, metrics = _cost_sched((("memory", 2), ("remote", 2)), sync_load_fraction=0.25)
+    sched.gate.observe_step(1.0)
     view = SlotView("a", prompt(5 * CHUNK))
     assert sched.get_num_new_matched_tokens(view, 0) == 2 * CHUNK
+    # what it reads is memory's alone: it may run inside the forward (the lookup's deepest
+    # tier, the store, would have parked it)
+    assert sched.update_state_after_alloc(view, blocks(5 * CHUNK), 2 * CHUNK) == 2 * CHUNK
+    assert not sched.load_is_async("a")
     assert metrics.value("load_decisions_total", decision="load", tier="memory") == 1
     assert metrics.value("load_decisions_total", decision="recompute", tier="remote") == 1
     assert metrics.value("load_decision_tokens_total", decision="recompute", tier="remote") == (

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from kvtier.config import KVTierConfig
+from kvtier.lookup.result import deepest_tier
 from kvtier.metrics import Metrics
 from kvtier.offload.cost import LoadChoice
 from kvtier.offload.gate import LoadGate
@@ -125,10 +126,11 @@ class LoadPlanner:
             self._m.skipped_load(reason or SLOWER).inc()
             self._lookup.release([lookup_id])
             return 0
-        # a tail only a slow tier holds is recomputed: the load ends at a chunk boundary
+        # a tail only a slow tier holds is recomputed: the load ends at a chunk boundary, and
+        # its tier is the deepest it reads (a memory head alone may run inside the forward)
         end = choice.end
         tokens = end - num_computed_tokens
-        st.hit_tier = result.tier
+        st.hit_tier = deepest_tier(t for t, _ in choice.reads())
         # a sync load blocks the forward for its whole read, with no deadline to abandon it:
         # only runs every rank holds in host memory qualify (a lookup that names no tier: only
         # a memory-only stack's)
