@@ -267,3 +267,18 @@ def test_the_curve_rises_to_the_infinite_tier_at_the_whole_working_set() -> None
 
 def test_reuse_distance_is_prefixes_times_prompt() -> None:
     assert pool_reuse_distance(5, 256, 32) == 5 * 288
+
+
+def test_a_save_under_the_hbm_floor_keeps_the_chunk_warm_in_the_tier_as_the_engine_does() -> None:
+    """The engine saves every admitted chunk above the tier's hit, those the HBM served too:
+    a resident chunk is touched, not rewritten. The model skipped them, so a prefix served
+    from HBM aged out of its tier and it under-predicted a write-through run by 26%."""
+    from kvtier.cachemodel.predict import drive_tier
+    from kvtier.cachemodel.stream import Request
+
+    a, b, c = Request((1,), 1), Request((2,), 1), Request((3,), 1)
+    # A, B; A again served from HBM (floor 1: no lookup); C evicts the tier's LRU; A misses HBM
+    stream, floors = [a, b, a, c, a], [0, 0, 1, 0, 0]
+    done = drive_tier(stream, 2, floors, admission="all")
+    assert done.leads == [0, 0, 0, 0, 1]  # A was kept: B, untouched since, was evicted
+    assert done.written == 3  # A's second save touched it, wrote nothing

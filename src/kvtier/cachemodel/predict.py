@@ -218,9 +218,11 @@ def drive(
             limit = decision.limit
             out.regret += seen.returns[REJECTED]
         for c in range(limit - 1, start - 1, -1):
-            if not port.holds(keys[c]):
-                port.save(keys[c], keys[c - 1] if c else b"")
-                out.written += 1
+            # the engine saves every admitted chunk above the tier's hit, those under its HBM
+            # floor too: a resident one is touched (kept warm in the tier), not rewritten
+            fresh = not port.holds(keys[c])
+            port.save(keys[c], keys[c - 1] if c else b"")
+            out.written += fresh
         if hinter is not None:
             held = 0
             while held < len(keys) and port.holds(keys[held]):
