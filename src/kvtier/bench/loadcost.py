@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import secrets
+import shutil
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -31,6 +32,7 @@ from kvtier.bench.throttle import ThrottledProxy
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
 from kvtier.layout import bytes_per_token_from_hf
+from kvtier.lookup.endpoints import make_run_dir
 from kvtier.native import Engine, EngineConfig
 from kvtier.native.offload import connector_spec
 from kvtier.native.sampling import SamplingParams
@@ -57,14 +59,16 @@ class Plan:
     chunk: int = 64
     head_chunks: int = 2
     mixed: int = 6
-    sweep_prompts: int = 8  # per sweep step
+    sweep_prompts: int = 10  # per sweep step
     slow_bytes_per_s: float = 4 * 2**20
     latency_s: float = 0.0005
     probe_s: float = 2.0
     sweep_probe_s: float = 0.2
 
 
-QUICK = Plan(prompts=6, mixed=3, sweep_prompts=4)
+# the tests' form: no sweep (its steps need more requests than a test affords); the cost
+# model's hysteresis and probes are proven in tests/offload/test_cost.py
+QUICK = Plan(prompts=4, prompt_tokens=192, mixed=2, sweep_prompts=0)
 
 
 @dataclass
@@ -81,11 +85,21 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
 
 
-def _engine(model: Path, run_dir: Path, kv: KVTierConfig | None) -> Engine:
+@contextmanager
+def _engine(model: Path, kv: KVTierConfig | None) -> Iterator[Engine]:
+    """A native engine on one thread, with kvtier when `kv` is given (its lookup sockets in a
+    short private run directory, removed afterwards)."""
     cfg = EngineConfig(num_threads=1, num_blocks=4096)
     if kv is None:
-        return Engine(model, cfg)
-    return Engine(model, cfg, connector_spec(kv, model, run_dir=run_dir))
+        with Engine(model, cfg) as eng:
+            yield eng
+        return
+    run_dir = make_run_dir("kvtier-load-cost-")
+    try:
+        with Engine(model, cfg, connector_spec(kv, model, run_dir=run_dir)) as eng:
+            yield eng
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _stack(eng: Engine) -> Any:
@@ -148,8 +162,6 @@ def run(
     # bench's Python proxy can read on both sides of the break-even
     model = ensure_model(model_dir, "small")
     vocab = int(model_config(model)["vocab_size"])
-    work = Path("runs") / "bench-load-cost"
-    work.mkdir(parents=True, exist_ok=True)
     tenant = f"bench-{secrets.token_hex(4)}"  # a namespace of its own on the user's store
     key = secrets.token_hex(32)
 
@@ -163,12 +175,13 @@ def run(
     restore = _prompts(plan.prompts, plan.prompt_tokens, vocab, 1)
     mixed = _prompts(plan.mixed, plan.prompt_tokens, vocab, 2)
     sweep = [
-        _prompts(plan.sweep_prompts, plan.prompt_tokens, vocab, 10 + i) for i in range(len(SWEEP))
+        _prompts(plan.sweep_prompts, plan.prompt_tokens, vocab, 10 + i)
+        for i in range(len(SWEEP) if plan.sweep_prompts else 0)
     ]
-    warm = _prompts(4, plan.prompt_tokens, vocab, 3)
+    warm = _prompts(4 if plan.sweep_prompts else 0, plan.prompt_tokens, vocab, 3)
     everything = restore + mixed + warm + [p for step in sweep for p in step]
     progress(f"writer: {len(everything)} prompts of {plan.prompt_tokens} tokens into the store")
-    with _engine(model, work / "writer", kv(remote_url)) as eng:
+    with _engine(model, kv(remote_url)) as eng:
         eng.generate(everything, GREEDY)
         if not _stack(eng).flush(60.0):
             raise RuntimeError("the writer's write-behind did not drain within 60 s")
@@ -180,14 +193,16 @@ def run(
                              (ALWAYS, kv(slow, load_policy="always"))):  # fmt: skip
             progress(f"[{name}] {len(restore)} restores, one at a time")
             arm = arms[name] = Arm()
-            with _engine(model, work / name, config) as eng:
+            with _engine(model, config) as eng:
                 _timed(eng, restore, arm)
                 if config is not None:
                     arm.metrics = _decisions(eng)
-        mixed_arms = _mixed(model, work, plan, mixed, kv(slow), progress)
+        mixed_arms = _mixed(model, plan, mixed, kv(slow), progress)
         # the sweep probes a turned-away store often: its steps are a few requests long
-        sweep_kv = kv(slow, load_probe_s=plan.sweep_probe_s)
-        steps, break_even = _sweep(model, work, sweep_kv, proxy, plan, warm, sweep, progress)
+        steps, break_even = [], 0.0
+        if sweep:
+            sweep_kv = kv(slow, load_probe_s=plan.sweep_probe_s)
+            steps, break_even = _sweep(model, sweep_kv, proxy, plan, warm, sweep, progress)
     report = _report(plan, arms, mixed_arms, steps, break_even)
     doc = report.to_json()
     write_json(json_path or Path("runs") / "bench-load-cost.json", doc)
@@ -216,7 +231,6 @@ def _break_even(eng: Engine, model: Path, tokens: int, fast: float) -> float:
 
 def _mixed(
     model: Path,
-    work: Path,
     plan: Plan,
     prompts: Sequence[list[int]],
     config: KVTierConfig,
@@ -228,7 +242,7 @@ def _mixed(
     for name, kvc in ((OFF, None), (COST, config)):
         progress(f"[mixed {name}] {len(prompts)} prompts, head in memory, tail in the store")
         arm = out[name] = Arm()
-        with _engine(model, work / f"mixed-{name}", kvc) as eng:
+        with _engine(model, kvc) as eng:
             eng.generate(heads, GREEDY)
             if kvc is not None:
                 before = _decisions(eng)
@@ -250,7 +264,6 @@ class Step:
 
 def _sweep(
     model: Path,
-    work: Path,
     config: KVTierConfig,
     proxy: ThrottledProxy,
     plan: Plan,
@@ -263,7 +276,7 @@ def _sweep(
     steps: list[Step] = []
     vocab = int(model_config(model)["vocab_size"])
     fresh = _prompts(4, plan.prompt_tokens, vocab, 99)
-    with _engine(model, work / "sweep", config) as eng:
+    with _engine(model, config) as eng:
         # warm-up: prompts recomputed (the prefill model), then stored ones loaded from the
         # store at full speed (the fixed cost of a load)
         _timed(eng, fresh, Arm())
@@ -331,8 +344,9 @@ def _report(
               "(raw: no offload)", _p50_ms(mixed[COST]), "ms", raw=_p50_ms(mixed[OFF]),
               target=Target("ratio", "<=", bound), detail=dict(mm)))  # fmt: skip
     split = min(mm.get("memory/load", 0.0), mm.get("remote/recompute", 0.0))
-    r.add(Row("mixed.cost.split", "mixed: prompts whose head was loaded and tail recomputed",
-              split, "prompts", target=Target("value", ">=", plan.mixed)))  # fmt: skip
+    r.add(Row("mixed.cost.split", "mixed: prompts whose head was loaded and tail recomputed "
+              "(the first may load the tail: it teaches the engine the store's speed)",
+              split, "prompts", target=Target("value", ">=", plan.mixed - 1)))  # fmt: skip
     flips = 0
     for i, s in enumerate(steps):
         want = "load" if s.times > 1 else "recompute"
@@ -344,7 +358,8 @@ def _report(
                   sum(d == want for d in settled) / max(1, len(settled)), "share",
                   target=Target("value", ">=", 0.75),
                   detail={"decisions": ",".join(s.decisions)}))  # fmt: skip
-    r.add(Row("sweep.flips", "sweep: decision changes within a step once settled (oscillation)",
-              flips, "flips", target=Target("value", "<=", 1),
-              detail={"break_even_mb_s": break_even / 1e6}))  # fmt: skip
+    if steps:
+        r.add(Row("sweep.flips", "sweep: decision changes within a step once settled "
+                  "(oscillation)", flips, "flips", target=Target("value", "<=", 1),
+                  detail={"break_even_mb_s": break_even / 1e6}))  # fmt: skip
     return r

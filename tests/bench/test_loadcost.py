@@ -1,0 +1,72 @@
+"""Load or recompute against a real store made slow: the throttling proxy itself, then
+`kvtier bench load-cost --quick` through it (a real redis-server, the native engine), asserting
+what the policies decided and that every first token equals no offload's. Its timing rows are
+the bench's to judge (docs/benchmarks.md), not this test's."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from typer.testing import CliRunner
+
+from kvtier.bench.throttle import ThrottledProxy
+from kvtier.cli import app
+from tests.redis_local import RedisServer
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[RedisServer]:
+    with RedisServer() as srv:
+        yield srv
+
+
+def test_the_proxy_passes_bytes_intact_at_its_rate_and_changes_rate_live(
+    store: RedisServer,
+) -> None:
+    admin = store.client()
+    value = bytes(range(256)) * 4096  # 1 MiB
+    admin.set("proxy-test", value)
+    with ThrottledProxy(("127.0.0.1", store.port), rate=4 * 2**20) as proxy:
+        slow = redis.Redis(port=proxy.port)
+        t0 = time.perf_counter()
+        assert slow.get("proxy-test") == value
+        # 1 MiB over a 4 MiB/s link: at least a quarter second (an upper bound would time
+        # the machine, not the proxy)
+        assert time.perf_counter() - t0 >= 0.2
+        proxy.set_rate(1e9)
+        assert slow.get("proxy-test") == value
+        assert proxy.bytes_down >= 2 * len(value)
+        slow.close()
+    admin.close()
+    with pytest.raises(ValueError, match="must be > 0"):
+        ThrottledProxy(("127.0.0.1", store.port), rate=0)
+
+
+def test_bench_load_cost_recomputes_what_a_slow_store_holds_and_splits_a_mixed_hit(
+    store: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "load-cost.json"
+    result = CliRunner().invoke(
+        app, ["bench", "load-cost", "--remote-url", store.url, "--quick", "--json", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    rows = {r["id"]: r for r in json.loads(out.read_text())["rows"]}
+    # every first token equals no offload's, in every arm and the mixed case
+    assert rows["outputs.mismatches"]["value"] == 0
+    cost = rows["slow.cost.ttft"]["detail"]
+    # 4 restores: the first load teaches the model the store's speed, the rest recompute
+    assert cost.get("remote/load", 0) <= 2
+    assert cost["remote/recompute"] >= 2
+    assert cost["remote/recompute"] == cost["skipped/slower_than_recompute"]
+    # load_policy always read every hit from the slow store
+    assert rows["slow.always.ttft"]["detail"]["remote/load"] == 4
+    mixed = rows["mixed.cost.ttft"]["detail"]
+    assert mixed["memory/load"] == 2  # the heads in memory, loaded
+    assert rows["mixed.cost.split"]["pass"] is True
+    assert "sweep.flips" not in rows  # the quick form leaves the sweep to the full bench
