@@ -2,11 +2,11 @@
 "retain this prompt until my next turn" (the real gap plus slack), within a budget of the tier.
 
 The hint covers the prompt's leading chunks the tier holds after the request's saves. The
-budget caps retained chunks at a fraction of the tier (the real `RetentionTable`'s limit, which
-keeps a hint's prefix and refuses its deepest chunks past it); `clip` takes what fits, `reject`
-refuses a hint that does not fit whole, and `soonest` makes room for a hint by releasing chunks
-retained for conversations due back later than it (latest first, deepest first), then clips:
-the budget then holds the conversations that return soonest, as the optimum would.
+budget is the product's own: the scheduler's `RetentionLedger` grants it (`clip` keeps what
+fits; `soonest` first releases chunks retained for conversations due back later, latest and
+deepest first, then clips) and the rank's `RetentionTable` holds what it granted, as the
+engine runs them. `reject`, a hint refused whole when it does not fit, is the model's alone
+(a comparison the product does not offer).
 
 A last turn sends no hint: its previous hint runs out after the slack, and a release would also
 drop chunks other conversations retained (a shared system prompt), which the table does not
@@ -15,17 +15,16 @@ count per holder.
 
 from __future__ import annotations
 
-import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from kvtier.cachemodel.turns import Turn
 from kvtier.errors import ConfigError
+from kvtier.offload.retention import CLIP, REJECTED, SOONEST, RetentionHint, RetentionLedger
 from kvtier.store.retention import RetentionTable
 
-CLIP = "clip"
-REJECT = "reject"
-SOONEST = "soonest"
+REJECT = "reject"  # the model's alone
 MODES = (CLIP, REJECT, SOONEST)
 
 
@@ -73,12 +72,14 @@ class HintingClient:
         self.mode = mode
         self.now = turns[0].at if turns else 0.0
         self.table = RetentionTable(self.cap, clock=self._clock)
+        self.ledger = RetentionLedger(
+            self.cap, tenant_share=1.0, default_ttl_s=slack_s, max_ttl_s=math.inf,
+            full=CLIP if mode == REJECT else mode, clock=self._clock,
+        )  # fmt: skip
         self.stats = HintStats()
         # with `audit`, the live retained count after every hint (for tests: O(table) a hint)
         self.audit = audit
         self.live_after: list[int] = []
-        # (-deadline, -depth, key) of every retain, for `soonest`; stale entries are skipped
-        self._latest: list[tuple[float, int, bytes]] = []
 
     def _clock(self) -> float:
         return self.now
@@ -93,14 +94,15 @@ class HintingClient:
         return self.turns[i].hints
 
     def end(self, i: int, keys: Sequence[bytes], held: int) -> None:
-        """Turn `i` was saved and the tier holds the first `held` of `keys`: hint them."""
+        """Turn `i` was saved and the tier holds the first `held` of `keys`: hint them, through
+        the scheduler's ledger to the rank's table."""
         turn = self.turns[i]
         if not turn.hints:
             return
         if turn.next_at is None:
             self.stats.last_turns += 1
             return
-        want = keys[:held]
+        want = list(keys[:held])
         if not want:
             return
         self.stats.hints += 1
@@ -108,41 +110,21 @@ class HintingClient:
         if self.mode == REJECT and not self._fits(want):
             self.stats.rejected += 1
         else:
-            until = turn.next_at + self.slack_s
-            kept = self.table.retain(want, until)
-            if kept < len(want) and self.mode == SOONEST:
-                self._displace(len(want) - kept, until, set(want))
-                # the kept prefix stays retained; only the rest is asked again
-                kept += self.table.retain(want[kept:], until)
-            if self.mode == SOONEST:
-                for depth, key in enumerate(want[:kept]):
-                    heapq.heappush(self._latest, (-until, -depth, key))
+            hint = RetentionHint(ttl_s=turn.next_at + self.slack_s - self.now,
+                                 session=str(turn.session))  # fmt: skip
+            decision, granted, until = self.ledger.decide(want, hint, chunk=1)
+            displaced = self.ledger.take_displaced()
+            self.table.release(displaced)
+            self.stats.displaced += len(displaced)
+            kept = self.table.retain(granted, until) if granted else 0
             self.stats.retained += kept
-            if kept < len(want):
+            if decision.status == REJECTED:
+                self.stats.rejected += 1
+            elif kept < len(want):
                 self.stats.clipped += 1
         self.stats.peak = max(self.stats.peak, len(self.table))
         if self.audit:
             self.live_after.append(len(self.table.live()))
-
-    def _displace(self, need: int, until: float, mine: set[bytes]) -> None:
-        """Release up to `need` retained chunks due back after `until`, latest first, none of
-        `mine` (the hint's own prefix, a shared system prompt among it)."""
-        freed = 0
-        spared = []
-        while freed < need and self._latest:
-            top = self._latest[0]
-            if -top[0] <= until:
-                break
-            heapq.heappop(self._latest)
-            if self.table.until(top[2]) != -top[0]:
-                continue  # released, expired or re-retained since: a stale entry
-            if top[2] in mine:
-                spared.append(top)
-            elif self.table.release([top[2]]):
-                freed += 1
-        for top in spared:
-            heapq.heappush(self._latest, top)
-        self.stats.displaced += freed
 
     def _fits(self, keys: Sequence[bytes]) -> bool:
         """Whether retaining `keys` whole stays within the budget."""
