@@ -60,12 +60,12 @@ def test_bench_load_cost_recomputes_what_a_slow_store_holds_and_splits_a_mixed_h
     # every first token equals no offload's, in every arm and the mixed case
     assert rows["outputs.mismatches"]["value"] == 0
     cost = rows["slow.cost.ttft"]["detail"]
-    # 4 restores: the first load teaches the model the store's speed, the rest recompute
-    assert cost.get("remote/load", 0) <= 2
+    # 3 restores: the first load teaches the model the store's speed, the rest recompute
+    assert cost.get("remote/load", 0) <= 1
     assert cost["remote/recompute"] >= 2
     assert cost["remote/recompute"] == cost["skipped/slower_than_recompute"]
     # load_policy always read every hit from the slow store
-    assert rows["slow.always.ttft"]["detail"]["remote/load"] == 4
+    assert rows["slow.always.ttft"]["detail"]["remote/load"] == 3
     mixed = rows["mixed.cost.ttft"]["detail"]
     assert mixed["memory/load"] == 2  # the heads in memory, loaded
     assert rows["mixed.cost.split"]["pass"] is True

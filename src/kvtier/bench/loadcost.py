@@ -66,12 +66,15 @@ class Plan:
     slow_bytes_per_s: float = 4 * 2**20
     latency_s: float = 0.0005
     probe_s: float = 2.0
+    # the small preset: its prefill is slow enough per KV byte that a store behind this
+    # bench's Python proxy can read on both sides of the break-even (the sweep needs that)
+    model_preset: str = "small"
     sweep_probe_s: float = 0.2
 
 
 # the tests' form: no sweep (its steps need more requests than a test affords); the cost
 # model's hysteresis and probes are proven in tests/offload/test_cost.py
-QUICK = Plan(prompts=4, prompt_tokens=192, mixed=2, sweep_prompts=0)
+QUICK = Plan(prompts=3, prompt_tokens=96, chunk=32, mixed=2, sweep_prompts=0, model_preset="tiny")
 
 
 @dataclass
@@ -161,9 +164,7 @@ def run(
 ) -> dict[str, Any]:
     """The whole bench (see the module); the report, also written as JSON."""
     plan = QUICK if quick else Plan()
-    # the small preset: its prefill is slow enough per KV byte that a store behind this
-    # bench's Python proxy can read on both sides of the break-even
-    model = ensure_model(model_dir, "small")
+    model = ensure_model(model_dir, plan.model_preset)
     vocab = int(model_config(model)["vocab_size"])
     tenant = f"bench-{secrets.token_hex(4)}"  # a namespace of its own on the user's store
     key = secrets.token_hex(32)
