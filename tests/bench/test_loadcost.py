@@ -68,5 +68,5 @@ def test_bench_load_cost_recomputes_what_a_slow_store_holds_and_splits_a_mixed_h
     assert rows["slow.always.ttft"]["detail"]["remote/load"] == 3
     mixed = rows["mixed.cost.ttft"]["detail"]
     assert mixed["memory/load"] == 2  # the heads in memory, loaded
-    assert rows["mixed.cost.split"]["pass"] is True
+    assert rows["mixed.cost.split"]["pass"] is True, mixed
     assert "sweep.flips" not in rows  # the quick form leaves the sweep to the full bench

@@ -14,6 +14,7 @@ restoring prompts from it under each load policy.
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 import secrets
@@ -277,7 +278,8 @@ def _mixed(
         arm = out[name] = Arm()
         with _engine(model, kvc) as eng:
             proxy.set_rate(FAST)
-            eng.generate(heads, GREEDY)
+            with _setup_reads(eng if kvc is not None else None, "remote"):
+                eng.generate(heads, GREEDY)
             proxy.set_rate(plan.slow_bytes_per_s)
             if kvc is not None:
                 before = _decisions(eng)
@@ -286,6 +288,24 @@ def _mixed(
                 after = _decisions(eng)
                 arm.metrics = {k: v - before.get(k, 0.0) for k, v in after.items()}
     return out
+
+
+@contextmanager
+def _setup_reads(eng: Engine | None, tier: str) -> Iterator[None]:
+    """Reads made inside are this bench's setup (the mixed heads, read at full speed), not the
+    store's speed: `tier`'s read model, its standing decision and its probe clock go back to
+    what they were, so the timed prompts meet the model as the slow arm's fresh engine does."""
+    if eng is None:
+        yield
+        return
+    cost = eng.connector.core.gate.cost  # type: ignore[union-attr]
+    saved = copy.deepcopy((cost.tiers[tier], cost.state.get(tier), cost.last_probe.get(tier)))
+    yield
+    cost.tiers[tier] = saved[0]
+    for table, value in ((cost.state, saved[1]), (cost.last_probe, saved[2])):
+        table.pop(tier, None)
+        if value is not None:
+            table[tier] = value
 
 
 @dataclass
