@@ -342,6 +342,40 @@ def test_a_second_request_waits_for_the_load_of_the_same_chunks_instead_of_readi
     assert sched.get_num_new_matched_tokens(b, 4 * CHUNK) == 0
 
 
+def test_a_second_request_whose_lookup_was_in_flight_waits_for_the_first_ones_load():
+    """The two lookups overlap (a busy lookup server answers after the first ask): when both
+    answer, the first request's load is allocated before the second request's answer is
+    read. The second still waits for that load, and releases its lease: one tier read."""
+    sched, lookup, metrics = make(hits=4, lookup_wait_ms=0)
+    real_begin = lookup.begin
+    held = []
+
+    def slow_begin(keys, lookup_id, lease=True):
+        p = real_begin(keys, lookup_id, lease)
+        p.ready = False
+        held.append(p)
+        return p
+
+    lookup.begin = slow_begin  # type: ignore[method-assign]
+    a = SlotView("a", prompt(4 * CHUNK + 1))
+    b = SlotView("b", prompt(4 * CHUNK + 1))  # same prefix
+    assert sched.get_num_new_matched_tokens(a, 0) is None
+    assert sched.get_num_new_matched_tokens(b, 0) is None
+    assert len(held) == 2
+    for p in held:
+        p.ready = True
+    need = sched.get_num_new_matched_tokens(a, 0)
+    sched.update_state_after_alloc(a, blocks(need), need)
+    assert sched.get_num_new_matched_tokens(b, 0) is None
+    (op,) = sched.build_meta([]).loads
+    assert op.req_id == "a"
+    assert metrics.value("skipped_loads_total", reason="behind_inflight_load") == 1
+    # b's lease went back: only a's is held, by the load on the ranks
+    assert lookup.outstanding() == {op.lookup_id}
+    report_all(sched, op.op_id)
+    assert sched.get_num_new_matched_tokens(b, 4 * CHUNK) == 0
+
+
 def test_preempting_a_request_whose_load_is_on_the_ranks_is_refused():
     sched, lookup, _ = make(hits=2, world=1)
     p = prompt(2 * CHUNK + 1)

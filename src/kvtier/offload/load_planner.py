@@ -86,7 +86,10 @@ class LoadPlanner:
             self._m.skipped_load(HBM_SATISFIES if best <= num_computed_tokens else TOO_SMALL).inc()
             return 0
         first = num_computed_tokens // self.chunk
-        if st.lookup is None and self._behind_load(st, first):
+        if self._behind_load(st, first):
+            # a lookup sent before that load was allocated would read its chunks a second
+            # time: its lease goes back, and the answer is asked again once the load ends
+            self.cancel_lookup(st)
             return None
         if st.lookup is None and self._behind_save(st, first):
             return None
