@@ -66,6 +66,9 @@ def test_the_gpu_checks_cpu_form_runs_every_check_from_offline_wheels(
                 assert rows[f"bench tier: {model}: {what}, {n} chunks per step"][1] is None
         assert f"bench tier: {model}: one-chunk load, issue to landed, p50" in rows
     assert rows["two-pass restore: pass-2 tokens from the tier"] == ("2552 of 2552", True)
+    # the cost model predicted the later restores' loads (judged on a GPU: within 25%)
+    ratio, judged = rows["cost model: a later restore's loads, measured / predicted (mean)"]
+    assert judged is None and float(ratio.split("x")[0]) > 0, ratio
     # the rows are bench tier's own datapath rows, written beside the table
     bench = json.loads((out / "bench-tier.json").read_text())
     assert {r["id"] for r in bench["rows"]} >= {
