@@ -258,11 +258,10 @@ def test_asked_again_before_allocation_reuses_the_promise_without_a_lookup():
     assert lookup.outstanding() == {lookup.leased[-1]}
 
 
-def test_a_lookup_still_in_flight_answers_not_yet_known_and_never_blocks():
-    """The scheduler loop waits at most lookup_wait_ms; the answer comes at a later ask."""
-    sched, lookup, metrics = make(hits=4, lookup_wait_ms=0)
+def hold_lookups(lookup: FakeLookup) -> list:
+    """Every lookup `lookup` begins stays in flight until the test sets it ready: the list."""
     real_begin = lookup.begin
-    held = []
+    held: list = []
 
     def slow_begin(keys, lookup_id, lease=True):
         p = real_begin(keys, lookup_id, lease)
@@ -271,6 +270,13 @@ def test_a_lookup_still_in_flight_answers_not_yet_known_and_never_blocks():
         return p
 
     lookup.begin = slow_begin  # type: ignore[method-assign]
+    return held
+
+
+def test_a_lookup_still_in_flight_answers_not_yet_known_and_never_blocks():
+    """The scheduler loop waits at most lookup_wait_ms; the answer comes at a later ask."""
+    sched, lookup, metrics = make(hits=4, lookup_wait_ms=0)
+    held = hold_lookups(lookup)
     view = SlotView("a", prompt(4 * CHUNK))
     assert sched.get_num_new_matched_tokens(view, 0) is None
     assert sched.get_num_new_matched_tokens(view, 0) is None
@@ -347,16 +353,7 @@ def test_a_second_request_whose_lookup_was_in_flight_waits_for_the_first_ones_lo
     answer, the first request's load is allocated before the second request's answer is
     read. The second still waits for that load, and releases its lease: one tier read."""
     sched, lookup, metrics = make(hits=4, lookup_wait_ms=0)
-    real_begin = lookup.begin
-    held = []
-
-    def slow_begin(keys, lookup_id, lease=True):
-        p = real_begin(keys, lookup_id, lease)
-        p.ready = False
-        held.append(p)
-        return p
-
-    lookup.begin = slow_begin  # type: ignore[method-assign]
+    held = hold_lookups(lookup)
     a = SlotView("a", prompt(4 * CHUNK + 1))
     b = SlotView("b", prompt(4 * CHUNK + 1))  # same prefix
     assert sched.get_num_new_matched_tokens(a, 0) is None
