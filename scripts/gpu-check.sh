@@ -11,7 +11,8 @@
 #                     scripts/gpu-check.sh               # --device cuda (default)
 #   anywhere:         scripts/gpu-check.sh --device cpu  # the same checks on host tensors
 # Extra arguments go to gpu_check.py (--quick, --out DIR). PYTHON picks the interpreter
-# (default python3); WHEELS the wheel directory. `make test` runs the CPU form end to end, the
+# (default python3); WHEELS the wheel directory; GPU_CHECK_SITE where the missing packages are
+# installed (default build/gpu-check-site-cpXY, reused while the same packages are missing). `make test` runs the CPU form end to end, the
 # offline install included (tests/test_gpu_check.py).
 set -euo pipefail
 
@@ -92,10 +93,12 @@ if [[ -n "$missing" ]]; then
     # the missing packages go to a directory of their own, ahead of the machine's site-packages
     # (no venv: a device image may lack ensurepip); the machine's torch stays the one imported
     tag="$("$PYTHON" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')"
-    SITE="$ROOT/build/gpu-check-site-$tag"
+    SITE="${GPU_CHECK_SITE:-$ROOT/build/gpu-check-site-$tag}"
     # shellcheck disable=SC2207
     want=($(pins "$PYTHON"))
-    if [[ ! -f "$SITE/.complete" ]]; then
+    # the site is reused only for the same missing packages at the same pins
+    stamp="$missing | ${want[*]}"
+    if [[ ! -f "$SITE/.complete" || "$(cat "$SITE/.complete")" != "$stamp" ]]; then
         say "installing from $WHEELS (no network) into $SITE: $missing"
         rm -rf "$SITE"
         picked=()
@@ -105,7 +108,9 @@ if [[ -n "$missing" ]]; then
         done
         "$PYTHON" -m pip install --quiet --no-index --find-links "$WHEELS" --target "$SITE" \
             "${picked[@]}"
-        touch "$SITE/.complete"
+        echo "$stamp" > "$SITE/.complete"
+    else
+        say "reusing $SITE (the same packages at the same pins; delete it to reinstall)"
     fi
 fi
 cd "$ROOT"

@@ -42,7 +42,11 @@ def test_the_gpu_checks_cpu_form_runs_every_check_from_offline_wheels(
     script = str(ROOT / "scripts" / "gpu-check.sh")
     wheels = tmp_path / "wheels"
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    env = _env(WHEELS=str(wheels), PYTHON=str(torch_only / "bin" / "python"))
+    # a site of its own: the checkout's build/ keeps one from an earlier run, which the
+    # script reuses (a second `make test` in one checkout would not install offline at all)
+    site = tmp_path / "site"
+    env = _env(WHEELS=str(wheels), PYTHON=str(torch_only / "bin" / "python"),
+               GPU_CHECK_SITE=str(site))  # fmt: skip
     prep = subprocess.run([script, "--prepare", "--python-version", version], env=env,
                           capture_output=True, text=True, check=False)  # fmt: skip
     assert prep.returncode == 0, prep.stderr[-3000:]
@@ -53,6 +57,13 @@ def test_the_gpu_checks_cpu_form_runs_every_check_from_offline_wheels(
     assert run.returncode == 0, said[-6000:]
     # the machine lacked kvtier's dependencies: they came from the wheels, offline
     assert "(no network)" in said and "msgspec" in said
+    assert (site / ".complete").is_file() and (site / "msgspec").is_dir()
+    # run again: the same packages at the same pins reuse the site, installing nothing
+    again = subprocess.run([script, "--device", "cpu", "--only", "self-test", "--out",
+                            str(tmp_path / "out2")], env=env, capture_output=True, text=True,
+                           check=False)  # fmt: skip
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert f"reusing {site}" in again.stdout and "(no network)" not in again.stdout
     doc = json.loads((out / "gpu-check.json").read_text())
     rows = {name: (value, ok) for name, value, ok in doc["rows"]}
     assert not [n for n in rows if "crashed" in n], rows
