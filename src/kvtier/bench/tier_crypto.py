@@ -112,7 +112,13 @@ def _put_get(
             got = read(tiers[name], written[name][-1])
             dt = time.perf_counter() - t
             if got is None:
-                raise RuntimeError(f"the {name} tier missed the record it just stored")
+                # a tier degrades a failed read to a miss: say which failures can cause it
+                raise RuntimeError(
+                    f"the {name} tier missed the record it just stored: a read that timed out, "
+                    "a store failure or a record that failed verification reads as a miss (the "
+                    "log line above names which); on a busy machine or store, rerun when it is "
+                    "quieter"
+                )
             return dt
 
         return run
