@@ -12,8 +12,9 @@
 #   anywhere:         scripts/gpu-check.sh --device cpu  # the same checks on host tensors
 # Extra arguments go to gpu_check.py (--quick, --out DIR). PYTHON picks the interpreter
 # (default python3); WHEELS the wheel directory; GPU_CHECK_SITE where the missing packages are
-# installed (default build/gpu-check-site-cpXY, reused while the same packages are missing). `make test` runs the CPU form end to end, the
-# offline install included (tests/test_gpu_check.py).
+# installed (default build/gpu-check-site-cpXY, reused for the same packages at the same pins).
+# `make test` runs the CPU form end to end, the offline install included
+# (tests/test_installs.py).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -271,12 +271,8 @@ def restore(p: Plan) -> list[Row]:
 
 def _prediction_ratio(eng: Engine) -> tuple[float, float]:
     """The sum and count of every finished load's measured over predicted time so far."""
-    got = {"sum": 0.0, "count": 0.0}
-    for fam in eng.connector.metrics.registry.collect():  # type: ignore[union-attr]
-        for s in fam.samples:
-            if s.name.startswith("kvtier_load_prediction_ratio_"):
-                got[s.name.rsplit("_", 1)[1]] = s.value
-    return got["sum"], got["count"]
+    m = eng.connector.metrics  # type: ignore[union-attr]
+    return m.value("load_prediction_ratio_sum"), m.value("load_prediction_ratio_count")
 
 
 CHECKS: tuple[tuple[str, Callable[[Plan], list[Row]]], ...] = (
