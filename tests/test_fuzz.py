@@ -49,6 +49,7 @@ from kvtier.lookup.messages import (
 from kvtier.metrics import Metrics
 from kvtier.store import record
 from kvtier.store.memory import MemoryTier
+from kvtier.store.registry import order
 from kvtier.store.stack import TierStack
 from tests.lookup_helpers import make_keys, recv_signed, signed
 from tests.record_key import codec_for_tests
@@ -86,6 +87,8 @@ HUGE_HEADERS = [
     b"\xcf\xff\xff\xff\xff\xff\xff\xff\xff",  # uint 64 max, where a length or id goes
 ]
 TAGS = ["lookup", "reply", "release", "ping", "pong", "bogus", ""]
+
+TIER_ORDER = order()  # the registry's tier names, accelerator outwards
 
 
 # ---- strategies -------------------------------------------------------------------------------
@@ -203,7 +206,14 @@ def rank() -> Iterator[Rank]:
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(endpoint)
-    client = LookupClient({0: endpoint}, Metrics("client"), chunk_size=16, world=1, timeout_ms=2000)
+    client = LookupClient(
+        {0: endpoint},
+        Metrics("client"),
+        chunk_size=16,
+        world=1,
+        timeout_ms=2000,
+        tier_order=TIER_ORDER,
+    )
     client.wait_ready(10.0)
     try:
         yield Rank(server, metrics, raw, client, Codec(MAX_FRAME), engine_key(run_dir), Counter())

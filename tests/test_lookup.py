@@ -37,11 +37,14 @@ from kvtier.lookup import (
 )
 from kvtier.lookup.result import merged_runs
 from kvtier.metrics import Metrics
+from kvtier.store.registry import order
 from kvtier.store.stack import LookupRun
 from tests.lookup_helpers import FakeBackend, make_keys, recv_signed, run_fake_server, signed
 
 CHUNK = 16
 HELD = {0: 8, 1: 3, 2: 6, 3: 5}  # leading chunks each rank's backend holds
+
+TIER_ORDER = order()  # the registry's tier names, accelerator outwards
 
 
 @pytest.fixture
@@ -118,7 +121,9 @@ def cluster() -> Iterator[Cluster]:
 @pytest.fixture
 def client(cluster: Cluster) -> Iterator[tuple[LookupClient, Metrics]]:
     m = Metrics(0)
-    c = LookupClient(cluster.endpoints, m, chunk_size=CHUNK, world=4, timeout_ms=300)
+    c = LookupClient(
+        cluster.endpoints, m, chunk_size=CHUNK, world=4, timeout_ms=300, tier_order=TIER_ORDER
+    )
     c.wait_ready(30.0)
     yield c, m
     c.close()
@@ -211,7 +216,7 @@ def test_slow_rank_late_reply_is_never_used_for_a_later_lookup(run_dir: Path) ->
     slow = FakeBackend(1, keys[:6], gate=gate)
     servers, eps = _servers(run_dir, {0: FakeBackend(0, keys), 1: slow})
     m = Metrics(0)
-    c = LookupClient(eps, m, chunk_size=CHUNK, world=2, timeout_ms=300)
+    c = LookupClient(eps, m, chunk_size=CHUNK, world=2, timeout_ms=300, tier_order=TIER_ORDER)
     try:
         c.wait_ready(10.0)
         gate.clear()
@@ -244,7 +249,7 @@ def test_a_lookup_in_flight_never_blocks_its_caller_past_the_wait(run_dir: Path)
     slow = FakeBackend(1, keys[:6], gate=gate)
     servers, eps = _servers(run_dir, {0: FakeBackend(0, keys), 1: slow})
     m = Metrics(0)
-    c = LookupClient(eps, m, chunk_size=CHUNK, world=2, timeout_ms=5000)
+    c = LookupClient(eps, m, chunk_size=CHUNK, world=2, timeout_ms=5000, tier_order=TIER_ORDER)
     try:
         c.wait_ready(10.0)
         gate.clear()
@@ -309,7 +314,7 @@ def test_malformed_frames_are_rejected_counted_and_the_server_keeps_serving(
         ("auth", [os.urandom(32), ping]),
     ]
     m = Metrics(0)
-    c = LookupClient(eps, m, chunk_size=CHUNK, world=1, timeout_ms=2000)
+    c = LookupClient(eps, m, chunk_size=CHUNK, world=1, timeout_ms=2000, tier_order=TIER_ORDER)
     try:
         c.wait_ready(10.0)
         for reason, body in hostile:
@@ -344,7 +349,7 @@ def test_backend_error_is_an_error_reply_not_a_timeout(run_dir: Path) -> None:
     keys = make_keys(4)
     servers, eps = _servers(run_dir, {0: FakeBackend(0, keys), 1: FakeBackend(1, keys, fail=True)})
     m = Metrics(0)
-    c = LookupClient(eps, m, chunk_size=CHUNK, world=2, timeout_ms=2000)
+    c = LookupClient(eps, m, chunk_size=CHUNK, world=2, timeout_ms=2000, tier_order=TIER_ORDER)
     try:
         c.wait_ready(10.0)
         res = c.lookup(keys, "boom")
@@ -386,7 +391,9 @@ def test_the_answer_carries_each_chunks_tier_the_slowest_rank_deciding(run_dir: 
         run_dir,
         {0: _TieredBackend(0, keys, "mmmmd"), 1: _TieredBackend(1, keys[:4], "mmrm")},
     )
-    c = LookupClient(eps, Metrics(0), chunk_size=CHUNK, world=2, timeout_ms=2000)
+    c = LookupClient(
+        eps, Metrics(0), chunk_size=CHUNK, world=2, timeout_ms=2000, tier_order=TIER_ORDER
+    )
     try:
         c.wait_ready(10.0)
         res = c.lookup(keys, "tiers")
@@ -400,8 +407,12 @@ def test_the_answer_carries_each_chunks_tier_the_slowest_rank_deciding(run_dir: 
 
 
 def test_merged_runs_are_empty_when_a_rank_said_none() -> None:
-    assert merged_runs([(("memory", 3),), ()], 2) == ()  # an older rank: the deepest tier only
-    assert merged_runs([(("memory", 1), ("disk", 2))], 2) == (("memory", 1), ("disk", 1))
+    # an older rank: the deepest tier only
+    assert merged_runs([(("memory", 3),), ()], 2, TIER_ORDER) == ()
+    assert merged_runs([(("memory", 1), ("disk", 2))], 2, TIER_ORDER) == (
+        ("memory", 1),
+        ("disk", 1),
+    )
 
 
 def test_endpoint_served_by_another_rank_is_detected(run_dir: Path) -> None:
@@ -409,7 +420,9 @@ def test_endpoint_served_by_another_rank_is_detected(run_dir: Path) -> None:
     servers, eps = _servers(run_dir, {0: FakeBackend(0, keys)})
     m = Metrics(0)
     # Both ranks point at rank 0's socket: the shared-socket failure across replicas.
-    c = LookupClient({0: eps[0], 1: eps[0]}, m, chunk_size=CHUNK, world=2, timeout_ms=1000)
+    c = LookupClient(
+        {0: eps[0], 1: eps[0]}, m, chunk_size=CHUNK, world=2, timeout_ms=1000, tier_order=TIER_ORDER
+    )
     try:
         assert c.wait_connected(10.0) == []
         assert c.ping(2000) == {0: True, 1: False}
@@ -436,6 +449,7 @@ def test_dead_rank_never_hangs_then_is_skipped_until_probed_and_recovers(run_dir
         miss_limit=2,
         probe_interval_s=10.0,
         clock=lambda: now[0],
+        tier_order=TIER_ORDER,
     )
     try:
         for i in range(2):
@@ -553,7 +567,14 @@ def test_tcp_loopback_round_trip(run_dir: Path) -> None:
     key = engine_key(run_dir)
     ep = "tcp://127.0.0.1:*"
     server = LookupServer(0, FakeBackend(0, keys), ep, Metrics(0), key=key).start()
-    c = LookupClient({0: server.bound_endpoint}, Metrics(0), chunk_size=CHUNK, world=1, key=key)
+    c = LookupClient(
+        {0: server.bound_endpoint},
+        Metrics(0),
+        chunk_size=CHUNK,
+        world=1,
+        key=key,
+        tier_order=TIER_ORDER,
+    )
     try:
         c.wait_ready(10.0)
         assert c.lookup(keys, "tcp").hit_tokens == 3 * CHUNK
@@ -571,7 +592,7 @@ def test_startup_line_logged_once(caplog: pytest.LogCaptureFixture, run_dir: Pat
     )
     eps = {r: endpoint_for(r, run_dir=run_dir) for r in (1, 0)}
     with caplog.at_level(logging.INFO, logger="kvtier"):
-        LookupClient(eps, Metrics(0), chunk_size=CHUNK, world=4).close()
+        LookupClient(eps, Metrics(0), chunk_size=CHUNK, world=4, tier_order=TIER_ORDER).close()
     lines = [r.message for r in caplog.records if "lookup client on ranks" in r.message]
     assert lines == ["kvtier: lookup client on ranks [0, 1] (world=4)"]
 
@@ -579,14 +600,18 @@ def test_startup_line_logged_once(caplog: pytest.LogCaptureFixture, run_dir: Pat
 def test_bad_client_input_raises_clear_errors(run_dir: Path) -> None:
     eps = {0: endpoint_for(0, run_dir=run_dir)}
     with pytest.raises(TopologyError, match=r"ranks \[4\] are outside \[0, world=4\)"):
-        LookupClient({4: eps[0]}, Metrics(0), chunk_size=CHUNK, world=4)
+        LookupClient({4: eps[0]}, Metrics(0), chunk_size=CHUNK, world=4, tier_order=TIER_ORDER)
     with pytest.raises(TopologyError, match="at least one rank"):
-        LookupClient({}, Metrics(0), chunk_size=CHUNK, world=4)
+        LookupClient({}, Metrics(0), chunk_size=CHUNK, world=4, tier_order=TIER_ORDER)
     with pytest.raises(ConfigError, match="chunk_size=0"):
-        LookupClient(eps, Metrics(0), chunk_size=0, world=1)
+        LookupClient(eps, Metrics(0), chunk_size=0, world=1, tier_order=TIER_ORDER)
     with pytest.raises(ConfigError, match="not ipc://"):
-        LookupClient({0: "/tmp/x.sock"}, Metrics(0), chunk_size=CHUNK, world=1)
-    c = LookupClient(eps, Metrics(0), chunk_size=CHUNK, world=1, max_frame_bytes=1024)
+        LookupClient(
+            {0: "/tmp/x.sock"}, Metrics(0), chunk_size=CHUNK, world=1, tier_order=TIER_ORDER
+        )
+    c = LookupClient(
+        eps, Metrics(0), chunk_size=CHUNK, world=1, max_frame_bytes=1024, tier_order=TIER_ORDER
+    )
     try:
         with pytest.raises(ValueError, match="key 1 is bytes of length 15"):
             c.lookup([b"k" * 16, b"k" * 15], "x")

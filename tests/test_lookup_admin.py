@@ -22,10 +22,13 @@ from kvtier.lookup import (
 )
 from kvtier.metrics import Metrics
 from kvtier.store.memory import MemoryTier
+from kvtier.store.registry import order
 from kvtier.store.stack import TierStack
 from tests.lookup_helpers import FakeBackend, make_keys
 
 SIZE = 256
+
+TIER_ORDER = order()  # the registry's tier names, accelerator outwards
 
 
 @pytest.fixture
@@ -48,7 +51,9 @@ def test_admin_ops_reach_every_ranks_tiers_with_counts(run_dir: Path) -> None:
         assert all(s.put(k, k * (SIZE // 16)) for s in stacks.values())
     eps = {r: endpoint_for(r, run_dir=run_dir) for r in stacks}
     servers = [LookupServer(r, s, eps[r], Metrics(r)).start() for r, s in stacks.items()]
-    c = LookupClient(eps, Metrics(0), chunk_size=16, world=2, timeout_ms=2000)
+    c = LookupClient(
+        eps, Metrics(0), chunk_size=16, world=2, timeout_ms=2000, tier_order=TIER_ORDER
+    )
     try:
         c.wait_ready(10.0)
         got = c.admin("retain", keys, 4e9)
@@ -71,7 +76,9 @@ def test_a_backend_without_admin_answers_with_an_error_not_a_timeout(run_dir: Pa
     keys = make_keys(2)
     ep = endpoint_for(0, run_dir=run_dir)
     server = LookupServer(0, FakeBackend(0, keys), ep, Metrics(0)).start()
-    c = LookupClient({0: ep}, Metrics(0), chunk_size=16, world=1, timeout_ms=2000)
+    c = LookupClient(
+        {0: ep}, Metrics(0), chunk_size=16, world=1, timeout_ms=2000, tier_order=TIER_ORDER
+    )
     try:
         c.wait_ready(10.0)
         answer = c.admin("forget", keys)[0]

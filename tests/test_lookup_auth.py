@@ -36,6 +36,7 @@ from kvtier.lookup import (
 from kvtier.metrics import Metrics
 from kvtier.offload.wiring import OffloadSpec
 from kvtier.store.memory import MemoryTier
+from kvtier.store.registry import order
 from kvtier.store.stack import TierStack
 from kvtier.topology import resolve
 from tests.lookup_helpers import FakeBackend, make_keys, signed
@@ -47,6 +48,8 @@ DEADLINE_S = 10.0
 # how long a reply to a foreign frame would take at most once the server has answered a later
 # ping: the server handles frames in order on one thread, so a reply it sent is already queued
 NO_REPLY_MS = 300
+
+TIER_ORDER = order()  # the registry's tier names, accelerator outwards
 
 
 def _free_port(n: int = 1) -> int:
@@ -108,7 +111,14 @@ def rank(request: pytest.FixtureRequest) -> Iterator[Rank]:
     stack = TierStack(memory, (), metrics)
     ep = endpoint_for(0, transport=request.param, run_dir=run_dir, base_port=_free_port())
     server = LookupServer(0, stack, ep, metrics).start()
-    client = LookupClient({0: ep}, Metrics("scheduler"), chunk_size=16, world=1, timeout_ms=2000)
+    client = LookupClient(
+        {0: ep},
+        Metrics("scheduler"),
+        chunk_size=16,
+        world=1,
+        timeout_ms=2000,
+        tier_order=TIER_ORDER,
+    )
     foreign = zmq.Context.instance().socket(zmq.DEALER)
     foreign.setsockopt(zmq.LINGER, 0)
     foreign.connect(ep)
@@ -229,7 +239,9 @@ def test_tcp_needs_the_engines_run_dir_or_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="names no run dir holding its engine's key"):
         LookupServer(0, FakeBackend(0, []), "tcp://127.0.0.1:*", Metrics(0))
     with pytest.raises(ConfigError, match="names no run dir"):
-        LookupClient({0: "tcp://127.0.0.1:15500"}, Metrics(0), chunk_size=16, world=1)
+        LookupClient(
+            {0: "tcp://127.0.0.1:15500"}, Metrics(0), chunk_size=16, world=1, tier_order=TIER_ORDER
+        )
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o755)
@@ -242,7 +254,7 @@ def test_tcp_needs_the_engines_run_dir_or_key(tmp_path: Path) -> None:
     try:
         eps = {0: endpoint_for(0, run_dir=a), 1: endpoint_for(1, run_dir=b)}
         with pytest.raises(ConfigError, match=r"ranks \[\[0\], \[1\]\] belong to engines"):
-            LookupClient(eps, Metrics(0), chunk_size=16, world=2)
+            LookupClient(eps, Metrics(0), chunk_size=16, world=2, tier_order=TIER_ORDER)
     finally:
         shutil.rmtree(a)
         shutil.rmtree(b)
@@ -266,7 +278,9 @@ def test_both_halves_of_a_tcp_engine_share_the_run_dirs_key(tmp_path: Path) -> N
         LookupServer(r, FakeBackend(r, keys), halves[r].endpoints[r], Metrics(r)).start()
         for r in (0, 1)
     ]
-    client = LookupClient(halves[0].endpoints, Metrics("scheduler"), chunk_size=16, world=2)
+    client = LookupClient(
+        halves[0].endpoints, Metrics("scheduler"), chunk_size=16, world=2, tier_order=TIER_ORDER
+    )
     try:
         assert halves[0].endpoints[1] == f"tcp://127.0.0.1:{port + 1}"
         client.wait_ready(DEADLINE_S)
@@ -287,7 +301,9 @@ def test_a_reply_without_the_engines_mac_is_dropped_and_counted(run_dir: Path) -
     squatter.setsockopt(zmq.LINGER, 0)
     squatter.bind(ep)
     m = Metrics("scheduler")
-    client = LookupClient({0: ep}, m, chunk_size=16, world=1, timeout_ms=1000)
+    client = LookupClient(
+        {0: ep}, m, chunk_size=16, world=1, timeout_ms=1000, tier_order=TIER_ORDER
+    )
     codec = Codec()
     try:
         assert client.wait_connected(DEADLINE_S) == []

@@ -569,6 +569,7 @@ class KVTierConfig:
 
     def _validate_remote(self) -> None:
         url = self.remote_url
+        object.__setattr__(self, "_endpoint", None)
         if url is None:
             for key in ("remote_username", "remote_password", *_TLS_FILES):
                 if getattr(self, key) is not None:
@@ -578,7 +579,8 @@ class KVTierConfig:
                         f"(redis://host:6379/0) or unset {key}",
                     )
         else:
-            self._validate_remote_url(url)
+            # parsed here once; the store is handed this endpoint (`store_endpoint`)
+            object.__setattr__(self, "_endpoint", self._validate_remote_url(url))
         if not _TENANT_RE.match(self.tenant):
             raise _error(
                 "tenant",
@@ -659,7 +661,12 @@ class KVTierConfig:
                 "secrets; print(secrets.token_hex(32))'`) or record_key_file",
             )
 
-    def _validate_remote_url(self, url: str) -> None:
+    @property
+    def store_endpoint(self) -> remote_endpoint.RemoteEndpoint | None:
+        """`remote_url` parsed (once, by validation); None without a remote tier."""
+        return self.__dict__.get("_endpoint")
+
+    def _validate_remote_url(self, url: str) -> remote_endpoint.RemoteEndpoint:
         fix = remote_endpoint.URL_FORMS
         shown = _show("remote_url", url)
         try:
@@ -708,6 +715,7 @@ class KVTierConfig:
                 f"remote_timeout_ms={self.remote_timeout_ms}; a write never gets less time "
                 "than a read, so raise it (default 1000)",
             )
+        return endpoint
 
     def _validate_lookup(self) -> None:
         if self.lookup_transport not in _TRANSPORTS:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvtier.metrics import Metrics
+from kvtier.store.base import TierBase
 from kvtier.store.disk import DiskTier
 from kvtier.store.memory import MemoryTier
 from kvtier.store.record import HEADER_BYTES
@@ -23,7 +24,7 @@ SIZE = 2048
 WAIT_S = 10.0
 
 
-class BlockingTier:
+class BlockingTier(TierBase):
     """A lower tier whose put() waits on `gate`, so a test controls when write-behind drains."""
 
     name = "blocking"
@@ -44,7 +45,7 @@ class BlockingTier:
     def get(self, key: bytes) -> bytes | None:
         return self.stored.get(key)
 
-    def put(self, key: bytes, payload: bytes | memoryview) -> bool:
+    def put(self, key: bytes, payload: bytes | memoryview, parent: bytes = b"") -> bool:
         self.entered.set()
         if not self.gate.wait(WAIT_S):
             raise AssertionError("test never opened the gate")
@@ -56,6 +57,9 @@ class BlockingTier:
 
     def release(self, lease_id: str) -> None:
         return None
+
+    def delete(self, key: bytes) -> bool:
+        return self.stored.pop(key, None) is not None
 
     def residency_bytes(self) -> int:
         return sum(map(len, self.stored.values()))
@@ -69,7 +73,7 @@ class BrokenTier(BlockingTier):
 
     name = "broken"
 
-    def put(self, key: bytes, payload: bytes | memoryview) -> bool:
+    def put(self, key: bytes, payload: bytes | memoryview, parent: bytes = b"") -> bool:
         raise RuntimeError("backend exploded")
 
 

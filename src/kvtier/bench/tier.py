@@ -53,6 +53,7 @@ from kvtier.keys import chain_keys, digest16, key_seed
 from kvtier.layout import KVGeometry, bytes_per_token_from_hf
 from kvtier.lookup import LookupClient, LookupServer, endpoint_for, make_run_dir
 from kvtier.metrics import Metrics
+from kvtier.store import registry
 from kvtier.store.disk import DiskTier
 from kvtier.store.memory import MemoryTier
 from kvtier.store.record import HEADER_BYTES
@@ -690,7 +691,10 @@ def _bench_lookup(report: Report, plan: Plan, say: Progress) -> None:
     lookups: list[float] = []
     timeouts = errors = 0
     with _rank_servers(keys) as endpoints:
-        client = LookupClient(endpoints, Metrics(0), chunk_size=CHUNK_TOKENS, world=LOOKUP_RANKS)
+        client = LookupClient(
+            endpoints, Metrics(0), chunk_size=CHUNK_TOKENS, world=LOOKUP_RANKS,
+            tier_order=registry.order(),
+        )  # fmt: skip
         try:
             client.wait_ready(timeout_s=30.0)
             total = plan.lookup_warmup + plan.lookup_reps

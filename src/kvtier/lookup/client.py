@@ -89,6 +89,7 @@ class LookupClient:
         context: zmq.Context | None = None,
         clock: Callable[[], float] = time.monotonic,
         key: bytes | None = None,
+        tier_order: Sequence[str],
     ) -> None:
         if not endpoints:
             raise TopologyError("lookup client needs at least one rank endpoint, got none")
@@ -115,6 +116,8 @@ class LookupClient:
         self.ranks: tuple[int, ...] = tuple(sorted(endpoints))
         self.world = world
         self.chunk_size = chunk_size
+        # tier names from the accelerator outwards (the tier registry's), to merge ranks' runs
+        self.tier_order = tuple(tier_order)
         self.timeout_ms = timeout_ms
         self._m = metrics
         self._codec = Codec(max_frame_bytes)
@@ -235,10 +238,12 @@ class LookupClient:
         ordered = {r: p.per_rank[r] for r in self.ranks}
         hit = min(ordered.values())
         limiting = None if hit == p.n else next(r for r, h in ordered.items() if h == hit)
-        runs = merged_runs((p.runs.get(r, ()) for r in self.ranks), hit)
+        runs = merged_runs((p.runs.get(r, ()) for r in self.ranks), hit, self.tier_order)
         # the counted chunks' deepest tier (a rank's own answer may name a deeper tier for
         # chunks beyond the run every rank holds)
-        tier = deepest_tier(t for t, _ in runs) if runs else deepest_tier(p.tiers.values())
+        tier = deepest_tier(
+            (t for t, _ in runs) if runs else p.tiers.values(), self.tier_order
+        )
         p.result = LookupResult(
             hit_chunks=hit,
             hit_tokens=hit * self.chunk_size,

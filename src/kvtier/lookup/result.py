@@ -3,7 +3,7 @@ the deepest tier of the counted run; and a lookup still in flight."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -29,19 +29,16 @@ class LookupResult:
     runs: tuple[tuple[str, int], ...] = ()
 
 
-# tiers from the accelerator outwards: a run's source is the outermost tier it touches
-TIER_ORDER = ("memory", "disk", "remote")
-
-
-def deepest_tier(tiers: Iterable[str]) -> str:
-    """The outermost of `tiers` (an unknown name counts as outermost; "" as none)."""
-    rank = {t: i for i, t in enumerate(TIER_ORDER)}
+def deepest_tier(tiers: Iterable[str], order: Sequence[str]) -> str:
+    """The outermost of `tiers` by `order` (the tier registry's names, accelerator outwards);
+    an unknown name counts as outermost, "" as none."""
+    rank = {t: i for i, t in enumerate(order)}
     named = [t for t in tiers if t]
-    return max(named, key=lambda t: rank.get(t, len(TIER_ORDER))) if named else ""
+    return max(named, key=lambda t: rank.get(t, len(order))) if named else ""
 
 
 def merged_runs(
-    per_rank: Iterable[tuple[tuple[str, int], ...]], chunks: int
+    per_rank: Iterable[tuple[tuple[str, int], ...]], chunks: int, order: Sequence[str]
 ) -> tuple[tuple[str, int], ...]:
     """The first `chunks` chunks' runs, each chunk at the deepest tier any rank's runs put
     it in (every rank must read it: the slowest decides); empty when a rank's runs are
@@ -56,7 +53,7 @@ def merged_runs(
         return ()
     out: list[tuple[str, int]] = []
     for i in range(chunks):
-        tier = deepest_tier(t[i] for t in each)
+        tier = deepest_tier((t[i] for t in each), order)
         if out and out[-1][0] == tier:
             out[-1] = (tier, out[-1][1] + 1)
         else:

@@ -18,7 +18,6 @@ from kvtier.config import KVTierConfig
 from kvtier.identity import model_identity
 from kvtier.lookup import make_run_dir
 from kvtier.native.connector import (
-    UNSPECIFIED_SOURCE,
     ConnectorContext,
     ConnectorOutput,
     ConnectorRequest,
@@ -38,12 +37,11 @@ from kvtier.offload.wiring import (
     decode_step_meta,
     encode_step_meta,
 )
+from kvtier.store import registry
 from kvtier.topology import resolve
 
 log = logging.getLogger("kvtier")
 
-# kvtier's tier names -> vLLM's CacheHitSource values; a shared store has no vLLM name of its own
-_SOURCE_OF_TIER = {"memory": "host", "disk": "disk", "remote": UNSPECIFIED_SOURCE}
 
 
 def connector_spec(
@@ -141,7 +139,7 @@ class SchedulerHalf:
         """The load's tokens under the tier its lookup found the run in (vLLM's CacheHitSource
         names)."""
         tier = self.core.hit_tier(request.request_id)
-        return {_SOURCE_OF_TIER.get(tier, UNSPECIFIED_SOURCE): num_external_tokens}
+        return {registry.hit_source(tier): num_external_tokens}
 
     def request_finished(self, request: ConnectorRequest, block_ids: list[int]) -> bool:
         return self.core.request_finished(request)

@@ -23,6 +23,7 @@ from kvtier.offload.inflight import InFlight
 from kvtier.offload.planner import SavePlanner
 from kvtier.offload.protocols import LookupPort, LookupResultLike
 from kvtier.offload.request_state import LoadState, RequestState
+from kvtier.store import registry
 
 # Skip reasons (the `reason` label of kvtier_skipped_loads_total).
 HBM_SATISFIES = "hbm_satisfies"
@@ -133,7 +134,7 @@ class LoadPlanner:
         # its tier is the deepest it reads (a memory head alone may run inside the forward)
         end = choice.end
         tokens = end - num_computed_tokens
-        st.hit_tier = deepest_tier(t for t, _ in choice.reads())
+        st.hit_tier = deepest_tier((t for t, _ in choice.reads()), registry.order())
         # a sync load blocks the forward for its whole read, with no deadline to abandon it:
         # only runs every rank holds in host memory qualify (a lookup that names no tier: only
         # a memory-only stack's)

@@ -30,6 +30,7 @@ from kvtier.offload.quorum import Quorum, Terminal
 from kvtier.offload.request_state import LoadOutcome, LoadState, RequestState
 from kvtier.offload.retention import RetentionHint
 from kvtier.offload.steps import LOOKUP, META, REPORTS, HookClock
+from kvtier.store import registry
 
 log = logging.getLogger("kvtier")
 
@@ -99,9 +100,8 @@ class OffloadScheduler:
         seeds = {}
         if bytes_per_token:
             seeds = {
-                "memory": config.memory_read_gbps * 1e9 / bytes_per_token,
-                "disk": config.disk_read_gbps * 1e9 / bytes_per_token,
-                "remote": config.remote_read_gbps * 1e9 / bytes_per_token,
+                tier: gbps * 1e9 / bytes_per_token
+                for tier, gbps in registry.read_seeds(config).items()
             }
         self.gate = LoadGate.seeded(
             config.prefill_tokens_per_s, load_tokens_per_s or seeds.get("memory"), seeds,

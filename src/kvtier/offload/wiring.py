@@ -27,6 +27,7 @@ from kvtier.offload.protocols import StepRequest
 from kvtier.offload.scheduler import OffloadScheduler
 from kvtier.offload.selftest import check_lookup
 from kvtier.offload.worker import OffloadWorker
+from kvtier.store import registry
 from kvtier.topology import Topology, validate_lookup_scope
 
 READY_TIMEOUT_S = 30.0
@@ -105,6 +106,7 @@ class SchedulerWiring:
             chunk_size=config.chunk_size,
             timeout_ms=config.lookup_timeout_ms,
             world=topo.world,
+            tier_order=registry.order(),
         )
         try:
             # every worker registered its caches (and started its lookup server) before the host

@@ -37,6 +37,7 @@ from kvtier.config import format_size
 from kvtier.errors import StartupError
 from kvtier.metrics import Metrics
 from kvtier.store import record
+from kvtier.store.base import TierBase
 from kvtier.store.disk_dirs import (
     PRIVATE_FILE,
     check_private,
@@ -81,7 +82,7 @@ class ScanResult:
     untrusted_files: int = 0
 
 
-class DiskTier:
+class DiskTier(TierBase):
     """Chunk records as files under one namespace directory, evicted leaves-first to stay under a
     byte cap that the filesystem can really hold.
 
@@ -89,6 +90,7 @@ class DiskTier:
     """
 
     name = "disk"
+    reports_evictions = True
 
     def __init__(
         self,

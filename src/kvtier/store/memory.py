@@ -20,6 +20,7 @@ import torch
 
 from kvtier.metrics import Metrics
 from kvtier.store.arena import HostArena
+from kvtier.store.base import TierBase
 from kvtier.store.lease import LeaseTable
 from kvtier.store.policy import GHOST_FRACTION, NO_PARENT, ChainPolicy
 from kvtier.store.record import KEY_BYTES, NAMESPACE_BYTES, checksum
@@ -44,7 +45,7 @@ class MemoryTierStats:
     leases: int = 0
 
 
-class MemoryTier:
+class MemoryTier(TierBase):
     """Chunks in fixed slots of one host buffer, with chain-aware eviction, leases and verified
     reads. Recency comes from `touch` (a lookup's matched run) and from commits; reads do not
     change it, so a load that reads a run upward cannot leave its head the oldest entry.
@@ -54,6 +55,8 @@ class MemoryTier:
     """
 
     name = TIER
+    reads_into = True
+    reports_evictions = True
 
     def __init__(
         self,

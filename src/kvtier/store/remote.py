@@ -36,7 +36,9 @@ from kvtier.config import mask_url
 from kvtier.errors import ConfigError, StartupError
 from kvtier.metrics import Metrics
 from kvtier.store import record
+from kvtier.store.base import TierBase
 from kvtier.store.breaker import ShardBreakers
+from kvtier.store.policy import NO_PARENT
 from kvtier.store.remote_guard import ShardGuard
 from kvtier.store.remote_transport import CredentialsRefused, StoreError, Timeouts, Transport
 from kvtier.store.secret import codec_for
@@ -54,7 +56,7 @@ _DEFAULT_TIMEOUT_GBPS = 0.1
 _DEFAULT_MAX_VALUE = 512 << 20
 
 
-class RemoteTier:
+class RemoteTier(TierBase):
     """Chunk records in a Valkey/Redis server or cluster shared by every engine with the same
     namespace.
 
@@ -69,6 +71,7 @@ class RemoteTier:
     name = "remote"
     # the store cannot pin, so a lookup's batched presence check is its whole answer
     pins = False
+    reads_into = True
 
     def __init__(
         self,
@@ -94,7 +97,9 @@ class RemoteTier:
         codec: record.RecordCodec,
         tenant: str = "",
         full: str = "refuse",
+        endpoint: remote_endpoint.RemoteEndpoint | None = None,
     ) -> None:
+        """`endpoint`: `url` already parsed (the config's); parsed here when not given."""
         shown = mask_url(url)
         if len(namespace) != record.NAMESPACE_BYTES:
             raise ValueError(
@@ -120,7 +125,7 @@ class RemoteTier:
         if max_connections <= 0:
             raise ValueError(f"max_connections={max_connections!r} must be > 0; use 16")
         try:
-            endpoint = remote_endpoint.parse(url)
+            endpoint = endpoint or remote_endpoint.parse(url)
         except ValueError as e:
             raise ConfigError(
                 f"remote_url={shown!r} is not a usable remote URL: {e}; {remote_endpoint.URL_FORMS}"
@@ -209,6 +214,7 @@ class RemoteTier:
             codec=codec_for(config, namespace),
             tenant=config.tenant,
             full=config.remote_full,
+            endpoint=config.store_endpoint,
         )
 
     # ---- Tier protocol -------------------------------------------------------------------
@@ -249,11 +255,12 @@ class RemoteTier:
             dst.copy_(torch.from_numpy(src), non_blocking=False)
         return True
 
-    def put(self, key: bytes, payload: bytes | memoryview) -> bool:
+    def put(self, key: bytes, payload: bytes | memoryview, parent: bytes = NO_PARENT) -> bool:
         """SET the record (EX ttl_s when > 0); False, counted, when refused, skipped or failed.
 
         Header and payload are laid into this thread's record buffer, reused put after put,
-        and sent as one value: no fresh buffer to fault in per record."""
+        and sent as one value: no fresh buffer to fault in per record. A shared store keeps
+        no chains: `parent` is not stored."""
         self._check_open()
         rkey = self._rkey(key)
         view = memoryview(payload).cast("B")
@@ -429,7 +436,7 @@ class RemoteTier:
 
             try:
                 return SocketTransport(
-                    url,
+                    endpoint,
                     self.timeouts,
                     username=username,
                     password=password,
@@ -579,3 +586,44 @@ class RemoteTier:
 
 def _unretained(key: bytes) -> float | None:
     return None
+
+
+def check_database(
+    url: str, endpoint: remote_endpoint.RemoteEndpoint, config: KVTierConfig
+) -> None:
+    """A database index the server does not have stops startup by name (a client would
+    otherwise fail every connect and the tier would only look unreachable)."""
+    if endpoint.db == 0 or endpoint.cluster or endpoint.unix:
+        return
+    have = _server_databases(endpoint, config)
+    if have is not None and endpoint.db >= have:
+        raise StartupError(
+            f"remote_url={mask_url(url)!r} selects database {endpoint.db}, but the server has "
+            f"databases 0..{have - 1}; use a database index it has, e.g. redis://host:6379/0"
+        )
+
+
+def _server_databases(endpoint: remote_endpoint.RemoteEndpoint, config: KVTierConfig) -> int | None:
+    """The server's `databases` setting, asked on database 0 (None when it will not say)."""
+    import redis
+
+    host, port = endpoint.seeds[0]
+    username = config.remote_username if config.remote_username is not None else endpoint.username
+    password = config.remote_password if config.remote_password is not None else endpoint.password
+    client = redis.Redis(
+        host=host,
+        port=port,
+        db=0,
+        username=username,
+        password=password,
+        ssl=endpoint.tls,
+        socket_timeout=config.remote_timeout_ms / 1000,
+        socket_connect_timeout=config.remote_timeout_ms / 1000,
+    )
+    try:
+        return int(client.config_get("databases")["databases"])
+    except (redis.exceptions.RedisError, KeyError, ValueError):
+        # an unreachable or TLS server says nothing here; the tier's own startup probe reports it
+        return None
+    finally:
+        client.close()

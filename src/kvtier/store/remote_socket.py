@@ -14,7 +14,7 @@ from redis.backoff import NoBackoff
 from redis.maint_notifications import MaintNotificationsConfig
 from redis.retry import Retry
 
-from kvtier import remote_endpoint
+from kvtier.remote_endpoint import RemoteEndpoint
 from kvtier.store.remote_transport import CredentialsRefused, StoreError, Timeouts
 
 # The store did not answer in time or the connection broke. AuthenticationError is a
@@ -45,7 +45,7 @@ class SocketTransport:
 
     def __init__(
         self,
-        url: str,
+        endpoint: RemoteEndpoint,
         timeouts: Timeouts,
         *,
         username: str | None,
@@ -54,13 +54,13 @@ class SocketTransport:
     ) -> None:
         # named by its path alone: a shard name reaches logs and errors, the URL's userinfo
         # and query may hold a password
-        self._shard = f"unix:{remote_endpoint.parse(url).socket_path}"
+        self._shard = f"unix:{endpoint.socket_path}"
         self._timeouts = timeouts
         self._redis = redis.Redis(
-            connection_pool=_pool(url, username, password, max_connections, timeouts, False)
+            connection_pool=_pool(endpoint, username, password, max_connections, timeouts, False)
         )
         self._writer = redis.Redis(
-            connection_pool=_pool(url, username, password, max_connections, timeouts, True)
+            connection_pool=_pool(endpoint, username, password, max_connections, timeouts, True)
         )
 
     @property
@@ -173,7 +173,7 @@ class SocketTransport:
 
 
 def _pool(
-    url: str,
+    ep: RemoteEndpoint,
     username: str | None,
     password: str | None,
     max_connections: int,
@@ -182,7 +182,6 @@ def _pool(
 ) -> redis.BlockingConnectionPool:
     # redis-py is handed the socket and database only: kvtier parsed the URL already, and
     # redis-py's own parse breaks on passwords holding '[', '#' or '?'
-    ep = remote_endpoint.parse(url)
     username = username if username is not None else ep.username
     password = password if password is not None else ep.password
     pool = redis.BlockingConnectionPool(

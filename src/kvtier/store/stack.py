@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from kvtier.metrics import Metrics
-from kvtier.store.base import ChainTier, Tier
+from kvtier.store.base import Tier
 from kvtier.store.policy import NO_PARENT
 from kvtier.store.retention import RETENTION_FILE, RetentionTable
 
@@ -80,10 +80,6 @@ class TierStack:
         self._lower: tuple[Tier, ...] = tuple(lower)
         self._listener: Callable[[str, str, bytes], None] | None = None
         self._writes_lower = writes_lower
-        # tiers told which runs lookups used; a tier without touch() keeps its own order
-        self._chained: tuple[ChainTier, ...] = tuple(
-            t for t in (memory, *self._lower) if isinstance(t, ChainTier)
-        )
         self._m = metrics
         self._queue: queue.Queue[_Job | object] = queue.Queue(maxsize=queue_depth)
         self._depth = metrics.queue(_WRITE_BEHIND)
@@ -111,12 +107,8 @@ class TierStack:
                     "kvtier: %d retained chunks carried over from %s", kept, self._retention_file
                 )
         for t in (memory, *self._lower):
-            protect = getattr(t, "protect", None)
-            if protect is not None:
-                protect(self.retention.holds)
-            protect_until = getattr(t, "protect_until", None)
-            if protect_until is not None:
-                protect_until(self.retention.until)
+            t.protect(self.retention.holds)
+            t.protect_until(self.retention.until)
         self._thread: threading.Thread | None = None
         if self._lower:
             self._thread = threading.Thread(
@@ -153,7 +145,7 @@ class TierStack:
         chunk; a tier that cannot tell its evictions (remote) reports its stores only."""
         self._listener = listener
         for t in (self._memory, *self._lower):
-            if hasattr(t, "listener"):
+            if t.reports_evictions:
                 t.listener = lambda change, key, name=t.name: listener(change, name, key)
 
     def pending_writes(self) -> int:
@@ -202,7 +194,7 @@ class TierStack:
         self._remember_lease(lease_id, touched)
         if n:
             run = keys[:n]
-            for t in self._chained:
+            for t in self._all():
                 t.touch(run)
         return self._run_of(sources)
 
@@ -238,7 +230,7 @@ class TierStack:
         for i, t in enumerate(self._lower, start=1):
             if not self._present(i, t, keys, idx, presence):
                 continue
-            if not getattr(t, "pins", True):
+            if not t.pins:
                 # a tier that cannot pin (remote): its batched presence check is the answer,
                 # and there is nothing to release later
                 return i
@@ -313,10 +305,9 @@ class TierStack:
             self._m.tier_hit(self._memory.name).inc()
             return self._memory.name
         for t in self._lower:
-            reader = getattr(t, "read_into", None)
-            if reader is not None and flat.device.type == "cpu":
+            if t.reads_into and flat.device.type == "cpu":
                 # the tier reads and verifies into its own reusable buffer, then into dst
-                if not reader(key, flat):
+                if not t.read_into(key, flat):
                     continue
                 self._m.tier_hit(t.name).inc()
                 self._memory.put(key, flat, parent)
@@ -429,11 +420,8 @@ class TierStack:
                     continue
                 # a False return was counted by the tier itself
                 data = memoryview(_flat_bytes(view).numpy())
-                if isinstance(t, ChainTier):
-                    stored = t.put(job.key, data, parent=job.parent)
-                else:
-                    stored = t.put(job.key, data)
-                if stored and self._listener is not None and not hasattr(t, "listener"):
+                stored = t.put(job.key, data, parent=job.parent)
+                if stored and self._listener is not None and not t.reports_evictions:
                     self._listener("stored", t.name, job.key)
             except Exception:
                 # a broken tier must not kill the thread that feeds every lower tier
@@ -448,10 +436,9 @@ class TierStack:
         self._check_open()
         if op == "retain":
             n = self.retention.retain(keys, until)
-            for t in self._lower:
-                extend = getattr(t, "extend_ttl", None)
-                if extend is not None and self._writes_lower:
-                    extend(keys[:n], until)
+            if self._writes_lower:
+                for t in self._lower:
+                    t.extend_ttl(keys[:n], until)
         elif op == "release":
             n = self.retention.release(keys)
         elif op == "prefetch":
@@ -534,9 +521,8 @@ class TierStack:
         for key in keys:
             found = False
             for t in self._all():
-                delete = getattr(t, "delete", None)
-                if delete is not None and (self._writes_lower or t is self._memory):
-                    found = delete(key) or found
+                if self._writes_lower or t is self._memory:
+                    found = t.delete(key) or found
             deleted += found
         return deleted
 
@@ -544,9 +530,8 @@ class TierStack:
         if not self._writes_lower:
             return None
         for t in self._lower:
-            directory = getattr(t, "directory", None)
-            if isinstance(directory, Path):
-                return directory / RETENTION_FILE
+            if t.directory is not None:
+                return t.directory / RETENTION_FILE
         return None
 
     def _save_retention(self) -> None:

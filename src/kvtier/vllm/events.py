@@ -22,8 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_events import (
-    MEDIUM_CPU,
-    MEDIUM_STORAGE,
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
@@ -32,16 +30,17 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvtier.metrics import Metrics
 from kvtier.offload.messages import ChunkRef, TierChange
+from kvtier.store import registry
 from kvtier.vllm.request_view import VLLMRequestView
 
 __all__ = ["KVEvents", "kv_events_enabled"]
 
-# tier -> (medium, locality) in vLLM's event vocabulary
-_MEDIA = {
-    "memory": (MEDIUM_CPU, "LOCAL"),
-    "disk": (MEDIUM_STORAGE, "LOCAL"),
-    "remote": (MEDIUM_STORAGE, "REMOTE"),
-}
+def _medium(tier: str) -> tuple[str, str] | None:
+    """`tier`'s (medium, locality) in vLLM's event vocabulary, from the tier registry."""
+    kind = registry.kind(tier)
+    return None if kind is None else (kind.medium, kind.locality)
+
+
 # chunks whose vLLM identity is kept (about 1 KiB each for 256-token chunks)
 MAX_CHUNKS = 32768
 
@@ -128,7 +127,7 @@ class KVEvents:
         """Events for what rank 0's tiers stored and dropped since its last report."""
         for ch in changes:
             chunk = self._chunks.get(ch.key)
-            medium = _MEDIA.get(ch.tier)
+            medium = _medium(ch.tier)
             if chunk is None or medium is None:
                 continue  # not a chunk this engine brought in (or a tier without a medium)
             if ch.change == "stored":
@@ -143,7 +142,9 @@ class KVEvents:
         """Every announced chunk leaves every tier (a cache reset made them unreachable)."""
         for chunk in self._chunks.values():
             for tier in sorted(chunk.tiers):
-                self._events.extend(self._removed(chunk, *_MEDIA[tier]))
+                medium = _medium(tier)
+                if medium is not None:
+                    self._events.extend(self._removed(chunk, *medium))
         self._chunks.clear()
 
     def take(self) -> list[KVCacheEvent]:

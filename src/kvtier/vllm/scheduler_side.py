@@ -17,6 +17,7 @@ from kvtier.offload.groups import ChunkGroups, GroupSpec
 from kvtier.offload.protocols import StepRequest
 from kvtier.offload.steps import STATS
 from kvtier.offload.wiring import SchedulerWiring, encode_step_meta
+from kvtier.store import registry
 from kvtier.topology import Topology, resolve
 from kvtier.vllm.events import KVEvents, event_groups, kv_events_enabled
 from kvtier.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
@@ -40,7 +41,6 @@ log = logging.getLogger("kvtier")
 T = TypeVar("T")
 
 _READY_TIMEOUT_S = 30.0
-_SOURCE_OF_TIER = {"memory": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 _STATS_EVERY_S = 1.0
 # vLLM's null block (BlockPool hands block 0 out as the placeholder of a block a sliding-window
 # group dropped): never a block of the request's own
@@ -196,8 +196,7 @@ class SchedulerSide:
 
         def sources() -> dict[CacheHitSource, int]:
             tier = self.core.hit_tier(request.request_id)
-            source = _SOURCE_OF_TIER.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
-            return {source: num_external_tokens}
+            return {CacheHitSource(registry.hit_source(tier)): num_external_tokens}
 
         return self.guard.run(
             "get_external_cache_hit_sources",
