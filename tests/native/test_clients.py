@@ -2,7 +2,12 @@
 `vllm bench serve` (openai and openai-chat backends, random and prefix_repetition datasets),
 aiperf 0.13 (chat and completions, streaming and not) and the official `openai` SDK for every
 sampling and output field. Each asserts every request succeeded and the client's token counts
-equal the server's counters."""
+equal the server's counters.
+
+A client sees one HTTP server whatever the TP size behind it, so the tests of a client's own
+encoding (aiperf's runs and inputs file, `--load vllm-bench`'s exact prompts) run on TP=1
+only (`TP1_ONLY`); the server's counts under TP=2 are held by `vllm bench serve`, the bench's
+identities and the SDK's fields. Running those three on both cost the suite a minute."""
 
 from __future__ import annotations
 
@@ -41,6 +46,10 @@ AIPERF_SETUP = REPO / "scripts" / "setup-aiperf-env.sh"
 AIPERF = REPO / ".venv-aiperf" / "bin" / "aiperf"
 CONFIG = "chunk_size: 64\nmemory_bytes: 64MiB\nload_gate: false\nlookup_timeout_ms: 5000\n"
 PROMPT = "Kasumi ronetavi pelo dazu. Fori make nosa teli wage buho yani doru sepa."
+
+
+# the client-encoding tests: the module's TP=1 server only (see the module docstring)
+TP1_ONLY = pytest.mark.parametrize("served", [1], indirect=True, ids=["tp1"])
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
@@ -103,6 +112,7 @@ def test_vllm_bench_serve_both_backends_and_datasets_succeed_with_the_servers_co
         assert r["server"]["vllm:request_success_total"] == 8, r["name"]
 
 
+@TP1_ONLY
 def test_vllm_bench_load_sends_kvtiers_exact_prompts_and_gets_its_clients_outputs(
     served: Served, vllm_python: Path, tmp_path: Path
 ):
@@ -229,6 +239,7 @@ def aiperf() -> Path:
     return AIPERF
 
 
+@TP1_ONLY
 def test_aiperf_sends_a_bench_stream_written_as_its_inputs_file_token_for_token(
     served: Served, aiperf: Path, tmp_path: Path
 ):
@@ -264,6 +275,7 @@ def test_aiperf_sends_a_bench_stream_written_as_its_inputs_file_token_for_token(
 AIPERF_RUNS = [("chat", True), ("chat", False), ("completions", True), ("completions", False)]
 
 
+@TP1_ONLY
 def test_aiperf_chat_and_completions_streaming_and_not_succeed_with_the_servers_counts(
     served: Served, aiperf: Path, tmp_path: Path
 ):
