@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import typer
+import yaml
 from typer.testing import CliRunner
 
 from kvtier.bench import analysis, replay
@@ -127,9 +128,10 @@ def test_command_line_errors_name_the_fix(tmp_path: Path) -> None:
     result = CliRunner().invoke(
         app, ["run", "--url", "http://127.0.0.1:9", "--out", str(tmp_path / "x")]
     )
-    assert result.exit_code == 2 and "--vocab is needed" in result.output
+    assert result.exit_code == 2 and "arms.vocab (--vocab) is needed" in result.output
     result = CliRunner().invoke(app, ["run", "--url", "http://h:1", "--arm", "a=x", "--vocab", "9"])
-    assert result.exit_code == 2 and "--arm and --url exclude each other" in result.output
+    assert result.exit_code == 2
+    assert "arms.servers (--arm) and arms.url (--url) exclude each other" in result.output
     result = CliRunner().invoke(
         app,
         [
@@ -138,26 +140,27 @@ def test_command_line_errors_name_the_fix(tmp_path: Path) -> None:
             "http://h:1",
             "--vocab",
             "99",
-            "--repeat",
-            "2",
+            "--set",
+            "load.repeat=2",
             "--out",
             str(tmp_path / "y"),
         ],
     )
-    assert result.exit_code == 2 and "pass --reset" in result.output
+    assert result.exit_code == 2 and "set load.reset=true" in result.output
     result = CliRunner().invoke(app, ["run", "--workload", "chat", "--vocab", "9", "--url", "u"])
-    assert result.exit_code == 2 and "--workload 'chat'" in result.output
+    assert result.exit_code == 2 and "workload.kind (--workload) 'chat'" in result.output
     result = CliRunner().invoke(
         app, ["run", "--load", "vllm-bench", "--workload", "multi-turn", "--duration", "5s",
               "--vocab", "9", "--url", "u"],
     )  # fmt: skip
     assert result.exit_code == 2
-    assert "--load vllm-bench does not take --workload multi-turn" in result.output
-    assert "--duration; use --load kvtier" in result.output
+    said = " ".join(result.output.split())
+    assert "vllm-bench does not take workload.kind (--workload) multi-turn" in said
+    assert "workload.duration (--duration); use kvtier's client" in said
     result = CliRunner().invoke(app, ["run", "--load", "aiperf", "--vocab", "9", "--url", "u"])
-    assert result.exit_code == 2 and "--load 'aiperf' is not one of" in result.output
+    assert result.exit_code == 2 and "load.engine (--load) 'aiperf' is not one of" in result.output
     result = CliRunner().invoke(
-        app, ["run", "--load", "vllm-bench", "--vllm-python", str(tmp_path / "no-python"),
+        app, ["run", "--load", "vllm-bench", "--set", f"load.vllm_python={tmp_path / 'no-python'}",
               "--vocab", "9", "--url", "u"],
     )  # fmt: skip
     assert result.exit_code == 2 and "no-python does not exist; build it with" in result.output
@@ -404,13 +407,17 @@ def mock_arm(name: str, *extra: str) -> str:
 
 def test_run_with_arm_commands_against_the_mock(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    text = cli(
-        "run", "--arm", mock_arm("a"), "--arm", mock_arm("b"), "--vocab", str(VOCAB),
-        "--workload", "multi-turn", "--conversations", "4", "--turns", "3", "--isl", "16",
-        "--osl", "4", "--prefixes", "2", "--prefix-len", "32", "--concurrency", "2",
-        "--repeat", "2", "--bust-id", "5", "--scrape-interval", "50ms", "--bucket", "100ms",
-        "--baseline", "b", "--out", str(out),
-    )  # fmt: skip
+    # the run spec as a file, as docs/benchmarks.md shows it; the flags lay the rest over it
+    spec = tmp_path / "run.yaml"
+    servers = {name: mock_arm(name).partition("=")[2] for name in ("a", "b")}
+    spec.write_text(yaml.safe_dump({
+        "workload": {"kind": "multi-turn", "conversations": 4, "turns": 3, "isl": 16, "osl": 4,
+                     "prefixes": 2, "prefix_len": 32, "concurrency": 2, "bust_id": 5},
+        "arms": {"servers": servers, "baseline": "b"},
+        "load": {"repeat": 2},
+        "report": {"scrape_interval": "50ms", "bucket": "100ms"},
+    }, sort_keys=False))  # fmt: skip
+    text = cli("run", str(spec), "--vocab", str(VOCAB), "--out", str(out))
     assert "run directory:" in text
     meta = json.loads((out / "meta.json").read_text())
     assert meta["complete"] and meta["order"] == [[0, "a"], [0, "b"], [1, "b"], [1, "a"]]
@@ -453,8 +460,10 @@ def test_run_against_a_url_with_reset_and_no_metrics(tmp_path: Path) -> None:
         out = tmp_path / "run"
         cli(
             "run", "--url", f"http://127.0.0.1:{port}", "--vocab", str(VOCAB), "--requests", "12",
-            "--prefixes", "2", "--prefix-len", "32", "--isl", "8", "--osl", "2", "--repeat", "2",
-            "--reset", "--hbm-blocks", "64", "--out", str(out), "--no-html",
+            "--set", "workload.prefixes=2", "--set", "workload.prefix_len=32",
+            "--set", "workload.isl=8", "--set", "workload.osl=2", "--set", "load.repeat=2",
+            "--set", "load.reset=true", "--set", "arms.hbm_blocks=64", "--out", str(out),
+            "--no-html",
         )  # fmt: skip
     doc = json.loads((out / "summary.json").read_text())
     assert list(doc["arms"]) == ["endpoint"] and doc["arms"]["endpoint"]["reps"] == 2
@@ -481,8 +490,9 @@ def test_trace_replay_on_timestamps_against_the_mock(tmp_path: Path) -> None:
     out = tmp_path / "run"
     cli(
         "run", "--arm", mock_arm("m"), "--vocab", str(VOCAB), "--workload", "trace",
-        "--trace", str(trace), "--trace-block", "16", "--time-scale", "0.02",
-        "--cache-bust", "none", "--out", str(out), "--no-html",
+        "--trace", str(trace), "--set", "workload.trace_block=16",
+        "--set", "workload.time_scale=0.02", "--set", "workload.cache_bust=none",
+        "--out", str(out), "--no-html",
     )  # fmt: skip
     records = [json.loads(x) for x in (out / "records" / "m-rep0.jsonl").read_text().splitlines()]
     assert [r["scheduled"] - records[0]["scheduled"] for r in records] == pytest.approx(
@@ -503,11 +513,13 @@ def test_multi_turn_on_off_against_kvtier_serve(tmp_path: Path) -> None:
     model = init_model(tmp_path / "model", dtype="float32")
     out = tmp_path / "run"
     cli(
-        "run", "--model-dir", str(model), "--tp", "1", "--workload", "multi-turn",
-        "--conversations", "6", "--turns", "3", "--prefixes", "2", "--prefix-len", "64",
-        "--isl", "32", "--osl", "4", "--requests", "18", "--concurrency", "2",
-        "--hbm-blocks", "32", "--chunk-size", "16", "--scrape-interval", "200ms",
-        "--bucket", "1s", "--out", str(out),
+        "run", "--set", f"arms.model_dir={model}", "--set", "arms.tp=1",
+        "--workload", "multi-turn", "--set", "workload.conversations=6",
+        "--set", "workload.turns=3", "--set", "workload.prefixes=2",
+        "--set", "workload.prefix_len=64", "--set", "workload.isl=32", "--set", "workload.osl=4",
+        "--requests", "18", "--concurrency", "2", "--set", "arms.hbm_blocks=32",
+        "--set", "arms.chunk_size=16", "--set", "report.scrape_interval=200ms",
+        "--set", "report.bucket=1s", "--out", str(out),
     )  # fmt: skip
     doc = json.loads((out / "summary.json").read_text())
     assert set(doc["arms"]) == {"on", "off"} and doc["baseline"] == "off"
@@ -565,7 +577,8 @@ def test_a_server_that_fails_to_start_names_its_exit_and_the_partial_run(tmp_pat
         app,
         [
             "run", "--arm", f"bad={PY} -c \"print('no model'); raise SystemExit(3)\"",
-            "--vocab", str(VOCAB), "--requests", "4", "--prefix-len", "16", "--out", str(out),
+            "--vocab", str(VOCAB), "--requests", "4", "--set", "workload.prefix_len=16",
+            "--out", str(out),
         ],
     )  # fmt: skip
     assert result.exit_code == 1
@@ -575,15 +588,14 @@ def test_a_server_that_fails_to_start_names_its_exit_and_the_partial_run(tmp_pat
 
 
 def test_tier_tokens_sizes_the_on_arms_tier_and_the_ceilings_alike(tmp_path: Path) -> None:
-    """`--tier-tokens` for kvtier serve's ON/OFF arms sizes the ON server's memory tier, not
+    """`arms.tier_tokens` for kvtier serve's ON/OFF arms sizes the ON server's memory tier, not
     only the ceilings: a 1M-token ceiling over the default 64k-token tier read as hits lost."""
-    from kvtier.bench.run_cli import _arms_and_ceiling
+    from kvtier.bench.run_spec import ArmsSpec, _arms_and_ceiling
     from kvtier.layout import bytes_per_token_from_hf
 
     model = init_model(tmp_path / "model", dtype="float32")
-    arms, _, cc = _arms_and_ceiling(
-        (), None, None, model, 1, 64, None, 64, 100_000, 4, 1024
-    )  # fmt: skip
+    spec = ArmsSpec(model_dir=str(model), hbm_blocks=64, chunk_size=64, tier_tokens=100_000)
+    arms, _, cc = _arms_and_ceiling(spec, 4)
     per_token = bytes_per_token_from_hf(
         json.loads((model / "config.json").read_text()), tp_size=1, kv_dtype="float32"
     ).bytes_per_token
@@ -593,8 +605,8 @@ def test_tier_tokens_sizes_the_on_arms_tier_and_the_ceilings_alike(tmp_path: Pat
     assert cc.tier_chunks == 1562 and cc.chunk_size == 64
     assert cc.admission == "adaptive"  # the model of the tier runs the server's policy
     default_arms, _, default_cc = _arms_and_ceiling(
-        (), None, None, model, 1, 64, None, 64, None, 4, 1024
-    )  # fmt: skip
+        ArmsSpec(model_dir=str(model), hbm_blocks=64, chunk_size=64), 4
+    )
     on = next(a for a in default_arms if a.name == "on")
     assert "KVTIER_MEMORY_BYTES" not in on.env or on.env["KVTIER_MEMORY_BYTES"] == "256MiB"
     assert default_cc.tier_chunks == (256 << 20) // (64 * per_token)

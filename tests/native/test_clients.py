@@ -162,9 +162,10 @@ def test_bench_run_with_the_vllm_bench_load_closes_every_identity(
     result = CliRunner().invoke(
         app,
         ["--url", served.base, "--vocab", str(vocab), "--load", "vllm-bench",
-         "--vllm-python", str(vllm_python), "--requests", "12", "--prefixes", "2",
-         "--prefix-len", "128", "--isl", "16", "--osl", "4", "--concurrency", "2",
-         "--scrape-interval", "200ms", "--no-html", "--out", str(out)],
+         "--set", f"load.vllm_python={vllm_python}", "--requests", "12",
+         "--set", "workload.prefixes=2", "--set", "workload.prefix_len=128",
+         "--set", "workload.isl=16", "--set", "workload.osl=4", "--concurrency", "2",
+         "--set", "report.scrape_interval=200ms", "--no-html", "--out", str(out)],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     doc = json.loads((out / "summary.json").read_text())

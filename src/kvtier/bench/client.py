@@ -409,7 +409,7 @@ async def _one(
         if load.require_token_ids and rec.completion_tokens and not rec.output_ids:
             raise ProtocolError(
                 "no token_ids in the stream; the server must honour return_token_ids (or send "
-                "later turns with the seeded stand-in: --history standin)"
+                "later turns with the seeded stand-in: workload.history=standin)"
             )
     except (httpx.HTTPError, ProtocolError, json.JSONDecodeError, KeyError, TypeError) as exc:
         rec.error = f"{type(exc).__name__}: {exc}"

@@ -2,9 +2,9 @@
 
 A run generates one request stream (prefix pool, multi-turn conversations or a Mooncake trace),
 then for every (repetition, arm) in alternating order starts the arm's server (or uses `--url`),
-sends the stream closed-loop (`--concurrency`) or open-loop (`--rate`, or the trace's
-timestamps), samples `/metrics` during the load and scrapes it before and after on the drained
-server. Everything lands in one run directory:
+sends the stream closed-loop (`workload.concurrency`) or open-loop (`workload.rate`, or the
+trace's timestamps), samples `/metrics` during the load and scrapes it before and after on the
+drained server. Everything lands in one run directory:
 
     meta.json          what was run: workload, load, arms (commands), ceiling sizes, versions
     workload.jsonl     the request stream (one spec per line)
@@ -219,12 +219,16 @@ def build_specs(wc: WorkloadConfig) -> list[RequestSpec]:
             if wc.requests > len(specs):
                 raise ConfigError(
                     f"--requests {wc.requests} exceeds {wc.conversations} conversations x "
-                    f"{wc.turns} turns = {len(specs)}; raise --conversations or --turns"
+                    f"{wc.turns} turns = {len(specs)}; raise workload.conversations or "
+                    "workload.turns"
                 )
             specs = specs[: wc.requests]  # round-robin order: whole turn rounds come first
     elif wc.kind == TRACE:
         if wc.trace is None:
-            raise ConfigError("--workload trace needs --trace FILE (Mooncake JSONL)")
+            raise ConfigError(
+                "--workload trace needs --trace FILE (Mooncake JSONL), or mooncake-synthetic "
+                "for the trace bundled with kvtier"
+            )
         rows = read_trace_rows(wc.trace, limit=wc.requests)
         specs = trace_requests(
             rows, wc.seed, wc.vocab, block=wc.trace_block, source_block=wc.trace_source_block,
@@ -259,11 +263,12 @@ def run(
     names = [a.name for a in cfg.arms]
     order = alternate(names, cfg.repeat)
     if cfg.baseline is not None and cfg.baseline not in names:
-        raise ConfigError(f"--baseline {cfg.baseline!r} is not an arm; arms: {names}")
+        raise ConfigError(f"arms.baseline {cfg.baseline!r} is not an arm; arms: {names}")
     if any(not a.argv for a in cfg.arms) and cfg.repeat > 1 and cfg.reset_path is None:
         raise ConfigError(
-            "--repeat > 1 against a running endpoint would hit the previous repetition's "
-            "prompts; pass --reset (POST /reset_prefix_cache before each) or --repeat 1"
+            "load.repeat > 1 against a running endpoint would hit the previous repetition's "
+            "prompts; set load.reset=true (POST /reset_prefix_cache before each) or "
+            "load.repeat=1"
         )
     mismatched = pool_mismatches(cfg.arms)
     if mismatched:
@@ -298,7 +303,7 @@ def run(
     )
     reset = None
     if cfg.reset_path:
-        hint = "; vLLM serves it only in dev mode (VLLM_SERVER_DEV_MODE=1), or drop --reset"
+        hint = "; vLLM serves it only in dev mode (VLLM_SERVER_DEV_MODE=1), or drop load.reset"
         reset = post_reset(cfg.reset_path, hint)
     engine = None
     if cfg.engine == VLLM_BENCH:

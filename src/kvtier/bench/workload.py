@@ -332,7 +332,8 @@ def trace_requests(
             raise ConfigError(
                 f"trace row {i}: input_length {n} needs more than its {len(row.hash_ids)} "
                 f"hash ids x {block} tokens = {room}; set the trace's own block size "
-                "(--trace-source-block 512 for Mooncake traces) or a larger --trace-block"
+                "(workload.trace_source_block=512 for Mooncake traces) or a larger "
+                "workload.trace_block"
             )
         prompt: list[int] = []
         for h in row.hash_ids[: -(-n // block)]:
