@@ -38,7 +38,8 @@ else
 fi
 # uv installs what pip would from the same metadata (scripts/uv.sh: several times faster, and
 # `make test` has 12 minutes); a dependency the wheel does not declare fails either way
-PIP=("$ROOT/scripts/uv.sh" pip install --quiet -p "$VENV/bin/python")
+# (no bytecode: each install's commands run once or twice)
+PIP=(env UV_COMPILE_BYTECODE=0 "$ROOT/scripts/uv.sh" pip install --quiet -p "$VENV/bin/python")
 if [[ -z "${PYTHON_VENV:-}" ]]; then
     "${PIP[@]}" "torch==2.13.0+cpu" || "$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
 fi

@@ -26,7 +26,9 @@ def torch_only(tmp_path_factory: pytest.TempPathFactory) -> Path:
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = str(venv / "bin" / "python")
     uv = [str(ROOT / "scripts" / "uv.sh"), "pip", "install", "-q", "-p", python]
-    if subprocess.run([*uv, "torch==2.13.0+cpu"], check=False).returncode:
+    # no bytecode, as pip --no-compile did: this venv imports torch a few times
+    env = {**os.environ, "UV_COMPILE_BYTECODE": "0"}
+    if subprocess.run([*uv, "torch==2.13.0+cpu"], env=env, check=False).returncode:
         subprocess.run([python, "-m", "pip", "install", "-q", "torch==2.13.0"], check=True)
     return venv
 

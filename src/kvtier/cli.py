@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import typer
 from typer.core import TyperCommand, TyperGroup
+
+if TYPE_CHECKING:  # the native extra's modules load inside the command that needs them
+    from kvtier.config import KVTierConfig
+    from kvtier.native.chat_template import RenderLimits
+    from kvtier.native.server import ServerLimits
 
 # group -> command -> ("module:function", the function's first docstring line)
 LAZY: dict[str, dict[str, tuple[str, str]]] = {
@@ -435,28 +440,18 @@ def serve(
     Exits 0 on SIGINT/SIGTERM, 1 when the engine fails (a step raised, a TP rank died).
     """
     import logging
-    import os
 
-    from kvtier.config import ENV_CONFIG_FILE, KVTierConfig, parse_size
     from kvtier.errors import KVTierError
     from kvtier.native.chat_template import RenderLimits
     from kvtier.native.config import EngineConfig
     from kvtier.native.launcher import serve as run_server
-    from kvtier.native.server import ServerLimits
     from kvtier.native.tp import WorkerError
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        kv_config = None
-        if offload:
-            env = dict(os.environ)
-            if config is not None:
-                env[ENV_CONFIG_FILE] = str(config)
-            kv_config = KVTierConfig.load(environ=env)
-            if not kv_config.enabled:
-                kv_config = None  # `enabled: false` in the config means the same as --no-offload
+        kv_config = _offload_config(config) if offload else None
         engine_config = EngineConfig(
             block_size=block_size,
             num_blocks=hbm_blocks,
@@ -468,18 +463,11 @@ def serve(
         )
         if not stall_timeout > 0:
             raise _fail(f"--stall-timeout {stall_timeout} must be > 0 seconds")
-        try:
-            limits = ServerLimits(
-                max_body_bytes=parse_size(max_request_body_size, "--max-request-body-size"),
-                max_logit_bias=max_logit_bias,
-                max_stop_strings=max_stop_strings,
-                max_stop_token_ids=max_stop_token_ids,
-                max_queued_seqs=max_queued_seqs,
-                trust_request_chat_template=trust_request_chat_template,
-                render=RenderLimits(chat_template_timeout, max_chat_template_chars),
-            )
-        except ValueError as e:  # ConfigError is a ValueError too
-            raise _fail(f"{e} (kvtier serve --help lists the limits)") from None
+        limits = _server_limits(
+            max_request_body_size, max_logit_bias, max_stop_strings, max_stop_token_ids,
+            max_queued_seqs, trust_request_chat_template,
+            RenderLimits(chat_template_timeout, max_chat_template_chars),
+        )  # fmt: skip
         code = run_server(
             model_dir,
             engine_config,
@@ -494,6 +482,47 @@ def serve(
         raise _fail(str(e)) from None
     if code:
         raise typer.Exit(code=code)
+
+
+def _offload_config(config: Path | None) -> KVTierConfig | None:
+    """`kvtier serve`'s tier config: the file (`--config`, else $KVTIER_CONFIG) under the
+    KVTIER_* variables; None when it says `enabled: false` (the same as --no-offload)."""
+    import os
+
+    from kvtier.config import ENV_CONFIG_FILE, KVTierConfig
+
+    env = dict(os.environ)
+    if config is not None:
+        env[ENV_CONFIG_FILE] = str(config)
+    kv_config = KVTierConfig.load(environ=env)
+    return kv_config if kv_config.enabled else None
+
+
+def _server_limits(
+    max_request_body_size: str,
+    max_logit_bias: int,
+    max_stop_strings: int,
+    max_stop_token_ids: int,
+    max_queued_seqs: int,
+    trust_request_chat_template: bool,
+    render: RenderLimits,
+) -> ServerLimits:
+    """The request limits `kvtier serve`'s flags set; a bad one stops it naming the flag."""
+    from kvtier.config import parse_size
+    from kvtier.native.server import ServerLimits
+
+    try:
+        return ServerLimits(
+            max_body_bytes=parse_size(max_request_body_size, "--max-request-body-size"),
+            max_logit_bias=max_logit_bias,
+            max_stop_strings=max_stop_strings,
+            max_stop_token_ids=max_stop_token_ids,
+            max_queued_seqs=max_queued_seqs,
+            trust_request_chat_template=trust_request_chat_template,
+            render=render,
+        )
+    except ValueError as e:  # ConfigError is a ValueError too
+        raise _fail(f"{e} (kvtier serve --help lists the limits)") from None
 
 
 @model_app.command("init")

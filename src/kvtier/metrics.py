@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -124,18 +125,43 @@ class _Families:
 
 
 def _build(reg: CollectorRegistry) -> _Families:
-    def c(name: str, doc: str, *labels: str) -> Counter:
-        return Counter(f"kvtier_{name}", doc, ("rank", *labels), registry=reg)
+    make = _Makers(reg)
+    return _Families(
+        **_store_families(make.c, make.g, make.h),
+        **_timing_families(make.c, make.g, make.h),
+        **_policy_families(make.c, make.g, make.h),
+    )
 
-    def g(name: str, doc: str, *labels: str) -> Gauge:
-        return Gauge(f"kvtier_{name}", doc, ("rank", *labels), registry=reg)
+
+class _Makers:
+    """A family of each kind, named `kvtier_<name>` with a `rank` label first, in `reg`."""
+
+    def __init__(self, reg: CollectorRegistry) -> None:
+        self.reg = reg
+
+    def c(self, name: str, doc: str, *labels: str) -> Counter:
+        return Counter(f"kvtier_{name}", doc, ("rank", *labels), registry=self.reg)
+
+    def g(self, name: str, doc: str, *labels: str) -> Gauge:
+        return Gauge(f"kvtier_{name}", doc, ("rank", *labels), registry=self.reg)
 
     def h(
-        name: str, doc: str, *labels: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS
+        self,
+        name: str,
+        doc: str,
+        *labels: str,
+        buckets: tuple[float, ...] = _LATENCY_BUCKETS,
     ) -> Histogram:
-        return Histogram(f"kvtier_{name}", doc, ("rank", *labels), registry=reg, buckets=buckets)
+        return Histogram(
+            f"kvtier_{name}", doc, ("rank", *labels), registry=self.reg, buckets=buckets
+        )
 
-    return _Families(
+
+def _store_families(
+    c: Callable[..., Counter], g: Callable[..., Gauge], h: Callable[..., Histogram]
+) -> dict[str, Any]:
+    """Counters and gauges of lookups, loads, saves and the tiers."""
+    return dict(
         lookups=c("lookups", "Lookups answered (server) or sent (client)."),
         cold_lookups=c(
             "cold_lookups",
@@ -203,6 +229,14 @@ def _build(reg: CollectorRegistry) -> _Families:
             "1 when the host fails a request whose tier load failed instead of recomputing it "
             "(vLLM: a MultiConnector parent without kv_load_failure_policy=recompute).",
         ),
+    )
+
+
+def _timing_families(
+    c: Callable[..., Counter], g: Callable[..., Gauge], h: Callable[..., Histogram]
+) -> dict[str, Any]:
+    """Latencies, step timings and the load gate's families."""
+    return dict(
         lookup_seconds=h("lookup_seconds", "Lookup latency."),
         load_seconds=h("load_seconds", "Load latency."),
         save_seconds=h("save_seconds", "Save latency."),
@@ -279,6 +313,14 @@ def _build(reg: CollectorRegistry) -> _Families:
             "Share of the admitted chunks that came back needing the tier and were gone from it "
             "(0: the tier keeps what returns).",
         ),
+    )
+
+
+def _policy_families(
+    c: Callable[..., Counter], g: Callable[..., Gauge], h: Callable[..., Histogram]
+) -> dict[str, Any]:
+    """Retention, admission and the cost model's families."""
+    return dict(
         retention=c(
             "retention",
             "Clients' retention hints by what the budget granted: retained, clipped (the "

@@ -150,43 +150,8 @@ def run(
         bench="cache",
         title="kvtier bench cache: tier hits under capacity pressure, as ratios to the optimum",
     )
-    rows: list[dict[str, Any]] = []
-    for w in workload_list if workload_list is not None else default_workloads(trace):
-        requests = w.build()
-        ws = working_set(requests)
-        progress(f"{w.name}: {len(requests):,} requests, working set {ws:,} chunks")
-        for hbm_f in HBM_FRACTIONS:
-            floors = hbm_floors(requests, round(hbm_f * ws))
-            infinite = tally(requests, floors, infinite_leading(requests))
-            for cap_f in capacities:
-                cap = max(1, round(cap_f * ws))
-                opt = tally(requests, floors, optimal_leading(requests, cap))
-                kv = predict(requests, cap, floors)
-                adm = predict(requests, cap, floors, admission=ADAPTIVE)
-                old = legacy_predict(requests, cap, floors)
-                rows.append(
-                    {
-                        "workload": w.name,
-                        "hbm_fraction": hbm_f,
-                        "tier_fraction": cap_f,
-                        "tier_chunks": cap,
-                        "optimum": 100 * opt.rate,
-                        "infinite": 100 * infinite.rate,
-                        "kvtier": 100 * kv.rate,
-                        "admission": 100 * adm.rate,
-                        "written": kv.written,
-                        "admission_written": adm.written,
-                        "admission_rejected_returns": adm.regret,
-                        "previous": 100 * old.rate,
-                        "missed_chunks": kv.missed,
-                    }
-                )
-                _add_row(report, rows[-1])
-        report.meta.setdefault("workloads", {})[w.name] = {
-            "describe": w.describe,
-            "requests": len(requests),
-            "working_set_chunks": ws,
-        }
+    workloads = workload_list if workload_list is not None else default_workloads(trace)
+    rows = _capacity_rows(report, workloads, capacities, progress)
     _add_target(report, rows)
     report.meta["table"] = rows
     if not retention:
@@ -227,6 +192,54 @@ def run(
     doc = report.to_json()
     write_json(json_path or DEFAULT_JSON, doc)
     return doc
+
+
+def _capacity_rows(
+    report: Report,
+    workloads: Sequence[Workload[Request]],
+    capacities: Sequence[float],
+    progress: Callable[[str], None],
+) -> list[dict[str, Any]]:
+    """Each stream's rows: per HBM and tier size, kvtier's hits next to the optimum's, the
+    infinite tier's and the previous policy's (added to `report` as they are made)."""
+    rows: list[dict[str, Any]] = []
+    for w in workloads:
+        requests = w.build()
+        ws = working_set(requests)
+        progress(f"{w.name}: {len(requests):,} requests, working set {ws:,} chunks")
+        for hbm_f in HBM_FRACTIONS:
+            floors = hbm_floors(requests, round(hbm_f * ws))
+            infinite = tally(requests, floors, infinite_leading(requests))
+            for cap_f in capacities:
+                cap = max(1, round(cap_f * ws))
+                opt = tally(requests, floors, optimal_leading(requests, cap))
+                kv = predict(requests, cap, floors)
+                adm = predict(requests, cap, floors, admission=ADAPTIVE)
+                old = legacy_predict(requests, cap, floors)
+                rows.append(
+                    {
+                        "workload": w.name,
+                        "hbm_fraction": hbm_f,
+                        "tier_fraction": cap_f,
+                        "tier_chunks": cap,
+                        "optimum": 100 * opt.rate,
+                        "infinite": 100 * infinite.rate,
+                        "kvtier": 100 * kv.rate,
+                        "admission": 100 * adm.rate,
+                        "written": kv.written,
+                        "admission_written": adm.written,
+                        "admission_rejected_returns": adm.regret,
+                        "previous": 100 * old.rate,
+                        "missed_chunks": kv.missed,
+                    }
+                )
+                _add_row(report, rows[-1])
+        report.meta.setdefault("workloads", {})[w.name] = {
+            "describe": w.describe,
+            "requests": len(requests),
+            "working_set_chunks": ws,
+        }
+    return rows
 
 
 def _retention(

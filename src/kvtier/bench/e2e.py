@@ -223,23 +223,8 @@ def run(
     vLLM's benchmark loop ("vllm-bench", the vLLM default). Missed targets are reported in rows,
     never raised; a server that fails to start or a window with no completed request raises.
     """
-    if host not in HOSTS:
-        raise ConfigError(f"--host {host!r} is unknown; use one of {list(HOSTS)}")
-    load = load or DEFAULT_LOAD[host]
-    if load not in LOADS:
-        raise ConfigError(f"--load {load!r} is unknown; use one of {list(LOADS)}")
-    tp = DEFAULT_TP[host] if tp is None else tp
-    chunk_size = DEFAULT_CHUNK[host] if chunk_size is None else chunk_size
-    if tp < 1:
-        raise ConfigError(f"--tp {tp} must be >= 1")
+    load, tp, chunk_size, out = _settings(host, load, tp, chunk_size, json_path)
     say = progress or (lambda _m: None)
-    out = (
-        Path(DEFAULT_JSON_VLLM if host == VLLM else DEFAULT_JSON)
-        if json_path is None
-        else Path(json_path)
-    )
-    if out.is_dir():
-        raise ConfigError(f"--json {str(out)!r} is a directory; pass a file such as {out}/e.json")
     plan = plan_for(quick, hbm_blocks, requests, concurrency, host=host)
     t0 = time.perf_counter()
     env, extra, kv_config = tier_config(host, chunk_size)
@@ -276,31 +261,22 @@ def run(
             runs, servers, head = _vllm_arms(
                 drive, plan, cli, model, tp, env, extra, seed, repeat, noise_floor
             )
-            again = NONE_AGAIN if noise_floor else None
-            cast = replace(VLLM_CAST, again=again, outputs=outputs)
-            bind = head["threads_bind"]
-            wording = vllm_wording(plan, placement, chunk_size, bind, tp, repeat, noise_floor)
+            cast = replace(VLLM_CAST, again=NONE_AGAIN if noise_floor else None, outputs=outputs)
+            wording = vllm_wording(
+                plan, placement, chunk_size, head["threads_bind"], tp, repeat, noise_floor
+            )
     finally:
         if engine is not None:
             engine.close()
     report = build_report(cast, wording, runs, servers, workloads, cs, tp, quick)
+    settings = dict(
+        host=host, load=load, quick=quick, seed=seed, repeat=repeat, noise_floor=noise_floor,
+        tp=tp, chunk_size=chunk_size, block_size=block_size, model_dir=str(model),
+        tier_chunks_per_rank=tier_chunks,
+    )  # fmt: skip
     report.meta.update(
-        {
-            "kvtier": __version__,
-            "host": host,
-            "load": load,
-            "quick": quick,
-            "seed": seed,
-            "repeat": repeat,
-            "noise_floor": noise_floor,
-            "tp": tp,
-            "chunk_size": chunk_size,
-            "block_size": block_size,
-            "model_dir": str(model),
-            "tier_chunks_per_rank": tier_chunks,
-            "kvtier_config": kv_config.to_dict(),  # secrets masked
-            **head,
-        },
+        # the tier config with its secrets masked
+        {"kvtier": __version__, **settings, "kvtier_config": kv_config.to_dict(), **head},
         plan=asdict(plan),
         placement=placement.to_json(),
         ceilings={w: {k: c.to_json() for k, c in c_w.items()} for w, c_w in cs.items()},
@@ -312,6 +288,31 @@ def run(
     write_json(out, doc)
     say(f"wrote {out}")
     return doc
+
+
+def _settings(
+    host: str,
+    load: str | None,
+    tp: int | None,
+    chunk_size: int | None,
+    json_path: str | Path | None,
+) -> tuple[str, int, int, Path]:
+    """The run's load engine, TP size, chunk size and JSON path, each checked (a host's
+    defaults where not given)."""
+    if host not in HOSTS:
+        raise ConfigError(f"--host {host!r} is unknown; use one of {list(HOSTS)}")
+    load = load or DEFAULT_LOAD[host]
+    if load not in LOADS:
+        raise ConfigError(f"--load {load!r} is unknown; use one of {list(LOADS)}")
+    tp = DEFAULT_TP[host] if tp is None else tp
+    chunk_size = DEFAULT_CHUNK[host] if chunk_size is None else chunk_size
+    if tp < 1:
+        raise ConfigError(f"--tp {tp} must be >= 1")
+    default = DEFAULT_JSON_VLLM if host == VLLM else DEFAULT_JSON
+    out = Path(default) if json_path is None else Path(json_path)
+    if out.is_dir():
+        raise ConfigError(f"--json {str(out)!r} is a directory; pass a file such as {out}/e.json")
+    return load, tp, chunk_size, out
 
 
 def tier_config(

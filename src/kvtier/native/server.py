@@ -160,39 +160,7 @@ class EngineServer:
         app.state.server = self
         serving = self.serving
 
-        @app.exception_handler(APIError)
-        async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-            return json_error(exc)
-
-        @app.exception_handler(StarletteHTTPException)
-        async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-            message = str(exc.detail)
-            path = request.url.path
-            shown = path if len(path) <= 200 else path[:200] + "..."
-            if exc.status_code == 404:
-                why = UNSUPPORTED_ROUTES.get(path)
-                message = (
-                    f"{path} is not supported by the native server: {why}"
-                    if why
-                    else f"no route {request.method} {shown}; see /docs"
-                )
-            elif exc.status_code == 405:
-                message = f"{request.method} is not allowed on {shown}"
-            return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code)
-
-        @app.exception_handler(Exception)
-        async def _internal(request: Request, exc: Exception) -> JSONResponse:
-            # the detail (exception text, traceback, paths) goes to the log only, under an id
-            # the client gets to quote
-            error_id = uuid.uuid4().hex[:16]
-            log.error(
-                "%s %s failed (error id %s)", request.method, loggable(request.url.path),
-                error_id, exc_info=exc,
-            )  # fmt: skip
-            body = error_body(
-                500, f"internal server error (error id {error_id}); the server log has the cause"
-            )
-            return JSONResponse(body, status_code=500)
+        _add_error_handlers(app)
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
@@ -254,6 +222,45 @@ class EngineServer:
 
         app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
         return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error the API answers as an OpenAI error body: kvtier's own, Starlette's (an
+    unknown route names the fix), and anything else as a 500 whose detail stays in the log."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return json_error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = str(exc.detail)
+        path = request.url.path
+        shown = path if len(path) <= 200 else path[:200] + "..."
+        if exc.status_code == 404:
+            why = UNSUPPORTED_ROUTES.get(path)
+            message = (
+                f"{path} is not supported by the native server: {why}"
+                if why
+                else f"no route {request.method} {shown}; see /docs"
+            )
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {shown}"
+        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        # the detail (exception text, traceback, paths) goes to the log only, under an id
+        # the client gets to quote
+        error_id = uuid.uuid4().hex[:16]
+        log.error(
+            "%s %s failed (error id %s)", request.method, loggable(request.url.path),
+            error_id, exc_info=exc,
+        )  # fmt: skip
+        body = error_body(
+            500, f"internal server error (error id {error_id}); the server log has the cause"
+        )
+        return JSONResponse(body, status_code=500)
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

@@ -101,29 +101,12 @@ class RemoteTier(TierBase):
     ) -> None:
         """`endpoint`: `url` already parsed (the config's); parsed here when not given."""
         shown = mask_url(url)
-        if len(namespace) != record.NAMESPACE_BYTES:
-            raise ValueError(
-                f"namespace must be {record.NAMESPACE_BYTES} bytes, got {len(namespace)}"
-            )
-        if isinstance(ttl_s, bool) or not isinstance(ttl_s, int) or ttl_s < 0:
-            raise ValueError(f"ttl_s={ttl_s!r} must be an int >= 0 (0 = no expiry)")
-        if not timeout_ms > 0:
-            raise ValueError(f"timeout_ms={timeout_ms!r} must be > 0; use 100 (the default)")
         if write_timeout_ms is None:
             write_timeout_ms = max(timeout_ms, _DEFAULT_WRITE_TIMEOUT_MS)
-        if not write_timeout_ms >= timeout_ms:
-            raise ValueError(
-                f"write_timeout_ms={write_timeout_ms!r} must be >= timeout_ms={timeout_ms!r}; "
-                f"leave it unset for {_DEFAULT_WRITE_TIMEOUT_MS}"
-            )
-        if not timeout_gbps > 0:
-            raise ValueError(f"timeout_gbps={timeout_gbps!r} must be > 0; use 0.1 (the default)")
-        if payload_bytes is not None and payload_bytes <= 0:
-            raise ValueError(f"payload_bytes={payload_bytes!r} must be > 0 (one chunk's bytes)")
-        if read_from not in ("primary", "replica"):
-            raise ValueError(f"read_from={read_from!r} is not 'primary' or 'replica'")
-        if max_connections <= 0:
-            raise ValueError(f"max_connections={max_connections!r} must be > 0; use 16")
+        _check_arguments(
+            namespace, ttl_s, timeout_ms, write_timeout_ms, timeout_gbps, payload_bytes,
+            read_from, max_connections,
+        )  # fmt: skip
         try:
             endpoint = endpoint or remote_endpoint.parse(url)
         except ValueError as e:
@@ -627,3 +610,35 @@ def _server_databases(endpoint: remote_endpoint.RemoteEndpoint, config: KVTierCo
         return None
     finally:
         client.close()
+
+
+def _check_arguments(
+    namespace: bytes,
+    ttl_s: int,
+    timeout_ms: int,
+    write_timeout_ms: int,
+    timeout_gbps: float,
+    payload_bytes: int | None,
+    read_from: str,
+    max_connections: int,
+) -> None:
+    """A RemoteTier argument out of range is a ValueError naming it and the fix."""
+    if len(namespace) != record.NAMESPACE_BYTES:
+        raise ValueError(f"namespace must be {record.NAMESPACE_BYTES} bytes, got {len(namespace)}")
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, int) or ttl_s < 0:
+        raise ValueError(f"ttl_s={ttl_s!r} must be an int >= 0 (0 = no expiry)")
+    if not timeout_ms > 0:
+        raise ValueError(f"timeout_ms={timeout_ms!r} must be > 0; use 100 (the default)")
+    if not write_timeout_ms >= timeout_ms:
+        raise ValueError(
+            f"write_timeout_ms={write_timeout_ms!r} must be >= timeout_ms={timeout_ms!r}; "
+            f"leave it unset for {_DEFAULT_WRITE_TIMEOUT_MS}"
+        )
+    if not timeout_gbps > 0:
+        raise ValueError(f"timeout_gbps={timeout_gbps!r} must be > 0; use 0.1 (the default)")
+    if payload_bytes is not None and payload_bytes <= 0:
+        raise ValueError(f"payload_bytes={payload_bytes!r} must be > 0 (one chunk's bytes)")
+    if read_from not in ("primary", "replica"):
+        raise ValueError(f"read_from={read_from!r} is not 'primary' or 'replica'")
+    if max_connections <= 0:
+        raise ValueError(f"max_connections={max_connections!r} must be > 0; use 16")
