@@ -105,8 +105,8 @@ def test_saves_and_async_loads_round_trip_exactly(rig: Rig) -> None:
 
 def test_a_steps_saves_keep_two_transfers_in_flight(rig: Rig) -> None:
     _save_step(rig)
-    saves = rig.worker._saves
-    assert saves is not None and saves.peak_in_flight == 2
+    assert rig.worker._path is not None
+    assert rig.worker._path.saves.peak_in_flight == 2
     assert rig.ops.stats.peak_in_flight >= 2
 
 
@@ -248,15 +248,14 @@ def test_the_serial_design_keeps_one_transfer_in_flight_and_moves_the_same_bytes
     for depth in (1, 2):
         for r in _rig(5_000, depth):
             src = _save_step(r)
-            saves = r.worker._saves
-            assert saves is not None and saves.peak_in_flight == depth
+            dp = r.worker._path
+            assert dp is not None and dp.saves.peak_in_flight == depth
             want = [_blocks(r.views, b) for b in src]
             dst = _chunks(N * K)
             r.worker.start_load_kv(OffloadMeta(loads=[_load_op(r, "ld", dst, sync=False)]))
             assert r.worker.wait_idle(WAIT_S)
             assert r.worker.take_report().results[0].ok
-            loads = r.worker._loads
-            assert loads is not None and loads.peak_in_flight == depth
+            assert dp.loads.peak_in_flight == depth
             for ids, w in zip(dst, want, strict=True):
                 assert all(torch.equal(a, b) for a, b in zip(_blocks(r.views, ids), w, strict=True))
 

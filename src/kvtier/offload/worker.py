@@ -25,7 +25,7 @@ import logging
 import sys
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
 from kvtier import cpus
@@ -51,6 +51,7 @@ from kvtier.offload.messages import (
     TierChange,
     WorkerReport,
 )
+from kvtier.offload.outbox import Outbox
 from kvtier.offload.pages import KVCacheDescription, KVPages, describe_pages
 from kvtier.offload.saving import PREEMPTED, PendingSave, SavePath, SaveRun
 from kvtier.offload.selftest import SELF_TEST_KEY, codec_round_trip, fail_startup, padding
@@ -69,8 +70,20 @@ _SELF_TEST_TIMEOUT_S = 120.0
 # close() waits this long for copies still in flight before it lets the arena go
 _CLOSE_WAIT_S = 10.0
 __all__ = ["DEADLINE", "PREEMPTED", "OffloadWorker"]
-# tier changes buffered between two reports (KV events); more are dropped and counted
-_MAX_CHANGES = 65536
+
+
+@dataclasses.dataclass(slots=True)
+class Datapath:
+    """A registered rank's copy machinery: the save and load paths and their lanes, and the
+    sync loads' own path and lane (queued from the forward's thread: the lane is made there,
+    on first use)."""
+
+    saves: SavePath
+    loads: LoadPath
+    sync_loads: LoadPath
+    save_lane: WorkLane
+    load_lane: WorkLane
+    sync_lane: Lane | None = None
 
 
 class OffloadWorker:
@@ -112,40 +125,25 @@ class OffloadWorker:
         self.server: LookupServer | None = None
         self._ops = ops
         self._lock = threading.Lock()
-        self._results: list[OpResult] = []
-        self._recving: list[str] = []
-        self._invalid: list[int] = []
+        self.outbox = Outbox(rank, metrics)
         self.degraded = ""  # why this rank fails every op at once ("": it serves)
-        self._sending: list[str] = []
         self._inflight: Counter[str] = Counter()  # req id -> ops not yet reported
-        self._delayed: set[str] = set()
         # loads that succeeded here, awaiting the agreed terminal: op id -> (tokens, bytes)
         self._uncounted: dict[str, tuple[int, int, bool]] = {}
-        self.metrics_dirty = False
-        self._last_snapshot = 0.0
         self._clock = clock
         self._pending: dict[str, PendingLoad] = {}  # op id -> load not yet reported
         self._saving: dict[str, PendingSave] = {}  # op id -> save not yet reported
         self._idle = threading.Condition(self._lock)
-        self._load_lane: WorkLane | None = None
-        self._save_lane: WorkLane | None = None
-        self._saves: SavePath | None = None
-        self._loads: LoadPath | None = None
-        # synchronous loads are queued from the caller's thread: their own lane and buffers
-        self._sync_loads: LoadPath | None = None
-        self._sync_lane: Lane | None = None
+        self._path: Datapath | None = None  # the copy paths and lanes, once registered
         self.clock = HookClock(metrics)
         self._step_t0: float | None = None
         self._selftest_ids = itertools.count()
-        # the self-test's load (tokens, seconds), for the scheduler's gate (sent once)
-        self._selftest_load: tuple[int, float] | None = None
         self._report_changes = report_changes
         host = cpus.host_cpus()
         self.lane_cpus = cpus.lane_cpus(config.lane_cpus, compute_cpus, host)
         self._compute_cpus = compute_cpus
         # what 'auto' left free, for the startup line (None: nothing was bound)
         self._free_cpus = None if compute_cpus is None else host - compute_cpus
-        self._changes: deque[TierChange] = deque()
 
     # ---- startup ------------------------------------------------------------------------------
 
@@ -230,17 +228,13 @@ class OffloadWorker:
 
     def _tier_changed(self, change: str, tier: str, key: bytes) -> None:
         """A tier stored or dropped a chunk (called under that tier's lock: record only)."""
-        if key == SELF_TEST_KEY:
-            return
-        if len(self._changes) >= _MAX_CHANGES:
-            self.metrics.dropped_tier_changes.inc()
-            return
-        self._changes.append(TierChange(change, tier, key))
+        if key != SELF_TEST_KEY:
+            self.outbox.change(TierChange(change, tier, key))
 
     def _start_lanes(self, ops: DeviceOps, chunk_bytes: int) -> None:
         assert self.stack is not None and self.codec is not None
         depth = self.config.transfer_depth
-        self._saves = SavePath(
+        saves = SavePath(
             self.stack,
             self.codec,
             [ops.staging(chunk_bytes) for _ in range(depth)],
@@ -259,16 +253,19 @@ class OffloadWorker:
                 moved=lambda path: self.metrics.transfer_chunk("load", path).inc(),
             )  # fmt: skip
 
-        self._loads = load_path(self._load_reported)
-        self._sync_loads = load_path(lambda run: None)
-        self._load_lane = WorkLane(
-            f"kvtier-load-{self.rank}", ops, self.lane_cpus, cpu=self.metrics.lane_cpu("load")
+        self._path = path = Datapath(
+            saves,
+            load_path(self._load_reported),
+            load_path(lambda run: None),
+            WorkLane(
+                f"kvtier-save-{self.rank}", ops, self.lane_cpus, cpu=self.metrics.lane_cpu("save")
+            ),
+            WorkLane(
+                f"kvtier-load-{self.rank}", ops, self.lane_cpus, cpu=self.metrics.lane_cpu("load")
+            ),
         )
-        self._save_lane = WorkLane(
-            f"kvtier-save-{self.rank}", ops, self.lane_cpus, cpu=self.metrics.lane_cpu("save")
-        )
-        self._load_lane.start()
-        self._save_lane.start()
+        path.load_lane.start()
+        path.save_lane.start()
         if self.lane_cpus is not None:
             log.info(
                 "%s: copy lanes on CPUs %s (compute threads: %s; lane_cpus %s)",
@@ -292,13 +289,13 @@ class OffloadWorker:
     def _self_test(self, desc: KVCacheDescription) -> None:
         """Pattern -> real blocks -> save path -> clear -> load path -> compare -> restore."""
         assert self.codec is not None and self.stack is not None
-        assert self._save_lane is not None and self._load_lane is not None
-        stack, key = self.stack, SELF_TEST_KEY
+        assert self._path is not None
+        stack, key, dp = self.stack, SELF_TEST_KEY, self._path
 
         def save(block_ids: Sequence[int]) -> None:
             job = PendingSave(SaveOp("self-test", "self-test", [], 0), self._ops_fence())
             ref = ChunkRef(key, list(block_ids))
-            saves = self._saves
+            saves = dp.saves
             assert saves is not None
             reason = self._save_lane_call(lambda lane: saves.one(lane, job, ref))
             if reason:
@@ -312,13 +309,13 @@ class OffloadWorker:
             # the load path releases the lease once it read the chunk
             op = LoadOp("self-test", "self-test", lease, [ChunkRef(key, list(block_ids))], 0)
             p = PendingLoad(op, 0.0, 0.0, self._ops_fence())
-            loads = self._loads
+            loads = dp.loads
             assert loads is not None
             t0 = time.perf_counter()
             run = self._load_lane_call(lambda lane: loads.one(lane, p))
             if run.reason or not run.served:
                 raise RuntimeError(f"the load path failed: {run.reason or 'nothing read'}")
-            self._selftest_load = (self.config.chunk_size, time.perf_counter() - t0)
+            self.outbox.selftest_load = (self.config.chunk_size, time.perf_counter() - t0)
 
         try:
             bpc = self.config.chunk_size // desc.block_size  # a chunk's blocks in each group
@@ -334,12 +331,12 @@ class OffloadWorker:
         )
 
     def _save_lane_call(self, fn: Callable[[Lane], str]) -> str:
-        assert self._save_lane is not None
-        return self._save_lane.call(fn, _SELF_TEST_TIMEOUT_S)
+        assert self._path is not None
+        return self._path.save_lane.call(fn, _SELF_TEST_TIMEOUT_S)
 
     def _load_lane_call(self, fn: Callable[[Lane], LoadRun]) -> LoadRun:
-        assert self._load_lane is not None
-        return self._load_lane.call(fn, _SELF_TEST_TIMEOUT_S)
+        assert self._path is not None
+        return self._path.load_lane.call(fn, _SELF_TEST_TIMEOUT_S)
 
     def _ops_fence(self) -> object | None:
         return self._ops.fence() if self._ops is not None else None
@@ -353,8 +350,8 @@ class OffloadWorker:
         if not self.degraded:
             log.error("%s: the tier is off on this rank from now on (%s)", self.tag, reason)
         self.degraded = self.degraded or reason
-        for path in (self._loads, self._sync_loads):
-            if path is not None:
+        if self._path is not None:
+            for path in (self._path.loads, self._path.sync_loads):
                 path.degraded = self.degraded
         # a preemption this rank may have missed: no save in flight commits another byte
         with self._lock:
@@ -388,12 +385,12 @@ class OffloadWorker:
                     self.metrics.retrieved_bytes.inc(nbytes)
                     if readmitted:
                         self.metrics.readmitted_retrieved_tokens.inc(tokens)
-                    self.metrics_dirty = True
+                    self.outbox.metrics_dirty = True
             for p in pending:
                 self._inflight[p.op.req_id] += 1
                 if not p.op.sync:
                     self._pending[p.op.op_id] = p
-            self._delayed.update(meta.delayed_free)
+            self.outbox.delayed.update(meta.delayed_free)
         last: Mark | None = None
         queued: list[PendingLoad] = []
         for p in pending:
@@ -434,9 +431,9 @@ class OffloadWorker:
         self.degrade(HOOK_ERROR)
 
     def _submit_loads(self, loads: list[PendingLoad]) -> None:
-        assert self._load_lane is not None and self._loads is not None
-        path = self._loads
-        self._load_lane.submit(lambda lane: path.run(lane, loads))
+        assert self._path is not None
+        path = self._path.loads
+        self._path.load_lane.submit(lambda lane: path.run(lane, loads))
 
     def _fail_load(self, p: PendingLoad, reason: str) -> None:
         """Report a load failed without running it (nothing of it was written, or what was
@@ -485,8 +482,8 @@ class OffloadWorker:
             )
         if not jobs:
             return
-        assert self._save_lane is not None and self._saves is not None
-        save_lane, path = self._save_lane, self._saves
+        assert self._path is not None
+        save_lane, path = self._path.save_lane, self._path.saves
         # one lane job for the step: its chunks share one pipeline
         self.guard.run(
             "wait_for_save",
@@ -545,28 +542,10 @@ class OffloadWorker:
 
     def _drain_report(self) -> WorkerReport:
         self._expire_loads()
-        if self._sync_loads is not None:
-            self._sync_loads.reap()
+        if self._path is not None:
+            self._path.sync_loads.reap()
         with self._lock:
-            for req_id in list(self._delayed):
-                if not self._inflight.get(req_id):
-                    self._delayed.discard(req_id)
-                    self._sending.append(req_id)
-            changes = []
-            while self._changes:
-                changes.append(self._changes.popleft())
-            report = WorkerReport(
-                rank=self.rank,
-                results=self._results,
-                finished_sending=self._sending,
-                finished_recving=self._recving,
-                invalid_block_ids=self._invalid,
-                changes=changes,
-                selftest_load=self._selftest_load,
-            )
-            self._results, self._sending, self._recving, self._invalid = [], [], [], []
-            self._selftest_load = None
-        return report
+            return self.outbox.take(self._inflight)
 
     def encode_report(self, report: WorkerReport) -> bytes:
         """Wire bytes of `report` for the scheduler, with a snapshot of this rank's metrics once
@@ -587,7 +566,7 @@ class OffloadWorker:
         """Op results of a report that could not be sent go out with the next one (the host
         already has its finished ids): the scheduler still learns every op's end."""
         with self._lock:
-            self._results[:0] = report.results
+            self.outbox.carry(report.results)
 
     def _encode_report(self, report: WorkerReport) -> bytes:
         t0, c0 = start()
@@ -597,17 +576,18 @@ class OffloadWorker:
         # this step's hooks; this call's own time is counted with the next step's
         self.clock.flush()
         now = time.monotonic()
-        since = now - self._last_snapshot
-        fresh = self.metrics_dirty or not report.is_empty()
+        box = self.outbox
+        since = now - box.last_snapshot
+        fresh = box.metrics_dirty or not report.is_empty()
         # a snapshot reads every family (0.2 ms with the step histograms): at most one
         # per _SNAPSHOT_EVERY_S while operations are in flight (more steps follow them), and
         # always once the rank is idle with news (this report may be the last for a while)
         if since >= _SNAPSHOT_EVERY_S or (fresh and self._is_idle()):
-            self.metrics_dirty = False
+            box.metrics_dirty = False
             report.metrics = snapshot(self.metrics.registry)
-            self._last_snapshot = now
+            box.last_snapshot = now
         elif fresh:
-            self.metrics_dirty = True
+            box.metrics_dirty = True
         data = b"" if report.is_empty() and not report.metrics else messages.encode(report)
         self.clock.add_since(REPORT, t0, c0)
         return data
@@ -636,13 +616,13 @@ class OffloadWorker:
         page-locked) for the rest of the process: unregistering memory a DMA still writes
         would corrupt whatever the host puts there next."""
         settled = True
-        for lane in (self._load_lane, self._save_lane):
-            if lane is not None and not lane.close():
-                log.warning("%s: lane %s still busy at close; leaving it", self.tag, lane.name)
-                settled = False
-        self._load_lane = self._save_lane = None
-        if self._sync_loads is not None:
-            settled = _poll(self._sync_loads.reap, _CLOSE_WAIT_S) and settled
+        dp, self._path = self._path, None
+        if dp is not None:
+            for lane in (dp.load_lane, dp.save_lane):
+                if not lane.close():
+                    log.warning("%s: lane %s still busy at close; leaving it", self.tag, lane.name)
+                    settled = False
+            settled = _poll(dp.sync_loads.reap, _CLOSE_WAIT_S) and settled
         if self.server is not None:
             self.server.close()
             self.server = None
@@ -672,7 +652,7 @@ class OffloadWorker:
             # only chunks written now count: one the tier already held was not stored again
             self.metrics.stored_tokens.inc(run.stored * self.config.chunk_size)
             self.metrics.stored_bytes.inc(nbytes)
-            self.metrics_dirty = True
+            self.outbox.metrics_dirty = True
             result = OpResult(op.op_id, True, "", nbytes, seconds, "memory")
         with self._lock:
             self._saving.pop(op.op_id, None)
@@ -694,11 +674,12 @@ class OffloadWorker:
         """Queue a sync load from the calling thread on its own lane; it is reported at once
         (its bytes land before the forward reads them: the compute stream waits for the
         returned mark), never expires and reports no finished_recving."""
-        assert self._ops is not None and self._sync_loads is not None
-        if self._sync_lane is None:
+        assert self._ops is not None and self._path is not None
+        dp = self._path
+        if dp.sync_lane is None:
             # made in the thread that runs the forward (on CUDA: streams of its device)
-            self._sync_lane = self._ops.lane()
-        run, mark = self._sync_loads.issue_sync(self._sync_lane, p)
+            dp.sync_lane = self._ops.lane()
+        run, mark = dp.sync_loads.issue_sync(dp.sync_lane, p)
         outcome = self._load_outcome(run)
         assert outcome is not None  # only a deadline drops a result, and it never expires
         self._record(p.op.req_id, outcome[0], recv=False, invalid=outcome[1])
@@ -740,10 +721,7 @@ class OffloadWorker:
 
     def _record(self, req_id: str, result: OpResult, *, recv: bool, invalid: Iterable[int]) -> None:
         with self._lock:
-            self._results.append(result)
-            if recv:
-                self._recving.append(req_id)
-            self._invalid.extend(invalid)
+            self.outbox.record(result, req_id, recv=recv, invalid=invalid)
             self._inflight[req_id] -= 1
             if not self._inflight[req_id]:
                 del self._inflight[req_id]
