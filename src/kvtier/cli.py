@@ -16,7 +16,6 @@ from typer.core import TyperCommand, TyperGroup
 
 if TYPE_CHECKING:  # the native extra's modules load inside the command that needs them
     from kvtier.config import KVTierConfig
-    from kvtier.native.chat_template import RenderLimits
     from kvtier.native.server import ServerLimits
 
 # group -> command -> ("module:function", the function's first docstring line)
@@ -442,7 +441,6 @@ def serve(
     import logging
 
     from kvtier.errors import KVTierError
-    from kvtier.native.chat_template import RenderLimits
     from kvtier.native.config import EngineConfig
     from kvtier.native.launcher import serve as run_server
     from kvtier.native.tp import WorkerError
@@ -466,7 +464,7 @@ def serve(
         limits = _server_limits(
             max_request_body_size, max_logit_bias, max_stop_strings, max_stop_token_ids,
             max_queued_seqs, trust_request_chat_template,
-            RenderLimits(chat_template_timeout, max_chat_template_chars),
+            chat_template_timeout, max_chat_template_chars,
         )  # fmt: skip
         code = run_server(
             model_dir,
@@ -505,10 +503,12 @@ def _server_limits(
     max_stop_token_ids: int,
     max_queued_seqs: int,
     trust_request_chat_template: bool,
-    render: RenderLimits,
+    chat_template_timeout: float,
+    max_chat_template_chars: int,
 ) -> ServerLimits:
     """The request limits `kvtier serve`'s flags set; a bad one stops it naming the flag."""
     from kvtier.config import parse_size
+    from kvtier.native.chat_template import RenderLimits
     from kvtier.native.server import ServerLimits
 
     try:
@@ -519,7 +519,7 @@ def _server_limits(
             max_stop_token_ids=max_stop_token_ids,
             max_queued_seqs=max_queued_seqs,
             trust_request_chat_template=trust_request_chat_template,
-            render=render,
+            render=RenderLimits(chat_template_timeout, max_chat_template_chars),
         )
     except ValueError as e:  # ConfigError is a ValueError too
         raise _fail(f"{e} (kvtier serve --help lists the limits)") from None

@@ -228,7 +228,7 @@ def test_trace_source_block_scales_lengths_and_a_short_trace_is_refused(tmp_path
     scaled = trace_requests(rows, 0, VOCAB, block=16, source_block=512)
     assert [len(s.prompt) for s in scaled] == [32, 19]  # ceil(1000 / 32), ceil(600 / 32)
     assert scaled[0].prompt[:16] == scaled[1].prompt[:16]
-    with pytest.raises(ConfigError, match=r"trace row 0: input_length 1000 .*--trace-source-block"):
+    with pytest.raises(ConfigError, match=r"input_length 1000 .*workload\.trace_source_block"):
         trace_requests(rows, 0, VOCAB, block=16)
 
 

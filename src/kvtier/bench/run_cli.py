@@ -54,8 +54,8 @@ def bench_run_command(
         None, "--api-key", envvar="KVTIER_BENCH_API_KEY", help="arms.api_key: bearer token."
     ),
 ) -> None:
-    """A seeded workload against OpenAI-compatible endpoints, arm by arm, as a run spec says:
-    latency, hit rates next to simulated ceilings, counter identities, time series, HTML."""
+    """A seeded workload against OpenAI-compatible endpoints, arm by arm: latency, hit rates
+    next to simulated ceilings, counter identities, time series, HTML, as a run spec says."""
     err = Console(stderr=True)
     flags: dict[str, object] = {
         "report.out": None if out is None else str(out),
