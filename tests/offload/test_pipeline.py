@@ -260,6 +260,23 @@ def test_the_serial_design_keeps_one_transfer_in_flight_and_moves_the_same_bytes
                 assert all(torch.equal(a, b) for a, b in zip(_blocks(r.views, ids), w, strict=True))
 
 
+def test_a_paths_peak_is_counted_before_it_reports(rig: Rig) -> None:
+    """`wait_idle` returns once every op reported: a peak recorded only when the lane's job
+    ended (after its reports) was read as 0 by whoever woke first (a flaky CI failure)."""
+    dp = rig.worker._path
+    assert dp is not None
+    seen: list[tuple[str, int]] = []
+    for name, path in (("save", dp.saves), ("load", dp.loads)):
+        report = path._report
+        path._report = lambda run, name=name, path=path, report=report: (  # type: ignore[method-assign]
+            seen.append((name, path.peak_in_flight)), report(run))
+    src = _save_step(rig)
+    rig.worker.start_load_kv(
+        OffloadMeta(loads=[_load_op(rig, "ld", _chunks(N * K), sync=False)]))
+    assert rig.worker.wait_idle(WAIT_S)
+    assert len(src) == N and seen == [("save", 2), ("save", 2), ("load", 2)]
+
+
 def test_a_preempted_save_commits_nothing_on_the_simulated_device(rig: Rig) -> None:
     ids = _chunks(0)
     refs = [ChunkRef(_key(i), b) for i, b in enumerate(ids)]

@@ -13,7 +13,7 @@ import torch
 
 from kvtier.offload.device import DONE
 from kvtier.offload.simdevice import CopyModel, SimOps
-from kvtier.offload.transfer import Flights
+from kvtier.offload.transfer import Flights, Peak
 
 WAIT_S = 30.0
 
@@ -131,7 +131,8 @@ def test_the_compute_stream_runs_after_a_joined_mark(sim: SimOps) -> None:
 
 def test_flights_reuse_a_buffer_only_after_its_transfer_retired() -> None:
     order: list[str] = []
-    flights: Flights[str] = Flights(["b0", "b1"])
+    peak = Peak()
+    flights: Flights[str] = Flights(["b0", "b1"], peak)
     got = []
     for i in range(5):
         buf = flights.acquire()
@@ -141,7 +142,7 @@ def test_flights_reuse_a_buffer_only_after_its_transfer_retired() -> None:
     flights.drain()
     assert got == ["b0", "b1", "b0", "b1", "b0"]
     assert order == [f"landed {i}" for i in range(5)]
-    assert flights.peak == 2
+    assert peak.value == 2
 
 
 def test_a_copy_model_refuses_nonsense_naming_the_value() -> None:

@@ -63,6 +63,9 @@ class LoadPlanner:
         self.policy = config.effective_load_policy
         # the tier of a hit when the lookup names none: "memory" only where there is no other
         self.sync_tier = "memory" if config.memory_only else ""
+        # the tier kinds are registered before any engine is wired: read their order once,
+        # not per load decision
+        self._tier_order = registry.order()
         self.booked_s = 0.0  # predicted seconds of the sync loads promised this step
         self._lookup = lookup
         self._m = metrics
@@ -134,7 +137,7 @@ class LoadPlanner:
         # its tier is the deepest it reads (a memory head alone may run inside the forward)
         end = choice.end
         tokens = end - num_computed_tokens
-        st.hit_tier = deepest_tier((t for t, _ in choice.reads()), registry.order())
+        st.hit_tier = deepest_tier((t for t, _ in choice.reads()), self._tier_order)
         # a sync load blocks the forward for its whole read, with no deadline to abandon it:
         # only runs every rank holds in host memory qualify (a lookup that names no tier: only
         # a memory-only stack's)

@@ -32,7 +32,7 @@ from kvtier.offload.codec import PageCodec
 from kvtier.offload.device import DeviceOps, Lane, Mark
 from kvtier.offload.hooks import HookGuard
 from kvtier.offload.messages import ChunkRef, LoadOp
-from kvtier.offload.transfer import Flights, settle
+from kvtier.offload.transfer import Flights, Peak, settle
 from kvtier.store.stack import TierStack
 
 
@@ -115,7 +115,7 @@ class LoadPath:
         self._report = report
         self._guard = guard
         self._tag = tag
-        self.peak_in_flight = 0
+        self._peak = Peak()
         # why this rank fails every load at once ("": it serves); set by the worker
         self.degraded = ""
         # synchronous loads: the next buffer, each buffer's last scatter, slots still pinned
@@ -129,14 +129,10 @@ class LoadPath:
     def run(self, lane: Lane, loads: Sequence[PendingLoad]) -> None:
         """Asynchronous loads, pipelined across all their chunks; each reports once, after
         everything it queued landed."""
-        flights: Flights[Buffers] = Flights(self._buffers)
-        runs = [LoadRun(p) for p in loads]
-        try:
-            for run in runs:
-                self._run_one(lane, flights, run)
-            flights.drain()
-        finally:
-            self.peak_in_flight = max(self.peak_in_flight, flights.peak)
+        flights: Flights[Buffers] = Flights(self._buffers, self._peak)
+        for run in [LoadRun(p) for p in loads]:
+            self._run_one(lane, flights, run)
+        flights.drain()
 
     def one(self, lane: Lane, p: PendingLoad) -> LoadRun:
         """Run one load to completion on `lane` (the self-test); it reports nothing."""
@@ -185,6 +181,11 @@ class LoadPath:
             run.written += got.blocks
         run.in_flight -= 1
         self._maybe_report(run)
+
+    @property
+    def peak_in_flight(self) -> int:
+        """The most chunks this path had on the link at once."""
+        return self._peak.value
 
     def _maybe_report(self, run: LoadRun) -> None:
         if run.issued and not run.in_flight and not run.reported:

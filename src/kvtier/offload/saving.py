@@ -23,7 +23,7 @@ from kvtier.offload.codec import PageCodec
 from kvtier.offload.device import Lane
 from kvtier.offload.hooks import HOOK_ERROR, HookGuard
 from kvtier.offload.messages import ChunkRef, SaveOp
-from kvtier.offload.transfer import Flights, settle
+from kvtier.offload.transfer import Flights, Peak, settle
 from kvtier.store.stack import TierStack
 
 log = logging.getLogger("kvtier")
@@ -83,12 +83,12 @@ class SavePath:
         self._tag = tag
         self._dma = dma
         self._moved = moved
-        self.peak_in_flight = 0
+        self._peak = Peak()
 
     def run(self, lane: Lane, jobs: Sequence[PendingSave]) -> None:
         """A step's saves, pipelined across all their chunks; each reports once."""
         runs = [SaveRun(job) for job in jobs]
-        flights: Flights[torch.Tensor | None] = Flights(self._staging)
+        flights: Flights[torch.Tensor | None] = Flights(self._staging, self._peak)
         try:
             for run in runs:
                 # deepest chunk first: a chain's head is committed last, so it is the most recent
@@ -109,8 +109,6 @@ class SavePath:
                 run.reason = run.reason or HOOK_ERROR
                 run.issued, run.in_flight = True, 0
                 self._maybe_report(run)
-        finally:
-            self.peak_in_flight = max(self.peak_in_flight, flights.peak)
 
     def one(self, lane: Lane, job: PendingSave, ref: ChunkRef) -> str:
         """Save one chunk and wait for it (the self-test): "" when stored, else the reason; it
@@ -188,6 +186,11 @@ class SavePath:
                 self._stack.abort(ref.key)
             run.in_flight -= 1
             self._maybe_report(run)
+
+    @property
+    def peak_in_flight(self) -> int:
+        """The most chunks this path had on the link at once."""
+        return self._peak.value
 
     def _maybe_report(self, run: SaveRun) -> None:
         if run.issued and not run.in_flight and not run.reported:

@@ -29,6 +29,13 @@ Landed = Callable[[BaseException | None], None]
 
 
 @dataclass(slots=True)
+class Peak:
+    """The most transfers a path ever had in flight at once, kept across its rings."""
+
+    value: int = 0
+
+
+@dataclass(slots=True)
 class _Flight:
     mark: Mark
     landed: Landed
@@ -37,13 +44,15 @@ class _Flight:
 class Flights(Generic[B]):
     """At most `len(buffers)` transfers in flight, one per buffer, retired in issue order."""
 
-    def __init__(self, buffers: Sequence[B]) -> None:
+    def __init__(self, buffers: Sequence[B], peak: Peak | None = None) -> None:
+        """`peak` is raised as transfers are pushed, not when the ring drains: a path's ops
+        report as they land, and whoever they wake may read it before the lane's job ends."""
         if not buffers:
             raise ValueError("a transfer ring needs at least one buffer")
         self._buffers = list(buffers)
         self._queue: deque[_Flight] = deque()
         self._issued = 0
-        self.peak = 0  # most transfers in flight at once
+        self._peak = Peak() if peak is None else peak
 
     @property
     def depth(self) -> int:
@@ -62,7 +71,7 @@ class Flights(Generic[B]):
         """The transfer just issued into the buffer `acquire` gave: `landed` runs on retire."""
         self._queue.append(_Flight(mark, landed))
         self._issued += 1
-        self.peak = max(self.peak, len(self._queue))
+        self._peak.value = max(self._peak.value, len(self._queue))
 
     def retire(self) -> None:
         """Wait for the oldest transfer and run its host work."""
