@@ -6,6 +6,7 @@ prefixes. Nothing here reads Python's `hash()`, so keys survive any `PYTHONHASHS
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -112,6 +113,27 @@ def chain_keys(
         link = h.digest(length=KEY_BYTES)
         keys.append(link)
     return keys
+
+
+class KeySpace:
+    """One engine's chunk keys: its model and chunk size, chained from the current epoch's
+    seed. A new epoch draws a random seed, so nothing keyed before is reachable again."""
+
+    def __init__(self, model_id: str, chunk_size: int) -> None:
+        self.model_id = model_id
+        self.chunk = chunk_size
+        self.epoch = 0
+        self._seed = key_seed(model_id, chunk_size)
+
+    def keys(self, prompt: Sequence[int] | np.ndarray) -> list[bytes]:
+        """The prompt's whole-chunk keys in the current epoch."""
+        return chain_keys(prompt, self.chunk, self._seed)
+
+    def new_epoch(self) -> int:
+        """Start the next epoch (a namespace reset); its number."""
+        self.epoch += 1
+        self._seed = key_seed(self.model_id, self.chunk, epoch=os.urandom(16))
+        return self.epoch
 
 
 def _as_le_u32(token_ids: Sequence[int] | np.ndarray, lo: int, hi: int) -> bytes:

@@ -40,8 +40,8 @@ def _raise_once(inner: Callable[..., Any]) -> Any:
 SCHEDULER = {
     "get_num_new_matched_tokens": ("core", "_matched", lambda req, n: req.request_id),
     "update_state_after_alloc": ("core", "_after_alloc", lambda req, *a: req.request_id),
-    "build_meta_load": ("core", "_emit_load", lambda st, load: st.req_id),
-    "build_meta_save": ("core", "_emit_save", lambda st, item: st.req_id),
+    "build_meta_load": ("core.load_planner", "emit", lambda st, load: st.req_id),
+    "build_meta_save": ("core.planner", "emit", lambda st, item: st.req_id),
     "update_connector_output": ("core", "_terminal", None),
     "request_finished": ("core", "_finished", lambda req: req.request_id),
 }
@@ -62,11 +62,13 @@ def build(role: ConnectorRole, context: ConnectorContext, **args: Any) -> Any:
     if hook not in table:
         return half
     owner_name, method, req_id = table[hook]
-    owner = getattr(half, owner_name)
+    owner = half
+    for name in owner_name.split("."):
+        owner = getattr(owner, name)
     inner = getattr(owner, method)
     if hook == "update_connector_output":
-        ops = owner._ops
-        req_id = lambda term: ops.get(term.op_id, ("", ""))[0]  # noqa: E731 - looked up live
+        ops = owner.ops
+        req_id = lambda term: ops.owner(term.op_id)  # noqa: E731 - looked up live
     wrapped = _raise_once(inner) if req_id is None else _raise_for(victim, req_id, inner)
     setattr(owner, method, wrapped)
     return half

@@ -15,10 +15,11 @@ from kvtier.metrics import Metrics
 from kvtier.offload.device import ops_for
 from kvtier.offload.group_codec import GroupedCodec, codec_for
 from kvtier.offload.groups import FULL, SLIDING, ChunkGroups, GroupSpec
+from kvtier.offload.load_planner import WINDOW
 from kvtier.offload.messages import OpResult, WorkerReport
 from kvtier.offload.pages import KVCacheDescription, describe_pages
 from kvtier.offload.protocols import StepRequest
-from kvtier.offload.scheduler import WINDOW, OffloadScheduler
+from kvtier.offload.scheduler import OffloadScheduler
 from tests.offload.fakes import FakeLookup
 
 BS = 16

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.vllm.conftest import TIER, DriverRun
+from tests.vllm.conftest import TIER, DriverRun, retrieved_lines
 
 
 def test_chunk_size_not_multiple_of_block_size_stops_startup(
@@ -44,3 +44,20 @@ def test_chunk_size_above_max_model_len_stops_startup_naming_both(
     first = run.result["errors"][0]
     assert first.startswith("kvtier.errors.ConfigError: ")
     assert "chunk_size=4096 is larger than the model's max_model_len=2048" in first
+
+
+def test_a_lookup_scope_outside_the_world_stops_startup(
+    run_driver: Callable[..., DriverRun], tiny_vllm_model: Path
+) -> None:
+    """The seed's bug class: a scope naming ranks the world (read from vLLM's parallel config)
+    does not have is refused by name, before any lookup client could serve a write-only tier."""
+    args = {"model": str(tiny_vllm_model), "extra": {**TIER, "lookup_scope": [0, 1]}}
+    run = run_driver("bad_startup", args, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert run.result["started"] is False
+    first = run.result["errors"][0]
+    assert first.startswith("kvtier.errors.TopologyError: ")
+    assert "lookup_scope (0, 1) names ranks [1] outside [0, 1)" in first
+    assert "world=1 from tp=1 x pp=1" in first
+    # no client was built, so nothing could pretend to serve
+    assert "lookup client on ranks" not in run.stderr
+    assert not retrieved_lines(run.stderr)

@@ -77,5 +77,16 @@ class LoadGate:
     def observe_load(self, tokens: int, seconds: float, tier: str = "") -> None:
         self.cost.tier(tier).observe(tokens, seconds)
 
+    def seed_from_selftest(self, tokens: int, seconds: float) -> None:
+        """A rank's startup self-test loaded one chunk through the real path: before any real
+        load was timed, the memory rate starts from it where it is faster than the config's
+        seed (one chunk's time holds a lane's wake-up too, so it only ever errs low: a slower
+        reading keeps the seed rather than turn loads away)."""
+        memory = self.cost.tier("memory")
+        if seconds <= 0 or memory.samples > 0:
+            return
+        if memory.seconds(tokens) > seconds:
+            self.observe_load(tokens, seconds, "memory")
+
     def observe_prefill(self, tokens: int, seconds: float, context: float = 0.0) -> None:
         self.cost.prefill.observe(tokens, seconds, context)

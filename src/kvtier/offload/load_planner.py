@@ -1,29 +1,40 @@
-"""Whether, and how, a request's prefix is loaded from the tier instead of recomputed.
+"""Whether, and how, a request's prefix is loaded from the tier instead of recomputed, and
+what its load's op and terminal are.
 
 Asked at each admission of a request (`get_num_new_matched_tokens`), it skips the lookup where
 no load could pay (the HBM already holds enough, a first chunk this engine never saved, a load
 that failed before), waits behind another request's load or save of the same chunks, polls the
 all-rank lookup without blocking, and decides on the answer: the load's range above the HBM
 floor, whether it beats recomputing (the load gate), and whether it runs inside the forward
-(synchronous) or parked on the load lane.
+(synchronous) or parked on the load lane. Once the host allocated its blocks, the load
+becomes an op for the ranks; its terminal feeds the cost model and, on failure, rolls the
+request's save frontiers back to what it recomputes.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 
 from kvtier.config import KVTierConfig
 from kvtier.lookup.result import deepest_tier
 from kvtier.metrics import Metrics
+from kvtier.offload.chunking import ChunkLayout
 from kvtier.offload.cost import LoadChoice
 from kvtier.offload.gate import LoadGate
+from kvtier.offload.hooks import shown_id
 from kvtier.offload.inflight import InFlight
+from kvtier.offload.ledger import OpLedger
+from kvtier.offload.messages import ChunkRef, LoadOp
 from kvtier.offload.planner import SavePlanner
 from kvtier.offload.protocols import LookupPort, LookupResultLike
-from kvtier.offload.request_state import LoadState, RequestState
+from kvtier.offload.quorum import Terminal
+from kvtier.offload.request_state import LoadOutcome, LoadState, RequestState
 from kvtier.store import registry
+
+log = logging.getLogger("kvtier")
 
 # Skip reasons (the `reason` label of kvtier_skipped_loads_total).
 HBM_SATISFIES = "hbm_satisfies"
@@ -36,6 +47,9 @@ REPEAT = "failed_before"
 # another request's load is bringing these chunks into HBM: wait for it instead of a second read
 BEHIND_LOAD = "behind_inflight_load"
 BEHIND_SAVE = "behind_inflight_save"
+# load failure reason: a hybrid load's run needs sliding-window blocks its chunks do not store
+# (a claim the host cut short of a chunk boundary); the host recomputes it
+WINDOW = "window_not_stored"
 
 
 class LoadPlanner:
@@ -50,8 +64,9 @@ class LoadPlanner:
         inflight: InFlight,
         planner: SavePlanner,
         *,
+        layout: ChunkLayout,
+        ledger: OpLedger,
         block_size: int,
-        sync_loads: bool,
         clock: Callable[[], float],
     ) -> None:
         self.config = config
@@ -59,7 +74,8 @@ class LoadPlanner:
         self.block_size = block_size
         self.min_load = config.min_load(block_size)
         self.gate = gate
-        self.sync_loads = sync_loads
+        self.layout = layout
+        self._ledger = ledger
         self.policy = config.effective_load_policy
         # the tier of a hit when the lookup names none: "memory" only where there is no other
         self.sync_tier = "memory" if config.memory_only else ""
@@ -145,7 +161,7 @@ class LoadPlanner:
         # a hybrid host can only take back a whole request whose load failed while it waits
         # (vLLM's failed_recving; block ids are per group), so a hybrid load never runs sync
         sync = (
-            self.sync_loads
+            self.layout.sync_loads
             and tier == "memory"
             and self.gate.runs_in_forward(
                 tokens, self.config.sync_load_fraction, self.booked_s, tier
@@ -218,3 +234,97 @@ class LoadPlanner:
             return TOO_SMALL
         return None
 
+    def drop(self, st: RequestState, reason: str, count: bool = True) -> None:
+        """Withdraw the request's unsent load: its lease goes back to every rank."""
+        assert st.load is not None and st.load.op_id is None
+        if st.load.block_ids is not None:
+            self.track(st, st.load, -1)
+        self._lookup.release([st.load.lookup_id])
+        if count:
+            self._m.skipped_load(reason).inc()
+        st.load = None
+
+    def track(self, st: RequestState, load: LoadState, delta: int) -> None:
+        """Count (+1) or forget (-1) the chunk keys an allocated load brings into HBM."""
+        keys = st.keys[load.hbm // self.chunk : -(-load.end // self.chunk)]
+        self._inflight.track_load(keys, delta)
+
+    # ---- the op and its terminal ---------------------------------------------------------------
+
+    def emit(self, st: RequestState, load: LoadState) -> LoadOp:
+        """The allocated load's op for the ranks (one they fail at once when it is doomed)."""
+        if load.fail:
+            return self.failing(st, load)
+        chunks = self.layout.load_chunks(st.keys, load)
+        if chunks is None:
+            load.fail = WINDOW
+            return self.failing(st, load)
+        self._open(st, load)
+        log.debug(
+            "kvtier: %s load %s tokens [%d, %d)",
+            "sync" if load.sync else "async", load.op_id, load.hbm, load.end,
+        )  # fmt: skip
+        return self._op(st, load, chunks)
+
+    def failing(self, st: RequestState, load: LoadState) -> LoadOp:
+        """A load every rank fails at once: the host counted its tokens, so it is sent (and
+        ends) like any other, claiming its blocks for the host to recompute."""
+        first = load.hbm // self.chunk
+        key = st.keys[first] if first < len(st.keys) else bytes(16)
+        self._open(st, load)
+        return self._op(st, load, [ChunkRef(key, list(self.layout.claimed(load)))])
+
+    def _open(self, st: RequestState, load: LoadState) -> None:
+        assert load.block_ids is not None
+        load.op_id = self._ledger.open("load", st.req_id)
+        load.step = self._ledger.step
+
+    def _op(self, st: RequestState, load: LoadState, chunks: list[ChunkRef]) -> LoadOp:
+        assert load.op_id is not None
+        return LoadOp(
+            load.op_id, st.req_id, load.lookup_id, chunks, load.end - load.hbm,
+            load.hbm // self.chunk, sync=load.sync, fail=load.fail, readmitted=st.readmitted,
+        )  # fmt: skip
+
+    def ended(self, req_id: str, st: RequestState | None, term: Terminal) -> LoadOutcome:
+        """A load's terminal: the cost model learns from it; a failed one's chunks are
+        recomputed, so the request's save frontiers fall back to its floor."""
+        load = st.load if st is not None else None
+        tokens = (load.end - load.hbm) if load is not None else 0
+        sync_s = None
+        if st is not None and load is not None:
+            self.track(st, load, -1)
+            st.load = None
+            if load.sync:
+                self._m.sync_loads.inc()
+                sync_s = term.seconds
+            self._m.load_parked_steps.observe(0 if load.sync else self._ledger.step - load.step + 1)
+        self._ledger.load_ended(term.op_id, term.ok, sync_s)
+        self._learn(load, term, tokens)
+        if term.ok:
+            return LoadOutcome(req_id, True, tokens, "", term.tier)
+        self._m.load_failure(term.reason or "unknown").inc()
+        if st is not None and load is not None:
+            st.load_failed = True
+            st.rewind((load.hbm // self.chunk) * self.chunk)
+        log.warning(
+            "kvtier: load %s failed on some rank (%s); request %s recomputes it",
+            term.op_id, term.reason, shown_id(req_id),
+        )  # fmt: skip
+        return LoadOutcome(req_id, False, tokens, term.reason)
+
+    def _learn(self, load: LoadState | None, term: Terminal, tokens: int) -> None:
+        """Feed a load's measured time to the cost model, and its prediction's error to the
+        metrics."""
+        cost = self.gate.cost
+        predicted = load.predicted_s if load is not None else 0.0
+        # a failed load (a store's read timeout) is evidence too: its tiers' failure share
+        # rises, and a wait longer than predicted teaches a slower read
+        reads = load.reads if load is not None and load.reads else ((term.tier, tokens),)
+        cost.observe_read(reads, term.seconds, tokens, term.ok)
+        if term.ok or term.seconds > predicted > 0:
+            if cost.observe_outcome(predicted, term.seconds):
+                self._m.load_mispredictions.inc()
+            if predicted > 0 and term.seconds > 0:
+                self._m.load_prediction_ratio.observe(term.seconds / predicted)
+            self._m.load_misprediction_share.set(cost.mispredicted_share)

@@ -5,24 +5,37 @@
 - **retention** (`offload/retention.py`): a client's hint or an admin call retains a prompt's
   chunks on every rank within the budget; decisions wait here until the host reads them;
 - **first chunks saved** (`offload/heads.py`): where this scheduler is its tiers' only writer,
-  a prompt whose first chunk it never saved is a miss known without asking the ranks.
+  a prompt whose first chunk it never saved is a miss known without asking the ranks;
+- **saves**: each step, the admitted whole chunks a request computed past its emitted frontier
+  become one save op; its terminal commits the frontier, or rolls it back to be saved again.
 
-The scheduler owns operations (lookups, loads, saves, terminals); the planner owns these
-choices, so admission, retention and cold misses change here only.
+The scheduler owns the operations' lifecycle (lookups, quorum, terminals); the planner owns
+these choices, so admission, retention, cold misses and save frontiers change here only.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from kvtier.config import KVTierConfig
+from kvtier.keys import KeySpace
 from kvtier.metrics import Metrics
 from kvtier.offload.admission import DECISIONS, AdmissionPolicy
+from kvtier.offload.chunking import ChunkLayout
 from kvtier.offload.heads import SavedHeads, private_tiers
-from kvtier.offload.protocols import LookupPort
+from kvtier.offload.hooks import HOOK_ERROR, shown_id
+from kvtier.offload.inflight import InFlight
+from kvtier.offload.ledger import OpLedger
+from kvtier.offload.messages import ChunkRef, SaveOp
+from kvtier.offload.protocols import LookupPort, StepRequest
+from kvtier.offload.quorum import Terminal
+from kvtier.offload.request_state import RequestState
 from kvtier.offload.retention import AdminCount, RetentionDecision, RetentionHint, RetentionLedger
+
+log = logging.getLogger("kvtier")
 
 # retention decisions kept for hosts to read; an unread one goes after this many newer ones
 _DECISIONS_KEPT = 4096
@@ -37,8 +50,9 @@ _UNBOUNDED = 1 << 40
 class SavePlanner:
     """Admission, retention and the first chunks saved, for one engine's scheduler.
 
-    `keys_of(prompt)` gives a prompt's chunk keys in the scheduler's current epoch; `world` is
-    how many ranks answer an admin call; `loads=False` is a P/D producer (every save forced)."""
+    `keys` gives a prompt's chunk keys in the scheduler's current epoch; `world` is how many
+    ranks answer an admin call; `loads=False` is a P/D producer (every save forced),
+    `saves=False` a consumer that never saves."""
 
     def __init__(
         self,
@@ -46,18 +60,24 @@ class SavePlanner:
         lookup: LookupPort,
         metrics: Metrics,
         *,
-        world: int,
-        keys_of: Callable[[Sequence[int]], list[bytes]],
+        keys: KeySpace,
+        layout: ChunkLayout,
+        ledger: OpLedger,
+        inflight: InFlight,
         bytes_per_token: int | None,
         loads: bool,
         saves: bool,
         cold_misses: bool | None,
     ) -> None:
         self.chunk = config.chunk_size
-        self.world = world
+        self.world = ledger.quorum.world
+        self.saves = saves
         self._lookup = lookup
         self._m = metrics
-        self._keys_of = keys_of
+        self._keys = keys
+        self._layout = layout
+        self._ledger = ledger
+        self._inflight = inflight
         self._forced = not loads
         self.admission = AdmissionPolicy(
             config.admission,
@@ -119,6 +139,65 @@ class SavePlanner:
         self._m.admission_pressure.set(self.admission.pressure)
         return decision.limit
 
+    # ---- saves --------------------------------------------------------------------------------
+
+    def emit(self, st: RequestState, item: StepRequest) -> SaveOp | None:
+        """The save of the admitted whole chunks `st` computed past its emitted frontier this
+        step (None: nothing new, or the request may not save)."""
+        if not self.saves or st.quarantined or st.load is not None:
+            return None  # a load's blocks are still being filled
+        if st.epoch != self._keys.epoch:
+            return None  # computed before a reset: nothing of it enters the new epoch
+        computed = min(item.computed_after_step, st.prompt_len)
+        if st.admit_limit is None:
+            st.admit_limit = self.admit(st.keys, st.hbm_floor or 0, st.saved, st.retained)
+        aligned = (min(computed, st.admit_limit * self.chunk) // self.chunk) * self.chunk
+        if aligned <= st.emitted:
+            return None
+        start = st.emitted
+        plan = self._layout.save_chunks(st.keys, item, start, aligned)
+        # chunks passed over (a window the host no longer holds) count as done: nothing can
+        # save them any more
+        st.emitted = plan.end
+        if not plan.chunks:
+            return None
+        op_id = self._open(st, plan.chunks, plan.first, plan.window)
+        st.saves[op_id] = (start, plan.end)
+        return SaveOp(op_id, st.req_id, plan.chunks, plan.end - plan.first * self.chunk, plan.first)
+
+    def _open(
+        self, st: RequestState, chunks: Sequence[ChunkRef], first: int, window: set[int]
+    ) -> str:
+        """Open a save of `chunks` (the first is chunk `first`) and publish the keys other
+        requests wait for; `window`: the sliding-window blocks it reads."""
+        op_id = self._ledger.open("save", st.req_id)
+        self.saw_head(st.keys[0])
+        # chunks under its HBM floor were computed, and saved, by a request before it: saving
+        # them again keeps them in the tier, but nobody needs to wait for that
+        floor = (st.hbm_floor or 0) // self.chunk
+        keys = [r.key for c, r in enumerate(chunks, first) if c >= floor]
+        self._inflight.open_save(op_id, keys, window)
+        return op_id
+
+    def ended(self, st: RequestState | None, term: Terminal) -> None:
+        """A save's terminal: its range commits, or goes back to be saved on a later step."""
+        self._inflight.close_save(term.op_id)
+        if st is None:
+            return
+        start, end = st.saves.pop(term.op_id)
+        if term.ok:
+            if start <= st.saved:
+                st.saved = max(st.saved, end)
+            return
+        self._m.save_failure(term.reason or "unknown").inc()
+        st.emitted = min(st.emitted, start)
+        if term.reason == HOOK_ERROR:
+            st.quarantined = True  # a defect, not a full tier: trying again fails again
+        log.warning(
+            "kvtier: save %s of request %s, tokens [%d, %d), failed (%s); it will be retried",
+            term.op_id, shown_id(st.req_id), start, end, term.reason,
+        )  # fmt: skip
+
     # ---- retention ---------------------------------------------------------------------------
 
     def hint(self, req_id: str, keys: Sequence[bytes], hint: RetentionHint) -> int:
@@ -159,7 +238,7 @@ class SavePlanner:
         """The chunk keys of a prompt, of a conversation (`session`, its prompt_cache_key), or
         of every conversation of `tenant` (neither given)."""
         if prompt is not None:
-            return self._keys_of(prompt)
+            return self._keys.keys(prompt)
         return self.retention.keys_of(session, tenant)
 
     def retain(self, prompt: Sequence[int], hint: RetentionHint) -> RetentionDecision:

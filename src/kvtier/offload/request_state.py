@@ -50,6 +50,11 @@ class RequestState:
     admit_limit: int | None = None  # chunks admission lets it save (None: not decided yet)
     retained: int = 0  # leading chunks a client's hint retains: always saved
 
+    def rewind(self, tokens: int) -> None:
+        """Both save frontiers fall back to `tokens`: what lies above is saved again."""
+        self.saved = min(self.saved, tokens)
+        self.emitted = min(self.emitted, tokens)
+
     def busy(self) -> bool:
         """An operation of it is on the ranks (a save, or a load sent)."""
         return bool(self.saves) or (self.load is not None and self.load.op_id is not None)

@@ -7,26 +7,25 @@ It knows no host: hosts call it through the methods below with `RequestView`s.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
 from kvtier.config import KVTierConfig
-from kvtier.keys import chain_keys, key_seed
+from kvtier.keys import KeySpace
 from kvtier.metrics import Metrics
 from kvtier.offload.chunking import layout_for
 from kvtier.offload.gate import LoadGate
 from kvtier.offload.groups import ChunkGroups
 from kvtier.offload.hooks import HOOK_ERROR, HookGuard, shown_id
 from kvtier.offload.inflight import InFlight
+from kvtier.offload.ledger import OpLedger
 from kvtier.offload.load_planner import WITHDRAWN, LoadPlanner
-from kvtier.offload.messages import ChunkRef, LoadOp, OffloadMeta, SaveOp, WorkerReport
+from kvtier.offload.messages import LoadOp, OffloadMeta, SaveOp, WorkerReport
 from kvtier.offload.planner import SavePlanner
 from kvtier.offload.protocols import LookupPort, RequestView, StepRequest
-from kvtier.offload.quorum import Quorum, Terminal
+from kvtier.offload.quorum import Terminal
 from kvtier.offload.request_state import LoadOutcome, LoadState, RequestState
 from kvtier.offload.retention import RetentionHint
 from kvtier.offload.steps import LOOKUP, META, REPORTS, HookClock
@@ -35,10 +34,6 @@ from kvtier.store import registry
 log = logging.getLogger("kvtier")
 
 T = TypeVar("T")
-
-# load failure reason: a hybrid load's run needs sliding-window blocks its chunks do not store
-# (a claim the host cut short of a chunk boundary); the host recomputes it
-WINDOW = "window_not_stored"
 
 
 class OffloadScheduler:
@@ -71,8 +66,6 @@ class OffloadScheduler:
         then give every group's block table (`group_block_ids`), and each chunk carries every
         group's positions."""
         self.config = config
-        self.loads = loads
-        self.saves = saves
         self.chunk = config.chunk_size
         if self.chunk % block_size:
             raise ValueError(
@@ -80,23 +73,13 @@ class OffloadScheduler:
                 f"set chunk_size to a multiple of {block_size}"
             )
         self.block_size = block_size
-        self.blocks_per_chunk = self.chunk // block_size
-        self.world = world
         self._lookup = lookup
-        self._model_id = model_id
-        self._seed = key_seed(model_id, self.chunk)
-        self.epoch = 0
+        self.keys = KeySpace(model_id, self.chunk)
         self._m = metrics
         self._reqs: dict[str, RequestState] = {}
-        self._quorum = Quorum(world)
-        self._ops: dict[str, tuple[str, str]] = {}  # op id -> (req id, "load" | "save")
-        self._nonce = itertools.count()
-        self._delayed: list[str] = []
-        self._terminals: dict[str, bool] = {}
+        self.ops = OpLedger(world)
         self._inflight = InFlight()
-        self._clock = clock
         self.layout = layout_for(groups, self.chunk, block_size)
-        self._reused: set[str] = set()  # saves whose window blocks were reused: cancelled
         seeds = {}
         if bytes_per_token:
             seeds = {
@@ -108,18 +91,21 @@ class OffloadScheduler:
             margin=config.load_margin, probe_s=config.load_probe_s,
         )  # fmt: skip
         self.planner = SavePlanner(
-            config, lookup, metrics, world=world, keys_of=self._keys_of,
-            bytes_per_token=bytes_per_token, loads=loads, saves=saves, cold_misses=cold_misses,
+            config, lookup, metrics, keys=self.keys, layout=self.layout, ledger=self.ops,
+            inflight=self._inflight, bytes_per_token=bytes_per_token, loads=loads, saves=saves,
+            cold_misses=cold_misses,
         )  # fmt: skip
         self.load_planner = LoadPlanner(
             config, lookup, metrics, self.gate, self._inflight, self.planner,
-            block_size=block_size, sync_loads=self.layout.sync_loads, clock=clock,
+            layout=self.layout, ledger=self.ops, block_size=block_size, clock=clock,
         )  # fmt: skip
         self.clock = HookClock(metrics)
         self.guard = HookGuard(metrics)
-        self._step = 0  # engine steps so far (build_meta calls)
-        self._step_t0: float | None = None  # when the busy step in flight was built
-        self._sync_done_s = 0.0  # measured seconds of the sync loads that ended this step
+
+    @property
+    def epoch(self) -> int:
+        """The namespace epoch keys are chained in (bumped by `reset`)."""
+        return self.keys.epoch
 
     # ---- lookup -------------------------------------------------------------------------------
 
@@ -155,7 +141,7 @@ class OffloadScheduler:
             return 0
         if st.hbm_floor is None:
             st.hbm_floor = num_computed_tokens
-        if st.epoch != self.epoch:
+        if st.epoch != self.keys.epoch:
             if st.busy() or st.load is not None:
                 return 0  # its keys name the old epoch until its transfers end
             del self._reqs[st.req_id]  # a new lifecycle: keyed in the new epoch
@@ -165,7 +151,7 @@ class OffloadScheduler:
                 # asked again because the host could not allocate last time: the promise and
                 # its lease still stand, so no second round trip to every rank
                 return st.load.end - st.load.hbm
-            self._drop_load(st, WITHDRAWN, count=False)
+            self.load_planner.drop(st, WITHDRAWN, count=False)
         return self.load_planner.ask(st, num_computed_tokens)
 
     def update_state_after_alloc(
@@ -199,13 +185,13 @@ class OffloadScheduler:
         if st is None or st.load is None or st.load.op_id is not None:
             return 0
         if num_external_tokens <= 0:
-            self._drop_load(st, WITHDRAWN)
+            self.load_planner.drop(st, WITHDRAWN)
             return 0
         load = st.load
         if hbm_tokens is not None and hbm_tokens != load.hbm:
             reason = self.load_planner.skip_reason(hbm_tokens, load.end)
             if reason is not None:
-                self._drop_load(st, reason)
+                self.load_planner.drop(st, reason)
                 return 0
             load.hbm = hbm_tokens
         promised = load.end - load.hbm
@@ -219,10 +205,8 @@ class OffloadScheduler:
             # the chunk it ends in is read whole and written only up to the grant
             log.debug(
                 "kvtier: load of %s cut from %d to %d granted tokens",
-                shown_id(st.req_id),
-                promised,
-                num_external_tokens,
-            )
+                shown_id(st.req_id), promised, num_external_tokens,
+            )  # fmt: skip
             load.end = load.hbm + num_external_tokens
         need_blocks = -(-load.end // self.block_size)
         if len(block_ids) < need_blocks:
@@ -232,13 +216,8 @@ class OffloadScheduler:
             )
         load.block_ids = list(block_ids)
         load.tables = self.layout.tables(req)
-        self._track(st, load, +1)
+        self.load_planner.track(st, load, +1)
         return load.end - load.hbm
-
-    def _track(self, st: RequestState, load: LoadState, delta: int) -> None:
-        """Count (+1) or forget (-1) the chunk keys an allocated load brings into HBM."""
-        keys = st.keys[load.hbm // self.chunk : -(-load.end // self.chunk)]
-        self._inflight.track_load(keys, delta)
 
     # ---- per step -----------------------------------------------------------------------------
 
@@ -256,14 +235,10 @@ class OffloadScheduler:
     def _build_meta(
         self, scheduled: Sequence[StepRequest], preempted: Iterable[str]
     ) -> OffloadMeta:
-        self._step += 1
         self.load_planner.booked_s = 0.0
-        self._sync_done_s = 0.0
-        self._step_t0 = time.perf_counter() if scheduled else None
         # saves that read sliding-window blocks the host has handed out again this step:
         # cancelled before the step's forward writes them (chunks copied before commit)
-        meta = OffloadMeta(preempted=sorted(preempted), cancel_saves=sorted(self._reused))
-        self._reused = set()
+        meta = self.ops.begin_step(bool(scheduled), preempted)
         for st in list(self._reqs.values()):
             load = st.load
             if load is not None and load.block_ids is not None and load.op_id is None:
@@ -277,9 +252,7 @@ class OffloadScheduler:
             )
             if op is not None:
                 meta.saves.append(op)
-        meta.delayed_free, self._delayed = self._delayed, []
-        meta.load_terminals, self._terminals = self._terminals, {}
-        return meta
+        return self.ops.end_step(meta)
 
     def _load_op(self, st: RequestState, load: LoadState) -> LoadOp:
         """The load's op for the ranks; one every rank fails at once when the load is doomed,
@@ -288,109 +261,22 @@ class OffloadScheduler:
         def doomed() -> LoadOp:
             st.quarantined = st.load_failed = True
             load.fail = load.fail or HOOK_ERROR
-            return self._failing_load(st, load)
+            return self.load_planner.failing(st, load)
 
-        if load.fail:
-            return self._failing_load(st, load)
-        return self.guard.run("build_meta", st.req_id, lambda: self._emit_load(st, load), doomed)
-
-    def _failing_load(self, st: RequestState, load: LoadState) -> LoadOp:
-        assert load.block_ids is not None
-        first = load.hbm // self.chunk
-        claimed = self.layout.claimed(load)
-        load.op_id = f"ld{next(self._nonce)}"
-        load.step = self._step
-        self._quorum.open(load.op_id)
-        self._ops[load.op_id] = (st.req_id, "load")
-        key = st.keys[first] if first < len(st.keys) else bytes(16)
-        return LoadOp(
-            load.op_id, st.req_id, load.lookup_id, [ChunkRef(key, list(claimed))],
-            load.end - load.hbm, first, sync=load.sync, fail=load.fail, readmitted=st.readmitted,
-        )  # fmt: skip
+        return self.guard.run(
+            "build_meta", st.req_id, lambda: self.load_planner.emit(st, load), doomed
+        )
 
     def _save_op(self, item: StepRequest) -> SaveOp | None:
-        st = self._reqs.get(item.view.request_id)
-        if st is None:
-            st = self._state(item.view)
-        return self._emit_save(st, item)
-
-    def _emit_load(self, st: RequestState, load: LoadState) -> LoadOp:
-        first = load.hbm // self.chunk
-        chunks = self.layout.load_chunks(st.keys, load)
-        if chunks is None:
-            load.fail = WINDOW
-            return self._failing_load(st, load)
-        # kvtier's own ids: bounded whatever the host's request id is (a client's header)
-        load.op_id = f"ld{next(self._nonce)}"
-        load.step = self._step
-        self._quorum.open(load.op_id)
-        self._ops[load.op_id] = (st.req_id, "load")
-        log.debug(
-            "kvtier: %s load %s tokens [%d, %d)",
-            "sync" if load.sync else "async",
-            load.op_id,
-            load.hbm,
-            load.end,
-        )
-        return LoadOp(
-            load.op_id,
-            st.req_id,
-            load.lookup_id,
-            chunks,
-            load.end - load.hbm,
-            first,
-            sync=load.sync,
-            readmitted=st.readmitted,
-        )
-
-    def _emit_save(self, st: RequestState, item: StepRequest) -> SaveOp | None:
-        if not self.saves or st.quarantined:
-            return None
-        if st.load is not None:
-            return None  # its blocks are being filled by a load
-        if st.epoch != self.epoch:
-            return None  # computed before a reset: nothing of it enters the new epoch
-        computed = min(item.computed_after_step, st.prompt_len)
-        if st.admit_limit is None:
-            st.admit_limit = self.planner.admit(
-                st.keys, st.hbm_floor or 0, st.saved, st.retained
-            )
-        aligned = (min(computed, st.admit_limit * self.chunk) // self.chunk) * self.chunk
-        if aligned <= st.emitted:
-            return None
-        start = st.emitted
-        plan = self.layout.save_chunks(st.keys, item, start, aligned)
-        # chunks passed over (a window the host no longer holds) count as done: nothing can
-        # save them any more
-        st.emitted = plan.end
-        if not plan.chunks:
-            return None
-        op_id = self._open_save(st, plan.chunks, plan.first, plan.window)
-        st.saves[op_id] = (start, plan.end)
-        tokens = plan.end - plan.first * self.chunk
-        return SaveOp(op_id, st.req_id, plan.chunks, tokens, plan.first)
-
-    def _open_save(
-        self, st: RequestState, chunks: Sequence[ChunkRef], first: int, window: set[int]
-    ) -> str:
-        """Register a save of `chunks` (the first is chunk `first`): its op id, quorum and the
-        keys other requests wait for; `window`: the sliding-window blocks it reads."""
-        op_id = f"sv{next(self._nonce)}"
-        self.planner.saw_head(st.keys[0])
-        self._quorum.open(op_id)
-        self._ops[op_id] = (st.req_id, "save")
-        # chunks under its HBM floor were computed, and saved, by a request before it: saving
-        # them again keeps them in the tier, but nobody needs to wait for that
-        floor = (st.hbm_floor or 0) // self.chunk
-        keys = [r.key for c, r in enumerate(chunks, first) if c >= floor]
-        self._inflight.open_save(op_id, keys, window)
-        return op_id
+        st = self._reqs.get(item.view.request_id) or self._state(item.view)
+        return self.planner.emit(st, item)
 
     def blocks_allocated(self, block_ids: Iterable[int]) -> None:
         """The host handed these blocks to requests this step (any group): a save in flight
         that reads one of them as a sliding-window block is cancelled in this step's meta."""
-        for op_id in self._inflight.reused(block_ids, self._ops):
-            self._reused.add(op_id)
+        reused = self._inflight.reused(block_ids, self.ops)
+        self.ops.cancel_saves(reused)
+        for op_id in reused:
             log.debug("kvtier: save %s cancelled: a window block it reads was reused", op_id)
 
     # ---- reports ------------------------------------------------------------------------------
@@ -402,107 +288,34 @@ class OffloadScheduler:
             outcomes = []
             for report in reports:
                 if report.selftest_load is not None:
-                    self._seed_from_selftest(*report.selftest_load)
+                    self.gate.seed_from_selftest(*report.selftest_load)
                 for result in report.results:
-                    term = self._quorum.report(report.rank, result)
+                    term = self.ops.report(report.rank, result)
                     if term is not None:
                         outcome = self.guard.run(
                             "update_connector_output",
-                            self._ops.get(term.op_id, ("", ""))[0] or None,
+                            self.ops.owner(term.op_id) or None,
                             lambda term=term: self._terminal(term),
                             lambda term=term: self._forget_op(term.op_id),
                         )
                         if outcome is not None:
                             outcomes.append(outcome)
-        if self._step_t0 is not None:
-            step_s = time.perf_counter() - self._step_t0 - self._sync_done_s
-            self._step_t0 = None
+        step_s = self.ops.step_seconds()
+        if step_s is not None:
             self.gate.observe_step(step_s)
         return outcomes
 
-    def _seed_from_selftest(self, tokens: int, seconds: float) -> None:
-        """A rank's startup self-test loaded one chunk through the real path: before any real
-        load was timed, the gate's memory rate starts from it where it is faster than the
-        config's seed (one chunk's time holds a lane's wake-up too, so it only ever errs low:
-        a slower reading keeps the seed rather than turn loads away)."""
-        memory = self.gate.cost.tier("memory")
-        if seconds <= 0 or memory.samples > 0:
-            return
-        if memory.seconds(tokens) > seconds:
-            self.gate.observe_load(tokens, seconds, "memory")
-
     def _terminal(self, term: Terminal) -> LoadOutcome | None:
-        req_id, kind = self._ops.pop(term.op_id)
+        req_id, kind = self.ops.close(term.op_id)
         st = self._reqs.get(req_id)
+        outcome = None
         if kind == "save":
-            self._save_terminal(st, term)
-            outcome = None
+            self.planner.ended(st, term)
         else:
-            outcome = self._load_terminal(req_id, st, term)
+            outcome = self.load_planner.ended(req_id, st, term)
         if st is not None and st.finished and not st.busy():
             del self._reqs[req_id]
         return outcome
-
-    def _save_terminal(self, st: RequestState | None, term: Terminal) -> None:
-        self._inflight.close_save(term.op_id)
-        if st is None:
-            return
-        start, end = st.saves.pop(term.op_id)
-        if term.ok:
-            if start <= st.saved:
-                st.saved = max(st.saved, end)
-        else:
-            self._m.save_failure(term.reason or "unknown").inc()
-            st.emitted = min(st.emitted, start)  # saved again on a later step
-            if term.reason == HOOK_ERROR:
-                st.quarantined = True  # a defect, not a full tier: trying again fails again
-            log.warning(
-                "kvtier: save %s of request %s, tokens [%d, %d), failed (%s); it will be retried",
-                term.op_id,
-                shown_id(st.req_id),
-                start,
-                end,
-                term.reason,
-            )
-
-    def _load_terminal(self, req_id: str, st: RequestState | None, term: Terminal) -> LoadOutcome:
-        self._terminals[term.op_id] = term.ok
-        load = st.load if st is not None else None
-        tokens = (load.end - load.hbm) if load is not None else 0
-        if st is not None and load is not None:
-            self._track(st, load, -1)
-            st.load = None
-            if load.sync:
-                self._m.sync_loads.inc()
-                self._sync_done_s += term.seconds
-            self._m.load_parked_steps.observe(0 if load.sync else self._step - load.step + 1)
-        predicted = load.predicted_s if load is not None else 0.0
-        # a failed load (a store's read timeout) is evidence too: its tiers' failure share
-        # rises, and a wait longer than predicted teaches a slower read
-        reads = load.reads if load is not None and load.reads else ((term.tier, tokens),)
-        self.gate.cost.observe_read(reads, term.seconds, tokens, term.ok)
-        if term.ok or term.seconds > predicted > 0:
-            if self.gate.cost.observe_outcome(predicted, term.seconds):
-                self._m.load_mispredictions.inc()
-            if predicted > 0 and term.seconds > 0:
-                self._m.load_prediction_ratio.observe(term.seconds / predicted)
-            self._m.load_misprediction_share.set(self.gate.cost.mispredicted_share)
-        if term.ok:
-            return LoadOutcome(req_id, True, tokens, "", term.tier)
-        self._m.load_failure(term.reason or "unknown").inc()
-        if st is not None and load is not None:
-            st.load_failed = True
-            # the recomputed chunks above the floor must be saved again
-            floor = (load.hbm // self.chunk) * self.chunk
-            st.saved = min(st.saved, floor)
-            st.emitted = min(st.emitted, floor)
-        log.warning(
-            "kvtier: load %s failed on some rank (%s); request %s recomputes it",
-            term.op_id,
-            term.reason,
-            shown_id(req_id),
-        )
-        return LoadOutcome(req_id, False, tokens, term.reason)
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -520,10 +333,10 @@ class OffloadScheduler:
             return False
         self.load_planner.cancel_lookup(st)
         if st.load is not None and st.load.op_id is None:
-            self._drop_load(st, WITHDRAWN)
+            self.load_planner.drop(st, WITHDRAWN)
         st.finished = True
         if st.busy():
-            self._delayed.append(st.req_id)
+            self.ops.delay_free(st.req_id)
             return True
         del self._reqs[st.req_id]
         return False
@@ -541,7 +354,7 @@ class OffloadScheduler:
                 f"request {st.req_id} was preempted while its load {st.load.op_id} is on the "
                 "ranks, which may still write its blocks; wait for the load's finished_recving"
             )
-        self._drop_load(st, WITHDRAWN)
+        self.load_planner.drop(st, WITHDRAWN)
 
     def mark_readmitted(self, req_id: str) -> None:
         """The request was preempted: its later admissions (and the load one of them may
@@ -555,13 +368,12 @@ class OffloadScheduler:
         seed, so no chunk stored before (by any engine) is reachable; requests keyed before
         neither load nor save again. For the host's cache resets (weights changed, pause); the
         host resets its own prefix cache with it."""
-        self.epoch += 1
+        epoch = self.keys.new_epoch()
         self.planner.new_epoch()
-        self._seed = key_seed(self._model_id, self.chunk, epoch=os.urandom(16))
         log.info(
             "kvtier: namespace epoch %d: every chunk stored before is unreachable (%d requests "
             "keyed before it neither load nor save)",
-            self.epoch,
+            epoch,
             len(self._reqs),
         )
 
@@ -571,7 +383,7 @@ class OffloadScheduler:
 
     def has_pending_work(self) -> bool:
         """True while any operation awaits its terminal or a load awaits dispatch."""
-        return bool(self._ops) or any(st.load is not None for st in self._reqs.values())
+        return bool(self.ops) or any(st.load is not None for st in self._reqs.values())
 
     def hit_tier(self, req_id: str) -> str:
         """The tier the request's external hit comes from: the deepest tier of the run its
@@ -606,18 +418,14 @@ class OffloadScheduler:
         st = self._reqs.get(req.request_id)
         if st is None:
             prompt = req.prompt_token_ids
-            keys = chain_keys(prompt, self.chunk, self._seed)
+            keys = self.keys.keys(prompt)
             st = self._reqs[req.request_id] = RequestState(
-                req.request_id, len(prompt), keys, epoch=self.epoch
+                req.request_id, len(prompt), keys, epoch=self.keys.epoch
             )
             hint = getattr(req, "retention", None)
-            if isinstance(hint, RetentionHint) and self.saves:
+            if isinstance(hint, RetentionHint) and self.planner.saves:
                 st.retained = self.planner.hint(st.req_id, keys, hint)
         return st
-
-    def _keys_of(self, prompt: Sequence[int]) -> list[bytes]:
-        """A prompt's chunk keys in the current epoch."""
-        return chain_keys(prompt, self.chunk, self._seed)
 
     def quarantine(
         self, req_id: str, block_ids: Sequence[int] | None = None, counted: int = 0
@@ -642,18 +450,14 @@ class OffloadScheduler:
             load.block_ids, tables = self.layout.counted_claim(block_ids)
             load.tables = tables if tables is not None else load.tables
             load.end = min(load.end, load.hbm + counted)
-            self._track(st, load, +1)
+            self.load_planner.track(st, load, +1)
         if load.block_ids is None:
-            self._drop_load(st, HOOK_ERROR)
+            self.load_planner.drop(st, HOOK_ERROR)
         else:
             load.fail = HOOK_ERROR
 
     def _quarantine_to(
-        self,
-        req_id: str,
-        answer: T,
-        block_ids: Sequence[int] | None = None,
-        counted: int = 0,
+        self, req_id: str, answer: T, block_ids: Sequence[int] | None = None, counted: int = 0
     ) -> T:
         self.quarantine(req_id, block_ids, counted)
         return answer
@@ -661,16 +465,15 @@ class OffloadScheduler:
     def _forget_op(self, op_id: str) -> None:
         """Processing an op's terminal raised: the op is gone, its request quarantined and
         its load forgotten (so no request waits behind its chunks), its saves rolled back."""
-        req_id, kind = self._ops.pop(op_id, (None, ""))
-        self._terminals.pop(op_id, None)
+        owner = self.ops.forget(op_id)
         self._inflight.close_save(op_id)
-        st = self._reqs.get(req_id) if req_id is not None else None
+        st = self._reqs.get(owner[0]) if owner is not None else None
         if st is None:
             return None
         st.quarantined = st.load_failed = True
         st.saves.pop(op_id, None)
-        if kind == "load" and st.load is not None and st.load.op_id == op_id:
-            self._track(st, st.load, -1)
+        if st.load is not None and st.load.op_id == op_id:
+            self.load_planner.track(st, st.load, -1)
             st.load = None
         if st.finished and not st.busy():
             del self._reqs[st.req_id]
@@ -688,16 +491,7 @@ class OffloadScheduler:
         if st.load is not None and st.load.op_id is None:
             st.load = None  # its lease expires by its deadline
         if st.busy():
-            self._delayed.append(req_id)
+            self.ops.delay_free(req_id)
             return True
         del self._reqs[req_id]
         return False
-
-    def _drop_load(self, st: RequestState, reason: str, count: bool = True) -> None:
-        assert st.load is not None and st.load.op_id is None
-        if st.load.block_ids is not None:
-            self._track(st, st.load, -1)
-        self._lookup.release([st.load.lookup_id])
-        if count:
-            self._m.skipped_load(reason).inc()
-        st.load = None

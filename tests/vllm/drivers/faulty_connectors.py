@@ -81,8 +81,8 @@ HOOK_POINTS: dict[str, tuple[str, str, str, Callable[..., str] | None]] = {
     "get_num_new_matched_tokens": ("scheduler", "core", "_matched", lambda req, n: req.request_id),
     "update_state_after_alloc": ("scheduler", "core", "_after_alloc",
                                  lambda req, *a: req.request_id),
-    "build_meta_load": ("scheduler", "core", "_emit_load", lambda st, load: st.req_id),
-    "build_meta_save": ("scheduler", "core", "_emit_save", lambda st, item: st.req_id),
+    "build_meta_load": ("scheduler", "core.load_planner", "emit", lambda st, load: st.req_id),
+    "build_meta_save": ("scheduler", "core.planner", "emit", lambda st, item: st.req_id),
     "build_connector_meta": ("scheduler", "side", "_scheduled_new", lambda out, new: new.req_id),
     "request_finished": ("scheduler", "core", "_finished", lambda req: req.request_id),
     "start_load_kv": ("worker", "worker", "_dispatch_load", lambda p, queued: p.op.req_id),
@@ -105,7 +105,9 @@ class HookFaultKVTierConnector(KVTierConnector):
             side = self._scheduler if half == "scheduler" else self._worker
             if side is None:
                 continue
-            owner = side if owner_name == "side" else getattr(side, owner_name)
+            owner = side
+            for name in () if owner_name == "side" else owner_name.split("."):
+                owner = getattr(owner, name)
             setattr(owner, method, self._wrap(hook, getattr(owner, method), req_id))
 
     @classmethod
