@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 import typer
 from typer.core import TyperCommand, TyperGroup
@@ -370,6 +370,39 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(code=2)
 
 
+# `serve`'s request limits: each bounds what one client may make the server hold or compute
+_StallTimeout = Annotated[float, typer.Option(
+    "--stall-timeout",
+    help="Seconds with requests queued and no engine step making progress before /health "
+    "answers 503 and kvtier_engine_stalled is 1.",
+)]
+_MaxBody = Annotated[str, typer.Option(
+    "--max-request-body-size",
+    help="Largest request body (bytes or a size with a unit); larger ones get 413, read no "
+    "further than the limit.",
+)]
+_MaxLogitBias = Annotated[int, typer.Option(
+    "--max-logit-bias", help="Most logit_bias entries a request may send (else 400).")]
+_MaxStopStrings = Annotated[int, typer.Option(
+    "--max-stop-strings", help="Most stop strings a request may send (vLLM's 4; else 400).")]
+_MaxStopTokenIds = Annotated[int, typer.Option(
+    "--max-stop-token-ids", help="Most stop_token_ids a request may send (else 400).")]
+_MaxQueuedSeqs = Annotated[int, typer.Option(
+    "--max-queued-seqs",
+    help="Most sequences (n x prompts, all requests) in the engine at once; beyond it a "
+    "request gets 503 with Retry-After.",
+)]
+_TrustChatTemplate = Annotated[bool, typer.Option(
+    "--trust-request-chat-template",
+    help="Render chat_template sent in requests (vLLM's flag); without it they get 400.",
+)]
+_ChatTemplateTimeout = Annotated[float, typer.Option(
+    "--chat-template-timeout", help="Seconds one chat template render may take (else 400).")]
+_MaxChatTemplateChars = Annotated[int, typer.Option(
+    "--max-chat-template-chars", help="Characters one chat template render may build (else 400).")]
+
+
+
 @app.command()
 def serve(
     model_dir: Path = typer.Argument(..., help="HF model directory (config, safetensors)."),
@@ -391,48 +424,15 @@ def serve(
     served_model_name: str | None = typer.Option(
         None, help="Model name in the API (else MODEL_DIR as given)."
     ),
-    stall_timeout: float = typer.Option(
-        60.0,
-        "--stall-timeout",
-        help="Seconds with requests queued and no engine step making progress before /health "
-        "answers 503 and kvtier_engine_stalled is 1.",
-    ),
-    max_request_body_size: str = typer.Option(
-        "16MiB",
-        "--max-request-body-size",
-        help="Largest request body (bytes or a size with a unit); larger ones get 413, read no "
-        "further than the limit.",
-    ),
-    max_logit_bias: int = typer.Option(
-        1024, "--max-logit-bias", help="Most logit_bias entries a request may send (else 400)."
-    ),
-    max_stop_strings: int = typer.Option(
-        4, "--max-stop-strings", help="Most stop strings a request may send (vLLM's 4; else 400)."
-    ),
-    max_stop_token_ids: int = typer.Option(
-        1024, "--max-stop-token-ids", help="Most stop_token_ids a request may send (else 400)."
-    ),
-    max_queued_seqs: int = typer.Option(
-        1024,
-        "--max-queued-seqs",
-        help="Most sequences (n x prompts, all requests) in the engine at once; beyond it a "
-        "request gets 503 with Retry-After.",
-    ),
-    trust_request_chat_template: bool = typer.Option(
-        False,
-        "--trust-request-chat-template",
-        help="Render chat_template sent in requests (vLLM's flag); without it they get 400.",
-    ),
-    chat_template_timeout: float = typer.Option(
-        5.0,
-        "--chat-template-timeout",
-        help="Seconds one chat template render may take (else 400).",
-    ),
-    max_chat_template_chars: int = typer.Option(
-        32 * 2**20,
-        "--max-chat-template-chars",
-        help="Characters one chat template render may build (else 400).",
-    ),
+    stall_timeout: _StallTimeout = 60.0,
+    max_request_body_size: _MaxBody = "16MiB",
+    max_logit_bias: _MaxLogitBias = 1024,
+    max_stop_strings: _MaxStopStrings = 4,
+    max_stop_token_ids: _MaxStopTokenIds = 1024,
+    max_queued_seqs: _MaxQueuedSeqs = 1024,
+    trust_request_chat_template: _TrustChatTemplate = False,
+    chat_template_timeout: _ChatTemplateTimeout = 5.0,
+    max_chat_template_chars: _MaxChatTemplateChars = 32 * 2**20,
 ) -> None:
     """Serve MODEL_DIR over an OpenAI-compatible HTTP API on the native engine.
 

@@ -12,6 +12,7 @@ no-reuse output tok/s 37.1 against 39.3).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.errors import ConfigError
@@ -20,6 +21,7 @@ __all__ = [
     "AUTO",
     "AUTO_MIN_FREE",
     "INHERIT",
+    "Placement",
     "check_setting",
     "describe",
     "host_cpus",
@@ -101,6 +103,39 @@ def lane_cpus(
         return None
     spare = host - compute
     return spare if len(spare) >= AUTO_MIN_FREE else None
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a rank's copy lanes run (`lanes`, None: where they start) beside the cores the
+    host bound its compute threads to (`compute`, None: none bound)."""
+
+    setting: str
+    lanes: frozenset[int] | None
+    compute: frozenset[int] | None
+    host: frozenset[int]
+
+    @classmethod
+    def of(cls, setting: str, compute: frozenset[int] | None) -> Placement:
+        """The placement `setting` (`lane_cpus`) gives on this host."""
+        host = host_cpus()
+        return cls(setting, lane_cpus(setting, compute, host), compute, host)
+
+    def startup_line(self) -> str | None:
+        """What the startup log says about it (None: nothing was asked or bound)."""
+        if self.lanes is not None:
+            return (
+                f"copy lanes on CPUs {describe(self.lanes)} (compute threads: "
+                f"{describe(self.compute)}; lane_cpus {self.setting})"
+            )
+        if self.setting != AUTO or self.compute is None:
+            return None
+        free = self.host - self.compute
+        why = f"free: {describe(free)}, left to the frontend" if free else "none free"
+        return (
+            f"copy lanes stay with the compute threads on CPUs {describe(self.compute)} ({why}; "
+            f"lane_cpus auto moves them with {AUTO_MIN_FREE} or more free)"
+        )
 
 
 def describe(cpus: frozenset[int] | None) -> str:

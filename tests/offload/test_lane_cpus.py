@@ -111,7 +111,7 @@ def test_lanes_stay_on_the_starting_threads_cpus(
     caplog.set_level("INFO", logger="kvtier")
     worker, ops, _, _ = start(monkeypatch, compute, lane_cpus=setting)
     try:
-        assert worker.lane_cpus is None
+        assert worker.placement.lanes is None
         assert set(ops.cpus.values()) == {HOST}
         # auto says why it left the lanes where the host bound compute threads, nothing else
         lines = [r.getMessage() for r in caplog.records if "copy lanes" in r.getMessage()]

@@ -25,7 +25,6 @@ import logging
 import sys
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
 from kvtier import cpus
@@ -53,6 +52,7 @@ from kvtier.offload.messages import (
 )
 from kvtier.offload.outbox import Outbox
 from kvtier.offload.pages import KVCacheDescription, KVPages, describe_pages
+from kvtier.offload.rank_ops import RankOps
 from kvtier.offload.saving import PREEMPTED, PendingSave, SavePath, SaveRun
 from kvtier.offload.selftest import SELF_TEST_KEY, codec_round_trip, fail_startup, padding
 from kvtier.offload.steps import LOAD, REPORT, SAVE, HookClock, start
@@ -70,6 +70,22 @@ _SELF_TEST_TIMEOUT_S = 120.0
 # close() waits this long for copies still in flight before it lets the arena go
 _CLOSE_WAIT_S = 10.0
 __all__ = ["DEADLINE", "PREEMPTED", "OffloadWorker"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankIdentity:
+    """Who a rank is: its place in the world, the model it serves, where its lookup server
+    listens (None: no server) and how many ranks share its host's memory."""
+
+    rank: int
+    world: int
+    model_id: str
+    lookup_endpoint: str | None
+    ranks_on_host: int = 1
+
+    @property
+    def tag(self) -> str:
+        return f"kvtier[rank {self.rank}/{self.world}]"
 
 
 @dataclasses.dataclass(slots=True)
@@ -111,39 +127,36 @@ class OffloadWorker:
         `compute_cpus` are the cores the host bound its compute threads to on this machine
         (None: it binds none), which `config.lane_cpus` 'auto' keeps the copy lanes off."""
         self.config = config
-        self.rank = rank
-        self.world = world
-        self.model_id = model_id
+        self.me = RankIdentity(rank, world, model_id, lookup_endpoint, ranks_on_host)
         self.metrics = metrics
-        self.lookup_endpoint = lookup_endpoint
-        self.ranks_on_host = ranks_on_host
-        self.tag = f"kvtier[rank {rank}/{world}]"
         self.guard = HookGuard(self.metrics, self.tag)
         self.stack: TierStack | None = None
         self.codec: PageCodec | GroupedCodec | None = None
         self.pages: KVPages | None = None
         self.server: LookupServer | None = None
         self._ops = ops
-        self._lock = threading.Lock()
         self.outbox = Outbox(rank, metrics)
         self.degraded = ""  # why this rank fails every op at once ("": it serves)
-        self._inflight: Counter[str] = Counter()  # req id -> ops not yet reported
-        # loads that succeeded here, awaiting the agreed terminal: op id -> (tokens, bytes)
-        self._uncounted: dict[str, tuple[int, int, bool]] = {}
         self._clock = clock
-        self._pending: dict[str, PendingLoad] = {}  # op id -> load not yet reported
-        self._saving: dict[str, PendingSave] = {}  # op id -> save not yet reported
-        self._idle = threading.Condition(self._lock)
+        self._book: RankOps[PendingLoad, PendingSave] = RankOps()
         self._path: Datapath | None = None  # the copy paths and lanes, once registered
         self.clock = HookClock(metrics)
         self._step_t0: float | None = None
         self._selftest_ids = itertools.count()
         self._report_changes = report_changes
-        host = cpus.host_cpus()
-        self.lane_cpus = cpus.lane_cpus(config.lane_cpus, compute_cpus, host)
-        self._compute_cpus = compute_cpus
-        # what 'auto' left free, for the startup line (None: nothing was bound)
-        self._free_cpus = None if compute_cpus is None else host - compute_cpus
+        self.placement = cpus.Placement.of(config.lane_cpus, compute_cpus)
+
+    @property
+    def rank(self) -> int:
+        return self.me.rank
+
+    @property
+    def tag(self) -> str:
+        return self.me.tag
+
+    @property
+    def lookup_endpoint(self) -> str | None:
+        return self.me.lookup_endpoint
 
     # ---- startup ------------------------------------------------------------------------------
 
@@ -180,15 +193,15 @@ class OffloadWorker:
                 pages.layout,
             )
         ns = Namespace(
-            model_id=self.model_id,
+            model_id=self.me.model_id,
             layout_fingerprint=pages.fingerprint,
             dtype=pages.dtype,
             chunk_size=chunk,
-            tp_size=self.world,
+            tp_size=self.me.world,
             tp_rank=self.rank,
             tenant=self.config.tenant,
         )
-        check_host_memory(self.config.memory_bytes, self.ranks_on_host, self.tag)
+        check_host_memory(self.config.memory_bytes, self.me.ranks_on_host, self.tag)
         # a replicated layout keeps one copy below memory for every rank: rank 0 writes it
         shared = dataclasses.replace(ns, replicated=True) if desc.replicated else ns
         self.stack = build_stack(
@@ -257,34 +270,18 @@ class OffloadWorker:
             saves,
             load_path(self._load_reported),
             load_path(lambda run: None),
-            WorkLane(
-                f"kvtier-save-{self.rank}", ops, self.lane_cpus, cpu=self.metrics.lane_cpu("save")
-            ),
-            WorkLane(
-                f"kvtier-load-{self.rank}", ops, self.lane_cpus, cpu=self.metrics.lane_cpu("load")
-            ),
+            self._lane("save", ops),
+            self._lane("load", ops),
         )
         path.load_lane.start()
         path.save_lane.start()
-        if self.lane_cpus is not None:
-            log.info(
-                "%s: copy lanes on CPUs %s (compute threads: %s; lane_cpus %s)",
-                self.tag,
-                cpus.describe(self.lane_cpus),
-                cpus.describe(self._compute_cpus),
-                self.config.lane_cpus,
-            )
-        elif self.config.lane_cpus == cpus.AUTO and self._free_cpus is not None:
-            free = self._free_cpus
-            why = f"free: {cpus.describe(free)}, left to the frontend" if free else "none free"
-            log.info(
-                "%s: copy lanes stay with the compute threads on CPUs %s (%s; lane_cpus auto "
-                "moves them with %d or more free)",
-                self.tag,
-                cpus.describe(self._compute_cpus),
-                why,
-                cpus.AUTO_MIN_FREE,
-            )
+        placed = self.placement.startup_line()
+        if placed is not None:
+            log.info("%s: %s", self.tag, placed)
+
+    def _lane(self, kind: str, ops: DeviceOps) -> WorkLane:
+        cpu = self.metrics.lane_cpu(kind)
+        return WorkLane(f"kvtier-{kind}-{self.rank}", ops, self.placement.lanes, cpu=cpu)
 
     def _self_test(self, desc: KVCacheDescription) -> None:
         """Pattern -> real blocks -> save path -> clear -> load path -> compare -> restore."""
@@ -354,8 +351,8 @@ class OffloadWorker:
             for path in (self._path.loads, self._path.sync_loads):
                 path.degraded = self.degraded
         # a preemption this rank may have missed: no save in flight commits another byte
-        with self._lock:
-            jobs = list(self._saving.values())
+        with self._book.lock:
+            jobs = list(self._book.saving.values())
         for job in jobs:
             with job.lock:
                 job.cancelled = True
@@ -377,9 +374,9 @@ class OffloadWorker:
         fence = self._ops_fence() if meta.loads else None
         ttl = self.config.lease_ttl_s
         pending = [PendingLoad(op, now, now + ttl, fence) for op in meta.loads]
-        with self._lock:
+        with self._book.lock:
             for op_id, ok in meta.load_terminals.items():
-                tokens, nbytes, readmitted = self._uncounted.pop(op_id, (0, 0, False))
+                tokens, nbytes, readmitted = self._book.uncounted.pop(op_id, (0, 0, False))
                 if ok and tokens:
                     self.metrics.retrieved_tokens.inc(tokens)
                     self.metrics.retrieved_bytes.inc(nbytes)
@@ -387,9 +384,9 @@ class OffloadWorker:
                         self.metrics.readmitted_retrieved_tokens.inc(tokens)
                     self.outbox.metrics_dirty = True
             for p in pending:
-                self._inflight[p.op.req_id] += 1
+                self._book.inflight[p.op.req_id] += 1
                 if not p.op.sync:
-                    self._pending[p.op.op_id] = p
+                    self._book.pending[p.op.op_id] = p
             self.outbox.delayed.update(meta.delayed_free)
         last: Mark | None = None
         queued: list[PendingLoad] = []
@@ -446,8 +443,8 @@ class OffloadWorker:
             self.stack.release(p.op.lookup_id)
         self.metrics.load_failure(reason).inc()
         result = OpResult(p.op.op_id, False, reason)
-        with self._lock:
-            self._pending.pop(p.op.op_id, None)
+        with self._book.lock:
+            self._book.pending.pop(p.op.op_id, None)
         self._record(p.op.req_id, result, recv=not p.op.sync, invalid=self._claimed_blocks(p.op))
 
     def wait_for_save(self, meta: OffloadMeta) -> None:
@@ -461,8 +458,8 @@ class OffloadWorker:
     def _queue_saves(self, meta: OffloadMeta) -> None:
         if self.degraded:
             for op in meta.saves:
-                with self._lock:
-                    self._inflight[op.req_id] += 1
+                with self._book.lock:
+                    self._book.inflight[op.req_id] += 1
                 self.metrics.save_failure(self.degraded).inc()
                 self._record(op.req_id, OpResult(op.op_id, False, self.degraded), recv=False,
                              invalid=())  # fmt: skip
@@ -471,8 +468,8 @@ class OffloadWorker:
         jobs: list[PendingSave] = []
         for op in meta.saves:
             job = PendingSave(op, fence)
-            with self._lock:
-                self._inflight[op.req_id] += 1
+            with self._book.lock:
+                self._book.inflight[op.req_id] += 1
             # one save at a time under the guard: a failure costs its own request only
             self.guard.run(
                 "save",
@@ -494,13 +491,13 @@ class OffloadWorker:
 
     def _save(self, job: PendingSave, batch: list[PendingSave]) -> None:
         """Admit one save into the step's batch; the save lane moves the whole batch."""
-        with self._lock:
-            self._saving[job.op.op_id] = job
+        with self._book.lock:
+            self._book.saving[job.op.op_id] = job
         batch.append(job)
 
     def _fail_save(self, job: PendingSave, reason: str) -> None:
-        with self._lock:
-            self._saving.pop(job.op.op_id, None)
+        with self._book.lock:
+            self._book.saving.pop(job.op.op_id, None)
         self.metrics.save_failure(reason).inc()
         self._record(job.op.req_id, OpResult(job.op.op_id, False, reason), recv=False, invalid=())
 
@@ -520,9 +517,9 @@ class OffloadWorker:
         ops = set(op_ids)
         if not wanted and not ops:
             return
-        with self._lock:
+        with self._book.lock:
             jobs = [
-                j for j in self._saving.values() if j.op.req_id in wanted or j.op.op_id in ops
+                j for j in self._book.saving.values() if j.op.req_id in wanted or j.op.op_id in ops
             ]
         for job in jobs:
             with job.lock:
@@ -544,8 +541,8 @@ class OffloadWorker:
         self._expire_loads()
         if self._path is not None:
             self._path.sync_loads.reap()
-        with self._lock:
-            return self.outbox.take(self._inflight)
+        with self._book.lock:
+            return self.outbox.take(self._book.inflight)
 
     def encode_report(self, report: WorkerReport) -> bytes:
         """Wire bytes of `report` for the scheduler, with a snapshot of this rank's metrics once
@@ -565,7 +562,7 @@ class OffloadWorker:
     def _carry_results(self, report: WorkerReport) -> None:
         """Op results of a report that could not be sent go out with the next one (the host
         already has its finished ids): the scheduler still learns every op's end."""
-        with self._lock:
+        with self._book.lock:
             self.outbox.carry(report.results)
 
     def _encode_report(self, report: WorkerReport) -> bytes:
@@ -593,20 +590,13 @@ class OffloadWorker:
         return data
 
     def _is_idle(self) -> bool:
-        with self._lock:
-            return not self._inflight
+        with self._book.lock:
+            return not self._book.inflight
 
     def wait_loads(self, timeout_s: float) -> bool:
         """Block until no load or save is queued or running (deadline-bounded); for drains and
         tests."""
-        deadline = time.monotonic() + timeout_s
-        with self._idle:
-            while any(self._inflight.values()):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
+        return self._book.wait_idle(timeout_s)
 
     wait_idle = wait_loads
 
@@ -654,8 +644,8 @@ class OffloadWorker:
             self.metrics.stored_bytes.inc(nbytes)
             self.outbox.metrics_dirty = True
             result = OpResult(op.op_id, True, "", nbytes, seconds, "memory")
-        with self._lock:
-            self._saving.pop(op.op_id, None)
+        with self._book.lock:
+            self._book.saving.pop(op.op_id, None)
         self._record(op.req_id, result, recv=False, invalid=())
 
     def _load_reported(self, run: LoadRun) -> None:
@@ -686,16 +676,16 @@ class OffloadWorker:
         return mark
 
     def _finish_load(self, p: PendingLoad, result: OpResult, invalid: Iterable[int]) -> None:
-        with self._lock:
-            self._pending.pop(p.op.op_id, None)
+        with self._book.lock:
+            self._book.pending.pop(p.op.op_id, None)
         self._record(p.op.req_id, result, recv=True, invalid=invalid)
 
     def _expire_loads(self) -> None:
         """Report failed every load still unfinished past its deadline (a stuck lane, a tier
         that never returns): the host recomputes instead of waiting forever."""
         now = self._clock()
-        with self._lock:
-            late = [p for p in self._pending.values() if now >= p.deadline]
+        with self._book.lock:
+            late = [p for p in self._book.pending.values() if now >= p.deadline]
         for p in late:
             with p.lock:
                 if p.done or p.expired:
@@ -720,12 +710,9 @@ class OffloadWorker:
             self._finish_load(p, result, self._claimed_blocks(p.op))
 
     def _record(self, req_id: str, result: OpResult, *, recv: bool, invalid: Iterable[int]) -> None:
-        with self._lock:
+        with self._book.lock:
             self.outbox.record(result, req_id, recv=recv, invalid=invalid)
-            self._inflight[req_id] -= 1
-            if not self._inflight[req_id]:
-                del self._inflight[req_id]
-            self._idle.notify_all()
+            self._book.reported(req_id)
 
     def _load_outcome(self, run: LoadRun) -> tuple[OpResult, list[int]] | None:
         """The result and suspect blocks of a load whose chunks are all queued (sync) or
@@ -745,8 +732,8 @@ class OffloadWorker:
         if reason:
             self.metrics.load_failure(reason).inc()
         else:
-            with self._lock:
-                self._uncounted[op.op_id] = (got, nbytes, op.readmitted)
+            with self._book.lock:
+                self._book.uncounted[op.op_id] = (got, nbytes, op.readmitted)
         log.info(
             "%s: Retrieved %d of %d required tokens (%.3f GiB, %.2f GB/s, %s)%s",
             self.tag,
