@@ -5,9 +5,10 @@ sampling and output field. Each asserts every request succeeded and the client's
 equal the server's counters.
 
 A client sees one HTTP server whatever the TP size behind it, so the tests of a client's own
-encoding (aiperf's runs and inputs file, `--load vllm-bench`'s exact prompts) run on TP=1
-only (`TP1_ONLY`); the server's counts under TP=2 are held by `vllm bench serve`, the bench's
-identities and the SDK's fields. Running those three on both cost the suite a minute."""
+encoding (aiperf's runs and inputs file, `--load vllm-bench`'s exact prompts, `vllm bench
+serve`'s backends and datasets) run on TP=1 only (`TP1_ONLY`); the server's counts under TP=2
+are held by the bench's identities (`--load vllm-bench`: vLLM's own loop) and the SDK's fields.
+Running the first four on both cost the suite a minute and a half."""
 
 from __future__ import annotations
 
@@ -90,6 +91,7 @@ BENCH = {
 }  # fmt: skip
 
 
+@TP1_ONLY
 def test_vllm_bench_serve_both_backends_and_datasets_succeed_with_the_servers_counts(
     served: Served, vllm_python: Path, vllm_env: dict[str, str]
 ):

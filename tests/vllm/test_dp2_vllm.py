@@ -19,8 +19,10 @@ def test_dp2_serves_restores_from_two_engines(
     args = {
         "model": str(tiny_vllm_model),
         "extra": TIER,
-        "n": 4,
-        "serve_args": ["--data-parallel-size", "2"],
+        "n": 2,  # one prompt per engine
+        # one API server in front of both engines (vLLM starts one per engine by default): the
+        # engines, not the frontends, are what kvtier runs in, and each frontend costs a start
+        "serve_args": ["--data-parallel-size", "2", "--api-server-count", "1"],
         # each engine's memory tier is its own: a repeat routed to the other engine would miss
         "dp_ranks": 2,
     }
