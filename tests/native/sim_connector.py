@@ -15,7 +15,8 @@ from typing import Any
 
 from kvtier.native.blocks import BlockManager
 from kvtier.native.sampling import SamplingParams
-from kvtier.native.scheduler import RankReport, Scheduler, SchedulerOutput
+from kvtier.native.sched_output import SchedulerOutput
+from kvtier.native.scheduler import RankReport, Scheduler
 from kvtier.native.sequence import Sequence
 
 

@@ -62,7 +62,7 @@ import torch
 from kvtier.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kvtier.native.scheduler import SchedulerOutput
+    from kvtier.native.sched_output import SchedulerOutput
 
 
 # vLLM's CacheHitSource values (vllm/v1/metrics/cache_hit_source.py), nearest tier first

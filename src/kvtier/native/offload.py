@@ -24,7 +24,7 @@ from kvtier.native.connector import (
     ConnectorRole,
     ConnectorSpec,
 )
-from kvtier.native.scheduler import SchedulerOutput
+from kvtier.native.sched_output import SchedulerOutput
 from kvtier.offload import messages
 from kvtier.offload.messages import OffloadMeta
 from kvtier.offload.pages import KVCacheDescription

@@ -23,7 +23,7 @@ from kvtier.native.connector import (
 from kvtier.native.loader import load_model
 from kvtier.native.model import AllReduce, AttentionMetadata, ModelConfig, SeqAttention
 from kvtier.native.sampling import SampleOutcome, Sampler, SampleSpec, TokenLogprobs, sample_spec
-from kvtier.native.scheduler import SchedulerOutput
+from kvtier.native.sched_output import SchedulerOutput
 
 
 class SeqInput(msgspec.Struct, array_like=True):
