@@ -132,4 +132,3 @@ def test_kv_events_announce_what_the_tiers_hold_in_vllms_own_block_hashes(
     for medium, stored in (("CPU", cpu), ("STORAGE", disk)):
         removed = ev.get(f"BlockRemoved:{medium}:LOCAL")
         assert removed and set(removed["hashes"]) <= set(stored["hashes"]), medium
-
