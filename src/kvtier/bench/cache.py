@@ -14,12 +14,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from kvtier.bench import cache_cost
 from kvtier.bench.table import MISS, PASS, Report, Row, Target, report_console, write_json
 from kvtier.cachemodel import workloads
 from kvtier.cachemodel.hinting import NORMALIZATIONS, hint_point
 from kvtier.cachemodel.legacy import legacy_predict
 from kvtier.cachemodel.optimum import infinite_leading, optimal_leading
-from kvtier.cachemodel.predict import predict, tally
+from kvtier.cachemodel.predict import drive_tier, predict, tally
 from kvtier.cachemodel.stream import Request, from_trace, hbm_floors, working_set
 from kvtier.cachemodel.trace import MOONCAKE_BLOCK, read_trace_rows
 from kvtier.cachemodel.turns import Turn, trace_turns
@@ -54,6 +55,7 @@ class Workload(Generic[T]):
     name: str
     describe: str
     build: Callable[[], list[T]]
+    chunk_tokens: int = 256  # tokens a chunk stands for (the cost view prices them)
 
 
 def default_workloads(trace: Path | None) -> list[Workload[Request]]:
@@ -87,6 +89,7 @@ def default_workloads(trace: Path | None) -> list[Workload[Request]]:
                 "mooncake trace",
                 f"{trace.name}, one chunk per {MOONCAKE_BLOCK}-token block",
                 lambda: from_trace(read_trace_rows(trace), MOONCAKE_BLOCK),
+                MOONCAKE_BLOCK,
             )
         )
     return out
@@ -151,9 +154,11 @@ def run(
         title="kvtier bench cache: tier hits under capacity pressure, as ratios to the optimum",
     )
     workloads = workload_list if workload_list is not None else default_workloads(trace)
-    rows = _capacity_rows(report, workloads, capacities, progress)
+    cost: list[dict[str, Any]] = []
+    rows = _capacity_rows(report, workloads, capacities, progress, cost)
     _add_target(report, rows)
     report.meta["table"] = rows
+    report.meta["cost"] = cost
     if not retention:
         retention_list = []
     elif retention_list is None and workload_list is None:
@@ -177,6 +182,8 @@ def run(
             "previous: the segmented LRU as the previous engine drove it",
         ]
     )
+    if cost:
+        report.footnotes.append(cache_cost.footnote())
     if kept:
         report.footnotes.append(
             f"retention: HBM 5% and tier sized of ('of') all distinct chunks ('distinct') or the "
@@ -199,9 +206,11 @@ def _capacity_rows(
     workloads: Sequence[Workload[Request]],
     capacities: Sequence[float],
     progress: Callable[[str], None],
+    cost: list[dict[str, Any]],
 ) -> list[dict[str, Any]]:
     """Each stream's rows: per HBM and tier size, kvtier's hits next to the optimum's, the
-    infinite tier's and the previous policy's (added to `report` as they are made)."""
+    infinite tier's and the previous policy's (added to `report` as they are made); the cost
+    view's rows of the cell it prices go to `cost`."""
     rows: list[dict[str, Any]] = []
     for w in workloads:
         requests = w.build()
@@ -213,7 +222,12 @@ def _capacity_rows(
             for cap_f in capacities:
                 cap = max(1, round(cap_f * ws))
                 opt = tally(requests, floors, optimal_leading(requests, cap))
-                kv = predict(requests, cap, floors)
+                done = drive_tier(requests, cap, floors)
+                kv = tally(requests, floors, done.leads, written=done.written)
+                if (hbm_f, cap_f) == cache_cost.CELL:
+                    cost += cache_cost.cost_rows(
+                        report, w.name, requests, floors, done.leads, w.chunk_tokens
+                    )
                 adm = predict(requests, cap, floors, admission=ADAPTIVE)
                 old = legacy_predict(requests, cap, floors)
                 rows.append(
@@ -375,6 +389,9 @@ def print_table(doc: dict[str, Any], console: Console | None = None) -> None:
     out.print(_rich_table(doc["title"], (*_POLICY_COLUMNS, verdict), rows))
     for i, note in enumerate(doc["footnotes"], start=1):
         out.print(Text(f"[{i}] {note}", style="dim"))
+    if doc["meta"].get("cost"):
+        title = f"cost view: prefill time the hits save, {cache_cost.SHAPE.name}"
+        out.print(_rich_table(title, cache_cost.COLUMNS, doc["meta"]["cost"], no_wrap=2))
     if doc["meta"].get("retention"):
         title = "retention hints: a client that knows its next turn, behind a 5% HBM"
         out.print(_rich_table(title, _RETENTION_COLUMNS, doc["meta"]["retention"], no_wrap=2))
@@ -389,7 +406,19 @@ def print_table(doc: dict[str, Any], console: Console | None = None) -> None:
             out.print(
                 f"target: {row['label']} = {row['value']:.2f}{was}, {row['target']}: {verdict}"
             )
-    losses = [r for r in doc["rows"] if not r["id"].startswith("target.") and r["pass"] is False]
+    priced = [r for r in doc["rows"] if r["id"].startswith(cache_cost.PREFIX)]
+    if priced:
+        worse = [r["label"] for r in priced if r["pass"] is False]
+        out.print(
+            "target: the cost policy saves at least what loading every hit or none saves, in "
+            f"every cost row: {PASS if not worse else MISS}"
+            + (f" ({', '.join(worse)})" if worse else "")
+        )
+    losses = [
+        r
+        for r in doc["rows"]
+        if not r["id"].startswith(("target.", cache_cost.PREFIX)) and r["pass"] is False
+    ]
     out.print(
         f"target: no row more than {MAX_LOSS_POINTS:g} points below the previous policy: "
         f"{PASS if not losses else MISS}"
