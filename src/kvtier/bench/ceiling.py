@@ -97,13 +97,15 @@ def simulate(
     outputs: Iterable[Sequence[int]] | None = None,
     counted: Iterable[bool] | None = None,
     policy: str | None = None,
+    step_tokens: int | None = None,
 ) -> Ceiling:
     """Replay `prompts` in order through an HBM LRU (`hbm_blocks` None: unbounded) and, when
     `chunk_size` and `tier_chunks` are given, a chunk tier behind it: the offline optimum, or
     with `policy` (an admission mode) kvtier's real tier.
 
     `outputs` (one id sequence per prompt) puts each request's generated blocks in HBM too;
-    `counted` (one flag per prompt) counts only the flagged requests in the totals."""
+    `counted` (one flag per prompt) counts only the flagged requests in the totals;
+    `step_tokens` (the engine's token budget per step) saves a long prefill step by step."""
     check_positive(block_size=block_size)
     if hbm_blocks is not None and hbm_blocks < 0:
         raise ConfigError(f"hbm_blocks={hbm_blocks} is negative; use 0 or more blocks")
@@ -154,9 +156,11 @@ def simulate(
         else:
             floors = [h // chunk_size for h in hits]
             min_chunks = max(1, -(-min_load_tokens // chunk_size))
+            step = max(1, step_tokens // chunk_size) if step_tokens else None
             leads = drive_tier(
-                chunked, tier_chunks, floors, min_load=min_chunks, admission=policy
-            ).leads
+                chunked, tier_chunks, floors, min_load=min_chunks, admission=policy,
+                step_chunks=step,
+            ).leads  # fmt: skip
     requests = prompt_tokens = hbm_hits = ext_hits = 0
     for prompt, count, lead, h in zip(stream, flags, leads, hits, strict=True):
         n = len(prompt)
@@ -185,6 +189,7 @@ def ceilings(
     outputs: Sequence[Sequence[int]] | None = None,
     counted: Sequence[bool] | None = None,
     policy: str | None = None,
+    step_tokens: int | None = None,
 ) -> dict[str, Ceiling]:
     """The ceilings by name: "hbm" (an LRU of `hbm_blocks`) and "hbm+tier" (that LRU in front of
     the offline-optimal tier of `tier_chunks` chunks) where those sizes are given, and
@@ -213,6 +218,7 @@ def ceilings(
                     min_load_tokens=min_load_tokens,
                     name="kvtier",
                     policy=policy,
+                    step_tokens=step_tokens,
                     **common,
                 )
     out["infinite"] = simulate(prompts, hbm_blocks=None, name="infinite", **common)

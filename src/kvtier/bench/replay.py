@@ -152,6 +152,9 @@ class CeilingConfig:
     # the tier's admission mode where it is known (kvtier serve's arms): adds the "kvtier"
     # prediction of the real tier next to the ceilings
     admission: str | None = None
+    # the ON server's token budget per step (kvtier serve's arms): the model saves a long
+    # prefill step by step, as the engine does
+    step_tokens: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """Plain fields."""
@@ -609,7 +612,15 @@ def _ceilings(
     min_load = cc.get("min_load_tokens") or 0
     policy = cc.get("admission")
     return {
-        w: ceilings(stream, *sizes, min_load, outputs=outs, counted=counted, policy=policy)
+        w: ceilings(
+            stream,
+            *sizes,
+            min_load,
+            outputs=outs,
+            counted=counted,
+            policy=policy,
+            step_tokens=cc.get("step_tokens"),
+        )  # fmt: skip
         for w, counted in windows.items()
     }
 

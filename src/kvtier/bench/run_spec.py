@@ -291,6 +291,7 @@ def _arms_and_ceiling(
     chunk = a.chunk_size
     vocab = a.vocab
     admission = None  # the tier's admission mode: known for kvtier serve's arms only
+    step_tokens = None  # and their token budget per step
     model_dir = None if a.model_dir is None else Path(a.model_dir)
     if a.servers or a.url:
         arms = (
@@ -343,9 +344,13 @@ def _arms_and_ceiling(
         vocab = vocab or int(config["vocab_size"])
         chunk, min_load = kv.chunk_size, kv.min_load(bs)
         tier_chunks = tier_chunks_per_rank(config, a.tp, chunk, memory)
-        admission = kv.admission
+        admission, step_tokens = kv.admission, a.max_batched_tokens
     bs = bs or 16
-    return arms, vocab, CeilingConfig(bs, ceiling_hbm, chunk, tier_chunks, min_load, admission)
+    return (
+        arms,
+        vocab,
+        CeilingConfig(bs, ceiling_hbm, chunk, tier_chunks, min_load, admission, step_tokens),
+    )
 
 
 def _load_engine(
@@ -383,4 +388,3 @@ def _positive_seconds(text: Seconds, what: str) -> float:
     if value <= 0:
         raise ConfigError(f"{what} {text!r} must be > 0")
     return value
-

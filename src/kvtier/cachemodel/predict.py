@@ -5,15 +5,18 @@ Per request, as `OffloadScheduler` and `OffloadWorker` do: the HBM floor is know
 could pay (at least `min_load` chunks past the floor) the scheduler looks the chain up under a
 lease, which touches the matched run; the load reads the chunks above the floor; the lease is
 released; the scheduler's admission policy (`kvtier.offload.admission`, the real class) decides
-the request; the prompt's full chunks past the lookup hit that the tier lacks are then saved,
-deepest first, each under its parent, when admitted. A lookup the scheduler skips saves from
-chunk 0. With a retention client (`kvtier.cachemodel.retention`) the tier is protected by the
-client's table, a hinting request's saves are forced, and the client hints after the saves.
+the request; the prompt's full chunks past the lookup hit that the tier lacks are then saved
+when admitted, each under its parent: as each engine step ends, the chunks it computed, deepest
+first (a step computes the engine's token budget of a prompt). A lookup the scheduler skips
+saves from chunk 0. With a retention client (`kvtier.cachemodel.retention`) the tier is
+protected by the client's table, a hinting request's saves are forced, and the client hints
+after the saves.
 """
 
 from __future__ import annotations
 
 import tempfile
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -23,6 +26,7 @@ import torch
 from kvtier.cachemodel.stream import Request
 from kvtier.metrics import Metrics
 from kvtier.offload.admission import ALL, REJECTED, AdmissionPolicy
+from kvtier.offload.selftest import SELF_TEST_KEY
 from kvtier.store.disk import DiskTier
 from kvtier.store.memory import MemoryTier
 from kvtier.store.record import HEADER_BYTES
@@ -31,6 +35,10 @@ from kvtier.store.stack import TierStack
 # the payload of a modelled chunk: the policy is what is measured, not the copies
 _PAYLOAD = 16
 _NAMESPACE = bytes(16)
+# the copies a save lane keeps in flight (`transfer_depth`'s default; 0: each chunk committed as
+# it takes its slot): under eviction pressure, when each chunk takes its slot and when it is
+# committed decides what stays
+TRANSFER_DEPTH = 2
 
 MEMORY = "memory"
 DISK = "disk"
@@ -113,7 +121,9 @@ class _Port(Protocol):
     def read(self, key: bytes, parent: bytes) -> None: ...
     def release(self, lease_id: str) -> None: ...
     def holds(self, key: bytes) -> bool: ...
-    def save(self, key: bytes, parent: bytes) -> None: ...
+    def save(self, chunks: Sequence[tuple[bytes, bytes]]) -> None:
+        """One save operation of (key, parent) pairs, in the order the worker issues them."""
+        ...
 
 
 class Hinter(Protocol):
@@ -135,8 +145,9 @@ class Hinter(Protocol):
 class _StackPort:
     """A rank's TierStack, called as the worker calls it (reserve and commit, read_into)."""
 
-    def __init__(self, stack: TierStack) -> None:
+    def __init__(self, stack: TierStack, depth: int = TRANSFER_DEPTH) -> None:
         self.stack = stack
+        self.depth = depth
         self._dst = torch.empty(_PAYLOAD, dtype=torch.uint8)
 
     def lookup(self, keys: list[bytes], lease_id: str) -> int:
@@ -151,8 +162,18 @@ class _StackPort:
     def holds(self, key: bytes) -> bool:
         return self.stack.memory.contains(key)
 
-    def save(self, key: bytes, parent: bytes) -> None:
-        if self.stack.reserve(key, parent) is not None:
+    def save(self, chunks: Sequence[tuple[bytes, bytes]]) -> None:
+        # as the worker's save lane (`offload/saving.py`): a resident chunk is passed over (no
+        # touch); every other one takes its slot as it is issued, and with `depth` copies in
+        # flight the oldest lands (is committed) before the next one is pushed
+        flying: deque[bytes] = deque()
+        for key, parent in chunks:
+            if self.stack.memory.contains(key) or self.stack.reserve(key, parent) is None:
+                continue
+            flying.append(key)
+            while len(flying) > self.depth:
+                self.stack.commit(flying.popleft(), _PAYLOAD)
+        for key in flying:
             self.stack.commit(key, _PAYLOAD)
 
 
@@ -177,8 +198,11 @@ class _DiskPort:
     def holds(self, key: bytes) -> bool:
         return self.disk.contains(key)
 
-    def save(self, key: bytes, parent: bytes) -> None:
-        self.disk.put(key, self._payload, parent=parent)
+    def save(self, chunks: Sequence[tuple[bytes, bytes]]) -> None:
+        # only a chunk memory committed is written behind: a resident one is passed over
+        for key, parent in chunks:
+            if not self.disk.contains(key):
+                self.disk.put(key, self._payload, parent=parent)
 
 
 @dataclass(slots=True)
@@ -190,6 +214,27 @@ class Drive:
     regret: int = 0
 
 
+def save_ops(
+    start: int, computed_from: int, limit: int, step_chunks: int | None, loaded: bool = False
+) -> list[range]:
+    """The save operations of chunks [start, limit), in order, each deepest first: the engine
+    saves what each step computed as that step ends, and a prefill from `computed_from` computes
+    `step_chunks` chunks a step (None: the whole prompt in one step); a `loaded` request's
+    first save waits one more step, for its load's report."""
+    if limit <= start:
+        return []
+    ends = [limit]
+    if step_chunks:
+        first = max(computed_from, start) + step_chunks * (2 if loaded else 1)
+        ends = [*range(first, limit, step_chunks), limit]
+    ops, lo = [], start
+    for hi in ends:
+        if hi > lo:
+            ops.append(range(hi - 1, lo - 1, -1))
+            lo = hi
+    return ops
+
+
 def drive(
     port: _Port,
     requests: Sequence[Request],
@@ -197,19 +242,23 @@ def drive(
     min_load: int,
     admission: AdmissionPolicy | None = None,
     hinter: Hinter | None = None,
+    step_chunks: int | None = None,
 ) -> Drive:
     """Run the engine flow over `port` (every request admitted without a policy), with the
-    retention client `hinter` hinting after each request when given."""
+    retention client `hinter` hinting after each request when given; a prefill computes
+    `step_chunks` chunks a step (the engine's token budget; None: a whole prompt a step)."""
     out = Drive([])
     for i, (r, h) in enumerate(zip(requests, floors, strict=True)):
         forced = hinter.begin(i) if hinter is not None else False
         keys = [key_of(c) for c in r.chunks]
         start = n = 0
+        computed_from, loaded = h, False
         if looks_up(r, h, min_load):
             lease = f"r{i}"
             n = start = port.lookup(keys, lease)
             if served(r, h, n, min_load):
-                for c in range(h, min(n, r.usable)):
+                computed_from, loaded = min(n, r.usable), True
+                for c in range(h, computed_from):
                     port.read(keys[c], keys[c - 1] if c else b"")
             port.release(lease)
         limit = len(keys)
@@ -217,12 +266,12 @@ def drive(
             decision, seen = admission.decide(keys, hbm_chunks=h, tier_chunks=n, forced=forced)
             limit = decision.limit
             out.regret += seen.returns[REJECTED]
-        for c in range(limit - 1, start - 1, -1):
-            # the engine saves every admitted chunk above the tier's hit, those under its HBM
-            # floor too: a resident one is touched (kept warm in the tier), not rewritten
-            fresh = not port.holds(keys[c])
-            port.save(keys[c], keys[c - 1] if c else b"")
-            out.written += fresh
+        # the engine saves every admitted chunk above the tier's hit, those under its HBM floor
+        # too (a resident one is touched, kept warm in the tier, not rewritten), step by step:
+        # under eviction pressure the order decides what stays
+        for op in save_ops(start, computed_from, limit, step_chunks, loaded):
+            out.written += sum(not port.holds(keys[c]) for c in op)
+            port.save([(keys[c], keys[c - 1] if c else b"") for c in op])
         if hinter is not None:
             held = 0
             while held < len(keys) and port.holds(keys[held]):
@@ -240,11 +289,15 @@ def predict(
     tier: str = MEMORY,
     min_load: int = 1,
     admission: str = ALL,
+    step_chunks: int | None = None,
 ) -> TierHits:
     """Tier hits of the real `tier` ("memory": a rank's TierStack over a MemoryTier; "disk": a
     DiskTier in a temporary directory) of `capacity` chunks, driven as the engine drives it
     with the scheduler's `admission` mode ("all": write-through; "adaptive")."""
-    done = drive_tier(requests, capacity, floors, tier=tier, min_load=min_load, admission=admission)
+    done = drive_tier(
+        requests, capacity, floors, tier=tier, min_load=min_load, admission=admission,
+        step_chunks=step_chunks,
+    )  # fmt: skip
     return tally(requests, floors, done.leads, min_load, written=done.written, regret=done.regret)
 
 
@@ -257,8 +310,12 @@ def drive_tier(
     min_load: int = 1,
     admission: str = ALL,
     hinter: Hinter | None = None,
+    step_chunks: int | None = None,
+    as_engine: bool = True,
 ) -> Drive:
-    """`predict`'s drive, per request (the tier protected by `hinter`'s retention if given)."""
+    """`predict`'s drive, per request (the tier protected by `hinter`'s retention if given);
+    `as_engine=False` leaves out the engine's own traits (its self-test's chunk, copies in
+    flight): memory then receives chunks one at a time, as a lower tier does."""
     if capacity < 1:
         return Drive([0] * len(requests))
     metrics = Metrics()
@@ -277,8 +334,15 @@ def drive_tier(
         if hinter is not None:
             # after the stack, which protects its tiers with its own (here empty) table
             memory.protect(hinter.holds)
+        port = _StackPort(stack, TRANSFER_DEPTH if as_engine else 0)
+        if as_engine:
+            # the rank's startup self-test saves a chunk and looks it up (a second touch): it
+            # stays in memory, one slot, until evicted
+            port.save([(SELF_TEST_KEY, b"")])
+            port.lookup([SELF_TEST_KEY], "kvtier-self-test")
+            port.release("kvtier-self-test")
         try:
-            return drive(_StackPort(stack), requests, floors, min_load, policy, hinter)
+            return drive(port, requests, floors, min_load, policy, hinter, step_chunks)
         finally:
             stack.close()
     if tier == DISK:
@@ -287,7 +351,8 @@ def drive_tier(
             if hinter is not None:
                 disk.protect(hinter.holds)
             try:
-                return drive(_DiskPort(disk), requests, floors, min_load, policy, hinter)
+                port = _DiskPort(disk)
+                return drive(port, requests, floors, min_load, policy, hinter, step_chunks)
             finally:
                 disk.close()
     raise ValueError(f"tier={tier!r} is not {MEMORY!r} or {DISK!r}")
