@@ -227,8 +227,14 @@ def bench_cache(
 
 @bench_app.command("load-cost")
 def bench_load_cost(
-    remote_url: str = typer.Option(
-        ..., "--remote-url", help="redis://HOST:PORT of a Valkey/Redis the bench may write to."
+    remote_url: str | None = typer.Option(
+        None, "--remote-url", help="redis://HOST:PORT of a Valkey/Redis the bench may write to."
+    ),
+    disk: Path | None = typer.Option(
+        None,
+        "--disk",
+        help="Instead of a store: a disk tier in a directory under DIR, its device's reads "
+        "capped by a block-I/O cgroup (root).",
     ),
     quick: bool = typer.Option(False, "--quick", help="A smaller workload (tests and CI)."),
     model_dir: Path | None = typer.Option(
@@ -238,22 +244,34 @@ def bench_load_cost(
         None, "--json", help="Where to write the JSON results (default: runs/bench-load-cost.json)."
     ),
 ) -> None:
-    """Load or recompute: restores from a shared store throttled below the prefill's speed,
-    under load_policy cost and always, against no offload; a head in memory with its tail only
-    in the store; and the store's rate stepped across the break-even."""
+    """Load or recompute: restores from a shared store (or, with --disk, a disk tier) throttled
+    below the prefill's speed, under load_policy cost and always, against no offload; a head in
+    memory with its tail only in the store; and the store's rate stepped across the break-even."""
     from rich.console import Console
     from rich.markup import escape
 
-    from kvtier.bench import loadcost, table
+    from kvtier.bench import loadcost, loadcost_disk, table
+    from kvtier.errors import ConfigError
 
-    progress = Console(stderr=True)
-    doc = loadcost.run(
-        remote_url,
-        quick=quick,
-        model_dir=model_dir,
-        json_path=json_path,
-        progress=lambda msg: progress.print(f"[dim]{escape(msg)}[/dim]"),
-    )
+    if (remote_url is None) == (disk is None):
+        raise ConfigError(
+            "bench load-cost needs exactly one slow tier: --remote-url redis://HOST:PORT (a "
+            "store behind a throttling proxy) or --disk DIR (a disk tier on a throttled device)"
+        )
+    console = Console(stderr=True)
+
+    def progress(msg: str) -> None:
+        console.print(f"[dim]{escape(msg)}[/dim]")
+
+    if disk is not None:
+        doc = loadcost_disk.run(
+            disk, quick=quick, model_dir=model_dir, json_path=json_path, progress=progress
+        )
+    else:
+        assert remote_url is not None
+        doc = loadcost.run(
+            remote_url, quick=quick, model_dir=model_dir, json_path=json_path, progress=progress
+        )
     table.print_report(doc)
 
 

@@ -70,3 +70,46 @@ def test_bench_load_cost_recomputes_what_a_slow_store_holds_and_splits_a_mixed_h
     assert mixed["memory/load"] == 2  # the heads in memory, loaded
     assert rows["mixed.cost.split"]["pass"] is True, mixed
     assert "sweep.flips" not in rows  # the quick form leaves the sweep to the full bench
+
+
+def test_bench_load_cost_recomputes_what_a_throttled_disk_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk tier on a real device whose reads a block-I/O cgroup caps at 4 MiB/s, its page
+    cache dropped before each restore (the suite runs as root, as its tmpfs faults do). The
+    tier lives under the checkout's build/: a real block device, never a tmpfs."""
+    monkeypatch.chdir(tmp_path)
+    build = Path(__file__).resolve().parents[2] / "build"
+    build.mkdir(exist_ok=True)
+    out = tmp_path / "load-cost-disk.json"
+    result = CliRunner().invoke(
+        app, ["bench", "load-cost", "--disk", str(build), "--quick", "--json", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    rows = {r["id"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["disk.outputs.mismatches"]["value"] == 0
+    cost = rows["disk.cost.ttft"]["detail"]
+    # the first loads teach the model the disk's speed (a 3-prompt run: at most 2), the rest
+    # recompute
+    assert cost.get("disk/load", 0) <= 2
+    assert cost["disk/recompute"] >= 1
+    assert rows["disk.always.ttft"]["detail"]["disk/load"] == 3
+    # the throttled arm read the device: every always-arm restore waited on it
+    assert rows["disk.always.ttft"]["ratio"] > 1.0
+    assert not list(build.glob("kvtier-load-cost-disk-*"))  # its tier directory is gone
+
+
+def test_bench_load_cost_needs_exactly_one_slow_tier() -> None:
+    result = CliRunner().invoke(app, ["bench", "load-cost", "--quick"])
+    assert result.exit_code != 0
+    message = str(result.exception)
+    assert "--remote-url" in message and "--disk" in message
+
+
+def test_a_disk_on_a_virtual_filesystem_is_refused_by_name() -> None:
+    from kvtier.bench.disk_throttle import device_of
+    from kvtier.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="virtual filesystem.*leave --disk out"):
+        device_of(Path("/dev/shm"))  # a tmpfs: no block device to throttle
+    assert device_of(Path(__file__).resolve().parent).count(":") == 1

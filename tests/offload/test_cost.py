@@ -159,3 +159,19 @@ def test_a_tier_whose_loads_fail_is_recomputed_though_its_reads_look_fast() -> N
     for _ in range(10):  # probes that succeed bring it back
         m.observe_read([("remote", 4 * CHUNK)], 0.001, ok=True)
     assert m.choose(0, 4 * CHUNK, hit, CHUNK, 16, now=2.0).end == 4 * CHUNK
+
+
+def test_one_timed_out_load_turns_a_store_near_the_break_even_away() -> None:
+    """`bench load-cost` restored 3 prompts through timed-out loads before the model turned a
+    slow store away: each wait (half the prefill) was learnt as the store's read time, and one
+    failure weighed 0.2. A failed load costs its wait and then the whole prefill: after one,
+    a store whose every read would wait that long is not worth it."""
+    m = model(1e6)
+    hit = [("remote", 4)]
+    assert m.choose(0, 4 * CHUNK, hit, CHUNK, 16, now=0.0).end == 4 * CHUNK
+    # 1024 tokens are 102 ms of prefill; the load waited out a 55 ms timeout
+    m.observe_read([("remote", 4 * CHUNK)], 0.055, ok=False)
+    assert m.choose(0, 4 * CHUNK, hit, CHUNK, 16, now=1.0).end == 0
+    # a fast tier's single failure (a corrupt record) leaves it loaded
+    m.observe_read([("memory", 4 * CHUNK)], 0.001, ok=False)
+    assert m.choose(0, 4 * CHUNK, [("memory", 4)], CHUNK, 16, now=2.0).end == 4 * CHUNK

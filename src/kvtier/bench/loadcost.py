@@ -87,13 +87,13 @@ class Arm:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+def prompts_of(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
 
 
 @contextmanager
-def _engine(model: Path, kv: KVTierConfig | None) -> Iterator[Engine]:
+def engine(model: Path, kv: KVTierConfig | None) -> Iterator[Engine]:
     """A native engine on one thread, with kvtier when `kv` is given (its lookup sockets in a
     short private run directory, removed afterwards)."""
     cfg = EngineConfig(num_threads=1, num_blocks=4096)
@@ -109,15 +109,18 @@ def _engine(model: Path, kv: KVTierConfig | None) -> Iterator[Engine]:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _stack(eng: Engine) -> Any:
+def tier_stack(eng: Engine) -> Any:
     """The TP=1 engine's tier stack (to drain its write-behind)."""
     return eng.executor.runner.connector.worker.stack  # type: ignore[union-attr]
 
 
-def _timed(eng: Engine, prompts: Sequence[list[int]], arm: Arm) -> None:
+def timed(
+    eng: Engine, prompts: Sequence[list[int]], arm: Arm, before: Callable[[], object] = lambda: None
+) -> None:
     """Each prompt alone, its time to the first token; HBM forgets every prefix between them,
-    so what is not recomputed came from the tier."""
+    so what is not recomputed came from the tier; `before` runs ahead of each (untimed)."""
     for p in prompts:
+        before()
         eng.reset_prefix_cache()
         t0 = time.perf_counter()
         (out,) = eng.generate([p], GREEDY)
@@ -125,7 +128,7 @@ def _timed(eng: Engine, prompts: Sequence[list[int]], arm: Arm) -> None:
         arm.outputs.append(list(out.output_token_ids))
 
 
-def _decisions(eng: Engine) -> dict[str, float]:
+def decisions(eng: Engine) -> dict[str, float]:
     """The scheduler's load decisions (`decision/tier`: runs) and prediction counts."""
     m = eng.connector.metrics  # type: ignore[union-attr]
     out: dict[str, float] = {}
@@ -177,18 +180,18 @@ def run(
             tenant=tenant, lookup_timeout_ms=2000, **extra,
         )  # fmt: skip
 
-    restore = _prompts(plan.prompts, plan.prompt_tokens, vocab, 1)
-    mixed = _prompts(plan.mixed, plan.prompt_tokens, vocab, 2)
+    restore = prompts_of(plan.prompts, plan.prompt_tokens, vocab, 1)
+    mixed = prompts_of(plan.mixed, plan.prompt_tokens, vocab, 2)
     sweep = [
-        _prompts(plan.sweep_prompts, plan.prompt_tokens, vocab, 10 + i)
+        prompts_of(plan.sweep_prompts, plan.prompt_tokens, vocab, 10 + i)
         for i in range(len(SWEEP) if plan.sweep_prompts else 0)
     ]
-    warm = _prompts(4 if plan.sweep_prompts else 0, plan.prompt_tokens, vocab, 3)
+    warm = prompts_of(4 if plan.sweep_prompts else 0, plan.prompt_tokens, vocab, 3)
     everything = restore + mixed + warm + [p for step in sweep for p in step]
     progress(f"writer: {len(everything)} prompts of {plan.prompt_tokens} tokens into the store")
-    with _engine(model, kv(remote_url)) as eng:
+    with engine(model, kv(remote_url)) as eng:
         eng.generate(everything, GREEDY)
-        if not _stack(eng).flush(60.0):
+        if not tier_stack(eng).flush(60.0):
             raise RuntimeError("the writer's write-behind did not drain within 60 s")
 
     arms: dict[str, Arm] = {}
@@ -200,10 +203,10 @@ def run(
         for name, config in policies:
             progress(f"[{name}] {len(restore)} restores, one at a time")
             arm = arms[name] = Arm()
-            with _engine(model, config) as eng:
-                _timed(eng, restore, arm)
+            with engine(model, config) as eng:
+                timed(eng, restore, arm)
                 if config is not None:
-                    arm.metrics = _decisions(eng)
+                    arm.metrics = decisions(eng)
         mixed_arms = _mixed(model, plan, mixed, kv(slow), proxy, progress)
         # the sweep probes a turned-away store often: its steps are a few requests long
         steps, break_even = [], 0.0
@@ -276,16 +279,16 @@ def _mixed(
     for name, kvc in ((OFF, None), (COST, config)):
         progress(f"[mixed {name}] {len(prompts)} prompts, head in memory, tail in the store")
         arm = out[name] = Arm()
-        with _engine(model, kvc) as eng:
+        with engine(model, kvc) as eng:
             proxy.set_rate(FAST)
             with _setup_reads(eng if kvc is not None else None, "remote"):
                 eng.generate(heads, GREEDY)
             proxy.set_rate(plan.slow_bytes_per_s)
             if kvc is not None:
-                before = _decisions(eng)
-            _timed(eng, prompts, arm)
+                before = decisions(eng)
+            timed(eng, prompts, arm)
             if kvc is not None:
-                after = _decisions(eng)
+                after = decisions(eng)
                 arm.metrics = {k: v - before.get(k, 0.0) for k, v in after.items()}
     return out
 
@@ -331,13 +334,13 @@ def _sweep(
     from the engine's prefill model after warm-up prompts (recomputed: not in the store)."""
     steps: list[Step] = []
     vocab = int(model_config(model)["vocab_size"])
-    fresh = _prompts(4, plan.prompt_tokens, vocab, 99)
-    with _engine(model, config) as eng:
+    fresh = prompts_of(4, plan.prompt_tokens, vocab, 99)
+    with engine(model, config) as eng:
         # warm-up: prompts recomputed (the prefill model), then stored ones loaded from the
         # store at full speed (the fixed cost of a load)
-        _timed(eng, fresh, Arm())
+        timed(eng, fresh, Arm())
         proxy.set_rate(FAST)
-        _timed(eng, warm, Arm())
+        timed(eng, warm, Arm())
         nbytes = bytes_per_token_from_hf(
             model_config(model), tp_size=1, kv_dtype=KV_DTYPE
         ).bytes_for_tokens(plan.prompt_tokens)
@@ -355,9 +358,9 @@ def _sweep(
             progress(f"[sweep] store at {times:g}x the break-even ({proxy.rate / 1e6:.1f} MB/s)")
             step = Step(proxy.rate, times, [])
             for p in batch:
-                before = _decisions(eng)
-                _timed(eng, [p], Arm())
-                after = _decisions(eng)
+                before = decisions(eng)
+                timed(eng, [p], Arm())
+                after = decisions(eng)
                 made = [
                     d
                     for d in ("load", "probe", "recompute")
@@ -368,7 +371,7 @@ def _sweep(
     return steps, break_even
 
 
-def _p50_ms(arm: Arm) -> float:
+def p50_ms(arm: Arm) -> float:
     return statistics.median(arm.ttft_s) * 1e3
 
 
@@ -384,17 +387,17 @@ def _report(
     )
     # no offload's p50 over both arms of the A/A pair, which ran first and last
     off = statistics.median(arms[OFF].ttft_s + arms[OFF_AGAIN].ttft_s) * 1e3
-    aa = _p50_ms(arms[OFF_AGAIN]) / _p50_ms(arms[OFF])
+    aa = p50_ms(arms[OFF_AGAIN]) / p50_ms(arms[OFF])
     r.add(Row("slow.aa.ttft", f"A/A: no offload, last arm over first, TTFT p50 {note}",
-              _p50_ms(arms[OFF_AGAIN]), "ms", raw=_p50_ms(arms[OFF])))  # fmt: skip
+              p50_ms(arms[OFF_AGAIN]), "ms", raw=p50_ms(arms[OFF])))  # fmt: skip
     # the bound widens by what the machine alone moved the pair
     bound = SLOW_TTFT_BOUND * max(aa, 1 / aa)
     r.add(Row("slow.cost.ttft", "load_policy cost, TTFT p50 (raw: no offload, both A/A "
-              "arms): the slow store's hits recomputed", _p50_ms(arms[COST]), "ms", raw=off,
+              "arms): the slow store's hits recomputed", p50_ms(arms[COST]), "ms", raw=off,
               target=Target("ratio", "<=", bound),
               detail={"aa": aa, **arms[COST].metrics}))  # fmt: skip
     r.add(Row("slow.always.ttft", "load_policy always, TTFT p50 (raw: no offload): every hit "
-              "read from the slow store", _p50_ms(arms[ALWAYS]), "ms", raw=off,
+              "read from the slow store", p50_ms(arms[ALWAYS]), "ms", raw=off,
               detail=dict(arms[ALWAYS].metrics)))  # fmt: skip
     loaded = sum(v for k, v in arms[COST].metrics.items() if k.startswith("remote/load"))
     r.add(Row("slow.cost.remote_loads", "load_policy cost: remote runs loaded (the first teaches "
@@ -410,7 +413,7 @@ def _report(
               "shape)", mism, "prompts", target=Target("value", "<=", 0)))  # fmt: skip
     mm = mixed[COST].metrics
     r.add(Row("mixed.cost.ttft", "mixed: head in memory, tail only in the slow store, TTFT p50 "
-              "(raw: no offload)", _p50_ms(mixed[COST]), "ms", raw=_p50_ms(mixed[OFF]),
+              "(raw: no offload)", p50_ms(mixed[COST]), "ms", raw=p50_ms(mixed[OFF]),
               target=Target("ratio", "<=", bound), detail=dict(mm)))  # fmt: skip
     split = min(mm.get("memory/load", 0.0), mm.get("remote/recompute", 0.0))
     r.add(Row("mixed.cost.split", "mixed: prompts whose head was loaded and tail recomputed "

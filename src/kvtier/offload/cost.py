@@ -22,6 +22,10 @@ from dataclasses import dataclass, field
 # recovered is followed within a few loads (or probes); the hysteresis band absorbs the noise
 # this lets through
 FORGET = 0.8
+# a failed load that waited longer than predicted was cut short (a timeout): its read would
+# have taken longer still, so it is learnt as this many times its wait (a faster read after it,
+# a probe's, is learnt as it is and corrects the fit within a few loads)
+CUT_SHORT = 2.0
 # the band around the break-even inside which a tier keeps its last decision
 HYSTERESIS = 0.1
 LOAD, RECOMPUTE, PROBE = "load", "recompute", "probe"
@@ -319,11 +323,14 @@ class CostModel:
         the host granted less) in `seconds`: one tier's read teaches that tier; a mixed one
         teaches its slowest tier what the others' predicted reads leave of the time. A failed
         load counts against every tier it read, and teaches its time only where it waited
-        longer than predicted (a read cut by a timeout would have taken longer still)."""
+        longer than predicted, as `CUT_SHORT` times its wait (a read cut by a timeout would have
+        taken longer still)."""
         for tier in {t for t, _ in reads}:
             self.tier(tier).observe_outcome(ok)
-        if not ok and seconds <= self.predicted_seconds(reads):
-            return
+        if not ok:
+            if seconds <= self.predicted_seconds(reads):
+                return
+            seconds *= CUT_SHORT
         if not reads or seconds <= 0:
             return
         left = sum(n for _, n in reads) if tokens is None else tokens

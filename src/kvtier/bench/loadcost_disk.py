@@ -1,0 +1,117 @@
+"""`kvtier bench load-cost --disk DIR`: the disk tier on a device slower than the prefill, made
+from real parts (`bench/disk_throttle.py`: a block-I/O cgroup caps this process's reads of the
+device, the tier files' page cache dropped before each restore), and the native engine
+restoring prompts from it under each load policy.
+
+1. A writer engine serves every prompt once; its disk tier writes them behind.
+2. Fresh engines (an empty memory tier, the same disk tier) restore the prompts one at a time,
+   each prompt's time to its first token measured: no offload (twice: the A/A pair),
+   `load_policy: cost`, `always`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvtier.bench.disk_throttle import ThrottledDisk
+from kvtier.bench.e2e import ensure_model, model_config
+from kvtier.bench.loadcost import (
+    ALWAYS,
+    COST,
+    GREEDY,
+    OFF,
+    OFF_AGAIN,
+    QUICK,
+    SLOW_TTFT_BOUND,
+    Arm,
+    Plan,
+    decisions,
+    engine,
+    p50_ms,
+    prompts_of,
+    tier_stack,
+    timed,
+)
+from kvtier.bench.table import Report, Row, Target, write_json
+from kvtier.config import KVTierConfig
+
+
+def run(
+    directory: Path | None = None,
+    *,
+    quick: bool = False,
+    model_dir: Path | None = None,
+    json_path: Path | None = None,
+    progress: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """The whole bench (see the module) with the disk tier in `directory` (default: a fresh
+    one under the system's temporary directory); the report, also written as JSON."""
+    plan = QUICK if quick else Plan()
+    model = ensure_model(model_dir, plan.model_preset)
+    vocab = int(model_config(model)["vocab_size"])
+    with tempfile.TemporaryDirectory(prefix="kvtier-load-cost-disk-", dir=directory) as root:
+        tier = Path(root)
+        throttle = ThrottledDisk(tier, plan.slow_bytes_per_s)  # refuses a tmpfs before any run
+
+        def kv(**extra: Any) -> KVTierConfig:
+            extra.setdefault("load_probe_s", plan.probe_s)
+            return KVTierConfig(
+                chunk_size=plan.chunk, memory_bytes="64MiB", disk_dir=str(tier),
+                disk_bytes="256MiB", lookup_timeout_ms=2000, **extra,
+            )  # fmt: skip
+
+        restore = prompts_of(plan.prompts, plan.prompt_tokens, vocab, 1)
+        progress(f"writer: {len(restore)} prompts of {plan.prompt_tokens} tokens to {tier}")
+        with engine(model, kv()) as eng:
+            eng.generate(restore, GREEDY)
+            if not tier_stack(eng).flush(60.0):
+                raise RuntimeError("the writer's write-behind did not drain within 60 s")
+        arms: dict[str, Arm] = {}
+        policies = ((OFF, None), (COST, kv()), (ALWAYS, kv(load_policy="always")),
+                    (OFF_AGAIN, None))  # fmt: skip
+        with throttle:
+            for name, config in policies:
+                progress(f"[{name}] {len(restore)} restores, one at a time, disk at "
+                         f"{plan.slow_bytes_per_s / 2**20:g} MiB/s")  # fmt: skip
+                arm = arms[name] = Arm()
+                with engine(model, config) as eng:
+                    timed(eng, restore, arm, before=throttle.drop_cache)
+                    if config is not None:
+                        arm.metrics = decisions(eng)
+    doc = _report(plan, arms).to_json()
+    write_json(json_path or Path("runs") / "bench-load-cost-disk.json", doc)
+    return doc
+
+
+def _report(plan: Plan, arms: dict[str, Arm]) -> Report:
+    r = Report("load-cost-disk", "kvtier bench load-cost --disk: load or recompute, slow disk")
+    off = statistics.median(arms[OFF].ttft_s + arms[OFF_AGAIN].ttft_s) * 1e3
+    aa = p50_ms(arms[OFF_AGAIN]) / p50_ms(arms[OFF])
+    r.add(Row("disk.aa.ttft", f"A/A: no offload, last arm over first, TTFT p50 ({plan.prompts} "
+              f"prompts of {plan.prompt_tokens} tokens, each restored alone by a fresh engine "
+              f"from a disk tier read at {plan.slow_bytes_per_s / 2**20:g} MiB/s)",
+              p50_ms(arms[OFF_AGAIN]), "ms", raw=p50_ms(arms[OFF])))  # fmt: skip
+    bound = SLOW_TTFT_BOUND * max(aa, 1 / aa)
+    r.add(Row("disk.cost.ttft", "load_policy cost, TTFT p50 (raw: no offload, both A/A arms): "
+              "the slow disk's hits recomputed", p50_ms(arms[COST]), "ms", raw=off,
+              target=Target("ratio", "<=", bound),
+              detail={"aa": aa, **arms[COST].metrics}))  # fmt: skip
+    r.add(Row("disk.always.ttft", "load_policy always, TTFT p50 (raw: no offload): every hit "
+              "read from the slow disk", p50_ms(arms[ALWAYS]), "ms", raw=off,
+              detail=dict(arms[ALWAYS].metrics)))  # fmt: skip
+    loaded = sum(v for k, v in arms[COST].metrics.items() if k.startswith("disk/load"))
+    r.add(Row("disk.cost.disk_loads", "load_policy cost: disk runs loaded (the first teaches "
+              "the model; the rest recompute)", loaded, "runs",
+              target=Target("value", "<=", 2)))  # fmt: skip
+    mism = sum(
+        a != b
+        for name in (OFF_AGAIN, COST, ALWAYS)
+        for a, b in zip(arms[name].outputs, arms[OFF].outputs, strict=True)
+    )
+    r.add(Row("disk.outputs.mismatches", "first tokens unequal to no offload's (every arm, same "
+              "batch shape)", mism, "prompts", target=Target("value", "<=", 0)))  # fmt: skip
+    return r
