@@ -228,9 +228,9 @@ def test_memory_and_disk_run_one_policy_and_serve_the_same_chunks() -> None:
     floors = hbm_floors(requests, ws // 20)
     for frac in (0.1, 0.3):
         cap = round(frac * ws)
-        # memory fed one chunk at a time, as a lower tier is (no self-test chunk, no copies in
-        # flight): the same calls, so the same policy serves the same chunks
-        mem = drive_tier(requests, cap, floors, as_engine=False)
+        # memory fed one chunk at a time, as a lower tier is (no copies in flight): the same
+        # calls, so the same policy serves the same chunks
+        mem = drive_tier(requests, cap, floors, transfer_depth=0)
         disk = drive_tier(requests, cap, floors, tier=DISK)
         assert (mem.leads, mem.written) == (disk.leads, disk.written)
         hits = predict(requests, cap, floors, tier=DISK)
@@ -282,6 +282,6 @@ def test_a_save_under_the_hbm_floor_passes_a_resident_chunk_over_as_the_engine_d
     a, b, c = Request((1,), 1), Request((2,), 1), Request((3,), 1)
     # A, B; A again served from HBM (floor 1: no lookup); C evicts the tier's LRU; A misses HBM
     stream, floors = [a, b, a, c, a], [0, 0, 1, 0, 0]
-    done = drive_tier(stream, 2, floors, admission="all", as_engine=False)
+    done = drive_tier(stream, 2, floors, admission="all", transfer_depth=0)
     assert done.leads == [0, 0, 0, 0, 0]  # A's save under its HBM floor did not keep it warm
     assert done.written == 4  # A, B, C, and A again after its eviction

@@ -77,7 +77,7 @@ def _model(
     leading run the tier holds above the HBM's, whole chunks, never the last prompt token."""
     leads = drive_tier(
         from_prompts(prompts, CHUNK), tier_chunks, [h // CHUNK for h in hbm], min_load=1,
-        admission="all", step_chunks=step_chunks,
+        admission="all", step_chunks=step_chunks, self_test=True,
     ).leads  # fmt: skip
     out = []
     for n, p, h in zip(leads, prompts, hbm, strict=True):

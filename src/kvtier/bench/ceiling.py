@@ -159,7 +159,7 @@ def simulate(
             step = max(1, step_tokens // chunk_size) if step_tokens else None
             leads = drive_tier(
                 chunked, tier_chunks, floors, min_load=min_chunks, admission=policy,
-                step_chunks=step,
+                step_chunks=step, self_test=True,
             ).leads  # fmt: skip
     requests = prompt_tokens = hbm_hits = ext_hits = 0
     for prompt, count, lead, h in zip(stream, flags, leads, hits, strict=True):

@@ -311,11 +311,13 @@ def drive_tier(
     admission: str = ALL,
     hinter: Hinter | None = None,
     step_chunks: int | None = None,
-    as_engine: bool = True,
+    transfer_depth: int = TRANSFER_DEPTH,
+    self_test: bool = False,
 ) -> Drive:
     """`predict`'s drive, per request (the tier protected by `hinter`'s retention if given);
-    `as_engine=False` leaves out the engine's own traits (its self-test's chunk, copies in
-    flight): memory then receives chunks one at a time, as a lower tier does."""
+    memory takes `transfer_depth` copies in flight (0: one chunk at a time, as a lower tier
+    receives them); `self_test` starts it holding the chunk a live engine's startup self-test
+    leaves (for a model held to a live run, chunk for chunk)."""
     if capacity < 1:
         return Drive([0] * len(requests))
     metrics = Metrics()
@@ -334,8 +336,8 @@ def drive_tier(
         if hinter is not None:
             # after the stack, which protects its tiers with its own (here empty) table
             memory.protect(hinter.holds)
-        port = _StackPort(stack, TRANSFER_DEPTH if as_engine else 0)
-        if as_engine:
+        port = _StackPort(stack, transfer_depth)
+        if self_test:
             # the rank's startup self-test saves a chunk and looks it up (a second touch): it
             # stays in memory, one slot, until evicted
             port.save([(SELF_TEST_KEY, b"")])
