@@ -375,6 +375,38 @@ def p50_ms(arm: Arm) -> float:
     return statistics.median(arm.ttft_s) * 1e3
 
 
+def policy_rows(
+    r: Report, arms: dict[str, Arm], *, prefix: str, tier: str, slow: str, note: str
+) -> tuple[float, int]:
+    """The rows of one slow tier's restores (ids `prefix.*`): the A/A pair, `cost` and `always`
+    TTFT against no offload, the runs `cost` loaded from `tier`; the TTFT bound, and the first
+    tokens of every arm unequal to no offload's."""
+    # no offload's p50 over both arms of the A/A pair, which ran first and last
+    off = statistics.median(arms[OFF].ttft_s + arms[OFF_AGAIN].ttft_s) * 1e3
+    aa = p50_ms(arms[OFF_AGAIN]) / p50_ms(arms[OFF])
+    r.add(Row(f"{prefix}.aa.ttft", f"A/A: no offload, last arm over first, TTFT p50 {note}",
+              p50_ms(arms[OFF_AGAIN]), "ms", raw=p50_ms(arms[OFF])))  # fmt: skip
+    # the bound widens by what the machine alone moved the pair
+    bound = SLOW_TTFT_BOUND * max(aa, 1 / aa)
+    r.add(Row(f"{prefix}.cost.ttft", "load_policy cost, TTFT p50 (raw: no offload, both A/A "
+              f"arms): the {slow}'s hits recomputed", p50_ms(arms[COST]), "ms", raw=off,
+              target=Target("ratio", "<=", bound),
+              detail={"aa": aa, **arms[COST].metrics}))  # fmt: skip
+    r.add(Row(f"{prefix}.always.ttft", "load_policy always, TTFT p50 (raw: no offload): every "
+              f"hit read from the {slow}", p50_ms(arms[ALWAYS]), "ms", raw=off,
+              detail=dict(arms[ALWAYS].metrics)))  # fmt: skip
+    loaded = sum(v for k, v in arms[COST].metrics.items() if k.startswith(f"{tier}/load"))
+    r.add(Row(f"{prefix}.cost.{tier}_loads", f"load_policy cost: {tier} runs loaded (the first "
+              "teaches the model; the rest recompute)", loaded, "runs",
+              target=Target("value", "<=", 2)))  # fmt: skip
+    mism = sum(
+        a != b
+        for name in (OFF_AGAIN, COST, ALWAYS)
+        for a, b in zip(arms[name].outputs, arms[OFF].outputs, strict=True)
+    )
+    return bound, mism
+
+
 def _report(
     plan: Plan, arms: dict[str, Arm], mixed: dict[str, Arm], steps: list[Step], break_even: float
 ) -> Report:
@@ -385,29 +417,7 @@ def _report(
         f"proxy capping answers at {plan.slow_bytes_per_s / 2**20:g} MiB/s "
         f"(+{plan.latency_s * 1e3:g} ms); the time to the first token"
     )
-    # no offload's p50 over both arms of the A/A pair, which ran first and last
-    off = statistics.median(arms[OFF].ttft_s + arms[OFF_AGAIN].ttft_s) * 1e3
-    aa = p50_ms(arms[OFF_AGAIN]) / p50_ms(arms[OFF])
-    r.add(Row("slow.aa.ttft", f"A/A: no offload, last arm over first, TTFT p50 {note}",
-              p50_ms(arms[OFF_AGAIN]), "ms", raw=p50_ms(arms[OFF])))  # fmt: skip
-    # the bound widens by what the machine alone moved the pair
-    bound = SLOW_TTFT_BOUND * max(aa, 1 / aa)
-    r.add(Row("slow.cost.ttft", "load_policy cost, TTFT p50 (raw: no offload, both A/A "
-              "arms): the slow store's hits recomputed", p50_ms(arms[COST]), "ms", raw=off,
-              target=Target("ratio", "<=", bound),
-              detail={"aa": aa, **arms[COST].metrics}))  # fmt: skip
-    r.add(Row("slow.always.ttft", "load_policy always, TTFT p50 (raw: no offload): every hit "
-              "read from the slow store", p50_ms(arms[ALWAYS]), "ms", raw=off,
-              detail=dict(arms[ALWAYS].metrics)))  # fmt: skip
-    loaded = sum(v for k, v in arms[COST].metrics.items() if k.startswith("remote/load"))
-    r.add(Row("slow.cost.remote_loads", "load_policy cost: remote runs loaded (the first teaches "
-              "the model; the rest recompute)", loaded, "runs",
-              target=Target("value", "<=", 2)))  # fmt: skip
-    mism = sum(
-        a != b
-        for name in (OFF_AGAIN, COST, ALWAYS)
-        for a, b in zip(arms[name].outputs, arms[OFF].outputs, strict=True)
-    )
+    bound, mism = policy_rows(r, arms, prefix="slow", tier="remote", slow="slow store", note=note)
     mism += sum(a != b for a, b in zip(mixed[COST].outputs, mixed[OFF].outputs, strict=True))
     r.add(Row("outputs.mismatches", "first tokens unequal to no offload's (every arm, same batch "
               "shape)", mism, "prompts", target=Target("value", "<=", 0)))  # fmt: skip

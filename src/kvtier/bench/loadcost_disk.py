@@ -11,7 +11,6 @@ restoring prompts from it under each load policy.
 
 from __future__ import annotations
 
-import statistics
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -26,12 +25,11 @@ from kvtier.bench.loadcost import (
     OFF,
     OFF_AGAIN,
     QUICK,
-    SLOW_TTFT_BOUND,
     Arm,
     Plan,
     decisions,
     engine,
-    p50_ms,
+    policy_rows,
     prompts_of,
     tier_stack,
     timed,
@@ -94,29 +92,11 @@ def run(
 
 def _report(plan: Plan, arms: dict[str, Arm], rate: float) -> Report:
     r = Report("load-cost-disk", "kvtier bench load-cost --disk: load or recompute, slow disk")
-    off = statistics.median(arms[OFF].ttft_s + arms[OFF_AGAIN].ttft_s) * 1e3
-    aa = p50_ms(arms[OFF_AGAIN]) / p50_ms(arms[OFF])
-    r.add(Row("disk.aa.ttft", f"A/A: no offload, last arm over first, TTFT p50 ({plan.prompts} "
-              f"prompts of {plan.prompt_tokens} tokens, each restored alone by a fresh engine "
-              f"from a disk tier read at {rate / 2**20:g} MiB/s)",
-              p50_ms(arms[OFF_AGAIN]), "ms", raw=p50_ms(arms[OFF])))  # fmt: skip
-    bound = SLOW_TTFT_BOUND * max(aa, 1 / aa)
-    r.add(Row("disk.cost.ttft", "load_policy cost, TTFT p50 (raw: no offload, both A/A arms): "
-              "the slow disk's hits recomputed", p50_ms(arms[COST]), "ms", raw=off,
-              target=Target("ratio", "<=", bound),
-              detail={"aa": aa, **arms[COST].metrics}))  # fmt: skip
-    r.add(Row("disk.always.ttft", "load_policy always, TTFT p50 (raw: no offload): every hit "
-              "read from the slow disk", p50_ms(arms[ALWAYS]), "ms", raw=off,
-              detail=dict(arms[ALWAYS].metrics)))  # fmt: skip
-    loaded = sum(v for k, v in arms[COST].metrics.items() if k.startswith("disk/load"))
-    r.add(Row("disk.cost.disk_loads", "load_policy cost: disk runs loaded (the first teaches "
-              "the model; the rest recompute)", loaded, "runs",
-              target=Target("value", "<=", 2)))  # fmt: skip
-    mism = sum(
-        a != b
-        for name in (OFF_AGAIN, COST, ALWAYS)
-        for a, b in zip(arms[name].outputs, arms[OFF].outputs, strict=True)
+    note = (
+        f"({plan.prompts} prompts of {plan.prompt_tokens} tokens, each restored alone by a "
+        f"fresh engine from a disk tier read at {rate / 2**20:g} MiB/s)"
     )
+    _, mism = policy_rows(r, arms, prefix="disk", tier="disk", slow="slow disk", note=note)
     r.add(Row("disk.outputs.mismatches", "first tokens unequal to no offload's (every arm, same "
               "batch shape)", mism, "prompts", target=Target("value", "<=", 0)))  # fmt: skip
     return r
