@@ -38,6 +38,8 @@ SLOW_FIRST = (
     "tests/bench/test_e2e.py",
     "tests/native/test_shared_tier.py",
     "tests/vllm/test_pd_vllm.py",
+    "tests/vllm/test_load_cost_vllm.py",
+    "tests/bench/test_loadcost.py",
     "tests/faults/test_fault_suite.py",
     "tests/native/test_faults.py",
     "tests/store/test_remote_cluster.py",
