@@ -189,24 +189,10 @@ def run(
     warm = prompts_of(4 if plan.sweep_prompts else 0, plan.prompt_tokens, vocab, 3)
     everything = restore + mixed + warm + [p for step in sweep for p in step]
     progress(f"writer: {len(everything)} prompts of {plan.prompt_tokens} tokens into the store")
-    with engine(model, kv(remote_url)) as eng:
-        eng.generate(everything, GREEDY)
-        if not tier_stack(eng).flush(60.0):
-            raise RuntimeError("the writer's write-behind did not drain within 60 s")
-
-    arms: dict[str, Arm] = {}
+    write_behind(model, kv(remote_url), everything)
     with _proxy(remote_url, plan.slow_bytes_per_s, plan.latency_s) as proxy:
         slow = proxy.url()
-        # the A/A pair brackets the policies: a drift of the machine shows in it
-        policies = ((OFF, None), (COST, kv(slow)), (ALWAYS, kv(slow, load_policy="always")),
-                    (OFF_AGAIN, None))  # fmt: skip
-        for name, config in policies:
-            progress(f"[{name}] {len(restore)} restores, one at a time")
-            arm = arms[name] = Arm()
-            with engine(model, config) as eng:
-                timed(eng, restore, arm)
-                if config is not None:
-                    arm.metrics = decisions(eng)
+        arms = policy_arms(model, restore, kv(slow), kv(slow, load_policy="always"), progress)
         mixed_arms = _mixed(model, plan, mixed, kv(slow), proxy, progress)
         # the sweep probes a turned-away store often: its steps are a few requests long
         steps, break_even = [], 0.0
@@ -219,6 +205,36 @@ def run(
     doc = report.to_json()
     write_json(json_path or Path("runs") / "bench-load-cost.json", doc)
     return doc
+
+
+def write_behind(model: Path, kv: KVTierConfig, prompts: Sequence[list[int]]) -> None:
+    """A writer engine serves `prompts` once and waits until its tiers wrote them behind."""
+    with engine(model, kv) as eng:
+        eng.generate(list(prompts), GREEDY)
+        if not tier_stack(eng).flush(60.0):
+            raise RuntimeError("the writer's write-behind did not drain within 60 s")
+
+
+def policy_arms(
+    model: Path,
+    restore: Sequence[list[int]],
+    cost: KVTierConfig,
+    always: KVTierConfig,
+    progress: Callable[[str], None],
+    before: Callable[[], object] = lambda: None,
+) -> dict[str, Arm]:
+    """Fresh engines restore each prompt alone: no offload, `cost`, `always`, no offload again
+    (the A/A pair brackets the policies: a drift of the machine shows in it); `before` runs
+    ahead of each restore."""
+    arms: dict[str, Arm] = {}
+    for name, config in ((OFF, None), (COST, cost), (ALWAYS, always), (OFF_AGAIN, None)):
+        progress(f"[{name}] {len(restore)} restores, one at a time")
+        arm = arms[name] = Arm()
+        with engine(model, config) as eng:
+            timed(eng, restore, arm, before)
+            if config is not None:
+                arm.metrics = decisions(eng)
+    return arms
 
 
 def _delivered(proxy: ThrottledProxy, remote_url: str, nbytes: int) -> float:

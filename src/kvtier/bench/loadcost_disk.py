@@ -19,20 +19,13 @@ from typing import Any
 from kvtier.bench.disk_throttle import ThrottledDisk
 from kvtier.bench.e2e import ensure_model, model_config
 from kvtier.bench.loadcost import (
-    ALWAYS,
-    COST,
-    GREEDY,
-    OFF,
-    OFF_AGAIN,
     QUICK,
     Arm,
     Plan,
-    decisions,
-    engine,
+    policy_arms,
     policy_rows,
     prompts_of,
-    tier_stack,
-    timed,
+    write_behind,
 )
 from kvtier.bench.table import Report, Row, Target, write_json
 from kvtier.config import KVTierConfig
@@ -69,22 +62,12 @@ def run(
 
         restore = prompts_of(plan.prompts, plan.prompt_tokens, vocab, 1)
         progress(f"writer: {len(restore)} prompts of {plan.prompt_tokens} tokens to {tier}")
-        with engine(model, kv()) as eng:
-            eng.generate(restore, GREEDY)
-            if not tier_stack(eng).flush(60.0):
-                raise RuntimeError("the writer's write-behind did not drain within 60 s")
-        arms: dict[str, Arm] = {}
-        policies = ((OFF, None), (COST, kv()), (ALWAYS, kv(load_policy="always")),
-                    (OFF_AGAIN, None))  # fmt: skip
+        write_behind(model, kv(), restore)
+        progress(f"restores read the disk at {rate / 2**20:g} MiB/s")
         with throttle:
-            for name, config in policies:
-                progress(f"[{name}] {len(restore)} restores, one at a time, disk at "
-                         f"{rate / 2**20:g} MiB/s")  # fmt: skip
-                arm = arms[name] = Arm()
-                with engine(model, config) as eng:
-                    timed(eng, restore, arm, before=throttle.drop_cache)
-                    if config is not None:
-                        arm.metrics = decisions(eng)
+            arms = policy_arms(
+                model, restore, kv(), kv(load_policy="always"), progress, throttle.drop_cache
+            )
     doc = _report(plan, arms, rate).to_json()
     write_json(json_path or Path("runs") / "bench-load-cost-disk.json", doc)
     return doc

@@ -95,5 +95,5 @@ def time_saved(
                               min_load * chunk_tokens, 0.0)  # fmt: skip
         if choice.end > lo:
             loaded += 1
-            cost += choice.saved_s - read.seconds(choice.end - lo)
+            cost += choice.saved_s - choice.predicted_s
     return TimeSaved(missed, always, cost, runs, loaded)

@@ -267,8 +267,8 @@ def drive(
             limit = decision.limit
             out.regret += seen.returns[REJECTED]
         # the engine saves every admitted chunk above the tier's hit, those under its HBM floor
-        # too (a resident one is touched, kept warm in the tier, not rewritten), step by step:
-        # under eviction pressure the order decides what stays
+        # too (an evicted one is written again, a resident one passed over untouched), step by
+        # step: under eviction pressure the order decides what stays
         for op in save_ops(start, computed_from, limit, step_chunks, loaded):
             out.written += sum(not port.holds(keys[c]) for c in op)
             port.save([(keys[c], keys[c - 1] if c else b"") for c in op])

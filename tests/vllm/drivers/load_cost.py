@@ -44,8 +44,8 @@ def main() -> None:
 
     store_url = a["extra"]["remote_url"]
     parts = urlsplit(store_url)
+    # listening from here on; closed once the timed passes are done
     proxy = ThrottledProxy((parts.hostname or "127.0.0.1", parts.port or 6379), rate=FAST)
-    proxy.__enter__()
     extra = {**a["extra"], "remote_url": proxy.url()}
     chunk = int(extra["chunk_size"])
     restores = make_prompts(3, 4 * chunk + 40, step=0, seed=21)
@@ -104,7 +104,7 @@ def main() -> None:
     second_restore = [one(p) for p in restores]
     d2 = decisions()
     elapsed = time.perf_counter() - t0
-    proxy.__exit__(None, None, None)
+    proxy.close()
 
     def diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
         return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
