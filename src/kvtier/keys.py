@@ -20,6 +20,7 @@ _TOKEN_LIMIT = 1 << 32
 # Bumped whenever the encoding of keys or namespaces changes, so old records stop matching.
 _KEYS_DOMAIN = "kvtier.keys.v1"
 _NAMESPACE_DOMAIN = "kvtier.namespace.v1"
+_STATE_DOMAIN = "kvtier.state.v1"
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -49,6 +50,12 @@ def _encode_field(value: Field) -> bytes:
     if isinstance(value, bytes):
         return b"b" + _U32.pack(len(value)) + value
     raise TypeError(f"field {value!r} of type {type(value).__name__} is not bytes, str or int")
+
+
+def state_key(chunk_key: bytes, part: int) -> bytes:
+    """The key of part `part` of the state record at the end of the chunk keyed `chunk_key`
+    (a hybrid model's Mamba / linear-attention state after that chunk's last token)."""
+    return digest16(_STATE_DOMAIN, (chunk_key, part))
 
 
 def num_full_chunks(n_tokens: int, chunk_size: int) -> int:

@@ -75,6 +75,8 @@ class _Families:
     prefetched_chunks: Counter
     stored_tokens: Counter
     stored_bytes: Counter
+    state_parts_stored: Counter
+    state_parts_loaded: Counter
     load_failures: Counter
     save_failures: Counter
     skipped_loads: Counter
@@ -183,6 +185,15 @@ def _store_families(
         ),
         stored_tokens=c("stored_tokens", "Tokens saved into the tier."),
         stored_bytes=c("stored_bytes", "Bytes saved into the tier."),
+        state_parts_stored=c(
+            "state_parts_stored",
+            "Parts of boundary-state records (a hybrid model's Mamba / linear-attention states) "
+            "saved into the tier.",
+        ),
+        state_parts_loaded=c(
+            "state_parts_loaded",
+            "Parts of boundary-state records read back into a hybrid model's state blocks.",
+        ),
         load_failures=c("load_failures", "Loads that failed, by reason.", "reason"),
         save_failures=c("save_failures", "Saves that failed, by reason.", "reason"),
         skipped_loads=c("skipped_loads", "Tier hits not loaded, by reason.", "reason"),
@@ -421,6 +432,8 @@ class Metrics:
         self.retention_displaced = f.retention_displaced.labels(r)
         self.stored_tokens = f.stored_tokens.labels(r)
         self.stored_bytes = f.stored_bytes.labels(r)
+        self.state_parts_stored = f.state_parts_stored.labels(r)
+        self.state_parts_loaded = f.state_parts_loaded.labels(r)
         self.lease_releases = f.lease_releases.labels(r)
         self.lease_expiries = f.lease_expiries.labels(r)
         self.lease_double_releases = f.lease_double_releases.labels(r)

@@ -47,6 +47,8 @@ class FakeLookup:
         self.released: list[str] = []
         # (op, keys, until, waited) of every admin request, in order
         self.admins: list[tuple[str, list[bytes], float, bool]] = []
+        # the `ends` of every lookup begun (None: any chunk may end the run)
+        self.ends: list[list[bytes] | None] = []
 
     def lookup(self, keys: Sequence[bytes], lookup_id: str, lease: bool = True) -> FakeResult:
         n = min(self.hits, len(keys))
@@ -63,7 +65,14 @@ class FakeLookup:
     def release(self, lookup_ids: Sequence[str]) -> None:
         self.released.extend(lookup_ids)
 
-    def begin(self, keys: Sequence[bytes], lookup_id: str, lease: bool = True) -> FakePending:
+    def begin(
+        self,
+        keys: Sequence[bytes],
+        lookup_id: str,
+        lease: bool = True,
+        ends: Sequence[bytes] | None = None,
+    ) -> FakePending:
+        self.ends.append(list(ends) if ends is not None else None)
         return FakePending(lookup_id, self.lookup(keys, lookup_id, lease))
 
     def poll(self, pending: FakePending, wait_ms: float = 0.0) -> FakeResult | None:

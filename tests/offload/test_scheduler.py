@@ -263,8 +263,8 @@ def hold_lookups(lookup: FakeLookup) -> list:
     real_begin = lookup.begin
     held: list = []
 
-    def slow_begin(keys, lookup_id, lease=True):
-        p = real_begin(keys, lookup_id, lease)
+    def slow_begin(keys, lookup_id, lease=True, ends=None):
+        p = real_begin(keys, lookup_id, lease, ends)
         p.ready = False
         held.append(p)
         return p

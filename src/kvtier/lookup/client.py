@@ -160,7 +160,7 @@ class LookupClient:
         Never raises for a dead or slow rank: it counts as 0 and is listed in `timed_out`.
         The caller must `release([lookup_id])` on every path when `lease` is true.
         """
-        pending = self.begin(keys, lookup_id, lease, timeout_ms=timeout_ms)
+        pending = self.begin(keys, lookup_id, lease, timeout_ms=timeout_ms)  # any chunk ends
         result = self.poll(pending, wait_ms=math.inf)
         assert result is not None  # an unbounded wait ends at the deadline at the latest
         return result
@@ -170,19 +170,25 @@ class LookupClient:
         keys: Sequence[bytes],
         lookup_id: str,
         lease: bool = True,
+        ends: Sequence[bytes] | None = None,
         *,
         timeout_ms: int | None = None,
     ) -> PendingLookup:
-        """Send the lookup to every rank and return at once; `poll` collects the answer."""
+        """Send the lookup to every rank and return at once; `poll` collects the answer. With
+        `ends`, a rank's run may end only after a chunk `i` whose `ends[i]` it holds."""
         _check_lookup_id(lookup_id)
         _check_keys(keys)
+        if ends:
+            _check_keys(ends)
         t0 = time.perf_counter()
         deadline = t0 + (self.timeout_ms if timeout_ms is None else timeout_ms) / 1000.0
         with self._lock:
             self._check_open()
             req = next(self._reqs)
             frame = self._codec.encode(
-                LookupRequest(PROTOCOL_VERSION, lookup_id, req, list(keys), lease)
+                LookupRequest(
+                    PROTOCOL_VERSION, lookup_id, req, list(keys), lease, list(ends or ())
+                )
             )
             if len(frame) > self._codec.max_frame_bytes:
                 raise ValueError(

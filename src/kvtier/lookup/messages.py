@@ -40,7 +40,9 @@ class LookupRequest(msgspec.Struct, tag="lookup", array_like=True, frozen=True):
     """How many leading `keys` does the rank hold? With `lease`, lease them under `lookup_id`.
 
     `req` is the client's request number, echoed in the reply: lookup ids may be reused (a
-    re-lookup of the same sequence), so only (lookup_id, req) identifies one answer.
+    re-lookup of the same sequence), so only (lookup_id, req) identifies one answer. With
+    `ends`, the run is cut back to end after a chunk `i` whose `ends[i]` the rank holds too
+    (a hybrid model's boundary state), leased with it; chunks past `len(ends)` never end it.
     """
 
     version: int
@@ -48,6 +50,7 @@ class LookupRequest(msgspec.Struct, tag="lookup", array_like=True, frozen=True):
     req: int
     keys: list[Key]
     lease: bool
+    ends: list[Key] = []
 
 
 class LookupReply(msgspec.Struct, tag="reply", array_like=True, frozen=True):

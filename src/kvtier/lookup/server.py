@@ -272,8 +272,13 @@ class LookupServer:
         lease = req.lookup_id if req.lease else None
         try:
             run = getattr(self._backend, "lookup_run", None)
+            if req.ends and run is None:
+                raise TypeError(
+                    f"{type(self._backend).__name__} has no lookup_run, so it cannot end a run "
+                    "at a held boundary state"
+                )
             if run is not None:
-                answer = run(req.keys, lease)
+                answer = run(req.keys, lease, req.ends) if req.ends else run(req.keys, lease)
                 hit, tier = operator.index(answer.chunks), str(answer.tier)
                 runs = tuple((str(t), operator.index(c)) for t, c in answer.runs)
             else:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvtier.keys import state_key
 from kvtier.offload.groups import ChunkGroups
 from kvtier.offload.messages import ChunkRef
 from kvtier.offload.protocols import RequestView, StepRequest
@@ -47,6 +48,13 @@ class ChunkLayout(Protocol):
     # a sync load fails by failing its whole step's forward; only a dense host can take back a
     # part of a request's blocks (a hybrid host gives back whole requests: failed_recving)
     sync_loads: bool
+    # a load must end where the lookup said (a state layout: the boundary whose state is held),
+    # never cut short at another chunk boundary by the load-or-recompute choice
+    exact_end: bool
+
+    def ends(self, keys: Sequence[bytes], prompt_len: int) -> list[bytes] | None:
+        """Per chunk, the key the tier must hold for a hit to end after it (None: any chunk)."""
+        ...
 
     def tables(self, view: RequestView) -> Tables | None:
         """The request's per-group block tables at allocation (None: dense)."""
@@ -88,6 +96,7 @@ class DenseLayout:
     """One block table: a chunk is `blocks_per_chunk` consecutive entries of it."""
 
     sync_loads = True
+    exact_end = False
 
     def __init__(self, chunk: int, block_size: int) -> None:
         self.chunk = chunk
@@ -95,6 +104,9 @@ class DenseLayout:
         self.blocks_per_chunk = chunk // block_size
 
     def tables(self, view: RequestView) -> Tables | None:
+        return None
+
+    def ends(self, keys: Sequence[bytes], prompt_len: int) -> list[bytes] | None:
         return None
 
     def load_chunks(self, keys: Sequence[bytes], claim: Claim) -> list[ChunkRef] | None:
@@ -149,6 +161,15 @@ class GroupLayout:
             )
         self.groups = groups
         self.chunk = chunk
+        self.exact_end = bool(groups.states)
+
+    def ends(self, keys: Sequence[bytes], prompt_len: int) -> list[bytes] | None:
+        """A state layout: a hit may end only after a chunk whose boundary state the tier
+        holds (its part 0), and at most at `prompt_len - 1` (the host computes one token)."""
+        if not self.groups.states:
+            return None
+        n = min(len(keys), max(0, prompt_len - 1) // self.chunk)
+        return [state_key(keys[c], 0) for c in range(n)]
 
     def tables(self, view: RequestView) -> Tables | None:
         tables = getattr(view, "group_block_ids", None)
@@ -167,6 +188,16 @@ class GroupLayout:
             if ids is None:
                 return None
             chunks.append(ChunkRef(keys[c], ids, parent(keys, c)))
+        if self.groups.states:
+            # the state after the load's last token: the load ends on a chunk boundary whose
+            # state the lookup found
+            if claim.end % self.chunk:
+                return None
+            state = self.groups.state_ids(claim.tables, claim.end)
+            if state is None:
+                return None
+            c = claim.end // self.chunk - 1
+            chunks.append(ChunkRef(state_key(keys[c], 0), state, keys[c], 0))
         return chunks
 
     def claimed(self, claim: Claim) -> list[int]:
@@ -199,7 +230,25 @@ class GroupLayout:
                 continue
             chunks.append(ChunkRef(keys[c], ids, parent(keys, c)))
             window.update(self.groups.window_ids(ids))
+        if self.groups.states and chunks:
+            chunks += self._state_records(keys, item.view, first, end // self.chunk, window)
         return SaveChunks(chunks, first, end, window)
+
+    def _state_records(
+        self, keys: Sequence[bytes], view: RequestView, first: int, last: int, window: set[int]
+    ) -> list[ChunkRef]:
+        """The boundary states of chunks [first, last) the host handed over this step (a
+        state's block is the host's to reuse once the step ends: the save reads it as a window
+        block, cancelled when the host hands the block to another request)."""
+        handed = getattr(view, "state_blocks", None) or {}
+        out = []
+        for c in range(first, last):
+            ids = handed.get((c + 1) * self.chunk)
+            if ids is None or len(ids) != len(self.groups.states) or min(ids) < 0:
+                continue
+            out.append(ChunkRef(state_key(keys[c], 0), list(ids), keys[c], 0))
+            window.update(ids)
+        return out
 
     def counted_claim(
         self, block_ids: Sequence[int] | Sequence[Sequence[int]]

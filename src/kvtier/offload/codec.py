@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from kvtier.offload.device import DeviceOps
+from kvtier.offload.messages import ChunkRef
 from kvtier.offload.pages import KVPages
 
 # a chunk whose blocks form at most this many runs of consecutive ids moves run by run (one
@@ -50,6 +51,10 @@ class PageCodec:
         self.chunk_bytes = pages.chunk_bytes(blocks_per_chunk)
         self.device = pages.device
         self._stacks = _stacks(pages)
+
+    def records(self, chunks: Sequence[ChunkRef]) -> list[ChunkRef]:
+        """The records an op's chunks are in the tiers: one each (no state records here)."""
+        return list(chunks)
 
     def _check(self, block_ids: Sequence[int], *, skips: bool) -> None:
         if len(block_ids) != self.blocks_per_chunk:
@@ -104,8 +109,9 @@ class PageCodec:
                 ))  # fmt: skip
         return out
 
-    def gather(self, block_ids: Sequence[int], dst: torch.Tensor) -> None:
+    def gather(self, block_ids: Sequence[int], dst: torch.Tensor, part: int = -1) -> None:
         """Copy the chunk's blocks into `dst` (uint8, `chunk_bytes`, on the KV device)."""
+        _no_state(part)
         self._check(block_ids, skips=False)
         runs = _runs(block_ids)
         if len(runs) <= _MAX_RUNS:
@@ -117,9 +123,10 @@ class PageCodec:
         for view, rows in self._rows(dst):
             torch.index_select(view, 1, idx, out=rows)
 
-    def scatter(self, src: torch.Tensor, block_ids: Sequence[int]) -> int:
+    def scatter(self, src: torch.Tensor, block_ids: Sequence[int], part: int = -1) -> int:
         """Copy `src` (uint8 chunk bytes on the KV device) into the blocks named; -1 positions
         are left alone. Returns the number of blocks written."""
+        _no_state(part)
         self._check(block_ids, skips=True)
         keep = [i for i, b in enumerate(block_ids) if b >= 0]
         if not keep:
@@ -136,6 +143,14 @@ class PageCodec:
         for view, rows in self._rows(src):
             view.index_copy_(1, targets, rows if positions is None else rows[:, positions])
         return len(keep)
+
+
+def _no_state(part: int) -> None:
+    if part >= 0:
+        raise ValueError(
+            f"state part {part} sent to a registration without state groups; only a hybrid "
+            "registration with Mamba / linear-attention groups stores boundary states"
+        )
 
 
 def _stacks(pages: KVPages) -> list[torch.Tensor]:

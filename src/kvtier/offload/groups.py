@@ -9,10 +9,16 @@ every group, in one record, so a chunk is a hit for every group or for none:
 - a sliding-window group: only the chunk's last blocks that a hit ending at the chunk's
   boundary (or one token before it: a whole-prompt hit gives one token back) still reads.
   vLLM frees a sliding-window group's blocks below `tokens - (window - 1 + retained)` while the
-  request runs, so the older blocks are neither needed by a hit nor safe to read.
+  request runs, so the older blocks are neither needed by a hit nor safe to read;
+- a state group (Mamba, gated delta net, short conv, linear attention): nothing in the chunk's
+  record. Its state at a chunk's boundary is a record of its own (`state_key`), stored only
+  where the host materialized that state, and a hit may end only at a boundary whose state
+  the tier holds (`ChunkLayout.ends`): a state is one block per group, written in place while
+  the request runs, so only the host's hand-off names the block that holds a boundary's state.
 
 A chunk's `ChunkRef.block_ids` is the groups' positions in group order: group 0's positions,
-then group 1's, ...; -1 marks a position a load must not write.
+then group 1's, ...; -1 marks a position a load must not write. A state record's block ids are
+the state groups' blocks, one per group in group order.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from dataclasses import dataclass
 
 FULL = "full_attention"
 SLIDING = "sliding_window"
-KINDS = (FULL, SLIDING)
+STATE = "state"
+KINDS = (FULL, SLIDING, STATE)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -33,12 +40,14 @@ def _cdiv(a: int, b: int) -> int:
 class GroupSpec:
     """One KV cache group: its kind, the tokens a block holds, its layers and, for a sliding
     window, `reach`: the tokens before the next token that the host keeps (window - 1 plus any
-    tokens it retains beyond the window)."""
+    tokens it retains beyond the window). `detail` names what else tells two groups' bytes
+    apart (a state group's kind of mixer, state shapes and dtypes); it is in the fingerprint."""
 
     kind: str
     block_size: int
     layers: tuple[str, ...] = ()
     reach: int = 0
+    detail: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -49,21 +58,29 @@ class GroupSpec:
             raise ValueError(f"GroupSpec.reach {self.reach} of a sliding window must be >= 0")
 
     def describe(self) -> str:
-        """`full_attention` or `sliding_window(reach=127)`, for logs and fingerprints."""
-        return self.kind if self.kind == FULL else f"{self.kind}(reach={self.reach})"
+        """`full_attention`, `sliding_window(reach=127)` or `state(gdn_attention ...)`, for logs
+        and fingerprints."""
+        if self.kind == SLIDING:
+            return f"{self.kind}(reach={self.reach})"
+        if self.kind == STATE:
+            return f"{self.kind}({self.detail})"
+        return self.kind
 
     def skipped_blocks(self, tokens: int) -> int:
         """Leading blocks the host no longer holds once `tokens` are computed (0 for full
         attention): vLLM's `SlidingWindowManager.get_num_skipped_tokens` in whole blocks."""
-        if self.kind == FULL:
+        if self.kind != SLIDING:
             return 0
         return max(0, tokens - self.reach) // self.block_size
 
     def positions(self, blocks_per_chunk: int) -> int:
         """Block positions of a chunk this group stores: all of them for full attention; for a
-        sliding window the last ones a hit at the boundary, or one token before it, reads."""
+        sliding window the last ones a hit at the boundary, or one token before it, reads;
+        none for a state group (its boundary state is a record of its own)."""
         if self.kind == FULL:
             return blocks_per_chunk
+        if self.kind == STATE:
+            return 0
         return min(blocks_per_chunk, _cdiv(self.reach + 1, self.block_size))
 
 
@@ -91,14 +108,33 @@ class ChunkGroups:
         self.positions = tuple(g.positions(self.blocks_per_chunk) for g in self.groups)
         self.total_positions = sum(self.positions)
         self.windowed = tuple(i for i, g in enumerate(self.groups) if g.kind == SLIDING)
+        self.states = tuple(i for i, g in enumerate(self.groups) if g.kind == STATE)
 
     def describe(self) -> str:
         """One line: each group's kind and stored positions per chunk."""
         parts = [
-            f"{g.describe()} x{len(g.layers)} layers: {p}/{self.blocks_per_chunk} blocks"
+            f"{g.describe()} x{len(g.layers)} layers: "
+            + (
+                "its state at the chunk's boundary, a record of its own"
+                if g.kind == STATE
+                else f"{p}/{self.blocks_per_chunk} blocks"
+            )
             for g, p in zip(self.groups, self.positions, strict=True)
         ]
         return "; ".join(parts)
+
+    def state_ids(self, tables: Sequence[Sequence[int]], end: int) -> list[int] | None:
+        """The state groups' blocks a load ending at token `end` (a boundary) writes: each
+        group's block of the state after `end` tokens (its table's position `end // block - 1`);
+        None when a group's table does not hold one there."""
+        out: list[int] = []
+        j = end // self.block_size - 1
+        for g in self.states:
+            table = tables[g]
+            if j < 0 or j >= len(table) or table[j] < 0:
+                return None
+            out.append(table[j])
+        return out
 
     def _first_stored(self, g: int, c: int) -> int:
         """Index (in the request's block table) of the first block group `g` stores of chunk c."""
@@ -120,6 +156,8 @@ class ChunkGroups:
         (a table too short, or a block the host already dropped, marked -1)."""
         out: list[int] = []
         for g, table in enumerate(tables):
+            if g in self.states:
+                continue  # a boundary's state is saved from the host's hand-off
             start = self._first_stored(g, c)
             end = (c + 1) * self.blocks_per_chunk
             if len(table) < end:
@@ -150,6 +188,8 @@ class ChunkGroups:
         out: list[int] = []
         bs = self.block_size
         for g, table in enumerate(tables):
+            if g in self.states:
+                continue  # the state of the load's end is a record of its own
             group = self.groups[g]
             first = self._first_stored(g, c)
             keep_from = group.skipped_blocks(end)
@@ -169,6 +209,11 @@ class ChunkGroups:
         out: list[int] = []
         bs = self.block_size
         for g, table in enumerate(tables):
+            if g in self.states:
+                j = end // bs - 1
+                if 0 <= j < len(table) and table[j] >= 0:
+                    out.append(table[j])
+                continue
             lo = max(_cdiv(floor, bs), self.groups[g].skipped_blocks(end))
             out.extend(b for b in table[lo : _cdiv(end, bs)] if b >= 0)
         return out

@@ -118,7 +118,10 @@ class LoadPlanner:
             return 0
         t0 = time.perf_counter()
         if st.lookup is None:
-            st.lookup = self._lookup.begin(st.keys, f"lk{next(self._nonce)}", lease=True)
+            ends = self.layout.ends(st.keys, st.prompt_len)
+            st.lookup = self._lookup.begin(
+                st.keys, f"lk{next(self._nonce)}", lease=True, ends=ends
+            )
         result = self._lookup.poll(st.lookup, wait_ms=self.config.lookup_wait_ms)
         self._m.scheduler_lookup_seconds.observe(time.perf_counter() - t0)
         if result is None:
@@ -143,7 +146,9 @@ class LoadPlanner:
         choice = None
         if reason is None:
             choice = self._choose(num_computed_tokens, end, result)
-            if choice.end <= num_computed_tokens:
+            # a state layout's load ends at the boundary whose state it reads, or not at all
+            short = self.layout.exact_end and choice.end != end
+            if choice.end <= num_computed_tokens or short:
                 reason = SLOWER
         if reason is not None or choice is None:
             self._m.skipped_load(reason or SLOWER).inc()

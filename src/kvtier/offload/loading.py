@@ -62,6 +62,7 @@ class LoadRun:
     p: PendingLoad
     t0: float = field(default_factory=time.perf_counter)
     written: int = 0
+    states: int = 0  # state record parts written (a hybrid model's boundary states)
     served: Counter[str] = field(default_factory=Counter)
     reason: str = ""
     expired: bool = False  # stopped because its deadline reported it failed
@@ -85,6 +86,16 @@ class _Issued:
     held: contextlib.ExitStack
     tier: str
     blocks: int
+    state: bool = False  # a part of a boundary-state record
+
+
+def _scatter(
+    codec: PageCodec, src: torch.Tensor, ids: list[int], part: int
+) -> Callable[[], int]:
+    """The scatter of one record: a chunk's blocks, or part `part` of a boundary's state."""
+    if part < 0:
+        return lambda: codec.scatter(src, ids)
+    return lambda: codec.scatter(src, ids, part)
 
 
 _MISS = "miss"
@@ -149,7 +160,7 @@ class LoadPath:
         run.t0 = time.perf_counter()
         try:
             run.reason = op.fail or self.degraded
-            for ref in () if run.reason else op.chunks:
+            for ref in () if run.reason else self._codec.records(op.chunks):
                 try:
                     bufs = flights.acquire()
                     got = self._issue(lane, run.p, ref, bufs, None)
@@ -179,6 +190,7 @@ class LoadPath:
         else:
             run.served[got.tier] += 1
             run.written += got.blocks
+            run.states += got.state
         run.in_flight -= 1
         self._maybe_report(run)
 
@@ -203,7 +215,7 @@ class LoadPath:
         op = p.op
         try:
             run.reason = op.fail or self.degraded
-            for ref in () if run.reason else op.chunks:
+            for ref in () if run.reason else self._codec.records(op.chunks):
                 k = self._next
                 bufs = Buffers(self._buffers[k].staging)  # a fresh host buffer, if any is needed
                 got = self._issue(lane, p, ref, bufs, self._last_read[k])
@@ -216,6 +228,7 @@ class LoadPath:
                     self._held.append(got)
                 run.served[got.tier] += 1
                 run.written += got.blocks
+                run.states += got.state
         except Exception as e:  # noqa: BLE001 - counted by the guard, reported by the caller
             self._guard.failed("load", op.req_id, e)
             run.reason = f"error:{type(e).__name__}"
@@ -277,7 +290,8 @@ class LoadPath:
                     held.close()
                     return _EXPIRED  # its deadline reported it failed: write no more blocks
                 regions = None
-                if self._ops.dma and bufs.staging is not None:
+                part = ref.part
+                if self._ops.dma and bufs.staging is not None and part < 0:
                     regions = codec.regions(ids, src, skips=True)
                 if regions is not None:
                     # the slot straight into the KV pages on the copy engine, after the forward
@@ -288,11 +302,11 @@ class LoadPath:
                     lane.after(p.fence)
                     with lane.active():
                         if bufs.staging is None:
-                            mark = lane.launch(lambda: codec.scatter(src, ids))
+                            mark = lane.launch(_scatter(codec, src, ids, part))
                         else:
                             staging = bufs.staging
                             copied = lane.copy(staging, src, after=reusable)
-                            mark = lane.launch(lambda: codec.scatter(staging, ids), after=copied)
+                            mark = lane.launch(_scatter(codec, staging, ids, part), after=copied)
                     self._moved("host" if bufs.staging is None else "kernel")
                 p.marks.append(mark)
         except BaseException:
@@ -300,4 +314,6 @@ class LoadPath:
             settle(lane, self._tag)
             held.close()
             raise
+        if ref.part >= 0:
+            return _Issued(mark, held, tier, 0, state=True)
         return _Issued(mark, held, tier, sum(1 for b in ids if b >= 0))

@@ -12,11 +12,14 @@ import msgspec
 class ChunkRef(msgspec.Struct, frozen=True, array_like=True):
     """One chunk: its 16-byte key, `chunk_size // block_size` block ids (-1 = skip) and the key
     of the chunk before it in the prompt (b"" for the first), which the tiers keep so they can
-    evict leaves before their parents."""
+    evict leaves before their parents. `part` >= 0: part `part` of a boundary's state record
+    (its block ids the state groups' blocks), whose parent is the part before it (part 0's: the
+    chunk it ends)."""
 
     key: bytes
     block_ids: list[int]
     parent: bytes = b""
+    part: int = -1
 
 
 class LoadOp(msgspec.Struct, frozen=True):

@@ -200,6 +200,8 @@ def _describe_groups(desc: KVCacheDescription) -> KVPages:
     fields: list[bytes | str | int] = ["groups", desc.block_size, len(parts)]
     for spec, p in zip(desc.groups, parts, strict=True):
         fields += [spec.kind, spec.block_size, spec.reach, p.fingerprint]
+        if spec.detail:  # a state group's mixer, shapes and dtypes (other groups: none)
+            fields += ["detail", spec.detail]
     return KVPages(
         num_blocks=desc.num_blocks,
         block_size=desc.block_size,

@@ -71,9 +71,14 @@ class LookupPort(Protocol):
         ...
 
     def begin(
-        self, keys: Sequence[bytes], lookup_id: str, lease: bool = True
+        self,
+        keys: Sequence[bytes],
+        lookup_id: str,
+        lease: bool = True,
+        ends: Sequence[bytes] | None = None,
     ) -> PendingLookupLike:
-        """Send the lookup to every rank and return at once."""
+        """Send the lookup to every rank and return at once; with `ends`, a rank's run may end
+        only after a chunk `i` whose `ends[i]` it holds (a hybrid model's boundary states)."""
         ...
 
     def poll(self, pending: Any, wait_ms: float = 0.0) -> LookupResultLike | None:

@@ -49,6 +49,7 @@ class SaveRun:
     job: PendingSave
     t0: float = field(default_factory=time.perf_counter)
     stored: int = 0
+    states: int = 0  # state record parts stored (a hybrid model's boundary states)
     reason: str = ""
     in_flight: int = 0
     issued: bool = False
@@ -92,7 +93,7 @@ class SavePath:
         try:
             for run in runs:
                 # deepest chunk first: a chain's head is committed last, so it is the most recent
-                for ref in reversed(run.job.op.chunks):
+                for ref in reversed(self._codec.records(run.job.op.chunks)):
                     if run.reason:
                         break
                     self._issue(lane, flights, run, ref)
@@ -117,7 +118,7 @@ class SavePath:
         flights: Flights[torch.Tensor | None] = Flights(self._staging)
         self._issue(lane, flights, run, ref)
         flights.drain()
-        return run.reason if run.reason else ("" if run.stored else RESIDENT)
+        return run.reason if run.reason else ("" if run.stored or run.states else RESIDENT)
 
     def _issue(
         self, lane: Lane, flights: Flights[torch.Tensor | None], run: SaveRun, ref: ChunkRef
@@ -138,8 +139,9 @@ class SavePath:
         issued = False
         try:
             staging = flights.acquire()
-            codec, ids = self._codec, list(ref.block_ids)
-            regions = codec.regions(ids, slot) if self._dma and staging is not None else None
+            codec, ids, part = self._codec, list(ref.block_ids), ref.part
+            dma = self._dma and staging is not None and part < 0
+            regions = codec.regions(ids, slot) if dma else None
             if regions is not None:
                 # KV pages straight into the pinned slot on the copy engine: no kernel on the
                 # SMs beside the forward, no staging buffer
@@ -149,7 +151,11 @@ class SavePath:
                 lane.after(job.fence)
                 with lane.active():
                     dst = slot if staging is None else staging
-                    mark = lane.launch(lambda: codec.gather(ids, dst))
+                    mark = lane.launch(
+                        (lambda: codec.gather(ids, dst))
+                        if part < 0
+                        else (lambda: codec.gather(ids, dst, part))
+                    )
                     if staging is not None:
                         mark = lane.copy(slot, staging, after=mark)
                 self._moved("host" if staging is None else "kernel")
@@ -180,7 +186,10 @@ class SavePath:
                     return
                 self._stack.commit(ref.key)
                 committed = True
-            run.stored += 1
+            if ref.part < 0:
+                run.stored += 1
+            else:
+                run.states += 1
         finally:
             if not committed:
                 self._stack.abort(ref.key)

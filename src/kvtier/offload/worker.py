@@ -637,7 +637,9 @@ class OffloadWorker:
             self.metrics.save_failure(run.reason).inc()
             result = OpResult(op.op_id, False, run.reason, run.stored, seconds)
         else:
-            nbytes = run.stored * self.codec.chunk_bytes
+            nbytes = (run.stored + run.states) * self.codec.chunk_bytes
+            if run.states:
+                self.metrics.state_parts_stored.inc(run.states)
             self.metrics.save_seconds.observe(seconds)
             # only chunks written now count: one the tier already held was not stored again
             self.metrics.stored_tokens.inc(run.stored * self.config.chunk_size)
@@ -726,8 +728,10 @@ class OffloadWorker:
             p.done = True
         reason = run.reason
         seconds = time.perf_counter() - run.t0
-        nbytes = run.written * self.codec.bytes_per_block
+        nbytes = run.written * self.codec.bytes_per_block + run.states * self.codec.chunk_bytes
         got = op.tokens if not reason else 0
+        if run.states and not reason:
+            self.metrics.state_parts_loaded.inc(run.states)
         self.metrics.load_seconds.observe(seconds)
         if reason:
             self.metrics.load_failure(reason).inc()

@@ -161,8 +161,30 @@ class TierStack:
         counted run tail-first in every chain-aware tier (a probe without a lease does not)."""
         return self.lookup_run(keys, lease_id).chunks
 
-    def lookup_run(self, keys: Sequence[bytes], lease_id: str | None = None) -> LookupRun:
-        """`lookup`, and the deepest tier any counted chunk lives in (the run's source)."""
+    def lookup_run(
+        self, keys: Sequence[bytes], lease_id: str | None = None, ends: Sequence[bytes] = ()
+    ) -> LookupRun:
+        """`lookup`, and the deepest tier any counted chunk lives in (the run's source). With
+        `ends`, the run is cut back to end after the deepest chunk `i` whose `ends[i]` some
+        tier holds (leased with the run); chunks from `len(ends)` on never end it."""
+        run = self._lookup_run(keys, lease_id)
+        if not ends:
+            return run
+        n = min(run.chunks, len(ends))
+        while n and self._end_held(ends[n - 1], lease_id) is None:
+            n -= 1
+        return self._run_of(run.sources[:n])
+
+    def _end_held(self, key: bytes, lease_id: str | None) -> int | None:
+        """The tier holding an end key (leased where it can be under `lease_id`), or None."""
+        if lease_id is None:
+            return 0 if self._memory.contains(key) else self._lower_holder([key], 0, {})
+        touched: set[int] = set()
+        where = self._lease_one([key], 0, lease_id, touched, {})
+        self._remember_lease(lease_id, touched)
+        return where
+
+    def _lookup_run(self, keys: Sequence[bytes], lease_id: str | None) -> LookupRun:
         sources: list[int] = []  # per counted chunk, the index of the tier serving it
         if lease_id is None:
             # presence per lower tier comes in one batch (one round trip per remote shard)
@@ -211,7 +233,7 @@ class TierStack:
             else:
                 runs.append((name, 1))
         deepest = tiers[max(sources)].name if sources else ""
-        return LookupRun(len(sources), deepest, tuple(runs))
+        return LookupRun(len(sources), deepest, tuple(runs), tuple(sources))
 
     def _lease_one(
         self,
@@ -593,6 +615,8 @@ class LookupRun:
     tier: str  # "" when nothing was held
     # (tier, chunks) per run of consecutive chunks one tier serves, in prompt order
     runs: tuple[tuple[str, int], ...] = ()
+    # per counted chunk, the index of the tier serving it (0 = memory)
+    sources: tuple[int, ...] = ()
 
 
 def _leased(result: int | None) -> bool:

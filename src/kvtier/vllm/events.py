@@ -80,6 +80,7 @@ class _Chunk:
     parent: object | None
     tokens: list[int]
     tiers: set[str] = field(default_factory=set)
+    state: bool = False  # a boundary-state record: the state groups' block at the chunk's end
 
 
 def kv_events_enabled(vllm_config: Any) -> bool:
@@ -111,14 +112,18 @@ class KVEvents:
         hashes = getattr(view.request, "block_hashes", None) or ()
         tokens = view.prompt_token_ids
         k = self._per_chunk
-        for i, ref in enumerate(chunks):
-            c = first_chunk + i
-            if ref.key in self._chunks or len(hashes) < (c + 1) * k:
+        index: dict[bytes, int] = {}
+        for i, ref in enumerate(r for r in chunks if r.part < 0):
+            index[ref.key] = first_chunk + i
+        for ref in chunks:
+            # a state record follows the chunks of its op and names the chunk it ends
+            c = index.get(ref.parent if ref.part >= 0 else ref.key, -1)
+            if c < 0 or ref.key in self._chunks or len(hashes) < (c + 1) * k:
                 continue
             blocks = [maybe_convert_block_hash(h) for h in hashes[c * k : (c + 1) * k]]
             parent = maybe_convert_block_hash(hashes[c * k - 1]) if c else None
             span = list(tokens[c * self.chunk_size : (c + 1) * self.chunk_size])
-            self._chunks[ref.key] = _Chunk(blocks, parent, span)
+            self._chunks[ref.key] = _Chunk(blocks, parent, span, state=ref.part >= 0)
             while len(self._chunks) > MAX_CHUNKS:
                 self._chunks.popitem(last=False)
                 self._m.dropped_tier_changes.inc()
@@ -167,9 +172,10 @@ class KVEvents:
                 )
             ]
         out = []
-        for g in self.groups:
-            # the chunk's last `positions` blocks: what the record holds for this group
-            skip = len(chunk.hashes) - g.positions
+        for g in self._groups_of(chunk):
+            # the chunk's last `positions` blocks: what the record holds for this group (a
+            # state record: the block whose state it holds, the chunk's last)
+            skip = len(chunk.hashes) - (1 if chunk.state else g.positions)
             out.append(
                 BlockStored(
                     block_hashes=chunk.hashes[skip:],
@@ -192,10 +198,15 @@ class KVEvents:
             return [BlockRemoved(chunk.hashes, medium, locality=locality)]
         return [
             BlockRemoved(
-                chunk.hashes[len(chunk.hashes) - g.positions :],
+                chunk.hashes[len(chunk.hashes) - (1 if chunk.state else g.positions) :],
                 medium,
                 group_idx=g.group_idx,
                 locality=locality,
             )
-            for g in self.groups
+            for g in self._groups_of(chunk)
         ]
+
+    def _groups_of(self, chunk: _Chunk) -> list[EventGroup]:
+        """The groups a record holds: the state groups (no position in a chunk record) for a
+        state record, the others for a chunk record."""
+        return [g for g in self.groups if (g.positions == 0) == chunk.state]

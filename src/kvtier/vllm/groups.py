@@ -2,12 +2,14 @@
 store yet: the group, its spec class, its layers, the reason and the fix.
 
 With the hybrid memory allocator (HMA) vLLM keeps one block table per group over one block
-pool. kvtier stores full-attention groups (every block of a chunk) and sliding-window groups
-(the blocks a hit at the chunk's boundary still reads) next to at least one full-attention
-group. Everything else is refused at startup, never accepted silently: groups whose blocks vLLM
-frees or rewrites while the request runs in ways kvtier does not follow (chunked-local
-attention, Mamba / linear-attention states, ring buffers), and group kinds no kvtier path has run
-end to end.
+pool. kvtier stores full-attention groups (every block of a chunk), sliding-window groups (the
+blocks a hit at the chunk's boundary still reads) and state groups (Mamba, gated delta net,
+short conv, linear attention: `MambaSpec`, in vLLM's "align" cache mode, whose boundary states
+vLLM hands to connectors with their exact blocks) next to at least one full-attention group.
+Everything else is refused at startup, never accepted silently: groups whose blocks vLLM frees
+or rewrites while the request runs in ways kvtier does not follow (chunked-local attention,
+state groups outside "align" mode or with speculative blocks, ring buffers), and group kinds no
+kvtier path has run end to end.
 """
 
 from __future__ import annotations
@@ -15,15 +17,33 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import LayoutError
-from kvtier.offload.groups import FULL, SLIDING, GroupSpec
+from kvtier.offload.groups import FULL, SLIDING, STATE, GroupSpec
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["group_specs", "refusal"]
+__all__ = ["group_specs", "refusal", "state_tensor_names"]
 
 _NO_HMA = "start vLLM with --disable-hybrid-kv-cache-manager (every layer then keeps full KV)"
 _NO_KVTIER = "serve this model without KVTierConnector"
+_ALIGN = (
+    "start vLLM with --enable-prefix-caching --mamba-cache-mode align (vLLM then keeps each "
+    "block boundary's state, as its own offloading connectors need)"
+)
+
+
+def state_tensor_names(layer: str, spec: Any) -> tuple[str, ...]:
+    """The names kvtier registers a state layer's tensors under (vLLM hands a Mamba layer's
+    cache as one tensor per state: conv, ssm, ...)."""
+    return tuple(f"{layer}#{i}" for i in range(len(spec.shapes)))
+
+
+def _state_detail(spec: Any) -> str:
+    """A state spec's mixer, state shapes and dtypes (part of the layout fingerprint)."""
+    mixer = getattr(spec.mamba_type, "name", str(spec.mamba_type)).lower()
+    shapes = ",".join("x".join(str(d) for d in shape) for shape in spec.shapes)
+    dtypes = ",".join(str(d).removeprefix("torch.") for d in spec.dtypes)
+    return f"{mixer} {shapes} {dtypes}"
 
 
 def _inner_specs(spec: Any) -> list[Any]:
@@ -49,11 +69,20 @@ def refusal(spec: Any) -> tuple[str, str] | None:
     )
 
     if isinstance(spec, MambaSpec):
-        return (
-            "Mamba / linear-attention (gated delta net) state groups keep one state per block "
-            "boundary that vLLM rewrites in place; kvtier does not store states yet",
-            _NO_KVTIER,
-        )
+        if spec.mamba_cache_mode != "align":
+            return (
+                f"vLLM keeps a Mamba / linear-attention group's state only at the request's "
+                f"end in mamba_cache_mode={spec.mamba_cache_mode!r}, so no chunk boundary has a "
+                "state to store",
+                _ALIGN,
+            )
+        if spec.num_speculative_blocks:
+            return (
+                f"speculative decoding relocates a state group's {spec.num_speculative_blocks} "
+                "speculative blocks in place, and kvtier does not follow them",
+                "serve without speculative decoding, or without KVTierConnector",
+            )
+        return None
     if isinstance(spec, ChunkedLocalAttentionSpec):
         return (
             "vLLM frees a chunked-local attention group's blocks of earlier attention chunks "
@@ -76,15 +105,18 @@ def refusal(spec: Any) -> tuple[str, str] | None:
     return (f"kvtier knows no rule for {type(spec).__name__} groups", _NO_HMA)
 
 
-def _kind(spec: Any) -> tuple[str, int]:
-    """(kind, reach) of a spec `refusal` accepts: a SlidingWindowSpec is a sliding window
-    (vLLM frees its blocks below the window); any FullAttentionSpec, even one that records a
-    sliding window (HMA off), keeps every block for the request's life."""
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+def _kind(spec: Any) -> tuple[str, int, str]:
+    """(kind, reach, detail) of a spec `refusal` accepts: a SlidingWindowSpec is a sliding
+    window (vLLM frees its blocks below the window); a MambaSpec a state group; any
+    FullAttentionSpec, even one that records a sliding window (HMA off), keeps every block for
+    the request's life."""
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
     if isinstance(spec, SlidingWindowSpec):
-        return SLIDING, int(spec.sliding_window) - 1 + int(spec.extra_retained_tokens)
-    return FULL, 0
+        return SLIDING, int(spec.sliding_window) - 1 + int(spec.extra_retained_tokens), ""
+    if isinstance(spec, MambaSpec):
+        return STATE, 0, _state_detail(spec)
+    return FULL, 0, ""
 
 
 def _where(i: int, group: Any, spec: Any) -> str:
@@ -111,7 +143,13 @@ def _check_single(group: Any) -> None:
                 "supported only next to a full-attention group, the hybrid path that ran end "
                 "to end; " + _NO_KVTIER
             )
-        if isinstance(spec, MambaSpec | ChunkedLocalAttentionSpec | CircularBufferSpec):
+        if isinstance(spec, MambaSpec):
+            raise LayoutError(
+                f"kvtier cannot offload {_where(0, group, spec)}: a model of state layers only "
+                "has no attention KV to restore a state's prefix with; kvtier stores states "
+                "next to a full-attention group; " + _NO_KVTIER
+            )
+        if isinstance(spec, ChunkedLocalAttentionSpec | CircularBufferSpec):
             why = refusal(spec)
             assert why is not None
             raise LayoutError(f"kvtier cannot offload {_where(0, group, spec)}: {why[0]}; {why[1]}")
@@ -154,10 +192,13 @@ def group_specs(kv_cache_config: KVCacheConfig | None) -> tuple[GroupSpec, ...] 
                 f"kvtier cannot offload {_where(i, group, group.kv_cache_spec)}: vLLM marks it "
                 f"as rebuilt after a transfer, which kvtier does not do; {_NO_KVTIER}"
             )
-        kind, reach = kinds.pop()
-        out.append(
-            GroupSpec(kind, int(group.kv_cache_spec.block_size), tuple(group.layer_names), reach)
-        )
+        kind, reach, detail = kinds.pop()
+        layers = tuple(group.layer_names)
+        if kind == STATE:
+            spec = _inner_specs(group.kv_cache_spec)[0]
+            layers = tuple(n for layer in layers for n in state_tensor_names(layer, spec))
+        block = int(group.kv_cache_spec.block_size)
+        out.append(GroupSpec(kind, block, layers, reach, detail))
     if not any(g.kind == FULL for g in out):
         raise LayoutError(
             f"kvtier cannot offload {_where(0, groups[0], groups[0].kv_cache_spec)}: a model "

@@ -21,11 +21,14 @@ log = logging.getLogger("kvtier")
 class VLLMRequestView:
     """Read-only view over a vLLM `Request` plus the block table the connector learned."""
 
-    __slots__ = ("_groups", "_request")
+    __slots__ = ("_groups", "_request", "state_blocks")
 
     def __init__(self, request: Any, block_ids: Iterable[int] = ()) -> None:
         self._request = request
         self._groups: list[list[int]] = [list(block_ids)]
+        # a hybrid model's boundary states vLLM handed over this step: boundary tokens -> the
+        # block of each state group holding the state after them (valid for this step only)
+        self.state_blocks: dict[int, list[int]] = {}
 
     @property
     def request(self) -> Any:

@@ -128,6 +128,8 @@ class SchedulerSide:
         # requests with a load in flight: vLLM itself delays their frees until finished_recving
         self._loading: set[str] = set()
         self._vllm_frees: set[str] = set()
+        # requests whose views hold this step's boundary states (cleared next step)
+        self._stated: set[str] = set()
         self._stats = StatsDelta()
         self._stats_at = -_STATS_EVERY_S
         # set by every hook that may move a metric; the merged view is walked only then
@@ -257,6 +259,8 @@ class SchedulerSide:
             # copy-on-write targets are written this step too
             copies = getattr(out, "kv_cache_block_copies", None) or ()
             self.core.blocks_allocated(int(c.dst_block_id) for c in copies)
+            if self.hybrid.states:
+                self._learn_states(out)
         for new in out.scheduled_new_reqs:
             item = self._per_request(new.req_id, lambda new=new: self._scheduled_new(out, new))
             if item is not None:
@@ -285,6 +289,32 @@ class SchedulerSide:
         for op in meta.loads:
             self._loading.add(op.req_id)
         return KVTierConnectorMetadata(encode_step_meta(meta))
+
+    def _learn_states(self, out: SchedulerOutput) -> None:
+        """This step's boundary states (vLLM's exact hand-off: a state group's table is not
+        append-only) onto their requests' views: boundary -> each state group's block."""
+        assert self.hybrid is not None
+        for req_id in self._stated:
+            view = self.views.get(req_id)
+            if view is not None:
+                view.state_blocks = {}
+        self._stated = set()
+        state = getattr(out, "kv_connector_block_state", None)
+        handoffs = getattr(state, "boundary_state_offloads", None) or {}
+        order = {g: i for i, g in enumerate(self.hybrid.states)}
+        for req_id, entries in handoffs.items():
+            view = self.views.get(req_id)
+            if view is None:
+                continue
+            by_boundary: dict[int, list[int]] = {}
+            for group, block, boundary in entries:
+                i = order.get(int(group))
+                if i is None or int(block) == _NULL_BLOCK or int(boundary) % self.hybrid.chunk:
+                    continue
+                ids = by_boundary.setdefault(int(boundary), [-1] * len(order))
+                ids[i] = int(block)
+            view.state_blocks = {b: ids for b, ids in by_boundary.items() if min(ids) >= 0}
+            self._stated.add(req_id)
 
     def _per_request(self, req_id: str, body: Callable[[], T]) -> T | None:
         """One request's share of a step hook: a failure quarantines that request only."""

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -62,7 +63,7 @@ def kv_description(
     else:
         num_blocks = int(next(iter(kv_caches.values())).shape[0])
     return KVCacheDescription(
-        tensors=kv_caches,
+        tensors=flat_tensors(kv_caches),
         num_blocks=num_blocks,
         block_size=block_size,
         layout=str(layout or "unresolved"),
@@ -73,6 +74,18 @@ def kv_description(
     )
 
 
+def flat_tensors(kv_caches: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """vLLM's caches by name, a state layer's list of state tensors (conv, ssm, ...) as one
+    entry each, named as `groups.state_tensor_names` names them."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in kv_caches.items():
+        if isinstance(t, list | tuple):
+            out.update((f"{name}#{i}", x) for i, x in enumerate(t))
+        else:
+            out[name] = t
+    return out
+
+
 def kernel_page_format(vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor]) -> str:
     """The attention backends writing these pages, with the ISA where the kernel picks the
     in-page order by CPU (vLLM's CPU backend: `amx` or `vec`), e.g. `CPU_ATTN:amx`. vLLM sets
@@ -80,7 +93,7 @@ def kernel_page_format(vllm_config: VllmConfig, kv_caches: dict[str, torch.Tenso
     context = vllm_config.compilation_config.static_forward_context
     formats = set()
     for name in kv_caches:
-        layer = context.get(name)
+        layer = context.get(name.partition("#")[0])
         backend = getattr(layer, "attn_backend", None)
         if backend is None:
             continue

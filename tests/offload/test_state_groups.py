@@ -1,0 +1,235 @@
+"""State groups (Mamba, gated delta net, short conv, linear attention) in the offload core: a
+boundary's state is a record of its own, cut into chunk-sized parts; a hit may end only at a
+boundary whose state the tier holds; a load writes the attention groups' blocks and the state
+of its last boundary, together or not at all."""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.config import KVTierConfig
+from kvtier.keys import state_key
+from kvtier.metrics import Metrics
+from kvtier.offload.device import ops_for
+from kvtier.offload.group_codec import GroupedCodec, codec_for
+from kvtier.offload.groups import FULL, STATE, ChunkGroups, GroupSpec
+from kvtier.offload.load_planner import SLOWER
+from kvtier.offload.messages import ChunkRef
+from kvtier.offload.pages import KVCacheDescription, describe_pages
+from kvtier.offload.protocols import StepRequest
+from kvtier.offload.scheduler import OffloadScheduler
+from kvtier.store.memory import MemoryTier
+from kvtier.store.stack import TierStack
+from tests.offload.fakes import FakeLookup
+
+BS = 16
+CHUNK = 32  # two blocks
+FA = GroupSpec(FULL, BS, ("fa",))
+GDN = GroupSpec(STATE, BS, ("gdn#0", "gdn#1"), detail="gdn_attn 3x8,2x4x4 bfloat16,float32")
+
+
+def test_a_state_group_has_no_position_in_a_chunk_record():
+    g = ChunkGroups([FA, GDN], CHUNK)
+    assert (g.positions, g.states) == ((2, 0), (1,))
+    tables = [[10, 11, 12, 13], [-1, 21, -1, 23]]
+    assert g.save_ids(tables, 1) == [12, 13]
+    assert g.load_ids(tables, 1, 0, 64) == [12, 13]
+    # the state after 64 tokens sits in the state table's block 64 // 16 - 1
+    assert g.state_ids(tables, 64) == [23]
+    assert g.state_ids(tables, 48) is None  # vLLM's null block: no state there
+    # a failed load's claim: the attention blocks and the state block it would have written
+    assert sorted(g.claimed(tables, 0, 64)) == [10, 11, 12, 13, 23]
+    assert "state(gdn_attn" in g.describe() and "a record of its own" in g.describe()
+
+
+def _state_desc() -> tuple[KVCacheDescription, dict[str, torch.Tensor]]:
+    """One pool of 8 blocks of 256 bytes: an attention layer's pages (fa) and a state layer's
+    two state tensors (conv 48 bytes, ssm 128 bytes) aliasing it, as vLLM's hybrid pool does."""
+    pool = torch.zeros(8, 256, dtype=torch.uint8)
+    fa = pool.view(torch.float16).view(8, 2, BS, 4)  # 256 bytes a block
+    conv = pool[:, :48].view(torch.bfloat16).view(8, 3, 8)
+    ssm = pool[:, 48:176].view(torch.float32).view(8, 2, 4, 4)
+    tensors = {"fa": fa, "gdn#0": conv, "gdn#1": ssm}
+    desc = KVCacheDescription(tensors, 8, BS, "LBHNC", groups=(FA, GDN))
+    return desc, {"pool": pool, **tensors}
+
+
+def test_the_state_record_round_trips_in_chunk_sized_parts_zero_padded():
+    desc, t = _state_desc()
+    pages = describe_pages(desc)
+    codec = codec_for(pages, 2, ops_for(torch.device("cpu")))
+    assert isinstance(codec, GroupedCodec)
+    assert codec.chunk_bytes == 512  # two attention blocks
+    assert (codec.states.state_bytes, codec.states.parts) == (176, 1)
+    pool = t["pool"]
+    for b in range(8):
+        pool[b] = torch.arange(256, dtype=torch.int32).add(b).to(torch.uint8)
+    buf = torch.full((512,), 0xEE, dtype=torch.uint8)
+    codec.gather([5], buf, 0)
+    assert torch.equal(buf[:176], pool[5, :176])
+    assert bool((buf[176:] == 0).all()), "a slot's stale bytes went into the record"
+    before = pool.clone()
+    assert codec.scatter(buf, [2], 0) == 1
+    assert torch.equal(pool[2, :176], before[5, :176])
+    assert torch.equal(pool[2, 176:], before[2, 176:]), "a state load wrote past the state"
+    assert torch.equal(pool[[0, 1, 3, 4, 5, 6, 7]], before[[0, 1, 3, 4, 5, 6, 7]])
+
+
+def test_a_state_larger_than_a_chunk_is_several_records_part_zero_the_leaf():
+    desc, t = _state_desc()
+    codec = codec_for(describe_pages(desc), 1, ops_for(torch.device("cpu")))
+    assert isinstance(codec, GroupedCodec)
+    # a one-block chunk holds 256 bytes: the 176-byte state is one part; shrink the part size
+    codec.states.part_bytes = 64
+    codec.states.parts = 3
+    pool = t["pool"]
+    pool[6] = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    parts = [torch.empty(64, dtype=torch.uint8) for _ in range(3)]
+    for j, buf in enumerate(parts):
+        codec.gather([6], buf, j)
+    assert torch.equal(torch.cat(parts)[:176], pool[6, :176])
+    assert bool((parts[2][176 - 128 :] == 0).all())
+    pool[1].zero_()
+    for j, buf in enumerate(parts):
+        codec.scatter(buf, [1], j)
+    assert torch.equal(pool[1, :176], pool[6, :176])
+    chunk_key = bytes(range(16))
+    refs = codec.records([ChunkRef(b"a" * 16, [1]), ChunkRef(state_key(chunk_key, 0), [6],
+                                                           chunk_key, 0)])  # fmt: skip
+    keys = [state_key(chunk_key, j) for j in range(3)]
+    assert [(r.key, r.parent, r.part) for r in refs[1:]] == [
+        (keys[0], keys[1], 0), (keys[1], keys[2], 1), (keys[2], chunk_key, 2),
+    ]  # fmt: skip
+
+
+def test_the_state_layout_is_in_the_fingerprint():
+    desc, _ = _state_desc()
+    base = describe_pages(desc)
+    other = GroupSpec(STATE, BS, GDN.layers, detail="mamba2 3x8,2x4x4 bfloat16,float32")
+    swapped = describe_pages(KVCacheDescription(desc.tensors, 8, BS, "LBHNC", groups=(FA, other)))
+    assert base.fingerprint != swapped.fingerprint
+    assert "state(gdn_attn 3x8,2x4x4 bfloat16,float32)" in base.describe()
+
+
+class StateView:
+    """A hybrid request view with the state blocks the host handed over this step."""
+
+    def __init__(self, req_id: str, prompt: list[int], groups: list[list[int]]) -> None:
+        self.request_id = req_id
+        self.prompt_token_ids = prompt
+        self.num_computed_tokens = 0
+        self.group_block_ids = groups
+        self.state_blocks: dict[int, list[int]] = {}
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.group_block_ids[0]
+
+
+METRICS = Metrics(rank=0)
+
+
+def state_scheduler(hits: int = 0) -> tuple[OffloadScheduler, FakeLookup]:
+    lookup = FakeLookup(hits)
+    sched = OffloadScheduler(
+        KVTierConfig(chunk_size=CHUNK, load_gate=False),
+        lookup,
+        model_id="m",
+        block_size=BS,
+        world=1,
+        metrics=METRICS,
+        cold_misses=False,
+        groups=ChunkGroups([FA, GDN], CHUNK),
+    )
+    return sched, lookup
+
+
+def prompt(n: int) -> list[int]:
+    return [(i * 7) % 1000 for i in range(n)]
+
+
+def test_a_save_stores_the_handed_over_boundary_states_and_guards_their_blocks():
+    sched, lookup = state_scheduler()
+    view = StateView("a", prompt(100), [list(range(100, 107)), [-1] * 7])
+    assert sched.get_num_new_matched_tokens(view, 0) == 0
+    # the lookup asks for a hit ending at a held state, never past token 99
+    (ends,) = lookup.ends
+    assert ends is not None and len(ends) == 3
+    # vLLM materialized the states after 64 and 96 tokens (and one off a chunk boundary)
+    view.state_blocks = {64: [33], 96: [35], 80: [34]}
+    (op,) = sched.build_meta([StepRequest(view, 100, 0)]).saves
+    chunks = [r for r in op.chunks if r.part < 0]
+    states = [r for r in op.chunks if r.part >= 0]
+    assert [r.block_ids for r in chunks] == [[100, 101], [102, 103], [104, 105]]
+    assert ends == [state_key(r.key, 0) for r in chunks]
+    assert [(r.key, r.parent, r.block_ids) for r in states] == [
+        (state_key(chunks[1].key, 0), chunks[1].key, [33]),
+        (state_key(chunks[2].key, 0), chunks[2].key, [35]),
+    ]  # fmt: skip
+    # vLLM hands a state block to another request before the save read it: cancelled
+    sched.blocks_allocated([35])
+    assert sched.build_meta([]).cancel_saves == [op.op_id]
+
+
+def test_a_load_ends_at_the_held_state_and_writes_it_with_the_attention_blocks():
+    sched, _ = state_scheduler(hits=2)
+    view = StateView("a", prompt(100), [list(range(100, 107)), [-1, -1, -1, 43, -1, -1, -1]])
+    assert sched.get_num_new_matched_tokens(view, 0) == 64
+    assert sched.update_state_after_alloc(view, view.block_ids, 64) == 64
+    (load,) = sched.build_meta([]).loads
+    chunks = [r for r in load.chunks if r.part < 0]
+    (state,) = [r for r in load.chunks if r.part >= 0]
+    assert [r.block_ids for r in chunks] == [[100, 101], [102, 103]]
+    assert (state.key, state.parent, state.block_ids) == (
+        state_key(chunks[1].key, 0), chunks[1].key, [43],
+    )  # fmt: skip
+
+
+def test_a_state_load_is_never_cut_short_of_its_boundary():
+    sched, _ = state_scheduler(hits=3)
+    # the tail chunk lives in a tier the cost model would rather recompute from: a state
+    # layout cannot stop at another boundary (its state is not held there), so it skips
+    sched.load_planner.policy = "cost"
+    view = StateView("a", prompt(100), [list(range(100, 107)), [-1] * 7])
+
+    class Cut:
+        end = 64
+        predicted_s = 0.0
+        segments = ()
+
+        @staticmethod
+        def reads() -> tuple[tuple[str, int], ...]:
+            return (("memory", 64),)
+
+    sched.load_planner._choose = lambda hbm, end, result: Cut()  # type: ignore[method-assign]
+    before = METRICS.skipped_load(SLOWER)._value.get()
+    assert sched.get_num_new_matched_tokens(view, 0) == 0
+    assert METRICS.skipped_load(SLOWER)._value.get() == before + 1
+
+
+def _stack(slots: int = 8, nbytes: int = 64) -> TierStack:
+    m = Metrics(rank=0)
+    return TierStack(MemoryTier(nbytes, slots * nbytes, bytes(16), m), (), m)
+
+
+def test_a_lookup_with_ends_is_cut_back_to_the_deepest_held_end():
+    stack = _stack()
+    keys = [bytes([i]) * 16 for i in range(4)]
+    ends = [state_key(k, 0) for k in keys]
+    for k in keys:
+        stack.put(k, bytes(64))
+    assert stack.lookup_run(keys, None, ends).chunks == 0  # no state held: no hit at all
+    stack.put(ends[1], bytes(64))
+    run = stack.lookup_run(keys, "L1", ends)
+    assert (run.chunks, run.tier) == (2, "memory")
+    # the state is leased with the run: eviction cannot take it before the load
+    assert stack.memory.is_leased(ends[1])
+    stack.release("L1")
+    assert not stack.memory.is_leased(ends[1])
+    # an end past the attention run never counts; ends shorter than the keys cap the run
+    stack.put(ends[3], bytes(64))
+    stack.memory.delete(keys[2])
+    assert stack.lookup_run(keys, None, ends).chunks == 2
+    stack.put(keys[2], bytes(64))
+    assert stack.lookup_run(keys, None, ends).chunks == 4
+    assert stack.lookup_run(keys, None, ends[:3]).chunks == 2
