@@ -197,15 +197,26 @@ GDN_HYBRID = {
 }
 
 
-@pytest.fixture(scope="session")
-def tiny_gdn_hybrid_model(tmp_path_factory: pytest.TempPathFactory, tiny_vllm_model: Path) -> Path:
-    """A config-only Qwen3-Next-shaped model directory (tokenizer of the tiny Llama)."""
-    out = tmp_path_factory.mktemp("vllm-gdn") / "tiny"
-    out.mkdir()
-    (out / "config.json").write_text(json.dumps(GDN_HYBRID, indent=2) + "\n")
+def make_hf_model(out: Path, config: dict[str, Any], python: Path, tokenizer: Path) -> Path:
+    """A Hugging Face model directory of `config` with random float32 weights (made by
+    transformers in .venv-vllm) and the tiny Llama's tokenizer."""
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    proc = subprocess.run([str(python), str(Path(__file__).with_name("make_hf_model.py")),
+                           str(out)], capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        (out / name).write_bytes((tiny_vllm_model / name).read_bytes())
+        (out / name).write_bytes((tokenizer / name).read_bytes())
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_gdn_hybrid_model(
+    tmp_path_factory: pytest.TempPathFactory, tiny_vllm_model: Path, vllm_python: Path
+) -> Path:
+    """A Qwen3-Next-shaped model directory with random float32 weights."""
+    out = tmp_path_factory.mktemp("vllm-gdn") / "tiny"
+    return make_hf_model(out, {**GDN_HYBRID, "dtype": "float32"}, vllm_python, tiny_vllm_model)
 
 
 @pytest.fixture(scope="session")

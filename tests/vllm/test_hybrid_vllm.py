@@ -181,21 +181,56 @@ def test_saves_whose_window_blocks_vllm_reallocates_never_commit(
     assert mutant["out2"] != mutant["out3"]
 
 
-def test_a_gated_delta_net_hybrid_is_refused_at_startup_by_name(
+def _gdn_restored(run: DriverRun) -> int:
+    """A state hybrid's pass 2: every prompt restored to its last chunk boundary below its
+    last token, each state record found, the output the recompute's."""
+    r = run.result
+    # a hit ends only where a state was stored: a chunk boundary one token or more short
+    want = sum((n - 1) // CHUNK * CHUNK for n in r["prompt_lens"])
+    p1, p2 = r["pass1"], r["pass2"]
+    assert p1["vllm:external_prefix_cache_hits"] == 0
+    assert p2["vllm:prefix_cache_hits"] == 0
+    assert p2["vllm:external_prefix_cache_hits"] == want > 0
+    assert r["out2"] == r["out1"], "restored KV and states changed the greedy output"
+    kv = r["kvtier"]
+    lines = retrieved_lines(run.stderr)
+    ranks = sorted({x.rank for x in lines})
+    for rank in ranks:
+        mine = [x for x in lines if x.rank == rank]
+        assert [x.failed for x in mine] == [None] * len(r["prompt_lens"]), mine
+        assert sum(x.got for x in mine) == want
+        assert kv["retrieved_tokens"][f"rank={rank}"] == want
+        # one state record per restored prompt, read back on every rank
+        assert kv["state_parts_loaded"][f"rank={rank}"] >= len(r["prompt_lens"])
+        assert kv["state_parts_stored"][f"rank={rank}"] >= len(r["prompt_lens"])
+    assert not kv["load_failures"]
+    return want
+
+
+def test_two_pass_restore_of_a_gated_delta_net_hybrid_with_async_scheduling(
     run_driver: Callable[..., DriverRun], tiny_gdn_hybrid_model: Path
 ) -> None:
     # Qwen3-Next-shaped: vLLM's CPU backend builds it (random weights), its linear-attention
-    # layers one MambaSpec group next to full attention; kvtier does not store states yet
-    args = {"model": str(tiny_gdn_hybrid_model), "extra": TIER, "load_format": "dummy"}
-    run = run_driver("bad_startup", args, IN_PROCESS)
-    assert run.result["started"] is False
-    assert any(
-        "kvtier.errors.LayoutError: kvtier cannot offload KV cache group 0 (MambaSpec, layers "
-        "model.layers.0.linear_attn, model.layers.2.linear_attn): Mamba / linear-attention"
-        in e
-        and "serve this model without KVTierConnector" in e
-        for e in run.result["errors"]
-    ), run.result["errors"]
+    # layers one MambaSpec group ("align" mode: a state kept at each block boundary) next to
+    # full attention; float32, so pass 2's tail-only prefill rounds as pass 1's did
+    args = {
+        "model": str(tiny_gdn_hybrid_model),
+        "extra": TIER,
+        "async_scheduling": True,
+        "llm_kwargs": {"mamba_cache_mode": "align"},
+    }
+    run = run_driver("two_pass", args, IN_PROCESS)
+    assert sorted(run.result["kv_cache_groups"]) == ["FullAttentionSpec", "MambaSpec"]
+    assert "kvtier: hybrid model, KV cache groups per chunk:" in run.stderr
+    assert "state(gdn_attn 3x512,4x64x64 bfloat16,float32)" in run.stderr
+    want = _gdn_restored(run)
+    kv = run.result["kvtier"]
+    print(
+        f"prompts {run.result['prompt_lens']}, restored {want} tokens; host bytes per cached "
+        f"token {kv['stored_bytes']['rank=0'] / kv['stored_tokens']['rank=0']:.0f} (state "
+        f"records included), state parts stored {kv['state_parts_stored']}, loaded "
+        f"{kv['state_parts_loaded']}; timings {run.result.get('timings')}"
+    )
 
 
 def test_a_failed_hybrid_load_is_recomputed_whole(

@@ -22,7 +22,7 @@ from kvtier.offload.groups import FULL, SLIDING, STATE, GroupSpec
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["group_specs", "refusal", "state_tensor_names"]
+__all__ = ["group_specs", "refusal"]
 
 _NO_HMA = "start vLLM with --disable-hybrid-kv-cache-manager (every layer then keeps full KV)"
 _NO_KVTIER = "serve this model without KVTierConnector"
@@ -30,12 +30,6 @@ _ALIGN = (
     "start vLLM with --enable-prefix-caching --mamba-cache-mode align (vLLM then keeps each "
     "block boundary's state, as its own offloading connectors need)"
 )
-
-
-def state_tensor_names(layer: str, spec: Any) -> tuple[str, ...]:
-    """The names kvtier registers a state layer's tensors under (vLLM hands a Mamba layer's
-    cache as one tensor per state: conv, ssm, ...)."""
-    return tuple(f"{layer}#{i}" for i in range(len(spec.shapes)))
 
 
 def _state_detail(spec: Any) -> str:
@@ -193,12 +187,8 @@ def group_specs(kv_cache_config: KVCacheConfig | None) -> tuple[GroupSpec, ...] 
                 f"as rebuilt after a transfer, which kvtier does not do; {_NO_KVTIER}"
             )
         kind, reach, detail = kinds.pop()
-        layers = tuple(group.layer_names)
-        if kind == STATE:
-            spec = _inner_specs(group.kv_cache_spec)[0]
-            layers = tuple(n for layer in layers for n in state_tensor_names(layer, spec))
         block = int(group.kv_cache_spec.block_size)
-        out.append(GroupSpec(kind, block, layers, reach, detail))
+        out.append(GroupSpec(kind, block, tuple(group.layer_names), reach, detail))
     if not any(g.kind == FULL for g in out):
         raise LayoutError(
             f"kvtier cannot offload {_where(0, groups[0], groups[0].kv_cache_spec)}: a model "

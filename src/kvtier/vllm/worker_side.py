@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -62,21 +63,23 @@ def kv_description(
         num_blocks = int(kv_cache_config.num_blocks)
     else:
         num_blocks = int(next(iter(kv_caches.values())).shape[0])
+    tensors = flat_tensors(kv_caches)
     return KVCacheDescription(
-        tensors=flat_tensors(kv_caches),
+        tensors=tensors,
         num_blocks=num_blocks,
         block_size=block_size,
         layout=str(layout or "unresolved"),
         layout_fix=LAYOUT_FIX,
         replicated=replicated_across_tp(kv_cache_config, vllm_config),
         page_format=kernel_page_format(vllm_config, kv_caches),
-        groups=groups or (),
+        groups=with_tensor_names(groups, tensors) if groups else (),
     )
 
 
 def flat_tensors(kv_caches: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """vLLM's caches by name, a state layer's list of state tensors (conv, ssm, ...) as one
-    entry each, named as `groups.state_tensor_names` names them."""
+    """vLLM's caches by name; a state layer handed as a list of state tensors (conv, ssm, ...:
+    vLLM's GPU runner) as one entry each, `<layer>#<i>` (vLLM's CPU runner hands one byte view
+    of the layer's whole state page instead)."""
     out: dict[str, torch.Tensor] = {}
     for name, t in kv_caches.items():
         if isinstance(t, list | tuple):
@@ -84,6 +87,26 @@ def flat_tensors(kv_caches: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         else:
             out[name] = t
     return out
+
+
+def with_tensor_names(
+    groups: tuple[GroupSpec, ...], tensors: Mapping[str, torch.Tensor]
+) -> tuple[GroupSpec, ...]:
+    """The groups with each layer named as its tensors are registered (`flat_tensors`)."""
+    out = []
+    for g in groups:
+        names = tuple(
+            n
+            for layer in g.layers
+            for n in ([layer] if layer in tensors else _parts_of(layer, tensors))
+        )
+        out.append(dataclasses.replace(g, layers=names))
+    return tuple(out)
+
+
+def _parts_of(layer: str, tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    parts = [n for n in tensors if n.startswith(layer + "#")]
+    return sorted(parts, key=lambda n: int(n.rpartition("#")[2])) or [layer]
 
 
 def kernel_page_format(vllm_config: VllmConfig, kv_caches: dict[str, torch.Tensor]) -> str:

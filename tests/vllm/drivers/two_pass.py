@@ -36,6 +36,8 @@ KVTIER_COUNTERS = (
     "skipped_loads",
     "lookup_hit_tokens",
     "sync_loads",
+    "state_parts_stored",
+    "state_parts_loaded",
 )
 
 
