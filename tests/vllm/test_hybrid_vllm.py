@@ -82,7 +82,7 @@ def test_two_pass_restore_of_a_sliding_window_hybrid(
 UNIT_CHECKS = (
     "check_single_sliding_window_group_is_refused_by_name",
     "check_chunked_local_is_refused_alone_and_in_a_hybrid",
-    "check_mamba_hybrid_is_refused_by_name",
+    "check_state_groups_in_align_mode_are_stored_and_the_rest_refused_by_name",
     "check_only_sliding_window_groups_are_refused",
     "check_a_hybrid_draft_group_is_refused_by_name",
     "check_full_and_sliding_window_groups_are_a_hybrid_registration",
@@ -91,6 +91,7 @@ UNIT_CHECKS = (
     "check_grouped_pages_codec_and_self_test_over_vllms_hybrid_pool",
     "check_default_layout_is_split_into_kernel_blocks_by_vllm",
     "check_kv_events_carry_the_group",
+    "check_kv_events_carry_the_state_group",
 )
 
 

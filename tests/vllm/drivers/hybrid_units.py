@@ -47,11 +47,12 @@ def chunked_local() -> Any:
                                      dtype=torch.bfloat16, attention_chunk_size=256)  # fmt: skip
 
 
-def mamba() -> Any:
+def mamba(mode: str = "align", **kw: Any) -> Any:
     from vllm.v1.kv_cache_interface import MambaSpec
 
     return MambaSpec(block_size=BS, shapes=((4, 64), (2, 16, 16)),
-                     dtypes=(torch.bfloat16, torch.bfloat16))  # fmt: skip
+                     dtypes=(torch.bfloat16, torch.bfloat16), mamba_cache_mode=mode,
+                     **kw)  # fmt: skip
 
 
 def config(*groups: tuple[list[str], Any]) -> Any:
@@ -90,12 +91,25 @@ def check_chunked_local_is_refused_alone_and_in_a_hybrid() -> None:
     assert "--disable-hybrid-kv-cache-manager" in msg, msg
 
 
-def check_mamba_hybrid_is_refused_by_name() -> None:
-    msg = refused("mamba_hybrid", config((["attn.0"], attn()), (["mixer.1", "mixer.2"], mamba())))
-    assert "KV cache group 1 (MambaSpec, layers mixer.1, mixer.2)" in msg, msg
-    assert "Mamba / linear-attention" in msg, msg
+def check_state_groups_in_align_mode_are_stored_and_the_rest_refused_by_name() -> None:
+    from kvtier.offload.groups import FULL, STATE
+    from kvtier.vllm.groups import group_specs
+
+    specs = group_specs(config((["attn.0"], attn()), (["mixer.1", "mixer.2"], mamba())))
+    assert specs is not None
+    assert [(g.kind, g.layers, g.detail) for g in specs] == [
+        (FULL, ("attn.0",), ""),
+        (STATE, ("mixer.1", "mixer.2"), "mamba2 4x64,2x16x16 bfloat16,bfloat16"),
+    ]
+    # vLLM keeps no boundary state outside "align" mode: its setting is the fix
+    msg = refused("mamba_all_mode", config((["attn.0"], attn()), (["mixer.1"], mamba("all"))))
+    assert "KV cache group 1 (MambaSpec, layers mixer.1)" in msg, msg
+    assert "mamba_cache_mode='all'" in msg and "--mamba-cache-mode align" in msg, msg
+    msg = refused("mamba_spec_blocks", config((["attn.0"], attn()),
+                                              (["mixer.1"], mamba(num_speculative_blocks=2))))  # fmt: skip
+    assert "2 speculative blocks" in msg and "without speculative decoding" in msg, msg
     msg = refused("mamba_only", config((["mixer.0"], mamba())))
-    assert "(MambaSpec, layers mixer.0)" in msg, msg
+    assert "(MambaSpec, layers mixer.0)" in msg and "state layers only" in msg, msg
 
 
 def check_only_sliding_window_groups_are_refused() -> None:
@@ -286,6 +300,35 @@ def check_kv_events_carry_the_group() -> None:
     events.changed([TierChange("removed", "memory", b"k" * 16)])
     removed = events.take()
     assert [(e.group_idx, len(e.block_hashes)) for e in removed] == [(0, 1), (1, 2)]
+
+
+def check_kv_events_carry_the_state_group() -> None:
+    from kvtier.keys import state_key
+    from kvtier.metrics import Metrics
+    from kvtier.offload.messages import ChunkRef, TierChange
+    from kvtier.vllm.events import KVEvents, event_groups
+    from kvtier.vllm.request_view import VLLMRequestView
+
+    cfg = config((["f0"], attn()), (["m1"], mamba()))
+    events = KVEvents(BS, 2 * BS, Metrics(rank="scheduler"), event_groups(cfg, (2, 0)))
+    request = SimpleNamespace(
+        request_id="r", prompt_token_ids=list(range(4 * BS)),
+        block_hashes=[b"h0", b"h1", b"h2", b"h3"],
+    )  # fmt: skip
+    chunks = [ChunkRef(b"a" * 16, []), ChunkRef(b"b" * 16, [], b"a" * 16)]
+    state = ChunkRef(state_key(b"b" * 16, 0), [7], b"b" * 16, 0)
+    events.learn(VLLMRequestView(request), 0, [*chunks, state])
+    events.changed([TierChange("stored", "memory", b"b" * 16)])
+    events.changed([TierChange("stored", "memory", state.key)])
+    stored = events.take()
+    got = [(e.group_idx, e.kv_cache_spec_kind, list(e.block_hashes)) for e in stored]
+    # the chunk record: the attention group's blocks; the state record: the state group's block
+    # of the chunk's boundary (chunk 1's last block), its parent the block before it
+    h2, h3 = stored[0].block_hashes
+    assert got == [(0, "full_attention", [h2, h3]), (1, "mamba", [h3])], got
+    assert stored[1].parent_block_hash == h2
+    events.changed([TierChange("removed", "memory", state.key)])
+    assert [(e.group_idx, list(e.block_hashes)) for e in events.take()] == [(1, [h3])]
 
 
 def _gathered(codec: Any, ids: Any) -> torch.Tensor:
