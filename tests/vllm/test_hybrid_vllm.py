@@ -234,6 +234,33 @@ def test_two_pass_restore_of_a_gated_delta_net_hybrid_with_async_scheduling(
     )
 
 
+def test_a_corrupted_state_record_is_recomputed_whole(
+    run_driver: Callable[..., DriverRun], tiny_gdn_hybrid_model: Path
+) -> None:
+    # a worker flips bytes of the first load's state record: the read's checksum fails, the
+    # load fails whole (attention blocks and state), vLLM recomputes the request, and the
+    # output is the recompute's; one prompt per call in both passes
+    args = {
+        "model": str(tiny_gdn_hybrid_model),
+        "extra": {**TIER, "verify_memory_reads": True},
+        "connector": "CorruptingStateKVTierConnector",
+        "module": "tests.vllm.drivers.faulty_connectors",
+        "serial": True,
+        "llm_kwargs": {"mamba_cache_mode": "align"},
+    }
+    run = run_driver("two_pass", args, IN_PROCESS)
+    r = run.result
+    lines = retrieved_lines(run.stderr)
+    assert [(x.got, x.failed) for x in lines if x.failed] == [(0, "miss")]
+    assert len(lines) == len(r["prompt_lens"])
+    assert r["out2"] == r["out1"]
+    kv = r["kvtier"]
+    assert kv["load_failures"] == {"rank=0,reason=miss": 1.0, "rank=scheduler,reason=miss": 1.0}
+    assert kv["verify_failures"], kv
+    # the other prompts' states came back; the corrupted one's was never scattered
+    assert kv["state_parts_loaded"]["rank=0"] == len(r["prompt_lens"]) - 1
+
+
 def test_a_failed_hybrid_load_is_recomputed_whole(
     run_driver: Callable[..., DriverRun], tiny_hybrid_model_f32: Path
 ) -> None:

@@ -28,6 +28,8 @@ class CorruptingKVTierConnector(KVTierConnector):
     """Flips bytes of one stored chunk before the first load of this rank, once."""
 
     armed = True
+    # which record of the load: its first chunk, or (a state hybrid) its boundary's state
+    target_state = False
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         worker = self.offload_worker
@@ -35,7 +37,8 @@ class CorruptingKVTierConnector(KVTierConnector):
         if self.armed and worker is not None and meta is not None and meta.loads:
             stack = worker.stack
             assert stack is not None
-            key = meta.loads[0].chunks[0].key
+            chunks = meta.loads[0].chunks
+            key = next(c for c in chunks if c.part >= 0).key if self.target_state else chunks[0].key
             stack.memory.lease("test-corrupt", [key])
             try:
                 view = stack.memory.view(key)
@@ -47,6 +50,12 @@ class CorruptingKVTierConnector(KVTierConnector):
             log.info("test: corrupted chunk %s of load %s", key.hex(), meta.loads[0].op_id)
             type(self).armed = False
         super().start_load_kv(forward_context, **kwargs)
+
+
+class CorruptingStateKVTierConnector(CorruptingKVTierConnector):
+    """Flips bytes of the first load's boundary-state record (part 0), once."""
+
+    target_state = True
 
 
 class GatedKVTierConnector(KVTierConnector):
