@@ -154,6 +154,33 @@ def test_preempted_hybrid_requests_restore_again_and_decode_the_same(
     assert r["out2"] == r["out1"]
 
 
+def test_preempted_gdn_requests_restore_their_states_again(
+    run_driver: Callable[..., DriverRun], tiny_gdn_hybrid_model: Path
+) -> None:
+    # every running request is preempted after 4 decoded tokens and re-admitted next step: each
+    # restores its prefix, attention blocks and boundary state, a second time. vLLM runs this
+    # model in bf16 only, and pass 2 re-prefills decoded tokens at a point that depends on
+    # timing (no pass of its batch shape to compare tokens with): counters are compared
+    args = {
+        "model": str(tiny_gdn_hybrid_model),
+        "extra": TIER,
+        "dtype": "bfloat16",
+        "llm_kwargs": {"mamba_cache_mode": "align"},
+    }
+    run = run_driver("preempt", args, IN_PROCESS)
+    r = run.result
+    n = len(r["prompt_lens"])
+    want = sum((x - 1) // CHUNK * CHUNK for x in r["prompt_lens"])
+    assert r["pass2"]["vllm:num_preemptions"] == n
+    lines = retrieved_lines(run.stderr)
+    assert [x.failed for x in lines] == [None] * 2 * n
+    assert sum(x.got for x in lines) == 2 * want
+    k = r["kvtier2"]
+    assert (k["retrieved_tokens"], k["readmitted_retrieved_tokens"]) == (2 * want, want)
+    assert k["state_parts_loaded"] == 2 * n and not k["load_failures"]
+    assert [len(o) for o in r["out2"]] == [len(o) for o in r["out1"]]
+
+
 def test_saves_whose_window_blocks_vllm_reallocates_never_commit(
     run_driver: Callable[..., DriverRun], tiny_hybrid_model_f32: Path
 ) -> None:

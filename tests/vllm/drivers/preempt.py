@@ -7,7 +7,11 @@ Pass 2 recomputes decoded tokens as a prefill at a point that depends on timing,
 the same batch shape exists to compare with: the model runs in float32 (bf16 outputs follow the
 batch shape and the CPU's kernels; the test builds a float32 model).
 
-Args (JSON): model, extra, and optionally n, base_len, max_tokens, decode_before_preempt.
+A gated-delta-net hybrid runs in bf16 only on vLLM's CPU backend: its test compares counters,
+not tokens (`dtype`, `llm_kwargs`).
+
+Args (JSON): model, extra, and optionally n, base_len, max_tokens, decode_before_preempt,
+dtype (float32), llm_kwargs.
 """
 
 from __future__ import annotations
@@ -27,7 +31,12 @@ from tests.vllm.drivers.common import (
 )
 
 # kvtier's families reach vLLM's frontend registry through the connector-stats path
-KVTIER_COUNTERS = ("retrieved_tokens", "readmitted_retrieved_tokens")
+KVTIER_COUNTERS = (
+    "retrieved_tokens",
+    "readmitted_retrieved_tokens",
+    "state_parts_loaded",
+    "load_failures",
+)
 
 
 def kvtier_totals() -> dict[str, float]:
@@ -46,7 +55,8 @@ def main() -> None:
     prompts = make_prompts(a.get("n", 3), a.get("base_len", 600))
     max_tokens = a.get("max_tokens", 24)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llm = make_llm(a["model"], kv_transfer_config(a["extra"]), dtype="float32")
+    llm = make_llm(a["model"], kv_transfer_config(a["extra"]), dtype=a.get("dtype", "float32"),
+                   **a.get("llm_kwargs", {}))  # fmt: skip
     out1 = [
         list(o.outputs[0].token_ids)
         for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp)
