@@ -219,6 +219,47 @@ def tiny_gdn_hybrid_model(
     return make_hf_model(out, {**GDN_HYBRID, "dtype": "float32"}, vllm_python, tiny_vllm_model)
 
 
+# Nemotron-H-shaped (Mamba2 layers next to attention and an MLP layer: "M*M-"), tiny
+MAMBA2_HYBRID = {
+    "architectures": ["NemotronHForCausalLM"],
+    "model_type": "nemotron_h",
+    "vocab_size": 2048,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "hybrid_override_pattern": "M*M-",
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "mamba_num_heads": 8,
+    "mamba_head_dim": 32,
+    "ssm_state_size": 16,
+    "n_groups": 1,
+    "conv_kernel": 4,
+    "expand": 1,
+    "chunk_size": 128,
+    "mamba_hidden_act": "silu",
+    "mlp_hidden_act": "relu2",
+    "layer_norm_epsilon": 1e-5,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "use_bias": False,
+    "use_conv_bias": True,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "dtype": "bfloat16",
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_mamba2_hybrid_model(
+    tmp_path_factory: pytest.TempPathFactory, tiny_vllm_model: Path, vllm_python: Path
+) -> Path:
+    """A Nemotron-H-shaped model directory with random float32 weights."""
+    out = tmp_path_factory.mktemp("vllm-mamba2") / "tiny"
+    return make_hf_model(out, MAMBA2_HYBRID, vllm_python, tiny_vllm_model)
+
+
 @pytest.fixture(scope="session")
 def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Environment of every driver: offline, 1 GiB of KV, caches and sockets in the test tmp."""

@@ -260,6 +260,29 @@ def test_two_pass_restore_of_a_gated_delta_net_hybrid_with_async_scheduling(
     )
 
 
+def test_a_mamba2_hybrid_needs_align_mode_which_vllm_cpu_itself_cannot_run(
+    run_driver: Callable[..., DriverRun], tiny_mamba2_hybrid_model: Path
+) -> None:
+    # Nemotron-H-shaped: vLLM alone, prefix caching in "align" mode (what any state offload
+    # needs), fails inside its own Mamba2 mixer on the CPU backend
+    model = str(tiny_mamba2_hybrid_model)
+    alone = {"model": model, "no_connector": True, "generate": True,
+             "llm_kwargs": {"mamba_cache_mode": "align"}}  # fmt: skip
+    r = run_driver("bad_startup", alone, IN_PROCESS).result
+    assert (r["started"], r["generated"]) == (True, False), r
+    assert any("IndexError" in e for e in r["errors"]), r["errors"]
+    # the way vLLM serves it here (prefix caching off: no boundary state kept), kvtier refuses
+    # it at startup by name, vLLM's setting the fix
+    off = {"model": model, "extra": TIER, "llm_kwargs": {"enable_prefix_caching": False}}
+    r = run_driver("bad_startup", off, IN_PROCESS).result
+    assert r["started"] is False
+    assert any(
+        "kvtier cannot offload KV cache group" in e and "(MambaSpec, layers model.layers.0" in e
+        and "--mamba-cache-mode align" in e
+        for e in r["errors"]
+    ), r["errors"]
+
+
 def test_a_corrupted_state_record_is_recomputed_whole(
     run_driver: Callable[..., DriverRun], tiny_gdn_hybrid_model: Path
 ) -> None:
