@@ -213,8 +213,10 @@ def test_bad_configs_name_the_field() -> None:
         bytes_per_token_from_hf({"num_attention_heads": 8})
     with pytest.raises(LayoutError, match="no 'qk_rope_head_dim'"):
         bytes_per_token_from_hf({"num_hidden_layers": 2, "kv_lora_rank": 512})
-    with pytest.raises(LayoutError, match="hybrid models"):
-        bytes_per_token_from_hf({**LLAMA_31_8B, "layer_types": ["linear_attention"] * 32})
+    with pytest.raises(LayoutError, match=r"layer_types include \['conv'\]"):
+        bytes_per_token_from_hf({**LLAMA_31_8B, "layer_types": ["conv"] * 32})
+    with pytest.raises(LayoutError, match=r"kinds \['Q'\] kvtier does not know"):
+        bytes_per_token_from_hf({**LLAMA_31_8B, "hybrid_override_pattern": "M*Q-"})
     with pytest.raises(LayoutError, match="dtype 'half7'"):
         bytes_per_token_from_hf(LLAMA_31_8B, kv_dtype="half7")
     with pytest.raises(LayoutError, match="kv_dtype 'auto' needs"):
@@ -235,3 +237,24 @@ def test_normalize_dtype_and_its_sizes() -> None:
     assert dtype_bytes("fp8") == 1 and dtype_bytes(torch.float32) == 4
     with pytest.raises(LayoutError, match="not a torch dtype"):
         normalize_dtype("float9")
+
+
+def test_state_hybrids_size_their_attention_layers_per_token_and_their_states_per_boundary():
+    from kvtier.plan.presets import preset
+
+    # Qwen3-Next-80B: 12 of 48 layers full attention, 36 gated delta nets
+    g = bytes_per_token_from_hf(preset("qwen3-next-80b"), kv_dtype="auto")
+    assert (g.kind, g.num_layers, g.state_layers) == ("gqa+gdn", 12, 36)
+    assert g.bytes_per_token == 12 * 2 * 2 * 256 * 2
+    # per layer: conv (2*16*128 + 32*128) x 3 in bf16, recurrent 32 x 128 x 128 in float32
+    assert g.state_bytes == 36 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)
+    # TP=4 shards both the KV heads and the state
+    g4 = bytes_per_token_from_hf(preset("qwen3-next-80b"), tp_size=4, kv_dtype="auto")
+    assert (g4.bytes_per_token, g4.state_bytes) == (g.bytes_per_token // 2, g.state_bytes // 4)
+    # Nemotron-H-shaped: its pattern's M layers are Mamba2, * attention, - MLP
+    nemo = {**LLAMA_31_8B, "num_hidden_layers": 4, "hybrid_override_pattern": "M*M-",
+            "mamba_num_heads": 8, "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 1,
+            "conv_kernel": 4}  # fmt: skip
+    g = bytes_per_token_from_hf(nemo, kv_dtype="bfloat16")
+    assert (g.kind, g.num_layers, g.state_layers) == ("gqa+mamba2", 1, 2)
+    assert g.state_bytes == 2 * ((256 + 32) * 3 + 8 * 32 * 16) * 2

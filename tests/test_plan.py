@@ -111,6 +111,7 @@ def test_presets_are_configs_matching_the_layout_tests() -> None:
         "qwen2.5-7b",
         "deepseek-v3",
         "glm-5-dsa",
+        "qwen3-next-80b",
     ]
     assert preset("GLM-5-DSA") == GLM_5X
     assert DEEPSEEK_V3.items() <= preset("deepseek-v3").items()
@@ -679,3 +680,17 @@ def test_hybrid_tier_bytes_need_whole_blocks_per_chunk_and_print_in_the_table() 
     r = plan(GPT_OSS_LIKE, hbm_tokens=1024, tier_bytes=GiB, workload=work, chunk_size=1024)
     # 1024-token chunks of 16-token blocks: a sliding layer stores 8 of 64 blocks
     assert r.tier_token_bytes == 2 * 512 + 2 * 512 * 8 // 64
+
+
+def test_a_state_hybrids_plan_reports_its_boundary_state_in_chunk_sized_records() -> None:
+    r = plan(preset("qwen3-next-80b"), hbm_tokens=100_000, tier_bytes=64 * GiB,
+             workload=SyntheticWorkload(4, 8192), block_size=256)  # fmt: skip
+    # 73.7 MiB of state per boundary: 13 records of a 256-token chunk's 6 MiB of attention KV
+    assert (r.tier_token_bytes, r.geometry.state_bytes, r.state_records) == (
+        24_576, 77_266_944, 13,
+    )  # fmt: skip
+    from kvtier.plan.report import report_rows
+
+    rows = {q: v for q, v, _ in report_rows(r)}
+    assert rows["boundary state per rank (36 state layers)"] == "77,266,944"
+    assert rows["state records per stored boundary (chunk-sized)"] == "13 x 6,291,456"

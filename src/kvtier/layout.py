@@ -85,6 +85,10 @@ class KVGeometry:
     replicated_across_tp: bool
     kv_heads_per_rank: int | None = None
     num_indexer_layers: int = 0
+    # a hybrid's state layers (gated delta net, Mamba2) and the bytes of one boundary's state
+    # over all of them on one rank: kept per stored boundary, not per token
+    state_layers: int = 0
+    state_bytes: int = 0
 
     @property
     def total_bytes_per_token(self) -> int:
@@ -114,7 +118,7 @@ def bytes_per_token_from_hf(
     kv_name = _resolve_kv_dtype(cfg, kv_dtype)
     elem = dtype_bytes(kv_name)
     num_layers = _int_field(cfg, "num_hidden_layers")
-    _reject_hybrid(cfg)
+    attention, n_states, mixer = cache_layers(cfg, num_layers)
     n_mtp = _int_field(cfg, "num_nextn_predict_layers", default=0) if include_mtp else 0
 
     if cfg.get("kv_lora_rank") is not None:
@@ -153,11 +157,11 @@ def bytes_per_token_from_hf(
         head_dim = _int_field(cfg, "head_dim")
     heads_per_rank = _kv_heads_per_rank(n_kv, tp_size)
     kv_bytes = 2 * heads_per_rank * head_dim * elem
-    layers = tuple(
-        LayerGeometry(i, kv_bytes, 0, i >= num_layers) for i in range(num_layers + n_mtp)
-    )
+    mtp = range(num_layers, num_layers + n_mtp)
+    layers = tuple(LayerGeometry(i, kv_bytes, 0, i >= num_layers) for i in [*attention, *mtp])
+    kind = "mha" if n_kv == n_heads else "gqa"
     return KVGeometry(
-        kind="mha" if n_kv == n_heads else "gqa",
+        kind=f"{kind}+{mixer}" if n_states else kind,
         num_layers=len(layers),
         tp_size=tp_size,
         kv_dtype=kv_name,
@@ -165,6 +169,8 @@ def bytes_per_token_from_hf(
         layers=layers,
         replicated_across_tp=tp_size > 1 and n_kv < tp_size,
         kv_heads_per_rank=heads_per_rank,
+        state_layers=n_states,
+        state_bytes=n_states * state_bytes_per_rank(cfg, mixer, tp_size, elem) if n_states else 0,
     )
 
 
@@ -199,16 +205,62 @@ def _resolve_kv_dtype(cfg: Mapping[str, object], kv_dtype: str) -> str:
     return normalize_dtype(kv_dtype)
 
 
-def _reject_hybrid(cfg: Mapping[str, object]) -> None:
-    # Linear-attention / Mamba layers keep state, not paged KV; sizing them as KV would lie.
+_ATTENTION_TYPES = {"full_attention", "sliding_attention"}
+# Nemotron-H's hybrid_override_pattern: M a Mamba2 layer, * attention, - an MLP, E an MoE
+_PATTERN_KINDS = {"M": "mamba2", "*": "attention", "-": "mlp", "E": "moe"}
+
+
+def cache_layers(cfg: Mapping[str, object], num_layers: int) -> tuple[list[int], int, str]:
+    """(attention layer indices, state layer count, state mixer) of a config: every layer is
+    attention for a plain model; a hybrid's linear-attention (gated delta net) or Mamba2 layers
+    keep one state per sequence instead of paged KV. LayoutError names a kind it cannot size."""
     types = cfg.get("layer_types")
+    pattern = cfg.get("hybrid_override_pattern")
+    interval = cfg.get("full_attention_interval")
+    if types is None and isinstance(interval, int) and interval > 0:
+        # Qwen3-Next ships the interval; its config class derives layer_types from it
+        types = ["linear_attention" if (i + 1) % interval else "full_attention"
+                 for i in range(num_layers)]  # fmt: skip
     if isinstance(types, Sequence) and not isinstance(types, str):
-        odd = sorted({str(t) for t in types} - {"full_attention", "sliding_attention"})
+        kinds = [str(t) for t in types]
+        odd = sorted(set(kinds) - _ATTENTION_TYPES - {"linear_attention"})
         if odd:
             raise LayoutError(
-                f"config layer_types include {odd}: hybrid models are not sized from the config; "
-                "derive the layout from the registered tensors instead"
+                f"config layer_types include {odd}: kvtier sizes attention, sliding-window and "
+                "linear-attention (gated delta net) layers from a config; derive this model's "
+                "layout from the registered tensors instead"
             )
+        attention = [i for i, k in enumerate(kinds) if k in _ATTENTION_TYPES]
+        return attention, len(kinds) - len(attention), "gdn" if "linear_attention" in kinds else ""
+    if isinstance(pattern, str) and pattern:
+        odd = sorted(set(pattern) - set(_PATTERN_KINDS))
+        if odd:
+            raise LayoutError(
+                f"config hybrid_override_pattern {pattern!r} has layer kinds {odd} kvtier does not "
+                f"know (it knows {sorted(_PATTERN_KINDS)})"
+            )
+        attention = [i for i, k in enumerate(pattern) if k == "*"]
+        return attention, pattern.count("M"), "mamba2" if "M" in pattern else ""
+    return list(range(num_layers)), 0, ""
+
+
+def state_bytes_per_rank(cfg: Mapping[str, object], mixer: str, tp_size: int, elem: int) -> int:
+    """Bytes of one state layer's state on one rank, as vLLM keeps it: a gated delta net's conv
+    state in the model dtype and its recurrent state in float32 (vLLM's default), a Mamba2
+    layer's both in the model dtype."""
+    if mixer == "gdn":
+        k_heads = _int_field(cfg, "linear_num_key_heads")
+        v_heads = _int_field(cfg, "linear_num_value_heads")
+        k_dim = _int_field(cfg, "linear_key_head_dim")
+        v_dim = _int_field(cfg, "linear_value_head_dim")
+        conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
+        width = _int_field(cfg, "linear_conv_kernel_dim") - 1
+        return conv_dim // tp_size * width * elem + v_heads // tp_size * k_dim * v_dim * 4
+    heads, head_dim = _int_field(cfg, "mamba_num_heads"), _int_field(cfg, "mamba_head_dim")
+    state, groups = _int_field(cfg, "ssm_state_size"), _int_field(cfg, "n_groups", default=1)
+    conv_dim = heads * head_dim + 2 * groups * state
+    width = _int_field(cfg, "conv_kernel") - 1
+    return (conv_dim // tp_size * width + heads // tp_size * head_dim * state) * elem
 
 
 def _kv_heads_per_rank(n_kv: int, tp_size: int) -> int:

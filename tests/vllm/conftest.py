@@ -202,8 +202,9 @@ def make_hf_model(out: Path, config: dict[str, Any], python: Path, tokenizer: Pa
     transformers in .venv-vllm) and the tiny Llama's tokenizer."""
     out.mkdir(parents=True)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    proc = subprocess.run([str(python), str(Path(__file__).with_name("make_hf_model.py")),
-                           str(out)], capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    script = Path(__file__).with_name("make_hf_model.py")
+    proc = subprocess.run([str(python), str(script), str(out)], capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (out / name).write_bytes((tokenizer / name).read_bytes())

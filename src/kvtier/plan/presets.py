@@ -116,6 +116,25 @@ _GLM_5_DSA: dict[str, Any] = {
     "torch_dtype": "bfloat16",
 }
 
+# every 4th layer full attention, the rest gated delta nets (one state per sequence)
+_QWEN3_NEXT_80B: dict[str, Any] = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "hidden_size": 2048,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "full_attention_interval": 4,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "max_position_embeddings": 262144,
+    "torch_dtype": "bfloat16",
+}
+
 PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
     {
         "llama-3.1-8b": _LLAMA_31_8B,
@@ -123,6 +142,7 @@ PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
         "qwen2.5-7b": _QWEN25_7B,
         "deepseek-v3": _DEEPSEEK_V3,
         "glm-5-dsa": _GLM_5_DSA,
+        "qwen3-next-80b": _QWEN3_NEXT_80B,
     }
 )
 

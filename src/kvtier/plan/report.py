@@ -45,6 +45,22 @@ def report_rows(r: PlanResult) -> list[tuple[str, str, str]]:
             if r.tier_bytes_per_token
             else []
         ),
+        *(
+            [
+                (
+                    f"boundary state per rank ({g.state_layers} state layers)",
+                    f"{g.state_bytes:,}",
+                    "B",
+                ),
+                (
+                    "state records per stored boundary (chunk-sized)",
+                    f"{r.state_records} x {r.chunk_size * r.tier_token_bytes:,}",
+                    "B",
+                ),
+            ]  # fmt: skip
+            if g.state_layers
+            else []
+        ),
         (
             "bytes per token, all ranks",
             f"{r.total_bytes_per_token:,}" + (" (replicated)" if g.replicated_across_tp else ""),

@@ -48,6 +48,16 @@ class PlanResult:
     warnings: tuple[str, ...] = field(default_factory=tuple)
     # bytes the tier stores per cached token (a sliding-window hybrid stores less; 0: the same)
     tier_bytes_per_token: int = 0
+    chunk_size: int = 256
+
+    @property
+    def state_records(self) -> int:
+        """Chunk-sized records one stored boundary's state takes on a rank (0: no state layers):
+        a state hybrid stores its state layers' state once per boundary, beside the chunks."""
+        g = self.geometry
+        if not g.state_bytes:
+            return 0
+        return -(-g.state_bytes // max(1, self.chunk_size * self.tier_token_bytes))
 
     @property
     def tier_token_bytes(self) -> int:
@@ -198,6 +208,7 @@ def plan(
         ceilings=reuse.ceilings,
         ceiling_note=reuse.note,
         warnings=_warnings(verdict, hbm_pool, tier_tokens, tier_bytes, reuse.reusable * tier_bpt),
+        chunk_size=chunk_size,
         tier_bytes_per_token=tier_bpt if tier_bpt != bpt else 0,
     )
 

@@ -105,8 +105,8 @@ def check_state_groups_in_align_mode_are_stored_and_the_rest_refused_by_name() -
     msg = refused("mamba_all_mode", config((["attn.0"], attn()), (["mixer.1"], mamba("all"))))
     assert "KV cache group 1 (MambaSpec, layers mixer.1)" in msg, msg
     assert "mamba_cache_mode='all'" in msg and "--mamba-cache-mode align" in msg, msg
-    msg = refused("mamba_spec_blocks", config((["attn.0"], attn()),
-                                              (["mixer.1"], mamba(num_speculative_blocks=2))))  # fmt: skip
+    speculative = mamba(num_speculative_blocks=2)
+    msg = refused("mamba_spec_blocks", config((["attn.0"], attn()), (["mixer.1"], speculative)))
     assert "2 speculative blocks" in msg and "without speculative decoding" in msg, msg
     msg = refused("mamba_only", config((["mixer.0"], mamba())))
     assert "(MambaSpec, layers mixer.0)" in msg and "state layers only" in msg, msg
