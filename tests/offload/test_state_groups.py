@@ -5,6 +5,7 @@ of its last boundary, together or not at all."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvtier.config import KVTierConfig
@@ -17,6 +18,7 @@ from kvtier.offload.load_planner import SLOWER
 from kvtier.offload.messages import ChunkRef
 from kvtier.offload.pages import KVCacheDescription, describe_pages
 from kvtier.offload.protocols import StepRequest
+from kvtier.offload.selftest import SELF_TEST_KEY
 from kvtier.offload.scheduler import OffloadScheduler
 from kvtier.store.memory import MemoryTier
 from kvtier.store.stack import TierStack
@@ -233,3 +235,79 @@ def test_a_lookup_with_ends_is_cut_back_to_the_deepest_held_end():
     stack.put(keys[2], bytes(64))
     assert stack.lookup_run(keys, None, ends).chunks == 4
     assert stack.lookup_run(keys, None, ends[:3]).chunks == 2
+
+
+def test_a_worker_saves_and_restores_a_boundary_state_under_the_device_harness() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from kvtier.offload.messages import LoadOp, OffloadMeta, SaveOp
+    from kvtier.offload.worker import OffloadWorker
+    from tests.offload.separation import DeviceSeparation, TaggedOps
+
+    mode = DeviceSeparation()
+    desc, t = _state_desc()
+    pool = t["pool"]
+    g = torch.Generator().manual_seed(3)
+    pool.copy_(torch.randint(0, 255, pool.shape, generator=g).to(torch.uint8))
+    mode.tag(pool)
+    metrics = Metrics(rank=0, registry=CollectorRegistry())
+    worker = OffloadWorker(
+        KVTierConfig.from_dict({"memory_bytes": "1MiB", "chunk_size": CHUNK}), rank=0, world=1,
+        model_id="m", metrics=metrics, lookup_endpoint=None, ops=TaggedOps(mode),
+    )  # fmt: skip
+    try:
+        with mode:
+            worker.register_kv_caches(desc)
+            # the chunk's blocks 1, 2; the state in block 5 (host copies: explicit, per row)
+            want = [pool[b].to("cpu", copy=True) for b in (1, 2, 5)]
+            chunk = bytes([7]) * 16
+            state = ChunkRef(state_key(chunk, 0), [5], chunk, 0)
+            save = SaveOp("s", "r1", [ChunkRef(chunk, [1, 2]), state], CHUNK)
+            worker.wait_for_save(OffloadMeta(saves=[save]))
+            assert worker.wait_idle(30.0)
+            (result,) = worker.take_report().results
+            assert result.ok and result.nbytes == 2 * worker.codec.chunk_bytes
+            assert worker.stack is not None
+            assert worker.stack.lookup_run([chunk], "lk", [state.key]).chunks == 1
+            load = LoadOp("l", "r2", "lk", [ChunkRef(chunk, [6, 7]), ChunkRef(state.key, [3],
+                                                                           chunk, 0)], CHUNK)  # fmt: skip
+            worker.start_load_kv(OffloadMeta(loads=[load]))
+            assert worker.wait_idle(30.0)
+            assert worker.take_report().results[0].ok
+            got = [pool[b].to("cpu", copy=True) for b in (6, 7, 3)]
+        # the attention pages whole; the state block's state bytes (its padding is the pool's)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert torch.equal(got[2][:176], want[2][:176])
+        assert metrics.state_parts_stored._value.get() == 1
+        assert metrics.state_parts_loaded._value.get() == 1
+    finally:
+        worker.close()
+
+
+def test_the_startup_self_test_moves_a_boundary_state_through_the_real_paths(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from kvtier.errors import StartupError
+    from kvtier.offload.device import CpuOps
+    from kvtier.offload.group_codec import StateCodec
+    from kvtier.offload.worker import OffloadWorker
+
+    def worker() -> OffloadWorker:
+        return OffloadWorker(
+            KVTierConfig.from_dict({"memory_bytes": "1MiB", "chunk_size": CHUNK}), rank=0,
+            world=1, model_id="m", metrics=Metrics(rank=0, registry=CollectorRegistry()),
+            lookup_endpoint=None, ops=CpuOps(),
+        )  # fmt: skip
+
+    desc, _ = _state_desc()
+    ok = worker()
+    ok.register_kv_caches(desc)
+    assert ok.stack is not None and ok.stack.memory.contains(state_key(SELF_TEST_KEY, 0))
+    ok.close()
+    # a state path that writes nothing back: startup stops naming a state tensor
+    monkeypatch.setattr(StateCodec, "scatter", lambda self, src, ids, part: 0)
+    bad = worker()
+    with pytest.raises(StartupError, match="KV tensor 'gdn#0'"):
+        bad.register_kv_caches(desc)

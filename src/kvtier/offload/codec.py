@@ -56,6 +56,10 @@ class PageCodec:
         """The records an op's chunks are in the tiers: one each (no state records here)."""
         return list(chunks)
 
+    def refs(self, key: bytes, per_group: Sequence[int]) -> list[ChunkRef]:
+        """The records of one chunk keyed `key` over blocks `per_group`: the chunk alone."""
+        return [ChunkRef(key, list(per_group))]
+
     def _check(self, block_ids: Sequence[int], *, skips: bool) -> None:
         if len(block_ids) != self.blocks_per_chunk:
             raise ValueError(f"a chunk has {self.blocks_per_chunk} blocks, got {len(block_ids)}")

@@ -150,6 +150,25 @@ class GroupedCodec:
                 out.append(ChunkRef(key, ref.block_ids, up, j))
         return out
 
+    def refs(self, key: bytes, per_group: Sequence[int]) -> list[ChunkRef]:
+        """The records of one chunk keyed `key` whose blocks are given group by group (each
+        attention group's positions, one block per state group): the chunk, then its
+        boundary's state record (the self-test moves both through the real paths)."""
+        chunk: list[int] = []
+        state: list[int] = []
+        pos = 0
+        for i, n in enumerate(self.layout.positions):
+            if i in self.layout.states:
+                state.append(per_group[pos])
+                pos += 1
+            else:
+                chunk.extend(per_group[pos : pos + n])
+                pos += n
+        out = [ChunkRef(key, chunk)]
+        if state:
+            out.append(ChunkRef(state_key(key, 0), state, key, 0))
+        return out
+
     def regions(
         self, block_ids: Sequence[int], buf: torch.Tensor, *, skips: bool = False
     ) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from kvtier.errors import StartupError
 from kvtier.offload.device import DeviceOps, copy_to
-from kvtier.offload.groups import ChunkGroups
+from kvtier.offload.groups import STATE, ChunkGroups
 from kvtier.offload.pages import KVCacheDescription, KVPages, manager_view
 from kvtier.offload.protocols import LookupPort
 
@@ -185,7 +185,11 @@ def _units(desc: KVCacheDescription, blocks_per_chunk: int) -> list[tuple[list[s
     if not desc.groups:
         return [(list(desc.tensors), blocks_per_chunk)]
     layout = ChunkGroups(desc.groups, blocks_per_chunk * desc.block_size)
-    return [(list(g.layers), n) for g, n in zip(layout.groups, layout.positions, strict=True)]
+    # a state group moves one block, its boundary's state (a record of its own)
+    return [
+        (list(g.layers), 1 if g.kind == STATE else n)
+        for g, n in zip(layout.groups, layout.positions, strict=True)
+    ]
 
 
 def fail_startup(tag: str, device: torch.device, layout: str, err: BaseException) -> StartupError:

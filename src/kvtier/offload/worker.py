@@ -42,7 +42,6 @@ from kvtier.offload.hooks import HOOK_ERROR, HookGuard
 from kvtier.offload.lane import WorkLane
 from kvtier.offload.loading import Buffers, LoadPath, LoadRun, PendingLoad
 from kvtier.offload.messages import (
-    ChunkRef,
     LoadOp,
     OffloadMeta,
     OpResult,
@@ -289,14 +288,17 @@ class OffloadWorker:
         assert self._path is not None
         stack, key, dp = self.stack, SELF_TEST_KEY, self._path
 
+        codec = self.codec
+
         def save(block_ids: Sequence[int]) -> None:
             job = PendingSave(SaveOp("self-test", "self-test", [], 0), self._ops_fence())
-            ref = ChunkRef(key, list(block_ids))
             saves = dp.saves
             assert saves is not None
-            reason = self._save_lane_call(lambda lane: saves.one(lane, job, ref))
-            if reason:
-                raise RuntimeError(f"the save path failed: {reason}")
+            # the chunk and, for a model with state layers, its boundary's state record
+            for ref in codec.records(codec.refs(key, block_ids)):
+                reason = self._save_lane_call(lambda lane, ref=ref: saves.one(lane, job, ref))
+                if reason:
+                    raise RuntimeError(f"the save path failed: {reason}")
 
         def load(block_ids: Sequence[int]) -> None:
             lease = f"kvtier-self-test-{next(self._selftest_ids)}"
@@ -304,7 +306,7 @@ class OffloadWorker:
                 stack.release(lease)
                 raise RuntimeError("the saved chunk is not in the tier")
             # the load path releases the lease once it read the chunk
-            op = LoadOp("self-test", "self-test", lease, [ChunkRef(key, list(block_ids))], 0)
+            op = LoadOp("self-test", "self-test", lease, codec.refs(key, block_ids), 0)
             p = PendingLoad(op, 0.0, 0.0, self._ops_fence())
             loads = dp.loads
             assert loads is not None
