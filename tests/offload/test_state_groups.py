@@ -18,8 +18,8 @@ from kvtier.offload.load_planner import SLOWER
 from kvtier.offload.messages import ChunkRef
 from kvtier.offload.pages import KVCacheDescription, describe_pages
 from kvtier.offload.protocols import StepRequest
-from kvtier.offload.selftest import SELF_TEST_KEY
 from kvtier.offload.scheduler import OffloadScheduler
+from kvtier.offload.selftest import SELF_TEST_KEY
 from kvtier.store.memory import MemoryTier
 from kvtier.store.stack import TierStack
 from tests.offload.fakes import FakeLookup
