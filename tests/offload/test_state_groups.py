@@ -269,8 +269,8 @@ def test_a_worker_saves_and_restores_a_boundary_state_under_the_device_harness()
             assert result.ok and result.nbytes == 2 * worker.codec.chunk_bytes
             assert worker.stack is not None
             assert worker.stack.lookup_run([chunk], "lk", [state.key]).chunks == 1
-            load = LoadOp("l", "r2", "lk", [ChunkRef(chunk, [6, 7]), ChunkRef(state.key, [3],
-                                                                           chunk, 0)], CHUNK)  # fmt: skip
+            back = [ChunkRef(chunk, [6, 7]), ChunkRef(state.key, [3], chunk, 0)]
+            load = LoadOp("l", "r2", "lk", back, CHUNK)
             worker.start_load_kv(OffloadMeta(loads=[load]))
             assert worker.wait_idle(30.0)
             assert worker.take_report().results[0].ok

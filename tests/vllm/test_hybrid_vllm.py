@@ -13,7 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.vllm.conftest import CHUNK, TIER, DriverRun, loadable_tokens, retrieved_lines
+from tests.vllm.conftest import (
+    CHUNK,
+    TIER,
+    DriverRun,
+    Retrieved,
+    loadable_tokens,
+    retrieved_lines,
+)
 
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
@@ -131,12 +138,16 @@ def test_tp2_gdn_hybrid_restores_every_group_and_its_state_shard_on_every_rank(
         "tp": 2,
         "extra": extra,
         "hbm_pass": True,
+        "serial": True,
         "llm_kwargs": GDN_VLLM,
     }
     run = run_driver("two_pass", args, tp2, timeout_s=280)
     assert sorted(run.result["kv_cache_groups"]) == ["FullAttentionSpec", "MambaSpec"]
-    _gdn_restored(run)
+    want = _gdn_restored(run)
     assert sorted({x.rank for x in retrieved_lines(run.stderr)}) == [0, 1]
+    kv = run.result["kvtier"]
+    assert kv["retrieved_tokens"] == {"rank=0": want, "rank=1": want, "rank=scheduler": 0.0}
+    assert not kv["load_failures"]
 
 
 def test_preempted_hybrid_requests_restore_again_and_decode_the_same(
@@ -213,11 +224,14 @@ GDN_TIER = {**TIER, "chunk_size": GDN_CHUNK}
 GDN_VLLM = {"mamba_cache_mode": "align"}
 
 
-def _gdn_restored(run: DriverRun) -> int:
+def _gdn_restored(
+    run: DriverRun, lines: list[Retrieved] | None = None, states_loaded: float | None = None
+) -> int:
     """A state hybrid's pass 2: every prompt restored to its last chunk boundary below its
     last token, each state record found, the output the one vLLM's own prefix cache gives at
     the same boundaries (this model runs in bf16 only on vLLM's CPU backend: pass 1's whole
-    prefill is another batch shape)."""
+    prefill is another batch shape; one prompt per call, since parked loads land in steps that
+    depend on timing and a batch of them is not the HBM pass's batch)."""
     r = run.result
     # a hit ends only where a state was stored: a chunk boundary one token or more short
     want = sum((n - 1) // GDN_CHUNK * GDN_CHUNK for n in r["prompt_lens"])
@@ -227,17 +241,17 @@ def _gdn_restored(run: DriverRun) -> int:
     assert p2["vllm:external_prefix_cache_hits"] == want > 0
     assert r["out_hbm"] and r["out2"] == r["out_hbm"], "restored KV and states changed the output"
     kv = r["kvtier"]
-    lines = retrieved_lines(run.stderr)
-    ranks = sorted({x.rank for x in lines})
-    for rank in ranks:
+    lines = retrieved_lines(run.stderr) if lines is None else lines
+    n = len(r["prompt_lens"])
+    for rank in sorted({x.rank for x in lines}):
         mine = [x for x in lines if x.rank == rank]
-        assert [x.failed for x in mine] == [None] * len(r["prompt_lens"]), mine
+        assert [x.failed for x in mine] == [None] * n, mine
         assert sum(x.got for x in mine) == want
-        assert kv["retrieved_tokens"][f"rank={rank}"] == want
-        # one state record per restored prompt, read back on every rank
-        assert kv["state_parts_loaded"][f"rank={rank}"] >= len(r["prompt_lens"])
-        assert kv["state_parts_stored"][f"rank={rank}"] >= len(r["prompt_lens"])
-    assert not kv["load_failures"]
+        # a state record per prompt stored (at least: a recomputed one is stored again), and
+        # one read back per restored prompt
+        assert kv["state_parts_stored"][f"rank={rank}"] >= n
+        loaded = kv["state_parts_loaded"][f"rank={rank}"]
+        assert (loaded if states_loaded is None else states_loaded) == n
     return want
 
 
@@ -249,17 +263,39 @@ def test_two_pass_restore_of_a_gated_delta_net_hybrid_with_async_scheduling(
     # full attention; float32, so pass 2's tail-only prefill rounds as pass 1's did
     args = {
         "model": str(tiny_gdn_hybrid_model),
-        "extra": GDN_TIER,
+        "extra": {**GDN_TIER, "verify_memory_reads": True},
         "async_scheduling": True,
         "hbm_pass": True,
+        "serial": True,
         "llm_kwargs": GDN_VLLM,
+        # pass 3 reads the tier again with its first load's state record corrupted
+        "connector": "CorruptingStateKVTierConnector",
+        "module": "tests.vllm.drivers.faulty_connectors",
+        "corrupt_pass3": True,
     }
     run = run_driver("two_pass", args, IN_PROCESS)
     assert sorted(run.result["kv_cache_groups"]) == ["FullAttentionSpec", "MambaSpec"]
     assert "kvtier: hybrid model, KV cache groups per chunk:" in run.stderr
     assert "state(gdn_attn 3x512,4x64x64 bfloat16,float32)" in run.stderr
-    want = _gdn_restored(run)
-    kv = run.result["kvtier"]
+    r = run.result
+    n = len(r["prompt_lens"])
+    pass2 = retrieved_lines(run.stderr)[:n]
+    want = _gdn_restored(run, pass2, r["kvtier"]["state_parts_loaded"]["rank=0"] - (n - 1))
+
+    # pass 3: the corrupted state record fails its read's checksum, so the first prompt's load
+    # fails whole (attention blocks and state) and vLLM recomputes that request (pass 1's
+    # batch shape); the others restore as in pass 2
+    pass3 = retrieved_lines(run.stderr)[n:]
+    assert [(x.got, x.failed) for x in pass3] == [(0, "miss")] + [(x.got, None) for x in pass3[1:]]
+    assert r["out3"][0] == r["out1"][0]
+    assert r["out3"][1:] == r["out_hbm"][1:]
+    kv = r["kvtier"]
+    assert kv["load_failures"] == {"rank=0,reason=miss": 1.0, "rank=scheduler,reason=miss": 1.0}
+    assert kv["verify_failures"], kv
+    # pass 2's three state records and pass 3's two uncorrupted ones were scattered; the
+    # recomputed request stored its state again
+    assert kv["state_parts_loaded"]["rank=0"] == 2 * n - 1
+    assert kv["state_parts_stored"]["rank=0"] == n + 1
     print(
         f"prompts {run.result['prompt_lens']}, restored {want} tokens; host bytes per cached "
         f"token {kv['stored_bytes']['rank=0'] / kv['stored_tokens']['rank=0']:.0f} (state "
@@ -278,47 +314,8 @@ def test_a_mamba2_hybrid_needs_align_mode_which_vllm_cpu_itself_cannot_run(
     r = run_driver("bad_startup", alone, IN_PROCESS).result
     assert (r["started"], r["generated"]) == (True, False), r
     assert any("IndexError" in e for e in r["errors"]), r["errors"]
-    # the way vLLM serves it here (prefix caching off: no boundary state kept), kvtier refuses
-    # it at startup by name, vLLM's setting the fix
-    off = {"model": model, "extra": TIER, "llm_kwargs": {"enable_prefix_caching": False}}
-    r = run_driver("bad_startup", off, IN_PROCESS).result
-    assert r["started"] is False
-    assert any(
-        "kvtier cannot offload KV cache group" in e and "(MambaSpec, layers model.layers.0" in e
-        and "--mamba-cache-mode align" in e
-        for e in r["errors"]
-    ), r["errors"]
-
-
-def test_a_corrupted_state_record_is_recomputed_whole(
-    run_driver: Callable[..., DriverRun], tiny_gdn_hybrid_model: Path
-) -> None:
-    # a worker flips bytes of the first load's state record: the read's checksum fails, the
-    # load fails whole (attention blocks and state), vLLM recomputes the request, and the
-    # output is the recompute's; one prompt per call in both passes
-    args = {
-        "model": str(tiny_gdn_hybrid_model),
-        "extra": {**GDN_TIER, "verify_memory_reads": True},
-        "connector": "CorruptingStateKVTierConnector",
-        "module": "tests.vllm.drivers.faulty_connectors",
-        "serial": True,
-        "hbm_pass": True,
-        "llm_kwargs": GDN_VLLM,
-    }
-    run = run_driver("two_pass", args, IN_PROCESS)
-    r = run.result
-    lines = retrieved_lines(run.stderr)
-    assert [(x.got, x.failed) for x in lines if x.failed] == [(0, "miss")]
-    assert len(lines) == len(r["prompt_lens"])
-    # the first prompt's load failed: recomputed whole, pass 1's batch shape; the others were
-    # restored to the boundaries of vLLM's own prefix-cache hits
-    assert r["out2"][0] == r["out1"][0]
-    assert r["out2"][1:] == r["out_hbm"][1:]
-    kv = r["kvtier"]
-    assert kv["load_failures"] == {"rank=0,reason=miss": 1.0, "rank=scheduler,reason=miss": 1.0}
-    assert kv["verify_failures"], kv
-    # the other prompts' states came back; the corrupted one's was never scattered
-    assert kv["state_parts_loaded"]["rank=0"] == len(r["prompt_lens"]) - 1
+    # the way vLLM serves it here (prefix caching off: mamba_cache_mode "none") kvtier refuses
+    # by name, vLLM's setting the fix: check_state_groups_in_align_mode_... above
 
 
 def test_a_failed_hybrid_load_is_recomputed_whole(

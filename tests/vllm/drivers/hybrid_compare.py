@@ -6,7 +6,8 @@ vLLM's own prefix cache at the same boundaries (its batch shape). Run by hand, o
 
     .venv-vllm/bin/python tests/vllm/drivers/hybrid_compare.py '{"model": DIR, "arm": "kvtier"}'
 
-Args (JSON): model, arm (kvtier | offloading | none), chunk (a multiple of vLLM's block size,
+Args (JSON): model, arm (kvtier | offloading | none), serial (outputs compared one prompt
+per call), chunk (a multiple of vLLM's block size,
 which a larger state page raises: 640 for docs/hybrid.md's model), n, base_len, repeats,
 llm_kwargs.
 Needs VLLM_ENABLE_V1_MULTIPROCESSING=0 and VLLM_CPU_KVCACHE_SPACE (tests/vllm/conftest.py).
@@ -59,11 +60,19 @@ def main() -> None:
         # fresh prompts each round: nothing of an earlier round is in any cache
         prompts = make_prompts(a.get("n", 3), a.get("base_len", 600), seed=100 + r)
         batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+
+        def outputs(sp: SamplingParams, batch: list[TokensPrompt] = batch) -> list[list[int]]:
+            # serial: one prompt per call, so a restore's batch is the HBM hit's batch (a batch
+            # of parked loads lands in steps that depend on timing)
+            if a.get("serial"):
+                return [list(llm.generate([p], sp)[0].outputs[0].token_ids) for p in batch]
+            return [list(o.outputs[0].token_ids) for o in llm.generate(batch, sp)]
+
         t0 = time.perf_counter()
         llm.generate(batch, full)
         t1 = time.perf_counter()
         # vLLM's own prefix cache at the same boundaries: the batch shape of a tier restore
-        out_hbm = [list(o.outputs[0].token_ids) for o in llm.generate(batch, full)]
+        out_hbm = outputs(full)
         reset_prefix_cache(llm)
         if a["arm"] == "offloading":
             time.sleep(1.0)  # its stores complete asynchronously, with no completion signal
@@ -73,7 +82,7 @@ def main() -> None:
         t3 = time.perf_counter()
         m_ttft = llm_metrics(llm)
         reset_prefix_cache(llm)
-        out2 = [list(o.outputs[0].token_ids) for o in llm.generate(batch, full)]
+        out2 = outputs(full)
         m2 = llm_metrics(llm)
         rounds.append({
             "prompt_lens": [len(p) for p in prompts],

@@ -102,9 +102,11 @@ def check_state_groups_in_align_mode_are_stored_and_the_rest_refused_by_name() -
         (STATE, ("mixer.1", "mixer.2"), "mamba2 4x64,2x16x16 bfloat16,bfloat16"),
     ]
     # vLLM keeps no boundary state outside "align" mode: its setting is the fix
-    msg = refused("mamba_all_mode", config((["attn.0"], attn()), (["mixer.1"], mamba("all"))))
-    assert "KV cache group 1 (MambaSpec, layers mixer.1)" in msg, msg
-    assert "mamba_cache_mode='all'" in msg and "--mamba-cache-mode align" in msg, msg
+    for mode in ("all", "none"):  # "none": prefix caching off
+        cfg = config((["attn.0"], attn()), (["mixer.1"], mamba(mode)))
+        msg = refused(f"mamba_{mode}_mode", cfg)
+        assert "KV cache group 1 (MambaSpec, layers mixer.1)" in msg, msg
+        assert f"mamba_cache_mode={mode!r}" in msg and "--mamba-cache-mode align" in msg, msg
     speculative = mamba(num_speculative_blocks=2)
     msg = refused("mamba_spec_blocks", config((["attn.0"], attn()), (["mixer.1"], speculative)))
     assert "2 speculative blocks" in msg and "without speculative decoding" in msg, msg

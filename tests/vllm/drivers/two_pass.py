@@ -9,7 +9,9 @@ GPUs, which its CPU platform turns off: the driver turns it back on after the pl
 serial (one prompt per `generate` call in both passes: a request that recomputes after a failed
 load then runs alone, as in pass 1, instead of lagging a batch whose shape pass 1 never had),
 llm_kwargs (more `LLM` arguments, e.g. disable_hybrid_kv_cache_manager), dtype (bfloat16),
-hbm_pass (pass 1's prompts again before the reset, from vLLM's own prefix cache: `out_hbm`).
+hbm_pass (pass 1's prompts again before the reset, from vLLM's own prefix cache: `out_hbm`),
+corrupt_pass3 (a third pass from the tier whose first load's record a CorruptingKVTierConnector
+subclass corrupts: `out3`; in-process engines only).
 """
 
 from __future__ import annotations
@@ -112,6 +114,12 @@ def main() -> None:
             return [generate([p])[0] for p in prompts]
         return generate(prompts)
 
+    corrupting = None
+    if a.get("corrupt_pass3"):
+        # the in-process engine's connector class: its corruption waits for pass 3
+        from tests.vllm.drivers.faulty_connectors import CorruptingKVTierConnector as corrupting
+
+        corrupting.armed = False
     m0 = llm_metrics(llm)
     out1 = run()
     m1 = llm_metrics(llm)
@@ -126,6 +134,14 @@ def main() -> None:
     out2 = run()
     m2 = llm_metrics(llm)
     t3 = time.perf_counter()
+    out3: list[list[int]] = []
+    m3 = m2
+    if corrupting is not None:
+        # pass 3: the tier again, its first load's record corrupted on the rank
+        reset_prefix_cache(llm)
+        corrupting.armed = True
+        out3 = run()
+        m3 = llm_metrics(llm)
 
     # kvtier's families reach vLLM's frontend registry through the connector-stats path
     from prometheus_client import REGISTRY
@@ -136,6 +152,8 @@ def main() -> None:
             "out1": out1,
             "out2": out2,
             "out_hbm": out_hbm,
+            "out3": out3,
+            "pass3": delta(m3, m2),
             "pass1": delta(m1, m0),
             "pass2": delta(m2, m1),
             "kvtier": {name: registry_totals(REGISTRY, name) for name in KVTIER_COUNTERS},
