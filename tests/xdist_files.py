@@ -29,6 +29,7 @@ SLOW_FIRST = (
     "tests/test_installs.py",
     "tests/vllm/test_dp2_vllm.py",
     "tests/vllm/test_hybrid_vllm.py",
+    "tests/vllm/test_state_hybrid_vllm.py",
     "vllm_served",
     "tests/native/test_clients.py",
     "tests/vllm/test_tp2_vllm.py",

@@ -17,7 +17,6 @@ from tests.vllm.conftest import (
     CHUNK,
     TIER,
     DriverRun,
-    Retrieved,
     loadable_tokens,
     retrieved_lines,
 )
@@ -126,30 +125,6 @@ def test_a_model_of_sliding_window_layers_only_is_refused_at_startup(
     ), run.result["errors"]
 
 
-def test_tp2_gdn_hybrid_restores_every_group_and_its_state_shard_on_every_rank(
-    run_driver: Callable[..., DriverRun], tiny_gdn_hybrid_model: Path
-) -> None:
-    # a gated delta net's state is sharded over TP ranks (vLLM's tp_replicated=False): each rank
-    # stores and restores its own shard, and its attention groups, under its own namespace
-    tp2 = {**IN_PROCESS, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    extra = {**GDN_TIER, "lookup_scope": [0, 1]}
-    args = {
-        "model": str(tiny_gdn_hybrid_model),
-        "tp": 2,
-        "extra": extra,
-        "hbm_pass": True,
-        "serial": True,
-        "llm_kwargs": GDN_VLLM,
-    }
-    run = run_driver("two_pass", args, tp2, timeout_s=280)
-    assert sorted(run.result["kv_cache_groups"]) == ["FullAttentionSpec", "MambaSpec"]
-    want = _gdn_restored(run)
-    assert sorted({x.rank for x in retrieved_lines(run.stderr)}) == [0, 1]
-    kv = run.result["kvtier"]
-    assert kv["retrieved_tokens"] == {"rank=0": want, "rank=1": want, "rank=scheduler": 0.0}
-    assert not kv["load_failures"]
-
-
 def test_preempted_hybrid_requests_restore_again_and_decode_the_same(
     run_driver: Callable[..., DriverRun], tiny_hybrid_model_f32: Path
 ) -> None:
@@ -163,29 +138,6 @@ def test_preempted_hybrid_requests_restore_again_and_decode_the_same(
     assert [x.failed for x in lines] == [None] * 2 * n
     assert sum(x.got for x in lines) == 2 * loadable_tokens(r["prompt_lens"], CHUNK)
     assert r["out2"] == r["out1"]
-
-
-def test_preempted_gdn_requests_restore_their_states_again(
-    run_driver: Callable[..., DriverRun], tiny_gdn_hybrid_model: Path
-) -> None:
-    # every running request is preempted after 4 decoded tokens and re-admitted next step: each
-    # restores its prefix, attention blocks and boundary state, a second time. vLLM runs this
-    # model in bf16 only, and pass 2 re-prefills decoded tokens at a point that depends on
-    # timing (no pass of its batch shape to compare tokens with): counters are compared
-    args = {"model": str(tiny_gdn_hybrid_model), "extra": GDN_TIER, "dtype": "bfloat16",
-            "llm_kwargs": GDN_VLLM}  # fmt: skip
-    run = run_driver("preempt", args, IN_PROCESS)
-    r = run.result
-    n = len(r["prompt_lens"])
-    want = sum((x - 1) // GDN_CHUNK * GDN_CHUNK for x in r["prompt_lens"])
-    assert r["pass2"]["vllm:num_preemptions"] == n
-    lines = retrieved_lines(run.stderr)
-    assert [x.failed for x in lines] == [None] * 2 * n
-    assert sum(x.got for x in lines) == 2 * want
-    k = r["kvtier2"]
-    assert (k["retrieved_tokens"], k["readmitted_retrieved_tokens"]) == (2 * want, want)
-    assert k["state_parts_loaded"] == 2 * n and not k["load_failures"]
-    assert [len(o) for o in r["out2"]] == [len(o) for o in r["out1"]]
 
 
 def test_saves_whose_window_blocks_vllm_reallocates_never_commit(
@@ -216,104 +168,6 @@ def test_saves_whose_window_blocks_vllm_reallocates_never_commit(
     assert mutant["out2"] != mutant["out3"]
 
 
-# vLLM raises the tiny GDN model's block to 256 tokens in bf16 (an attention page must hold a
-# state page): chunks of one block make a tier hit end where vLLM's own prefix-cache hit ends
-# (its last block boundary below the last token), so the passes compared have one batch shape
-GDN_CHUNK = 256
-GDN_TIER = {**TIER, "chunk_size": GDN_CHUNK}
-GDN_VLLM = {"mamba_cache_mode": "align"}
-
-
-def _gdn_restored(
-    run: DriverRun, lines: list[Retrieved] | None = None, states_loaded: float | None = None
-) -> int:
-    """A state hybrid's pass 2: every prompt restored to its last chunk boundary below its
-    last token, each state record found, the output the one vLLM's own prefix cache gives at
-    the same boundaries (this model runs in bf16 only on vLLM's CPU backend: pass 1's whole
-    prefill is another batch shape; one prompt per call, since parked loads land in steps that
-    depend on timing and a batch of them is not the HBM pass's batch)."""
-    r = run.result
-    # a hit ends only where a state was stored: a chunk boundary one token or more short
-    want = sum((n - 1) // GDN_CHUNK * GDN_CHUNK for n in r["prompt_lens"])
-    p1, p2 = r["pass1"], r["pass2"]
-    assert p1["vllm:external_prefix_cache_hits"] == 0
-    assert p2["vllm:prefix_cache_hits"] == 0
-    assert p2["vllm:external_prefix_cache_hits"] == want > 0
-    assert r["out_hbm"] and r["out2"] == r["out_hbm"], "restored KV and states changed the output"
-    kv = r["kvtier"]
-    lines = retrieved_lines(run.stderr) if lines is None else lines
-    n = len(r["prompt_lens"])
-    for rank in sorted({x.rank for x in lines}):
-        mine = [x for x in lines if x.rank == rank]
-        assert [x.failed for x in mine] == [None] * n, mine
-        assert sum(x.got for x in mine) == want
-        # a state record per prompt stored (at least: a recomputed one is stored again), and
-        # one read back per restored prompt
-        assert kv["state_parts_stored"][f"rank={rank}"] >= n
-        loaded = kv["state_parts_loaded"][f"rank={rank}"]
-        assert (loaded if states_loaded is None else states_loaded) == n
-    return want
-
-
-def test_two_pass_restore_of_a_gated_delta_net_hybrid_with_async_scheduling(
-    run_driver: Callable[..., DriverRun], tiny_gdn_hybrid_model: Path
-) -> None:
-    # Qwen3-Next-shaped: vLLM's CPU backend builds it (random weights), its linear-attention
-    # layers one MambaSpec group ("align" mode: a state kept at each block boundary) next to
-    # full attention; float32, so pass 2's tail-only prefill rounds as pass 1's did
-    args = {
-        "model": str(tiny_gdn_hybrid_model),
-        "extra": {**GDN_TIER, "verify_memory_reads": True},
-        "async_scheduling": True,
-        "hbm_pass": True,
-        "serial": True,
-        "llm_kwargs": GDN_VLLM,
-        # pass 3 reads the tier again with its first load's state record corrupted
-        "connector": "CorruptingStateKVTierConnector",
-        "module": "tests.vllm.drivers.faulty_connectors",
-        "corrupt_pass3": True,
-    }
-    run = run_driver("two_pass", args, IN_PROCESS)
-    assert sorted(run.result["kv_cache_groups"]) == ["FullAttentionSpec", "MambaSpec"]
-    assert "kvtier: hybrid model, KV cache groups per chunk:" in run.stderr
-    assert "state(gdn_attn 3x512,4x64x64 bfloat16,float32)" in run.stderr
-    r = run.result
-    n = len(r["prompt_lens"])
-    pass2 = retrieved_lines(run.stderr)[:n]
-    want = _gdn_restored(run, pass2, r["kvtier"]["state_parts_loaded"]["rank=0"] - (n - 1))
-
-    # pass 3: the corrupted state record fails its read's checksum, so the first prompt's load
-    # fails whole (attention blocks and state) and vLLM recomputes that request (pass 1's
-    # batch shape); the others restore as in pass 2
-    pass3 = retrieved_lines(run.stderr)[n:]
-    assert [(x.got, x.failed) for x in pass3] == [(0, "miss")] + [(x.got, None) for x in pass3[1:]]
-    assert r["out3"][0] == r["out1"][0]
-    assert r["out3"][1:] == r["out_hbm"][1:]
-    kv = r["kvtier"]
-    assert kv["load_failures"] == {"rank=0,reason=miss": 1.0, "rank=scheduler,reason=miss": 1.0}
-    assert kv["verify_failures"], kv
-    # pass 2's three state records and pass 3's two uncorrupted ones were scattered; the
-    # recomputed request stored its state again
-    assert kv["state_parts_loaded"]["rank=0"] == 2 * n - 1
-    assert kv["state_parts_stored"]["rank=0"] == n + 1
-    print(
-        f"prompts {run.result['prompt_lens']}, restored {want} tokens; host bytes per cached "
-        f"token {kv['stored_bytes']['rank=0'] / kv['stored_tokens']['rank=0']:.0f} (state "
-        f"records included), state parts stored {kv['state_parts_stored']}, loaded "
-        f"{kv['state_parts_loaded']}; timings {run.result.get('timings')}"
-    )
-
-
-def test_a_mamba2_hybrid_needs_align_mode_which_vllm_cpu_itself_cannot_run(
-    run_driver: Callable[..., DriverRun], tiny_mamba2_hybrid_model: Path
-) -> None:
-    # Nemotron-H-shaped: vLLM alone, prefix caching in "align" mode (what any state offload
-    # needs), fails inside its own Mamba2 mixer on the CPU backend
-    model = str(tiny_mamba2_hybrid_model)
-    alone = {"model": model, "no_connector": True, "generate": True, "llm_kwargs": GDN_VLLM}
-    r = run_driver("bad_startup", alone, IN_PROCESS).result
-    assert (r["started"], r["generated"]) == (True, False), r
-    assert any("IndexError" in e for e in r["errors"]), r["errors"]
     # the way vLLM serves it here (prefix caching off: mamba_cache_mode "none") kvtier refuses
     # by name, vLLM's setting the fix: check_state_groups_in_align_mode_... above
 
