@@ -590,3 +590,17 @@ def test_missing_redis_server_names_the_install_command(monkeypatch: pytest.Monk
     monkeypatch.setattr(redis_local.shutil, "which", lambda name: None)
     with pytest.raises(RedisServerError, match="apt-get install redis-server"):
         RedisServer()
+
+
+def test_a_lost_cluster_connection_is_an_outage_that_feeds_the_breaker() -> None:
+    # what valkey-glide raises for a read on a master killed mid-run (a CI run saw it instead of
+    # a timeout): it was counted a refusal the server answered, so the dead shard's breaker
+    # never opened
+    from kvtier.store.remote_glide import GlideTransport
+
+    transport = object.__new__(GlideTransport)
+    transport.refresh = lambda: None  # type: ignore[method-assign]
+    text = ("Received connection error `Cluster: Failed to receive command response from "
+            "internal sender. RecvError(())`. Will attempt to reconnect")  # fmt: skip
+    error = GlideTransport._error(transport, Exception(text), "127.0.0.1:7001")
+    assert (error.reason, error.outage, error.shard) == ("connection", True, "127.0.0.1:7001")

@@ -84,6 +84,10 @@ _OUTAGES = (
     "connect failed",
     "Connection refused",
     "disconnected",
+    # a cluster node that died mid-call: "Received connection error `Cluster: Failed to receive
+    # command response from internal sender. RecvError(())`"
+    "connection error",
+    "RecvError",
     "WRONGPASS",
     "NOAUTH",
 )
