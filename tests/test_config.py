@@ -573,3 +573,14 @@ def test_disk_and_store_policy_keys_name_their_choices() -> None:
     cfg = KVTierConfig()
     assert (cfg.disk_gc_days, cfg.disk_conflict, cfg.remote_full) == (30.0, "refuse", "refuse")
     assert cfg.encrypt_at_rest is False
+
+
+def test_the_default_chunk_is_raised_to_a_block_that_does_not_divide_it() -> None:
+    # vLLM raises a state hybrid's block until an attention page holds a state page
+    cfg = KVTierConfig()
+    assert cfg.fitted_to_block(640).chunk_size == 640
+    assert cfg.fitted_to_block(96).chunk_size == 288
+    assert cfg.fitted_to_block(128) is cfg and cfg.fitted_to_block(16) is cfg
+    # a chunk size the user chose is theirs: the connector's startup check names the fix
+    chosen = KVTierConfig(chunk_size=512)
+    assert chosen.fitted_to_block(640) is chosen

@@ -236,7 +236,15 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         _ensure_logging()
         ktc = self._kv_transfer_config
-        self.config = KVTierConfig.load(ktc.kv_connector_extra_config or {})
+        config = KVTierConfig.load(ktc.kv_connector_extra_config or {})
+        self.config = config.fitted_to_block(int(vllm_config.cache_config.block_size))
+        if self.config is not config:
+            log.info(
+                "kvtier: chunk_size=%d: vLLM's KV block size %d does not divide the default "
+                "chunk of %d tokens (set chunk_size to a multiple of %d to choose another)",
+                self.config.chunk_size, vllm_config.cache_config.block_size, config.chunk_size,
+                vllm_config.cache_config.block_size,
+            )  # fmt: skip
         self.block_size = _block_size(vllm_config, self.config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
