@@ -120,6 +120,7 @@ def test_tp2_gdn_hybrid_restores_every_group_and_its_state_shard_on_every_rank(
         "extra": extra,
         "hbm_pass": True,
         "serial": True,
+        "n": 2,  # two prompts: each serial pass at TP=2 costs a cross-process step per token
         "llm_kwargs": GDN_VLLM,
     }
     run = run_driver("two_pass", args, tp2, timeout_s=280)
