@@ -2,7 +2,8 @@
 
 1. the layout matrix (tests/offload/test_codec.py, test_worker.py) with every KV view on the
    device;
-2. the startup self-test through the codec on the device, for the layouts vLLM uses there;
+2. the startup self-test through the codec on the device, for the layouts vLLM uses there and
+   for a hybrid with a state group (its boundary-state records);
 3. `kvtier bench tier --device`'s datapath rows: save and load at 4, 16 and (on a GPU) 64 chunks per
    step against raw pinned copies of the same bytes, a one-chunk load's latency, the host time
    in `wait_for_save`, and the forward's step time under a save burst per layout (the same code
@@ -41,6 +42,7 @@ from kvtier.metrics import Metrics
 from kvtier.native import Engine, EngineConfig, SamplingParams
 from kvtier.native.modelgen import init_model
 from kvtier.native.offload import connector_spec
+from kvtier.offload.groups import FULL, STATE, GroupSpec
 from kvtier.offload.pages import KVCacheDescription
 from kvtier.offload.worker import OffloadWorker
 
@@ -107,7 +109,41 @@ def self_test(p: Plan) -> list[Row]:
                 rows.append((name, f"{type(e).__name__}: {e}"[:160], False))
             finally:
                 worker.close()
-    return rows
+    return [*rows, state_hybrid_row(p)]
+
+
+def state_hybrid_row(p: Plan) -> Row:
+    """The self-test of a hybrid with a state group: its boundary state's own record through
+    the real save and load paths on the device."""
+    worker = OffloadWorker(
+        KVTierConfig(chunk_size=16, memory_bytes="16MiB"), rank=0, world=1, model_id="gpu-check",
+        metrics=Metrics(0, registry=CollectorRegistry()), lookup_endpoint=None,
+    )  # fmt: skip
+    name = "self-test of a state hybrid (attention + gated-delta-net state records)"
+    try:
+        t0 = time.perf_counter()
+        worker.register_kv_caches(state_hybrid(torch.device(p.device)))
+        return (name, f"{time.perf_counter() - t0:.2f} s", True)
+    except Exception as e:  # noqa: BLE001 - the row reports it, the check fails
+        return (name, f"{type(e).__name__}: {e}"[:160], False)
+    finally:
+        worker.close()
+
+
+def state_hybrid(device: torch.device, num_blocks: int = 64) -> KVCacheDescription:
+    """A gated-delta-net hybrid's registration as vLLM's CPU runner hands it: one pool whose
+    blocks hold either an attention layer's page (bf16 K/V) or a state layer's state (a byte
+    view of its page), the state page padded to the attention page."""
+    page = 2 * 16 * 2 * 64 * 2  # K and V, 16 tokens, 2 heads of 64, bf16
+    pool = torch.zeros(num_blocks, page, dtype=torch.uint8, device=device)
+    attention = pool.view(torch.bfloat16).view(num_blocks, 2, 16, 2, 64)
+    state = pool[:, : page - 512]  # a block's unpadded state bytes (the same pool)
+    groups = (
+        GroupSpec(STATE, 16, ("gdn",), detail="gdn_attn state bytes"),
+        GroupSpec(FULL, 16, ("attn",)),
+    )
+    return KVCacheDescription({"gdn": state, "attn": attention}, num_blocks, 16, "LBHNC",
+                              groups=groups)  # fmt: skip
 
 
 def bench(p: Plan) -> list[Row]:

@@ -49,3 +49,15 @@ def test_cuda_on_a_machine_without_one_exits_2_saying_so(
     assert not torch.cuda.is_available()
     assert gpu_check.main(["--device", "cuda:0", "--out", str(tmp_path)]) == 2
     assert "sees no CUDA device" in capsys.readouterr().err
+
+
+def test_the_state_hybrid_self_test_row_fails_when_the_state_path_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtier.offload.group_codec import StateCodec
+
+    p = gpu_check.plan("cpu", tmp_path, quick=True)
+    assert gpu_check.state_hybrid_row(p)[2] is True
+    monkeypatch.setattr(StateCodec, "scatter", lambda self, src, ids, part: 0)
+    name, value, ok = gpu_check.state_hybrid_row(p)
+    assert ok is False and "KV tensor 'gdn'" in value, value

@@ -74,6 +74,8 @@ def test_the_gpu_checks_cpu_form_runs_every_check_from_offline_wheels(
     assert all(ok is not False for _, ok in rows.values()), rows
     assert "passed" in rows["layout matrix on cpu (pytest)"][0]
     assert sum(n.startswith("self-test through the codec") for n in rows) == 6
+    # a hybrid's boundary-state records through the real save and load paths on the device
+    assert rows["self-test of a state hybrid (attention + gated-delta-net state records)"][1]
     for model in ("Llama-3.1-8B (GQA, TP1)", "DeepSeek-V3 (MLA 576)"):
         for n in (4, 16):
             for what in ("save", "load"):
