@@ -584,3 +584,8 @@ def test_the_default_chunk_is_raised_to_a_block_that_does_not_divide_it() -> Non
     # a chunk size the user chose is theirs: the connector's startup check names the fix
     chosen = KVTierConfig(chunk_size=512)
     assert chosen.fitted_to_block(640) is chosen
+    # a model with state layers: one block (vLLM keeps states at block boundaries, kvtier
+    # stores one only at a chunk boundary)
+    assert cfg.fitted_to_block(128, states=True).chunk_size == 128
+    assert cfg.fitted_to_block(640, states=True).chunk_size == 640
+    assert chosen.fitted_to_block(128, states=True) is chosen

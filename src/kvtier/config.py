@@ -327,7 +327,8 @@ class KVTierConfig:
         256,
         "int",
         "tokens per chunk; a positive multiple of 16 (with vLLM, the default becomes a "
-        "multiple of its KV block size where that block does not divide 256)",
+        "multiple of its KV block size where that block does not divide 256, and the block "
+        "size for a model with state layers)",
     )
     memory_bytes: int = _f(2 * _GiB, "size", "host-memory tier budget per rank")
     disk_dir: str | None = _f(None, "opt_str", "directory of the disk tier")
@@ -828,15 +829,23 @@ class KVTierConfig:
         """True when the ranks keep chunks in host memory alone (no disk, no remote tier)."""
         return not self.disk_bytes and not self.remote_url
 
-    def fitted_to_block(self, block_size: int) -> KVTierConfig:
-        """This config with the default chunk size raised to a multiple of the host's KV block
-        size when the block does not divide it (vLLM raises a state hybrid's block until an
-        attention page holds a state page: 640 tokens, say); an explicitly chosen chunk size is
-        kept, and a host whose block does not divide it is told so at startup."""
+    def fitted_to_block(self, block_size: int, states: bool = False) -> KVTierConfig:
+        """This config with the default chunk size fitted to the host's KV block size: raised
+        to a multiple of a block that does not divide it (vLLM raises a state hybrid's block
+        until an attention page holds a state page: 640 tokens, say), and one block for a model
+        with state layers (`states`: vLLM keeps a state at block boundaries, and kvtier stores
+        one only at a chunk boundary). An explicitly chosen chunk size is kept, and a host
+        whose block does not divide it is told so at startup."""
         default = int(_DEFAULTS["chunk_size"])
-        if block_size <= 0 or self.chunk_size != default or default % block_size == 0:
+        if block_size <= 0 or self.chunk_size != default:
             return self
-        return dataclasses.replace(self, chunk_size=-(-default // block_size) * block_size)
+        if states:
+            chunk = block_size
+        elif default % block_size:
+            chunk = -(-default // block_size) * block_size
+        else:
+            return self
+        return dataclasses.replace(self, chunk_size=chunk)
 
     def check_max_model_len(self, max_model_len: int) -> None:
         """Startup check against the host's longest sequence: a chunk no prompt can fill is

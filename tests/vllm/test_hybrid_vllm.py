@@ -98,6 +98,7 @@ UNIT_CHECKS = (
     "check_default_layout_is_split_into_kernel_blocks_by_vllm",
     "check_kv_events_carry_the_group",
     "check_kv_events_carry_the_state_group",
+    "check_the_default_chunk_is_one_block_for_a_state_hybrid",
 )
 
 

@@ -33,6 +33,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
 from kvtier.identity import model_identity
+from kvtier.offload.groups import STATE, GroupSpec
 from kvtier.offload.scheduler import OffloadScheduler
 from kvtier.offload.worker import OffloadWorker
 from kvtier.vllm.groups import group_specs
@@ -146,6 +147,28 @@ def _hub_snapshot(repo_id: str, revision: str | None) -> Path:
     return Path(found).parent
 
 
+def _fitted_chunk(
+    config: KVTierConfig, vllm_config: VllmConfig, groups: tuple[GroupSpec, ...] | None
+) -> KVTierConfig:
+    """The config with its default chunk fitted to vLLM's block (`fitted_to_block`), said once."""
+    block = int(vllm_config.cache_config.block_size)
+    states = any(g.kind == STATE for g in groups or ())
+    fitted = config.fitted_to_block(block, states=states)
+    if fitted is not config:
+        why = (
+            "a model with state layers keeps a state per block boundary, and kvtier stores one "
+            "per chunk boundary"
+            if states
+            else f"vLLM's KV block size {block} does not divide the default chunk of "
+            f"{config.chunk_size} tokens"
+        )
+        log.info(
+            "kvtier: chunk_size=%d: %s (set chunk_size to a multiple of %d to choose another)",
+            fitted.chunk_size, why, block,
+        )  # fmt: skip
+    return fitted
+
+
 def _block_size(vllm_config: VllmConfig, config: KVTierConfig) -> int:
     block_size = int(vllm_config.cache_config.block_size)
     if config.chunk_size % block_size:
@@ -237,23 +260,17 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         _ensure_logging()
         ktc = self._kv_transfer_config
         config = KVTierConfig.load(ktc.kv_connector_extra_config or {})
-        self.config = config.fitted_to_block(int(vllm_config.cache_config.block_size))
-        if self.config is not config:
-            log.info(
-                "kvtier: chunk_size=%d: vLLM's KV block size %d does not divide the default "
-                "chunk of %d tokens (set chunk_size to a multiple of %d to choose another)",
-                self.config.chunk_size, vllm_config.cache_config.block_size, config.chunk_size,
-                vllm_config.cache_config.block_size,
-            )  # fmt: skip
-        self.block_size = _block_size(vllm_config, self.config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
-        if not self.config.enabled:
+        if not config.enabled:
+            self.config = config
             log.info("kvtier: offload off (enabled=false); KVTierConnector does nothing")
             return
         # a hybrid model's groups (None: one group, stored as before); what kvtier cannot
         # store yet stops startup here, by group, spec class, layers and reason
         self.groups = group_specs(kv_cache_config)
+        self.config = _fitted_chunk(config, vllm_config, self.groups)
+        self.block_size = _block_size(vllm_config, self.config)
         dp_rank = int(vllm_config.parallel_config.data_parallel_rank or 0)
         self.run_dir = run_dir_for(str(ktc.engine_id), dp_rank, self.config.lookup_dir)
         self.config.check_max_model_len(int(vllm_config.model_config.max_model_len))

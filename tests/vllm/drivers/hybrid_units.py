@@ -304,6 +304,21 @@ def check_kv_events_carry_the_group() -> None:
     assert [(e.group_idx, len(e.block_hashes)) for e in removed] == [(0, 1), (1, 2)]
 
 
+def check_the_default_chunk_is_one_block_for_a_state_hybrid() -> None:
+    from kvtier.config import KVTierConfig
+    from kvtier.vllm.connector import _fitted_chunk
+    from kvtier.vllm.groups import group_specs
+
+    vllm = SimpleNamespace(cache_config=SimpleNamespace(block_size=BS))
+    hybrid = group_specs(config((["attn.0"], attn()), (["mixer.1"], mamba())))
+    # vLLM keeps a state per block boundary: a chunk of one block stores each of them
+    assert _fitted_chunk(KVTierConfig(), vllm, hybrid).chunk_size == BS  # type: ignore[arg-type]
+    # an explicit chunk stays; a model without state layers keeps the default
+    chosen = KVTierConfig(chunk_size=4 * BS)
+    assert _fitted_chunk(chosen, vllm, hybrid) is chosen  # type: ignore[arg-type]
+    assert _fitted_chunk(KVTierConfig(), vllm, None).chunk_size == 256  # type: ignore[arg-type]
+
+
 def check_kv_events_carry_the_state_group() -> None:
     from kvtier.keys import state_key
     from kvtier.metrics import Metrics
