@@ -311,3 +311,33 @@ def test_the_startup_self_test_moves_a_boundary_state_through_the_real_paths(
     bad = worker()
     with pytest.raises(StartupError, match="KV tensor 'gdn#0'"):
         bad.register_kv_caches(desc)
+
+
+def test_the_ends_below_memory_are_asked_of_a_lower_tier_in_one_batch() -> None:
+    from kvtier.store.base import TierBase
+
+    class Lower(TierBase):
+        """A lower tier holding `held`, counting its presence batches."""
+
+        name = "remote"
+        pins = False
+
+        def __init__(self, held: set[bytes]) -> None:
+            self.held = held
+            self.batches: list[int] = []
+
+        def contains(self, key: bytes) -> bool:
+            return key in self.held
+
+        def contains_many(self, keys):  # type: ignore[no-untyped-def]
+            self.batches.append(len(keys))
+            return [k in self.held for k in keys]
+
+    keys = [bytes([i]) * 16 for i in range(6)]
+    ends = [state_key(k, 0) for k in keys]
+    lower = Lower({*keys, ends[1]})
+    m = Metrics(rank=0)
+    stack = TierStack(MemoryTier(64, 8 * 64, bytes(16), m), (lower,), m)
+    assert stack.lookup_run(keys, None, ends).chunks == 2
+    # one batch for the chunks and one for every end key, not a round trip per end key
+    assert lower.batches == [6, 6]

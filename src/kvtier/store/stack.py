@@ -170,19 +170,24 @@ class TierStack:
         run = self._lookup_run(keys, lease_id)
         if not ends:
             return run
-        n = min(run.chunks, len(ends))
-        while n and self._end_held(ends[n - 1], lease_id) is None:
-            n -= 1
-        return self._run_of(run.sources[:n])
-
-    def _end_held(self, key: bytes, lease_id: str | None) -> int | None:
-        """The tier holding an end key (leased where it can be under `lease_id`), or None."""
-        if lease_id is None:
-            return 0 if self._memory.contains(key) else self._lower_holder([key], 0, {})
+        # the candidates deepest first: a lower tier is asked about all of them in one batch
+        candidates = list(reversed(ends[: min(run.chunks, len(ends))]))
+        presence: dict[int, dict[bytes, bool]] = {}
         touched: set[int] = set()
-        where = self._lease_one([key], 0, lease_id, touched, {})
-        self._remember_lease(lease_id, touched)
-        return where
+        n = 0
+        for j, key in enumerate(candidates):
+            if lease_id is None:
+                held = self._memory.contains(key) or (
+                    self._lower_holder(candidates, j, presence) is not None
+                )
+            else:
+                held = self._lease_one(candidates, j, lease_id, touched, presence) is not None
+            if held:
+                n = len(candidates) - j
+                break
+        if lease_id is not None and touched:
+            self._remember_lease(lease_id, touched)
+        return self._run_of(run.sources[:n])
 
     def _lookup_run(self, keys: Sequence[bytes], lease_id: str | None) -> LookupRun:
         sources: list[int] = []  # per counted chunk, the index of the tier serving it
