@@ -341,3 +341,19 @@ def test_the_ends_below_memory_are_asked_of_a_lower_tier_in_one_batch() -> None:
     assert stack.lookup_run(keys, None, ends).chunks == 2
     # one batch for the chunks and one for every end key, not a round trip per end key
     assert lower.batches == [6, 6]
+
+
+def test_a_looked_up_state_is_as_recent_as_the_run_it_ends() -> None:
+    stack = _stack(slots=4)
+    chunk, other, newer = b"a" * 16, b"x" * 16, b"y" * 16
+    state = state_key(chunk, 0)
+    stack.put(chunk, bytes(64))
+    stack.put(state, bytes(64), chunk)
+    stack.put(other, bytes(64))
+    stack.put(newer, bytes(64))
+    assert stack.lookup_run([chunk], "L", [state]).chunks == 1
+    stack.release("L")
+    # a fifth record evicts the least recent leaf: the untouched one, not the state just used
+    stack.put(b"z" * 16, bytes(64))
+    assert stack.memory.contains(state) and stack.memory.contains(chunk)
+    assert not stack.memory.contains(other)

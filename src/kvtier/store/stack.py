@@ -184,6 +184,11 @@ class TierStack:
                 held = self._lease_one(candidates, j, lease_id, touched, presence) is not None
             if held:
                 n = len(candidates) - j
+                if lease_id is not None:
+                    # recency as for the run it ends: a state evicted before its chunks would
+                    # cost the hit while they stay
+                    for t in self._all():
+                        t.touch([key])
                 break
         if lease_id is not None and touched:
             self._remember_lease(lease_id, touched)
