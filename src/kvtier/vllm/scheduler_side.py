@@ -293,7 +293,6 @@ class SchedulerSide:
     def _learn_states(self, out: SchedulerOutput) -> None:
         """This step's boundary states (vLLM's exact hand-off: a state group's table is not
         append-only) onto their requests' views: boundary -> each state group's block."""
-        assert self.hybrid is not None
         for req_id in self._stated:
             view = self.views.get(req_id)
             if view is not None:
@@ -301,20 +300,25 @@ class SchedulerSide:
         self._stated = set()
         state = getattr(out, "kv_connector_block_state", None)
         handoffs = getattr(state, "boundary_state_offloads", None) or {}
-        order = {g: i for i, g in enumerate(self.hybrid.states)}
         for req_id, entries in handoffs.items():
             view = self.views.get(req_id)
-            if view is None:
+            if view is not None:
+                self._per_request(req_id, lambda view=view, entries=entries: self._states_of(
+                    view, entries))  # fmt: skip
+
+    def _states_of(self, view: VLLMRequestView, entries: list[tuple[int, int, int]]) -> None:
+        """One request's hand-off: the chunk boundaries where every state group's state is."""
+        assert self.hybrid is not None
+        order = {g: i for i, g in enumerate(self.hybrid.states)}
+        by_boundary: dict[int, list[int]] = {}
+        for group, block, boundary in entries:
+            i = order.get(int(group))
+            if i is None or int(block) == _NULL_BLOCK or int(boundary) % self.hybrid.chunk:
                 continue
-            by_boundary: dict[int, list[int]] = {}
-            for group, block, boundary in entries:
-                i = order.get(int(group))
-                if i is None or int(block) == _NULL_BLOCK or int(boundary) % self.hybrid.chunk:
-                    continue
-                ids = by_boundary.setdefault(int(boundary), [-1] * len(order))
-                ids[i] = int(block)
-            view.state_blocks = {b: ids for b, ids in by_boundary.items() if min(ids) >= 0}
-            self._stated.add(req_id)
+            ids = by_boundary.setdefault(int(boundary), [-1] * len(order))
+            ids[i] = int(block)
+        view.state_blocks = {b: ids for b, ids in by_boundary.items() if min(ids) >= 0}
+        self._stated.add(view.request_id)
 
     def _per_request(self, req_id: str, body: Callable[[], T]) -> T | None:
         """One request's share of a step hook: a failure quarantines that request only."""
