@@ -7,6 +7,7 @@ itself cannot run in "align" mode on its CPU backend."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,13 +16,18 @@ from tests.vllm.conftest import TIER, DriverRun, Retrieved, retrieved_lines
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
-# vLLM raises the tiny GDN model's block to 256 tokens in bf16 (an attention page must hold a
-# state page): chunks of one block make a tier hit end where vLLM's own prefix-cache hit ends
-# (its last block boundary below the last token), so the passes compared have one batch shape
-GDN_CHUNK = 256
+# The tier's default chunk for a model with state layers is one vLLM block (256 tokens for the
+# tiny GDN model on AVX-512 kernels, 128 on AVX2 ones: an attention page must hold a state
+# page), so a tier hit ends where vLLM's own prefix-cache hit ends (its last block boundary below
+# the last token) and the passes compared have one batch shape
+GDN_TIER = {k: v for k, v in TIER.items() if k != "chunk_size"}
 
 
-GDN_TIER = {**TIER, "chunk_size": GDN_CHUNK}
+def chunk_of(run: DriverRun) -> int:
+    """The chunk size the run's connector chose (its startup line)."""
+    found = re.search(r"kvtier: offload on; chunk=(\d+) tokens", run.stderr)
+    assert found, "no kvtier startup line"
+    return int(found.group(1))
 
 
 GDN_VLLM = {"mamba_cache_mode": "align"}
@@ -37,7 +43,8 @@ def _gdn_restored(
     depend on timing and a batch of them is not the HBM pass's batch)."""
     r = run.result
     # a hit ends only where a state was stored: a chunk boundary one token or more short
-    want = sum((n - 1) // GDN_CHUNK * GDN_CHUNK for n in r["prompt_lens"])
+    chunk = chunk_of(run)
+    want = sum((n - 1) // chunk * chunk for n in r["prompt_lens"])
     p1, p2 = r["pass1"], r["pass2"]
     assert p1["vllm:external_prefix_cache_hits"] == 0
     assert p2["vllm:prefix_cache_hits"] == 0
@@ -144,7 +151,8 @@ def test_preempted_gdn_requests_restore_their_states_again(
     run = run_driver("preempt", args, IN_PROCESS)
     r = run.result
     n = len(r["prompt_lens"])
-    want = sum((x - 1) // GDN_CHUNK * GDN_CHUNK for x in r["prompt_lens"])
+    chunk = chunk_of(run)
+    want = sum((x - 1) // chunk * chunk for x in r["prompt_lens"])
     assert r["pass2"]["vllm:num_preemptions"] == n
     lines = retrieved_lines(run.stderr)
     assert [x.failed for x in lines] == [None] * 2 * n
