@@ -302,6 +302,9 @@ def test_malformed_frames_are_rejected_counted_and_the_server_keeps_serving(
         ("version", enc(["lookup", 2, "id", 1, [k], True, "new-field"])),
         ("schema", enc(["lookup", 1, "id", 1, "not-a-list", True])),
         ("schema", enc(["lookup", 1, "id", 1, [b"short-key"], True])),
+        # a hybrid model's end keys (LookupRequest.ends): 16-byte keys in a list, or nothing
+        ("schema", enc(["lookup", 1, "id", 1, [k], True, [b"short-key"]])),
+        ("schema", enc(["lookup", 1, "id", 1, [k], True, "not-a-list"])),
         ("schema", enc({"lookup_id": "id"})),
         ("unexpected", enc(Pong(PROTOCOL_VERSION, 1, 0, 0, 0, 0))),
     ]

@@ -10,7 +10,7 @@ crossing to the host is the caller's explicit copy.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -147,6 +147,25 @@ class PageCodec:
         for view, rows in self._rows(src):
             view.index_copy_(1, targets, rows if positions is None else rows[:, positions])
         return len(keep)
+
+
+def gather_call(
+    codec: PageCodec, ids: Sequence[int], dst: torch.Tensor, part: int
+) -> Callable[[], None]:
+    """The gather of one record for a lane: a chunk's blocks, or part `part` of a boundary's
+    state (a codec without state records is called as it always was)."""
+    if part < 0:
+        return lambda: codec.gather(ids, dst)
+    return lambda: codec.gather(ids, dst, part)
+
+
+def scatter_call(
+    codec: PageCodec, src: torch.Tensor, ids: Sequence[int], part: int
+) -> Callable[[], int]:
+    """The scatter of one record for a lane (`gather_call`'s other direction)."""
+    if part < 0:
+        return lambda: codec.scatter(src, ids)
+    return lambda: codec.scatter(src, ids, part)
 
 
 def _no_state(part: int) -> None:

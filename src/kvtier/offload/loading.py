@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.offload.codec import PageCodec
+from kvtier.offload.codec import PageCodec, scatter_call
 from kvtier.offload.device import DeviceOps, Lane, Mark
 from kvtier.offload.hooks import HookGuard
 from kvtier.offload.messages import ChunkRef, LoadOp
@@ -87,15 +87,6 @@ class _Issued:
     tier: str
     blocks: int
     state: bool = False  # a part of a boundary-state record
-
-
-def _scatter(
-    codec: PageCodec, src: torch.Tensor, ids: list[int], part: int
-) -> Callable[[], int]:
-    """The scatter of one record: a chunk's blocks, or part `part` of a boundary's state."""
-    if part < 0:
-        return lambda: codec.scatter(src, ids)
-    return lambda: codec.scatter(src, ids, part)
 
 
 _MISS = "miss"
@@ -302,11 +293,12 @@ class LoadPath:
                     lane.after(p.fence)
                     with lane.active():
                         if bufs.staging is None:
-                            mark = lane.launch(_scatter(codec, src, ids, part))
+                            mark = lane.launch(scatter_call(codec, src, ids, part))
                         else:
                             staging = bufs.staging
                             copied = lane.copy(staging, src, after=reusable)
-                            mark = lane.launch(_scatter(codec, staging, ids, part), after=copied)
+                            scatter = scatter_call(codec, staging, ids, part)
+                            mark = lane.launch(scatter, after=copied)
                     self._moved("host" if bufs.staging is None else "kernel")
                 p.marks.append(mark)
         except BaseException:

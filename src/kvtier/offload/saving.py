@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.offload.codec import PageCodec
+from kvtier.offload.codec import PageCodec, gather_call
 from kvtier.offload.device import Lane
 from kvtier.offload.hooks import HOOK_ERROR, HookGuard
 from kvtier.offload.messages import ChunkRef, SaveOp
@@ -151,11 +151,7 @@ class SavePath:
                 lane.after(job.fence)
                 with lane.active():
                     dst = slot if staging is None else staging
-                    mark = lane.launch(
-                        (lambda: codec.gather(ids, dst))
-                        if part < 0
-                        else (lambda: codec.gather(ids, dst, part))
-                    )
+                    mark = lane.launch(gather_call(codec, ids, dst, part))
                     if staging is not None:
                         mark = lane.copy(slot, staging, after=mark)
                 self._moved("host" if staging is None else "kernel")
