@@ -795,3 +795,30 @@ def test_load_cost_shows_the_decisions_and_warns_when_predictions_miss_for_long(
         few.sched.load_prediction_ratio.observe(5.0)
     few.sched.load_misprediction_share.set(1.0)
     assert few.diagnose()[LOAD_COST].status is Status.PASS
+
+
+# ---- boundary states ----
+
+
+def test_a_state_hybrid_that_stored_chunks_and_no_state_fails_the_states_check() -> None:
+    """A Mamba / gated-delta-net hybrid's hit ends only where a boundary state is held: chunks
+    without one are a tier written and never read (what vLLM's reset of the scheduler's block
+    size did under `vllm serve`), so doctor FAILs it; an attention-only model passes."""
+    from kvtier.doctor import STATES
+
+    plain = Fake().healthy()
+    assert plain.diagnose()[STATES].status is Status.PASS
+    fake = Fake().healthy()
+    fake.sched.set_state_groups(1)
+    check = fake.diagnose()[STATES]
+    assert check.status is Status.FAIL
+    assert "rank(s) 0, 1 stored chunks" in check.detail
+    assert "--mamba-cache-mode align" in check.detail
+    fake.rank[0].state_parts_stored.inc(3)
+    check = fake.diagnose()[STATES]
+    assert check.status is Status.FAIL and "rank(s) 1 stored" in check.detail
+    fake.rank[1].state_parts_stored.inc(3)
+    fake.rank[1].state_parts_loaded.inc(2)
+    check = fake.diagnose()[STATES]
+    assert check.status is Status.PASS
+    assert check.numbers["state_parts_loaded"] == "1: 2"

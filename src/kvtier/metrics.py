@@ -98,6 +98,7 @@ class _Families:
     queue_depth: Gauge
     lookup_scope: Gauge
     world_size: Gauge
+    state_groups: Gauge
     load_failure_fails_request: Gauge
     lookup_seconds: Histogram
     load_seconds: Histogram
@@ -235,6 +236,11 @@ def _store_families(
             "lookup_scope", "1 for each rank the scheduler's lookup client asks.", "target"
         ),
         world_size=g("world_size", "Ranks of this engine replica (TP x PP)."),
+        state_groups=g(
+            "state_groups",
+            "KV cache groups whose state at a chunk boundary is a record of its own (Mamba, "
+            "gated delta net); 0 for a model with attention groups only.",
+        ),
         load_failure_fails_request=g(
             "load_failure_fails_request",
             "1 when the host fails a request whose tier load failed instead of recomputing it "
@@ -531,6 +537,11 @@ class Metrics:
     def set_load_failure_policy(self, fails_request: bool) -> None:
         """Export whether a failed tier load fails its request on this host (doctor FAILs it)."""
         self.f.load_failure_fails_request.labels(str(self.rank)).set(1 if fails_request else 0)
+
+    def set_state_groups(self, n: int) -> None:
+        """Export how many state groups the model has (doctor holds them against the states
+        the tier stored)."""
+        self.f.state_groups.labels(str(self.rank)).set(n)
 
     def set_lookup_scope(self, ranks: Sequence[int], world: int) -> None:
         """Export which ranks the lookup client covers, so a cut scope is visible in /metrics."""

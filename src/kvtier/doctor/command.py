@@ -80,6 +80,7 @@ def diagnose(metrics_text: str, log_text: str | None, tp: int | None) -> list[Ch
         health.admission(s),
         health.retention(s),
         health.load_cost(s),
+        health.states(s),
     ]  # fmt: skip
 
 

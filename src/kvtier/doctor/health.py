@@ -16,6 +16,7 @@ from kvtier.doctor.result import (
     PROGRESS,
     RETENTION,
     SKIPPED,
+    STATES,
     STORE_FAILURES,
     TIMEOUTS,
     Check,
@@ -61,6 +62,10 @@ MISPREDICTED_SHARE = "kvtier_load_misprediction_share"
 # the cost model's recent loads off by over 2x beyond this share, once it has seen enough
 MISPREDICTED_WARN_SHARE = 0.5
 MISPREDICTED_WARN_MIN = 32
+STATE_GROUPS = "kvtier_state_groups"
+STORED_TOKENS = "kvtier_stored_tokens_total"
+STATES_STORED = "kvtier_state_parts_stored_total"
+STATES_LOADED = "kvtier_state_parts_loaded_total"
 
 
 def absent(name: str, family: str) -> Check:
@@ -414,3 +419,35 @@ def load_cost(s: Samples) -> Check:
             numbers,
         )
     return Check(LOAD_COST, Status.PASS, f"{said}; predictions within 2x", numbers)
+
+
+def states(s: Samples) -> Check:
+    """A model with state groups: the tier holds boundary states beside its chunks. Chunks and
+    no state at all is a tier written and never read: a hit ends only where a state is held."""
+    groups = s.scheduler_value(STATE_GROUPS) or 0.0
+    if not groups:
+        return Check(STATES, Status.PASS, "no state groups (attention KV only)", {"groups": 0})
+    stored, parts = s.per_rank(STORED_TOKENS), s.per_rank(STATES_STORED)
+    loaded = s.per_rank(STATES_LOADED)
+    numbers: dict[str, Any] = {
+        "groups": num(groups), "stored_tokens": fmt(stored), "state_parts_stored": fmt(parts),
+        "state_parts_loaded": fmt(loaded),
+    }  # fmt: skip
+    bare = sorted(r for r, v in stored.items() if v > 0 and not parts.get(r))
+    if bare:
+        return Check(
+            STATES,
+            Status.FAIL,
+            f"rank(s) {', '.join(map(str, bare))} stored chunks ({fmt(stored)} tokens) and no "
+            f"boundary state of the model's {num(groups)} state group(s): no hit can end "
+            "anywhere. vLLM keeps a state only where a prefill step ends on its block: run it "
+            "with --enable-prefix-caching --mamba-cache-mode align and keep chunk_size at its "
+            "default (one block); the server log names the block",
+            numbers,
+        )
+    return Check(
+        STATES,
+        Status.PASS,
+        f"state parts stored {fmt(parts)}, loaded {fmt(loaded)} (per rank)",
+        numbers,
+    )

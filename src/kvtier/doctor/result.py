@@ -54,6 +54,7 @@ POLICY = "failed loads recompute"
 ADMISSION = "admission"
 RETENTION = "retention"
 LOAD_COST = "load or recompute"
+STATES = "boundary states"
 FAILS_REQUEST = "kvtier_load_failure_fails_request"
 
 CHECK_NAMES = (
@@ -78,4 +79,5 @@ CHECK_NAMES = (
     ADMISSION,
     RETENTION,
     LOAD_COST,
+    STATES,
 )

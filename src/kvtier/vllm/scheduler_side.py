@@ -23,6 +23,7 @@ from kvtier.vllm.events import KVEvents, event_groups, kv_events_enabled
 from kvtier.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
 from kvtier.vllm.request_view import VLLMRequestView
 from kvtier.vllm.rundir import offload_spec
+from kvtier.vllm.state_block import StateBlockSize
 from kvtier.vllm.stats import KVTierStats, StatsDelta
 
 if TYPE_CHECKING:
@@ -112,6 +113,12 @@ class SchedulerSide:
             saves=role != "kv_consumer",
         )
         self.metrics = self.wiring.metrics
+        # a state is kept only where a prefill step ends on vLLM's block: that block must stay
+        # the state groups' one
+        self.state_block: StateBlockSize | None = None
+        if self.hybrid is not None and self.hybrid.states:
+            self.state_block = StateBlockSize(vllm_config.cache_config, self.hybrid.block_size)
+            self.metrics.set_state_groups(len(self.hybrid.states))
         self.collector = self.wiring.collector
         self.client = self.wiring.client
         self.core = self.wiring.core
@@ -171,6 +178,8 @@ class SchedulerSide:
         )
 
     def _matched(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.state_block is not None:
+            self.state_block.keep()  # before vLLM splits this request's first prefill step
         if not _offloadable(request):
             return 0, False
         self._dirty = True

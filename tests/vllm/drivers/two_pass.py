@@ -10,6 +10,8 @@ serial (one prompt per `generate` call in both passes: a request that recomputes
 load then runs alone, as in pass 1, instead of lagging a batch whose shape pass 1 never had),
 llm_kwargs (more `LLM` arguments, e.g. disable_hybrid_kv_cache_manager), dtype (bfloat16),
 hbm_pass (pass 1's prompts again before the reset, from vLLM's own prefix cache: `out_hbm`),
+hbm_after (that pass after pass 2 instead, from the prefix cache pass 2's restore filled: then
+every record pass 2 reads was stored by pass 1, a prompt's first sight),
 corrupt_pass3 (a third pass from the tier whose first load's record a CorruptingKVTierConnector
 subclass corrupts: `out3`; in-process engines only).
 """
@@ -134,6 +136,8 @@ def main() -> None:
     out2 = run()
     m2 = llm_metrics(llm)
     t3 = time.perf_counter()
+    if a.get("hbm_after"):
+        out_hbm = run()
     out3: list[list[int]] = []
     m3 = m2
     if corrupting is not None:
