@@ -18,6 +18,7 @@ from kvtier.bench.arms import ArmSpec, pool_mismatches
 from kvtier.bench.vllm_host import EXAMPLE, KVTIER, NONE, VLLMServerConfig
 from kvtier.errors import ConfigError, StartupError
 from kvtier.native.modelgen import init_model
+from tests.vllm.conftest import GDN_HYBRID
 
 # the real run needs .venv-vllm; when it is missing the bench builds it first (minutes)
 _HAVE_VENV = (vllm_host.default_venv() / "bin" / "vllm-cli").is_file()
@@ -201,6 +202,14 @@ def test_bad_host_chunk_and_pool_are_refused_up_front(tmp_path: Path) -> None:
         e2e.run(host="vllm", quick=True, chunk_size=64, json_path=out)
     with pytest.raises(ConfigError, match=r"--hbm-blocks 4 \(3 usable blocks of 128"):
         e2e.run(host="vllm", quick=True, hbm_blocks=4, json_path=out)
+    # a gated-delta-net hybrid: vLLM raises its block above the plan's, ExampleConnector fails
+    # on it inside vLLM ("Failed to promote local KV cache specs"), the native engine has none
+    hybrid = tmp_path / "gdn"
+    hybrid.mkdir()
+    (hybrid / "config.json").write_text(json.dumps(GDN_HYBRID))
+    for host in ("vllm", "native"):
+        with pytest.raises(ConfigError, match=r"has 2 state layers .* --mamba-cache-mode align"):
+            e2e.run(host=host, quick=True, model_dir=hybrid, json_path=out)
     assert not out.exists()
 
 

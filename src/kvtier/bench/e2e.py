@@ -188,6 +188,22 @@ def model_config(model_dir: Path) -> dict[str, Any]:
     return dict(json.loads((model_dir / "config.json").read_text(encoding="utf-8")))
 
 
+def refuse_state_layers(model: Path, config: dict[str, Any]) -> None:
+    """A model with state layers (Qwen3-Next, Nemotron-H) is refused before any server starts:
+    vLLM raises its block size above the one the plan's HBM ceilings are sized in, its
+    ExampleConnector arm cannot run such a model, and the native engine has no state layers."""
+    states = bytes_per_token_from_hf(config).state_layers
+    if states:
+        raise ConfigError(
+            f"--model-dir {str(model)!r} has {states} state layers (Mamba / gated delta net): "
+            "bench e2e sizes its HBM ceilings in fixed blocks, which vLLM raises for such a "
+            "model, and its ExampleConnector arm cannot run one. Measure it with `vllm serve "
+            "--enable-prefix-caching --mamba-cache-mode align` and `vllm bench serve "
+            "--dataset-name prefix_repetition`, the prefix cache reset between two passes "
+            "(docs/vllm.md, 'State groups')"
+        )
+
+
 def tier_chunks_per_rank(
     config: dict[str, Any], tp: int, chunk_size: int, memory: int, kv_dtype: str = KV_DTYPE
 ) -> int:
@@ -228,12 +244,13 @@ def run(
     plan = plan_for(quick, hbm_blocks, requests, concurrency, host=host)
     t0 = time.perf_counter()
     env, extra, kv_config = tier_config(host, chunk_size)
+    model = ensure_model(model_dir, "tiny" if quick else "small").resolve()
+    config = model_config(model)
+    refuse_state_layers(model, config)
     cli = None
     if host == VLLM or load == VLLM_BENCH:
         vllm_cli = vllm_host.ensure_vllm_env(None, say)
         cli = vllm_cli if host == VLLM else None
-    model = ensure_model(model_dir, "tiny" if quick else "small").resolve()
-    config = model_config(model)
     dtype = VLLM_DTYPE if host == VLLM else KV_DTYPE
     tier_chunks = tier_chunks_per_rank(config, tp, chunk_size, kv_config.memory_bytes, dtype)
     block_size = VLLM_BLOCK_SIZE if host == VLLM else BLOCK_SIZE
