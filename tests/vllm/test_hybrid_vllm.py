@@ -129,6 +129,7 @@ def test_preempted_hybrid_requests_restore_again_and_decode_the_same(
     assert r["pass2"]["vllm:num_preemptions"] == n
     lines = retrieved_lines(run.stderr)
     said = "\n".join(x for x in run.stderr.splitlines() if "kvtier" in x)[-6000:]
+    said = f"{r['kvtier2']}\n{said}"
     assert [x.failed for x in lines] == [None] * 2 * n, said
     assert sum(x.got for x in lines) == 2 * loadable_tokens(r["prompt_lens"], CHUNK)
     assert r["out2"] == r["out1"]

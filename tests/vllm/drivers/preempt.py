@@ -36,6 +36,8 @@ KVTIER_COUNTERS = (
     "readmitted_retrieved_tokens",
     "state_parts_loaded",
     "load_failures",
+    "lookup_timeouts",
+    "skipped_loads",
 )
 
 
