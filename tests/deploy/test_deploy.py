@@ -26,7 +26,7 @@ NAME = re.compile(r"\b(vllm:[a-zA-Z0-9_:]+|kvtier_[a-zA-Z0-9_]+)")
 TIER_PANELS = ("Tier residency", "Cached prompt tokens by source", "Retrieved / stored",
                "Failures", "Lookups", "Skipped loads by reason")  # fmt: skip
 ALERT_CLASSES = ("KVTierWrittenNeverRead", "KVTierVerifyFailures", "KVTierEngineWedged",
-                 "KVTierBreakerOpen")  # fmt: skip
+                 "KVTierBreakerOpen", "KVTierStatesNeverStored")  # fmt: skip
 
 
 def dashboard_exprs() -> dict[str, list[str]]:
