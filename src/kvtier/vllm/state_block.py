@@ -23,15 +23,13 @@ class StateBlockSize:
     def __init__(self, cache_config: Any, block: int) -> None:
         self._cache = cache_config
         self.block = block
-        self.restored = 0
 
     def keep(self) -> None:
         """Put the block size back when vLLM changed it (checked before each admission)."""
-        now = getattr(self._cache, "block_size", self.block)
+        now = self._cache.block_size
         if now == self.block:
             return
         self._cache.block_size = self.block
-        self.restored += 1
         log.warning(
             "kvtier: vLLM's scheduler block size became %s tokens after startup, under state "
             "groups kept at %d-token blocks (vLLM's CPU platform resets a block size the user "
