@@ -11,6 +11,7 @@ runs of the same passes agree token for token."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -118,6 +119,12 @@ def test_a_model_of_sliding_window_layers_only_is_refused_at_startup(
     ), run.result["errors"]
 
 
+# kvtier's warning for a save the worker dropped (its range and reason)
+CANCELLED_SAVE = re.compile(
+    r"save \S+ of request \S+, tokens \[(\d+), (\d+)\), failed \(preempted\)"
+)
+
+
 def test_preempted_hybrid_requests_restore_again_and_decode_the_same(
     run_driver: Callable[..., DriverRun], tiny_hybrid_model_f32: Path
 ) -> None:
@@ -129,9 +136,20 @@ def test_preempted_hybrid_requests_restore_again_and_decode_the_same(
     assert r["pass2"]["vllm:num_preemptions"] == n
     lines = retrieved_lines(run.stderr)
     said = "\n".join(x for x in run.stderr.splitlines() if "kvtier" in x)[-6000:]
-    said = f"{r['kvtier2']}\n{said}"
-    assert [x.failed for x in lines] == [None] * 2 * n, said
-    assert sum(x.got for x in lines) == 2 * loadable_tokens(r["prompt_lens"], CHUNK)
+    k = r["kvtier2"]
+    said = f"{k}\n{said}"
+    want = loadable_tokens(r["prompt_lens"], CHUNK)
+    assert [x.failed for x in lines] == [None] * len(lines), said
+    assert sum(x.got for x in lines) == k["retrieved_tokens"], said
+    # after the preemption every request restores its whole prefix again
+    assert k["readmitted_retrieved_tokens"] == want, said
+    # before it, pass 1's saves: one whose sliding-window block vLLM handed to a request before
+    # the save copied it is cancelled (the bytes would be wrong) and that range is not in the
+    # tier, a lost hit; under a loaded suite that happened once in a few runs
+    pass1 = run.stderr.split("Retrieved", 1)[0]
+    lost = sum(int(b) - int(a) for a, b in CANCELLED_SAVE.findall(pass1))
+    first = k["retrieved_tokens"] - k["readmitted_retrieved_tokens"]
+    assert want - lost <= first <= want and (first == want or lost), said
     assert r["out2"] == r["out1"]
 
 

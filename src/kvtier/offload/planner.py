@@ -193,9 +193,12 @@ class SavePlanner:
         st.emitted = min(st.emitted, start)
         if term.reason == HOOK_ERROR:
             st.quarantined = True  # a defect, not a full tier: trying again fails again
+        # a cancelled sliding-window save comes back only while the host still holds its blocks
+        then = ("the request saves nothing more" if st.quarantined
+                else "a later step saves the range again if the host still holds its blocks")
         log.warning(
-            "kvtier: save %s of request %s, tokens [%d, %d), failed (%s); it will be retried",
-            term.op_id, shown_id(st.req_id), start, end, term.reason,
+            "kvtier: save %s of request %s, tokens [%d, %d), failed (%s); %s",
+            term.op_id, shown_id(st.req_id), start, end, term.reason, then,
         )  # fmt: skip
 
     # ---- retention ---------------------------------------------------------------------------
