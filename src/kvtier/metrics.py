@@ -125,6 +125,7 @@ class _Families:
     load_prediction_ratio: Histogram
     load_mispredictions: Counter
     load_misprediction_share: Gauge
+    load_speed_shifts: Counter
 
 
 def _build(reg: CollectorRegistry) -> _Families:
@@ -383,6 +384,12 @@ def _policy_families(
             "Recent share of loads off their prediction by more than 2x (kvtier doctor warns "
             "above 0.5).",
         ),
+        load_speed_shifts=c(
+            "load_speed_shifts",
+            "Times a tier's read model dropped most of its past because two reads in a row "
+            "were over 1.5x off its prediction on the same side (the tier's speed changed).",
+            "tier",
+        ),
     )
 
 
@@ -494,6 +501,9 @@ class Metrics:
 
     def load_decision_tokens(self, decision: str, tier: str) -> Counter:
         return self.f.load_decision_tokens.labels(str(self.rank), decision, tier)
+
+    def load_speed_shift(self, tier: str) -> Counter:
+        return self.f.load_speed_shifts.labels(str(self.rank), tier)
 
     def skipped_load(self, reason: str) -> Counter:
         return self.f.skipped_loads.labels(str(self.rank), reason)

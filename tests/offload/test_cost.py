@@ -45,6 +45,36 @@ def test_the_fit_follows_a_link_that_slows_down_after_long_steady_traffic() -> N
     assert t.seconds(1024) == pytest.approx(1024 / 1e5, rel=0.1)
 
 
+def test_a_tier_whose_speed_changed_is_followed_within_two_reads() -> None:
+    """`bench load-cost`'s sweep on a real store: after 10 loads at 72 ms the store slowed to
+    160 ms, and forgetting alone took 10 loads (each slower than recompute) to predict it.
+    Two reads in a row over 1.5x off on the same side drop the past."""
+    t = TierRead(1e6)
+    for _ in range(10):
+        t.observe(256, 0.072)
+    t.observe(256, 0.160)
+    assert t.seconds(256) < 0.120  # one read moves the prediction no further than forgetting
+    t.observe(256, 0.160)
+    assert t.seconds(256) == pytest.approx(0.160, rel=0.1)
+    assert t.shifts == 1
+    for _ in range(3):  # and back: a store that recovered
+        t.observe(256, 0.060)
+    assert t.seconds(256) == pytest.approx(0.060, rel=0.1)
+    assert t.shifts == 2
+
+
+def test_a_noisy_tier_keeps_its_past() -> None:
+    """Reads scattered up to 1.4x either way around one speed, or single outliers between them,
+    never drop the fit's past."""
+    t = TierRead(1e6)
+    for _ in range(10):  # a steady past (an outlier among a tier's first reads may drop it)
+        t.observe(256, 0.1)
+    for i in range(500):
+        t.observe(256, 0.1 * (1.4, 0.75, 1.0, 1.3, 0.72)[i % 5] * (3.0 if i % 17 == 0 else 1.0))
+        assert 0.07 < t.seconds(256) < 0.2
+    assert t.shifts == 0
+
+
 def test_prefill_time_grows_with_the_context_it_attends_to() -> None:
     p = PrefillTime(2000.0)
     for i in range(80):

@@ -680,6 +680,21 @@ def test_a_load_far_off_its_prediction_is_counted_and_teaches_the_model():
     assert sched.gate.cost.tier("memory").seconds(3 * CHUNK) > 1.5 * predicted
 
 
+def test_a_tier_that_slowed_down_is_counted_and_predicted_from_two_loads():
+    sched, metrics = _cost_sched((("memory", 3),))
+    for req in ("a", "b"):
+        _admit(sched, req, 3 * CHUNK + 4)
+        (op,) = sched.build_meta([]).loads
+        slow = 4 * sched._reqs[req].load.predicted_s  # type: ignore[union-attr]
+        sched.process_reports(
+            [WorkerReport(0, results=[OpResult(op.op_id, True, seconds=slow, tier="memory")])]
+        )
+    # two loads 4x slower than predicted: the model drops its 20 fast reads and predicts the
+    # new speed (forgetting alone would still be near the old one)
+    assert metrics.value("load_speed_shifts_total", tier="memory") == 1
+    assert sched.gate.cost.tier("memory").seconds(3 * CHUNK) == pytest.approx(slow, rel=0.2)
+
+
 def test_a_read_that_timed_out_teaches_the_model_the_store_is_slow():
     """A load that failed after waiting out the store's timeout was the seed's silent cost:
     every restore paid the wait, then recomputed, and nothing learnt. Its time is evidence."""

@@ -4,8 +4,9 @@ restoring prompts from it under each load policy.
 
 1. A writer engine serves every prompt once with the store reached directly, and waits until
    every chunk is written behind.
-2. Fresh engines restore the prompts one at a time through the proxy, each prompt's time to its
-   first token measured: no offload (twice: the A/A pair), `load_policy: cost`, `always`.
+2. Fresh engines, open side by side, restore the prompts one at a time through the proxy, each
+   prompt's time to its first token measured: no offload (twice: the A/A pair),
+   `load_policy: cost`, `always`; every prompt goes through all four before the next.
 3. Mixed: a prompt's head is in the engine's memory tier (served alone first), its tail only in
    the slow store: the head is loaded and the tail recomputed.
 4. Sweep: one cost-policy engine while the proxy's rate steps across the break-even (the store
@@ -22,7 +23,7 @@ import shutil
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,11 +67,16 @@ class Plan:
     sweep_prompts: int = 10  # per sweep step
     slow_bytes_per_s: float = 4 * 2**20
     latency_s: float = 0.0005
-    probe_s: float = 2.0
+    # the cost engine's probe interval: its restores interleave with three other engines', so
+    # a prompt takes about four restores' time; 8 s keeps about one probe in its 16 restores
+    probe_s: float = 8.0
     # the small preset: its prefill is slow enough per KV byte that a store behind this
     # bench's Python proxy can read on both sides of the break-even (the sweep needs that)
     model_preset: str = "small"
-    sweep_probe_s: float = 0.2
+    # the sweep's engine probes a turned-away store about once per this many prompts (its
+    # steps are a few prompts long): often enough to see a rate rise within a step, rarely
+    # enough that most prompts show the standing decision
+    sweep_probe_every: int = 2
 
 
 # the tests' form: no sweep (its steps need more requests than a test affords); the cost
@@ -194,12 +200,10 @@ def run(
         slow = proxy.url()
         arms = policy_arms(model, restore, kv(slow), kv(slow, load_policy="always"), progress)
         mixed_arms = _mixed(model, plan, mixed, kv(slow), proxy, progress)
-        # the sweep probes a turned-away store often: its steps are a few requests long
         steps, break_even = [], 0.0
         if sweep:
-            sweep_kv = kv(slow, load_probe_s=plan.sweep_probe_s)
             steps, break_even = _sweep(
-                model, sweep_kv, proxy, remote_url, plan, warm, sweep, progress
+                model, kv(slow), proxy, remote_url, plan, warm, sweep, progress
             )
     report = _report(plan, arms, mixed_arms, steps, break_even)
     doc = report.to_json()
@@ -223,17 +227,22 @@ def policy_arms(
     progress: Callable[[str], None],
     before: Callable[[], object] = lambda: None,
 ) -> dict[str, Arm]:
-    """Fresh engines restore each prompt alone: no offload, `cost`, `always`, no offload again
-    (the A/A pair brackets the policies: a drift of the machine shows in it); `before` runs
-    ahead of each restore."""
-    arms: dict[str, Arm] = {}
-    for name, config in ((OFF, None), (COST, cost), (ALWAYS, always), (OFF_AGAIN, None)):
-        progress(f"[{name}] {len(restore)} restores, one at a time")
-        arm = arms[name] = Arm()
-        with engine(model, config) as eng:
-            timed(eng, restore, arm, before)
-            if config is not None:
-                arm.metrics = decisions(eng)
+    """Fresh engines, open side by side, restore each prompt alone: no offload, `cost`,
+    `always`, no offload again (the A/A pair). Each prompt goes through every arm before the
+    next, the arms' order rotating from prompt to prompt, so a shift in the machine's speed
+    mid-run lands on every arm alike (run one arm after another, a VM here moved 28% between
+    two arms of the same engine); `before` runs ahead of each restore."""
+    configs = ((OFF, None), (COST, cost), (ALWAYS, always), (OFF_AGAIN, None))
+    arms: dict[str, Arm] = {name: Arm() for name, _ in configs}
+    progress(f"[{', '.join(arms)}] {len(restore)} restores each, interleaved, one at a time")
+    with ExitStack() as stack:
+        engines = {name: stack.enter_context(engine(model, kv)) for name, kv in configs}
+        for i, prompt in enumerate(restore):
+            for name, _ in configs[i % len(configs) :] + configs[: i % len(configs)]:
+                timed(engines[name], [prompt], arms[name], before)
+        for name, kv in configs:
+            if kv is not None:
+                arms[name].metrics = decisions(engines[name])
     return arms
 
 
@@ -354,14 +363,18 @@ def _sweep(
     with engine(model, config) as eng:
         # warm-up: prompts recomputed (the prefill model), then stored ones loaded from the
         # store at full speed (the fixed cost of a load)
-        timed(eng, fresh, Arm())
+        pace = Arm()
+        timed(eng, fresh, pace)
         proxy.set_rate(FAST)
         timed(eng, warm, Arm())
+        cost = eng.connector.core.gate.cost  # type: ignore[union-attr]
+        # a probe interval in this machine's prompts (a wall-clock one shorter than a prompt
+        # would make every turned-away prompt a probe)
+        cost.probe_s = plan.sweep_probe_every * statistics.median(pace.ttft_s)
         nbytes = bytes_per_token_from_hf(
             model_config(model), tp_size=1, kv_dtype=KV_DTYPE
         ).bytes_for_tokens(plan.prompt_tokens)
         delivered = _delivered(proxy, remote_url, nbytes)
-        cost = eng.connector.core.gate.cost  # type: ignore[union-attr]
         progress(
             f"[sweep] warm-up: a {nbytes / 2**20:.1f} MiB load predicted "
             f"{cost.tier('remote').seconds(plan.prompt_tokens) * 1e3:.1f} ms through the proxy "
@@ -429,7 +442,8 @@ def _report(
     r = Report("load-cost", "kvtier bench load-cost: load or recompute from a slow shared store")
     note = r.note(
         f"{plan.prompts} prompts of {plan.prompt_tokens} tokens ({plan.chunk}-token chunks), each "
-        "restored alone from a fresh engine whose only copy is in a real Valkey/Redis behind a "
+        "restored alone by each arm's engine (the arms interleaved prompt by prompt) from a real "
+        "Valkey/Redis, its only copy, behind a "
         f"proxy capping answers at {plan.slow_bytes_per_s / 2**20:g} MiB/s "
         f"(+{plan.latency_s * 1e3:g} ms); the time to the first token"
     )

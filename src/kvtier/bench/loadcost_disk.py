@@ -4,13 +4,15 @@ device, the tier files' page cache dropped before each restore), and the native 
 restoring prompts from it under each load policy.
 
 1. A writer engine serves every prompt once; its disk tier writes them behind.
-2. Fresh engines (an empty memory tier, the same disk tier) restore the prompts one at a time,
-   each prompt's time to its first token measured: no offload (twice: the A/A pair),
-   `load_policy: cost`, `always`.
+2. Fresh engines, open side by side (an empty memory tier each; `cost` and `always` each on a
+   copy of the written disk tier, as one live process holds a disk directory), restore the
+   prompts one at a time, interleaved, each prompt's time to its first token measured: no
+   offload (twice: the A/A pair), `load_policy: cost`, `always`.
 """
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -50,24 +52,27 @@ def run(
     model = ensure_model(model_dir, plan.model_preset)
     vocab = int(model_config(model)["vocab_size"])
     with tempfile.TemporaryDirectory(prefix="kvtier-load-cost-disk-", dir=directory) as root:
-        tier = Path(root)
-        throttle = ThrottledDisk(tier, rate)  # refuses a tmpfs before any run
+        # the throttle and its page-cache drops cover both copies of the tier
+        throttle = ThrottledDisk(Path(root), rate)  # refuses a tmpfs before any run
+        tier, copy = Path(root) / "cost", Path(root) / "always"
 
-        def kv(**extra: Any) -> KVTierConfig:
+        def kv(directory: Path, **extra: Any) -> KVTierConfig:
             extra.setdefault("load_probe_s", plan.probe_s)
             return KVTierConfig(
-                chunk_size=plan.chunk, memory_bytes="64MiB", disk_dir=str(tier),
+                chunk_size=plan.chunk, memory_bytes="64MiB", disk_dir=str(directory),
                 disk_bytes="256MiB", lookup_timeout_ms=2000, **extra,
             )  # fmt: skip
 
         restore = prompts_of(plan.prompts, plan.prompt_tokens, vocab, 1)
         progress(f"writer: {len(restore)} prompts of {plan.prompt_tokens} tokens to {tier}")
-        write_behind(model, kv(), restore)
+        write_behind(model, kv(tier), restore)
+        shutil.copytree(tier, copy)
         progress(f"restores read the disk at {rate / 2**20:g} MiB/s")
         with throttle:
             arms = policy_arms(
-                model, restore, kv(), kv(load_policy="always"), progress, throttle.drop_cache
-            )
+                model, restore, kv(tier), kv(copy, load_policy="always"), progress,
+                throttle.drop_cache,
+            )  # fmt: skip
     doc = _report(plan, arms, rate).to_json()
     write_json(json_path or Path("runs") / "bench-load-cost-disk.json", doc)
     return doc

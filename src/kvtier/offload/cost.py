@@ -6,7 +6,8 @@ A tier's read time is `latency + tokens x seconds_per_token`; the prefill's time
 `overhead + tokens x (b + c x context)`. Each is fitted by recursive least squares with
 forgetting (a few floats of state; old samples decay, so the model follows a link whose speed
 changes), starting from seeds (the startup self-test's load, the config's rates) that the first
-real samples outweigh.
+real samples outweigh. Two reads in a row far off a tier's prediction on the same side drop most
+of its past, so a changed speed is followed within two loads rather than ten.
 
 A tier the model turns away keeps being sampled (one probe load per `probe_s`), so a wrong
 verdict corrects itself; a hysteresis band keeps the decision from flapping at break-even.
@@ -28,6 +29,14 @@ FORGET = 0.8
 CUT_SHORT = 2.0
 # the band around the break-even inside which a tier keeps its last decision
 HYSTERESIS = 0.1
+# a read this many times slower (or faster) than predicted is a surprise; two in a row on the
+# same side mean the tier's speed changed (a store that slowed down, a link that recovered),
+# and its fit then keeps only SHIFT_KEEP of its past: the forgetting above takes 5-10 loads to
+# follow a 2.5x change, each a load from a tier already slower than recompute (measured on a
+# real store behind a throttling proxy, `kvtier bench load-cost`'s sweep); a single outlier
+# moves nothing more than FORGET lets it
+SHIFT = 1.5
+SHIFT_KEEP = 0.05
 LOAD, RECOMPUTE, PROBE = "load", "recompute", "probe"
 
 
@@ -58,6 +67,12 @@ class LinearFit:
 
     def predict(self, x: Sequence[float]) -> float:
         return sum(t * v for t, v in zip(self.theta, x, strict=True))
+
+    def discount(self, keep: float) -> None:
+        """Keep only `keep` of every past sample's weight (the prior's stays whole)."""
+        self._xx = [[keep * v for v in row] for row in self._xx]
+        self._xy = [keep * v for v in self._xy]
+        self.theta = self._solve()
 
     def observe(self, x: Sequence[float], y: float) -> None:
         if not math.isfinite(y) or not all(math.isfinite(v) for v in x):
@@ -112,6 +127,9 @@ class TierRead:
     share of its loads that failed (a failed load costs its wait and then the recompute)."""
 
     fail_share: float = 0.0
+    # the side (+1 slower, -1 faster, 0 neither) of the last read's surprise (`SHIFT`)
+    surprise: int = 0
+    shifts: int = 0  # how often the fit dropped its past for a changed speed
 
     def __init__(self, tokens_per_s: float, latency_s: float = 0.0) -> None:
         per_ktok = max(1e3 / tokens_per_s, 1e-9)  # an unknown (infinite) rate reads as free
@@ -137,8 +155,15 @@ class TierRead:
         return self.fit.predict((1.0, tokens / 1e3)) if tokens > 0 else 0.0
 
     def observe(self, tokens: int, seconds: float) -> None:
-        if tokens > 0 and seconds > 0:
-            self.fit.observe((1.0, tokens / 1e3), seconds)
+        if tokens <= 0 or not seconds > 0:
+            return
+        ratio = seconds / max(self.seconds(tokens), 1e-12)
+        side = 1 if ratio > SHIFT else -1 if ratio < 1 / SHIFT else 0
+        if side and side == self.surprise:
+            self.fit.discount(SHIFT_KEEP)
+            self.shifts += 1
+        self.surprise = side
+        self.fit.observe((1.0, tokens / 1e3), seconds)
 
     def observe_outcome(self, ok: bool) -> None:
         self.fail_share += (1 - FORGET) * (float(not ok) - self.fail_share)

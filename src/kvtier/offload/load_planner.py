@@ -326,7 +326,11 @@ class LoadPlanner:
         # a failed load (a store's read timeout) is evidence too: its tiers' failure share
         # rises, and a wait longer than predicted teaches a slower read
         reads = load.reads if load is not None and load.reads else ((term.tier, tokens),)
+        shifts = {t: cost.tier(t).shifts for t, _ in reads}
         cost.observe_read(reads, term.seconds, tokens, term.ok)
+        for t, before in shifts.items():
+            if cost.tier(t).shifts > before:
+                self._m.load_speed_shift(t).inc()
         if term.ok or term.seconds > predicted > 0:
             if cost.observe_outcome(predicted, term.seconds):
                 self._m.load_mispredictions.inc()
