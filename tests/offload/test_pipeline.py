@@ -7,8 +7,9 @@ threads sleep while copies run; the number of copies and host waits per step is 
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -239,6 +240,125 @@ def test_fragmented_block_ids_take_the_kernel_path_and_are_counted(
     assert _paths(rig)[("load", "kernel")] - before[("load", "kernel")] == N // 2
     for b, w in zip(dst, want, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(_blocks(rig.views, b), w, strict=True))
+
+
+def test_a_sync_step_of_kernel_and_dma_chunks_orders_the_forward_after_both_streams(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sync load whose first chunk is fragmented (staging copy, then a scatter kernel on the
+    lane's kernel stream) and whose last is a run (the copy engine, on its copy stream): the
+    forward waits for both streams. Waiting for the last chunk's mark alone let the forward
+    read the scatter's blocks before it wrote them."""
+    from kvtier.offload import codec, loading
+
+    monkeypatch.setattr(codec, "_MAX_RUNS", 1)  # a chunk of 2 blocks in 2 runs is fragmented
+    src = _save_step(rig)
+    want = [_blocks(rig.views, b) for b in src[:2]]
+    base = N * K
+    dst = [[base + 2 * j for j in range(K)], list(range(base + 2 * K, base + 3 * K))]
+    for v in rig.views.values():
+        for b in (b for ids in dst for b in ids):
+            manager_view(v, NB)[b].zero_()
+    lease = "lk-mixed"
+    assert rig.worker.stack is not None
+    assert rig.worker.stack.lookup([_key(0), _key(1)], lease) == 2
+    refs = [ChunkRef(_key(i), b) for i, b in enumerate(dst)]
+    op = LoadOp("mx", "q-mx", lease, refs, CHUNK * 2, sync=True)
+    read = threading.Event()
+    real = loading.scatter_call
+
+    def held_scatter(c: codec.PageCodec, s: torch.Tensor, ids: list[int], part: int
+                     ) -> Callable[[], int]:  # fmt: skip
+        fn = real(c, s, ids, part)
+
+        def run() -> int:
+            # a forward not ordered after this scatter reads first (and sets `read`); one
+            # that is waits here until the deadline
+            read.wait(1.0)
+            return fn()
+
+        return run
+
+    monkeypatch.setattr(loading, "scatter_call", held_scatter)
+    rig.worker.start_load_kv(OffloadMeta(loads=[op]))
+    seen: list[list[torch.Tensor]] = []
+
+    def forward() -> None:
+        seen.extend(_blocks(rig.views, ids) for ids in dst)
+        read.set()
+
+    rig.ops.run_on_compute(forward).wait()
+    assert [r.ok for r in rig.worker.take_report().results] == [True]
+    for got, w in zip(seen, want, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(got, w, strict=True))
+
+
+def test_a_sync_chunk_on_the_copy_engine_does_not_free_a_staging_buffer_a_scatter_reads(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sync chunks fragmented, run, run, fragmented, fragmented (2 staging buffers): the last
+    one's copy into the first one's staging buffer waits for that chunk's scatter. A run of
+    blocks uses no staging buffer, so it must not stand as the buffer's last reader (the copy
+    overwrote the buffer while the first scatter still read it)."""
+    from kvtier.offload import codec, loading
+
+    monkeypatch.setattr(codec, "_MAX_RUNS", 1)  # a chunk of 2 blocks in 2 runs is fragmented
+    src = _save_step(rig)
+    want = [_blocks(rig.views, b) for b in src[:5]]
+    base = N * K
+
+    def frag(i: int) -> list[int]:
+        return [base + i * 2 * K + 2 * j for j in range(K)]
+
+    def run(i: int) -> list[int]:
+        return list(range(base + i * 2 * K, base + i * 2 * K + K))
+
+    dst = [frag(0), run(1), run(2), frag(3), frag(4)]
+    lease = "lk-ring"
+    assert rig.worker.stack is not None
+    assert rig.worker.stack.lookup([_key(i) for i in range(5)], lease) == 5
+    refs = [ChunkRef(_key(i), b) for i, b in enumerate(dst)]
+    op = LoadOp("rg", "q-rg", lease, refs, CHUNK * 5, sync=True)
+    assert rig.worker._path is not None
+    first = rig.worker._path.sync_loads._buffers[0].staging
+    assert first is not None
+    writes = [0]
+    reused = threading.Event()
+    real_copy = rig.ops._copy
+
+    def counted_copy(dst: torch.Tensor, src: torch.Tensor, ready: float, ok: bool) -> float:
+        done = real_copy(dst, src, ready, ok)
+        if dst.untyped_storage().data_ptr() == first.untyped_storage().data_ptr():
+            writes[0] += 1
+            if writes[0] == 2:
+                reused.set()
+        return done
+
+    monkeypatch.setattr(rig.ops, "_copy", counted_copy)
+    real = loading.scatter_call
+    calls = [0]
+
+    def held_scatter(c: codec.PageCodec, s: torch.Tensor, ids: list[int], part: int
+                     ) -> Callable[[], int]:  # fmt: skip
+        fn = real(c, s, ids, part)
+        calls[0] += 1
+        if calls[0] > 1:
+            return fn
+
+        def slow() -> int:
+            # the first scatter: a copy that may overwrite its buffer does so now
+            reused.wait(1.0)
+            return fn()
+
+        return slow
+
+    monkeypatch.setattr(loading, "scatter_call", held_scatter)
+    rig.worker.start_load_kv(OffloadMeta(loads=[op]))
+    seen: list[list[torch.Tensor]] = []
+    rig.ops.run_on_compute(lambda: seen.extend(_blocks(rig.views, ids) for ids in dst)).wait()
+    assert [r.ok for r in rig.worker.take_report().results] == [True]
+    for i, (got, w) in enumerate(zip(seen, want, strict=True)):
+        assert all(torch.equal(a, b) for a, b in zip(got, w, strict=True)), f"chunk {i}"
 
 
 def test_the_serial_design_keeps_one_transfer_in_flight_and_moves_the_same_bytes() -> None:

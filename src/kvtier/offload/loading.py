@@ -10,11 +10,14 @@ backend the scatter reads the slot itself.
 - Asynchronous loads (the load lane) retire in issue order: wait for the scatter's mark, unpin
   the slot. A load reports after all its chunks landed, so no block of a failed load is written
   after the host was told to recompute it.
-- Synchronous loads (the forward's thread, inside `start_load_kv`) never wait on the host: their
-  last scatter's mark is joined into the compute stream, so the forward runs after them on the
-  device. Staging buffers are reused in stream order (a copy into a buffer waits on the device
-  for the scatter that last read it); the pinned slots are let go at a later step, once their
-  marks are reached.
+- Synchronous loads (the forward's thread, inside `start_load_kv`) never wait on the host: the
+  last mark on each of the lane's streams (copy-engine chunks on the copy stream, scatters on
+  the kernel stream) is joined into the compute stream, so the forward runs after them on the
+  device. The last chunk's mark alone would not do: a run of blocks after a fragmented chunk
+  lands on the copy stream while that chunk's scatter may still run on the kernel stream.
+  Staging buffers are reused in stream order (a copy into a buffer waits on the device for the
+  scatter that last read it); the pinned slots are let go at a later step, once their marks
+  are reached.
 """
 
 from __future__ import annotations
@@ -80,6 +83,10 @@ class Buffers:
     host: torch.Tensor | None = None
 
 
+_COPIES = "copies"
+_KERNELS = "kernels"
+
+
 @dataclass(eq=False, slots=True)
 class _Issued:
     mark: Mark
@@ -87,6 +94,7 @@ class _Issued:
     tier: str
     blocks: int
     state: bool = False  # a part of a boundary-state record
+    stream: str = _KERNELS  # the lane stream its last work is on (ordering by stream)
 
 
 _MISS = "miss"
@@ -197,12 +205,13 @@ class LoadPath:
 
     # ---- the forward's thread ------------------------------------------------------------------
 
-    def issue_sync(self, lane: Lane, p: PendingLoad) -> tuple[LoadRun, Mark | None]:
+    def issue_sync(self, lane: Lane, p: PendingLoad) -> tuple[LoadRun, dict[str, Mark]]:
         """Queue a synchronous load's chunks without any host wait; its run (as it will be once
-        the marks are reached) and the mark the compute stream must wait for."""
+        the marks are reached) and the marks the compute stream must wait for: the last one on
+        each lane stream its chunks used (each stream runs in order, the two do not)."""
         self.reap()
         run = LoadRun(p)
-        last: Mark | None = None
+        tails: dict[str, Mark] = {}
         op = p.op
         try:
             run.reason = op.fail or self.degraded
@@ -213,8 +222,13 @@ class LoadPath:
                 if isinstance(got, str):
                     run.reason = _MISS
                     break
-                self._next = (k + 1) % len(self._buffers)
-                self._last_read[k] = last = got.mark
+                tails[got.stream] = got.mark
+                if got.stream == _KERNELS:
+                    # only a chunk that went through staging buffer k is its last reader: a
+                    # run on the copy engine read none, and its mark says nothing of the
+                    # scatter still reading the buffer
+                    self._next = (k + 1) % len(self._buffers)
+                    self._last_read[k] = got.mark
                 with self._held_lock:
                     self._held.append(got)
                 run.served[got.tier] += 1
@@ -226,7 +240,7 @@ class LoadPath:
             settle(lane, self._tag)
         finally:
             self._stack.release(op.lookup_id)
-        return run, last
+        return run, tails
 
     def reap(self, wait: bool = False) -> bool:
         """Unpin the slots of synchronous loads whose copies completed (all of them, waiting,
@@ -306,6 +320,7 @@ class LoadPath:
             settle(lane, self._tag)
             held.close()
             raise
+        stream = _KERNELS if regions is None else _COPIES
         if ref.part >= 0:
-            return _Issued(mark, held, tier, 0, state=True)
-        return _Issued(mark, held, tier, sum(1 for b in ids if b >= 0))
+            return _Issued(mark, held, tier, 0, state=True, stream=stream)
+        return _Issued(mark, held, tier, sum(1 for b in ids if b >= 0), stream=stream)

@@ -390,20 +390,22 @@ class OffloadWorker:
                 if not p.op.sync:
                     self._book.pending[p.op.op_id] = p
             self.outbox.delayed.update(meta.delayed_free)
-        last: Mark | None = None
+        tails: dict[str, Mark] = {}
         queued: list[PendingLoad] = []
         for p in pending:
             # one load at a time under the guard: a failure costs its own request only
-            mark = self.guard.run(
+            marks = self.guard.run(
                 "start_load_kv",
                 p.op.req_id,
                 lambda p=p: self._dispatch_load(p, queued),
                 lambda p=p: self._fail_load(p, HOOK_ERROR),
             )
-            last = mark or last
-        if last is not None:
-            # the forward runs after the sync loads' scatters, ordered on the device
-            self.guard.run("start_load_kv", None, lambda: self._join(last), self._join_failed)
+            tails.update(marks or {})
+        if tails:
+            # the forward runs after the sync loads' copies and scatters, ordered on the device
+            self.guard.run(
+                "start_load_kv", None, lambda: self._join(tails.values()), self._join_failed
+            )
         if queued:
             self.guard.run(
                 "start_load_kv",
@@ -412,17 +414,19 @@ class OffloadWorker:
                 lambda: [self._fail_load(p, HOOK_ERROR) for p in queued] and None,
             )
 
-    def _dispatch_load(self, p: PendingLoad, queued: list[PendingLoad]) -> Mark | None:
+    def _dispatch_load(self, p: PendingLoad, queued: list[PendingLoad]) -> dict[str, Mark] | None:
         """Start one load: a sync one is queued ahead of the forward on the device (its last
-        mark returned), an async one joins the step's batch for the load lane."""
+        mark on each lane stream returned), an async one joins the step's batch for the load
+        lane."""
         if p.op.sync:
             return self._run_sync_load(p)
         queued.append(p)
         return None
 
-    def _join(self, mark: Mark) -> None:
+    def _join(self, marks: Iterable[Mark]) -> None:
         assert self._ops is not None
-        self._ops.join(mark)
+        for mark in marks:
+            self._ops.join(mark)
 
     def _join_failed(self) -> None:
         """The compute stream could not be ordered after this step's sync loads: the forward
@@ -664,20 +668,20 @@ class OffloadWorker:
             return
         self._finish_load(run.p, *outcome)
 
-    def _run_sync_load(self, p: PendingLoad) -> Mark | None:
+    def _run_sync_load(self, p: PendingLoad) -> dict[str, Mark]:
         """Queue a sync load from the calling thread on its own lane; it is reported at once
         (its bytes land before the forward reads them: the compute stream waits for the
-        returned mark), never expires and reports no finished_recving."""
+        returned marks), never expires and reports no finished_recving."""
         assert self._ops is not None and self._path is not None
         dp = self._path
         if dp.sync_lane is None:
             # made in the thread that runs the forward (on CUDA: streams of its device)
             dp.sync_lane = self._ops.lane()
-        run, mark = dp.sync_loads.issue_sync(dp.sync_lane, p)
+        run, marks = dp.sync_loads.issue_sync(dp.sync_lane, p)
         outcome = self._load_outcome(run)
         assert outcome is not None  # only a deadline drops a result, and it never expires
         self._record(p.op.req_id, outcome[0], recv=False, invalid=outcome[1])
-        return mark
+        return marks
 
     def _finish_load(self, p: PendingLoad, result: OpResult, invalid: Iterable[int]) -> None:
         with self._book.lock:
