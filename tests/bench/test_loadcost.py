@@ -95,7 +95,7 @@ def test_bench_load_cost_recomputes_what_a_throttled_disk_holds(
     assert cost["disk/recompute"] >= 1
     assert rows["disk.always.ttft"]["detail"]["disk/load"] == 3
     # the throttled arm read the device: every always-arm restore waited on it
-    assert rows["disk.always.ttft"]["ratio"] > 1.0
+    assert rows["disk.always.ttft"]["value"] > 1.0
     assert not list(build.glob("kvtier-load-cost-disk-*"))  # its tier directory is gone
 
 

@@ -276,6 +276,17 @@ def on_off_ratio(on: float, off: float) -> float | None:
     return on / off
 
 
+def median_se(values: Sequence[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """The median of `values` and its standard error, bootstrapped over the values (seeded:
+    one run's numbers always give one verdict)."""
+    arr = np.asarray(values, dtype=float)
+    if arr.size == 0:
+        raise ValueError("the median of no values: a bench arm measured nothing")
+    rng = np.random.default_rng(seed)
+    meds = np.median(arr[rng.integers(0, arr.size, size=(draws, arr.size))], axis=1)
+    return float(np.median(arr)), float(np.std(meds, ddof=1)) if arr.size > 1 else 0.0
+
+
 def paired_ratios(
     values: Mapping[int, float | None], base: Mapping[int, float | None]
 ) -> dict[int, float]:

@@ -84,7 +84,7 @@ def _report(plan: Plan, arms: dict[str, Arm], rate: float) -> Report:
         f"({plan.prompts} prompts of {plan.prompt_tokens} tokens, each restored alone by a "
         f"fresh engine from a disk tier read at {rate / 2**20:g} MiB/s)"
     )
-    _, mism = policy_rows(r, arms, prefix="disk", tier="disk", slow="slow disk", note=note)
+    mism = policy_rows(r, arms, prefix="disk", tier="disk", slow="slow disk", note=note)
     r.add(Row("disk.outputs.mismatches", "first tokens unequal to no offload's (every arm, same "
               "batch shape)", mism, "prompts", target=Target("value", "<=", 0)))  # fmt: skip
     return r

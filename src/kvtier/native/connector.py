@@ -25,7 +25,8 @@ worker half, every rank, in this order
     -> handle_preemptions(ids)  [only when the step preempted requests: finish any use of
                                 their blocks before returning, they may be reused this step]
     -> start_load_kv()  [before the forward if the step has synchronous loads, else after it]
-    -> forward -> wait_for_save() -> get_finished(finished_req_ids)
+    -> forward [wait_for_layer_load(layer) before each layer] -> wait_for_save()
+    -> get_finished(finished_req_ids)
     -> get_block_ids_with_load_errors() -> build_worker_meta() -> clear_connector_metadata()
     Steps with nothing to compute still run these hooks (no forward), so transfers progress.
 scheduler half again
@@ -206,6 +207,9 @@ class WorkerConnector(Protocol):
     def start_load_kv(self) -> None:
         """Start (sync: finish) the step's loads."""
 
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Inside the forward, before `layer_name` reads its KV (every layer, every step)."""
+
     def wait_for_save(self) -> None:
         """After the forward: save what the step computed."""
 
@@ -278,6 +282,9 @@ class NullConnector:
 
     def start_load_kv(self) -> None:
         """Nothing to load."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing loading."""
 
     def wait_for_save(self) -> None:
         """Nothing to save."""
@@ -354,6 +361,7 @@ WORKER_HOOKS = (
     "bind_connector_metadata",
     "handle_preemptions",
     "start_load_kv",
+    "wait_for_layer_load",
     "wait_for_save",
     "get_finished",
     "get_block_ids_with_load_errors",

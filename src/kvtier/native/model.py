@@ -284,10 +284,14 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        before_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Run all layers over the step's tokens; writes their K/V into the cache."""
+        """Run all layers over the step's tokens; writes their K/V into the cache.
+        `before_layer(i)` runs before layer i reads its cache (a layer-by-layer load)."""
         x = self.model.embed_tokens(input_ids)
-        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
+        for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+            if before_layer is not None:
+                before_layer(i)
             x = layer(x, positions, self.rotary, cache, meta)
         return x
 

@@ -182,6 +182,8 @@ class WorkerHalf:
                 layout=f"native[{self.context.kv_layout}]",
             )
         )
+        # the engine's forward calls wait_for_layer_load before every layer, in this order
+        self.worker.enable_layer_waves(list(kv_caches))
 
     def decode_meta(self, data: bytes) -> OffloadMeta:
         return decode_step_meta(data)
@@ -197,6 +199,9 @@ class WorkerHalf:
 
     def start_load_kv(self) -> None:
         self.worker.start_load_kv(self._meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.worker.wait_for_layer_load(layer_name)
 
     def wait_for_save(self) -> None:
         self.worker.wait_for_save(self._meta)

@@ -179,6 +179,7 @@ class ModelRunner:
         self.connector = build_connector(connector, ConnectorRole.WORKER, ctx)
         named = {f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(self.kv_caches)}
         self.connector.register_kv_caches(named, config.block_size)
+        self._layer_names = list(named)
 
     def execute(self, step: StepInput) -> StepResult:
         """Run one step: connector hooks around the forward, then sampling on rank 0."""
@@ -230,11 +231,13 @@ class ModelRunner:
             seqs=seqs,
             block_size=self.block_size,
         )
+        names, conn = self._layer_names, self.connector
         hidden = self.model(
             torch.tensor(step.input_ids, dtype=torch.long, device=dev),
             torch.tensor(step.positions, dtype=torch.long, device=dev),
             self.kv_caches,
             meta,
+            lambda i: conn.wait_for_layer_load(names[i]),
         )
         if self.rank != 0:
             return []

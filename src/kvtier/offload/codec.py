@@ -17,6 +17,7 @@ import torch
 from kvtier.offload.device import DeviceOps
 from kvtier.offload.messages import ChunkRef
 from kvtier.offload.pages import KVPages
+from kvtier.offload.waves import Waves
 
 # a chunk whose blocks form at most this many runs of consecutive ids moves run by run (one
 # slice copy per run and segment: memcpy speed); more scattered ids use one indexed op per
@@ -95,12 +96,36 @@ class PageCodec:
         pitch = the stack's stride) and the same bytes of `buf`. None when the ids form more
         than a few runs, or a stack's blocks are not adjacent in memory: a gather or scatter
         kernel moves those. With `skips`, -1 positions are left out (a load's HBM blocks)."""
+        stacked = self._stacked_regions(block_ids, buf, skips=skips)
+        return None if stacked is None else [(kv, mine) for _, kv, mine in stacked]
+
+    def wave_regions(
+        self, block_ids: Sequence[int], buf: torch.Tensor, waves: Waves
+    ) -> list[list[tuple[torch.Tensor, torch.Tensor]]] | None:
+        """`regions` (a load's, -1 positions left out) split by the wave each stack row lands
+        in: one list of pairs per wave, a row range of a pair being a plain slice of it."""
+        stacked = self._stacked_regions(block_ids, buf, skips=True)
+        if stacked is None:
+            return None
+        out: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(waves.count)]
+        for si, kv, mine in stacked:
+            for w, r0, r1 in waves.rows[si]:
+                out[w].append((kv[r0:r1], mine[r0:r1]))
+        return out
+
+    def stack_sizes(self) -> list[int]:
+        """The segments in each stack (its rows), in payload order."""
+        return [int(v.shape[0]) for v in self._stacks]
+
+    def _stacked_regions(
+        self, block_ids: Sequence[int], buf: torch.Tensor, *, skips: bool
+    ) -> list[tuple[int, torch.Tensor, torch.Tensor]] | None:
         self._check(block_ids, skips=skips)
         runs = [r for r in _runs(block_ids) if r[1] >= 0]
         if len(runs) > _MAX_RUNS:
             return None
         out = []
-        for view, rows in self._rows(buf):
+        for si, (view, rows) in enumerate(self._rows(buf)):
             count, _, sb = view.shape
             for p, b, n in runs:
                 kv = view[:, b : b + n]
@@ -108,6 +133,7 @@ class PageCodec:
                     return None  # the run's blocks are not adjacent in this stack
                 mine = rows[:, p : p + n]
                 out.append((
+                    si,
                     kv.as_strided((count, n * sb), (kv.stride(0), 1)),
                     mine.as_strided((count, n * sb), (mine.stride(0), 1)),
                 ))  # fmt: skip

@@ -36,6 +36,7 @@ from kvtier.offload.device import DeviceOps, Lane, Mark
 from kvtier.offload.hooks import HookGuard
 from kvtier.offload.messages import ChunkRef, LoadOp
 from kvtier.offload.transfer import Flights, Peak, settle
+from kvtier.offload.waves import Waves
 from kvtier.store.stack import TierStack
 
 
@@ -95,6 +96,27 @@ class _Issued:
     blocks: int
     state: bool = False  # a part of a boundary-state record
     stream: str = _KERNELS  # the lane stream its last work is on (ordering by stream)
+
+
+@dataclass(eq=False, slots=True)
+class _Deferred:
+    """A sync chunk bound for the copy engine wave by wave: its source pinned, its regions per
+    wave, not yet queued."""
+
+    held: contextlib.ExitStack
+    tier: str
+    blocks: int
+    pieces: list[list[tuple[torch.Tensor, torch.Tensor]]]
+
+
+@dataclass(eq=False, slots=True)
+class SyncMarks:
+    """What the compute stream waits for after a step's sync loads: before the forward, the
+    last mark on each lane stream (`tails`); with a wave plan, each wave's last copy
+    (`waves`), waited for by the first layer that reads it."""
+
+    tails: dict[str, Mark] = field(default_factory=dict)
+    waves: list[Mark | None] = field(default_factory=list)
 
 
 _MISS = "miss"
@@ -205,24 +227,34 @@ class LoadPath:
 
     # ---- the forward's thread ------------------------------------------------------------------
 
-    def issue_sync(self, lane: Lane, p: PendingLoad) -> tuple[LoadRun, dict[str, Mark]]:
+    def issue_sync(
+        self, lane: Lane, p: PendingLoad, waves: Waves | None = None
+    ) -> tuple[LoadRun, SyncMarks]:
         """Queue a synchronous load's chunks without any host wait; its run (as it will be once
         the marks are reached) and the marks the compute stream must wait for: the last one on
-        each lane stream its chunks used (each stream runs in order, the two do not)."""
+        each lane stream its chunks used (each stream runs in order, the two do not). With
+        `waves`, the chunks the copy engine moves go wave by wave (every chunk's first layers,
+        then the next ones), each wave's last copy in `SyncMarks.waves`."""
         self.reap()
         run = LoadRun(p)
-        tails: dict[str, Mark] = {}
+        marks = SyncMarks(waves=[None] * (waves.count if waves else 0))
+        deferred: list[_Deferred] = []
         op = p.op
         try:
             run.reason = op.fail or self.degraded
             for ref in () if run.reason else self._codec.records(op.chunks):
                 k = self._next
                 bufs = Buffers(self._buffers[k].staging)  # a fresh host buffer, if any is needed
-                got = self._issue(lane, p, ref, bufs, self._last_read[k])
+                got = self._issue(lane, p, ref, bufs, self._last_read[k], waves)
                 if isinstance(got, str):
                     run.reason = _MISS
                     break
-                tails[got.stream] = got.mark
+                if isinstance(got, _Deferred):
+                    deferred.append(got)
+                    run.served[got.tier] += 1
+                    run.written += got.blocks
+                    continue
+                marks.tails[got.stream] = got.mark
                 if got.stream == _KERNELS:
                     # only a chunk that went through staging buffer k is its last reader: a
                     # run on the copy engine read none, and its mark says nothing of the
@@ -234,13 +266,40 @@ class LoadPath:
                 run.served[got.tier] += 1
                 run.written += got.blocks
                 run.states += got.state
+            # chunks read before a miss still land, as they do without waves
+            self._issue_waves(lane, p, deferred, marks)
         except Exception as e:  # noqa: BLE001 - counted by the guard, reported by the caller
             self._guard.failed("load", op.req_id, e)
             run.reason = f"error:{type(e).__name__}"
             settle(lane, self._tag)
+            for d in deferred:
+                d.held.close()  # never handed to `_held`: nothing of them is still landing
         finally:
             self._stack.release(op.lookup_id)
-        return run, tails
+        return run, marks
+
+    def _issue_waves(
+        self, lane: Lane, p: PendingLoad, deferred: Sequence[_Deferred], marks: SyncMarks
+    ) -> None:
+        """Queue the deferred chunks' copies wave-major; each chunk's slot is held until its
+        last wave's copy completed."""
+        if not deferred:
+            return
+        last: list[Mark | None] = [None] * len(deferred)
+        for w in range(len(marks.waves)):
+            for i, d in enumerate(deferred):
+                if d.pieces[w]:
+                    with p.lock:
+                        mark = lane.copy_regions(d.pieces[w], to_host=False, fence=p.fence)
+                        p.marks.append(mark)
+                    last[i] = marks.waves[w] = mark
+        for d, mark in zip(deferred, last, strict=True):
+            self._moved("dma")
+            if mark is None:
+                d.held.close()  # every block of it was in HBM: nothing to copy
+                continue
+            with self._held_lock:
+                self._held.append(_Issued(mark, d.held, d.tier, d.blocks, stream=_COPIES))
 
     def reap(self, wait: bool = False) -> bool:
         """Unpin the slots of synchronous loads whose copies completed (all of them, waiting,
@@ -269,9 +328,11 @@ class LoadPath:
         ref: ChunkRef,
         bufs: Buffers,
         reusable: Mark | None,
-    ) -> _Issued | str:
+        waves: Waves | None = None,
+    ) -> _Issued | _Deferred | str:
         """Read one chunk's source and queue its copy and scatter; `reusable`: the mark after
-        which the staging buffer may be overwritten (None: it is free now)."""
+        which the staging buffer may be overwritten (None: it is free now). With `waves`, a
+        chunk the copy engine can move is returned unqueued, its regions split by wave."""
         stack, codec = self._stack, self._codec
         held = contextlib.ExitStack()
         try:
@@ -297,6 +358,10 @@ class LoadPath:
                 regions = None
                 part = ref.part
                 if self._ops.dma and bufs.staging is not None and part < 0:
+                    if waves is not None and isinstance(codec, PageCodec):
+                        pieces = codec.wave_regions(ids, src, waves)
+                        if pieces is not None:
+                            return _Deferred(held, tier, sum(1 for b in ids if b >= 0), pieces)
                     regions = codec.regions(ids, src, skips=True)
                 if regions is not None:
                     # the slot straight into the KV pages on the copy engine, after the forward

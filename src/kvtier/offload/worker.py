@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from itertools import zip_longest
 
 from kvtier import cpus
 from kvtier.config import KVTierConfig
@@ -40,7 +41,7 @@ from kvtier.offload.gil import apply_switch_interval
 from kvtier.offload.group_codec import GroupedCodec, codec_for
 from kvtier.offload.hooks import HOOK_ERROR, HookGuard
 from kvtier.offload.lane import WorkLane
-from kvtier.offload.loading import Buffers, LoadPath, LoadRun, PendingLoad
+from kvtier.offload.loading import Buffers, LoadPath, LoadRun, PendingLoad, SyncMarks
 from kvtier.offload.messages import (
     LoadOp,
     OffloadMeta,
@@ -55,6 +56,7 @@ from kvtier.offload.rank_ops import RankOps
 from kvtier.offload.saving import PREEMPTED, PendingSave, SavePath, SaveRun
 from kvtier.offload.selftest import SELF_TEST_KEY, codec_round_trip, fail_startup, padding
 from kvtier.offload.steps import LOAD, REPORT, SAVE, HookClock, start
+from kvtier.offload.waves import Waves, plan_waves
 from kvtier.store.arena import check_host_memory
 from kvtier.store.factory import build_stack
 from kvtier.store.stack import TierStack
@@ -144,6 +146,10 @@ class OffloadWorker:
         self._selftest_ids = itertools.count()
         self._report_changes = report_changes
         self.placement = cpus.Placement.of(config.lane_cpus, compute_cpus)
+        # layer-by-layer sync loads (`enable_layer_waves`): the plan, and this step's wave
+        # marks not yet joined into the compute stream (None: joined)
+        self._waves: Waves | None = None
+        self._wave_marks: list[Mark | None] = []
 
     @property
     def rank(self) -> int:
@@ -340,6 +346,62 @@ class OffloadWorker:
     def _ops_fence(self) -> object | None:
         return self._ops.fence() if self._ops is not None else None
 
+    def enable_layer_waves(self, layers: Sequence[str]) -> bool:
+        """The host's forward calls `wait_for_layer_load` before each of `layers` (in this
+        order) reads its KV: sync loads then land wave by wave and each layer waits only for
+        its own wave. Only a host that keeps that promise for every layer may call this
+        (vLLM does not under full CUDA graphs). False, logged, where it gains nothing: a
+        synchronous device, a cross-layer layout, a hybrid's groups."""
+        if self.pages is None or self.codec is None or self._ops is None:
+            raise RuntimeError("enable_layer_waves before register_kv_caches")
+        why = ""
+        if not self._ops.asynchronous:
+            why = "the device copies synchronously"
+        elif not isinstance(self.codec, PageCodec):
+            why = "a hybrid model's groups move by gather and scatter"
+        else:
+            self._waves = plan_waves(self.pages, self.codec.stack_sizes(), layers)
+            why = "" if self._waves is not None else "no stack row holds fewer than all layers"
+        if why:
+            log.info("%s: layer-by-layer loads off: %s", self.tag, why)
+            return False
+        assert self._waves is not None
+        log.info("%s: layer-by-layer loads: %d waves over %d layers", self.tag,
+                 self._waves.count, len(layers))  # fmt: skip
+        return True
+
+    def wait_for_layer_load(self, layer: str) -> None:
+        """Before `layer` reads its KV: the compute stream waits for the waves of this step's
+        sync loads that hold its pages (no host wait). Nothing to do without waves."""
+        if self._wave_marks:
+            self.guard.run(
+                "wait_for_layer_load", None, lambda: self._join_waves(layer), self._join_failed
+            )
+
+    def _join_waves(self, layer: str) -> None:
+        assert self._waves is not None
+        # a layer the plan does not know waits for every wave
+        last = self._waves.of_layer.get(layer, self._waves.count - 1)
+        marks = self._wave_marks
+        self._join([m for m in marks[: last + 1] if m is not None])
+        marks[: last + 1] = [None] * min(last + 1, len(marks))
+        if not any(m is not None for m in marks):
+            self._wave_marks = []
+
+    def _settle_waves(self) -> None:
+        """After the forward: waves no layer asked for mean the host skipped a layer's call; the
+        compute stream waits for them now, and sync loads go back to one join per step."""
+        if not self._wave_marks:
+            return
+        left = [m for m in self._wave_marks if m is not None]
+        self._wave_marks = []
+        self._join(left)
+        log.warning(
+            "%s: a forward read layers without wait_for_layer_load for %d wave(s) of a sync "
+            "load; layer-by-layer loads are off from now on", self.tag, len(left),
+        )  # fmt: skip
+        self._waves = None
+
     # ---- per step -----------------------------------------------------------------------------
 
     def degrade(self, reason: str) -> None:
@@ -390,7 +452,9 @@ class OffloadWorker:
                 if not p.op.sync:
                     self._book.pending[p.op.op_id] = p
             self.outbox.delayed.update(meta.delayed_free)
+        self.guard.run("start_load_kv", None, self._settle_waves, self._join_failed)
         tails: dict[str, Mark] = {}
+        waves: list[Mark | None] = []
         queued: list[PendingLoad] = []
         for p in pending:
             # one load at a time under the guard: a failure costs its own request only
@@ -400,7 +464,11 @@ class OffloadWorker:
                 lambda p=p: self._dispatch_load(p, queued),
                 lambda p=p: self._fail_load(p, HOOK_ERROR),
             )
-            tails.update(marks or {})
+            if marks is not None:
+                tails.update(marks.tails)
+                # a later load's wave w is queued after every earlier load's waves
+                waves = [b or a for a, b in zip_longest(waves, marks.waves)]
+        self._wave_marks = waves if any(m is not None for m in waves) else []
         if tails:
             # the forward runs after the sync loads' copies and scatters, ordered on the device
             self.guard.run(
@@ -414,7 +482,7 @@ class OffloadWorker:
                 lambda: [self._fail_load(p, HOOK_ERROR) for p in queued] and None,
             )
 
-    def _dispatch_load(self, p: PendingLoad, queued: list[PendingLoad]) -> dict[str, Mark] | None:
+    def _dispatch_load(self, p: PendingLoad, queued: list[PendingLoad]) -> SyncMarks | None:
         """Start one load: a sync one is queued ahead of the forward on the device (its last
         mark on each lane stream returned), an async one joins the step's batch for the load
         lane."""
@@ -456,6 +524,8 @@ class OffloadWorker:
     def wait_for_save(self, meta: OffloadMeta) -> None:
         """Queue this step's saves behind the forward that computed their blocks; returns
         without waiting for any copy."""
+        # the forward is over: no layer may still be waiting for a wave
+        self.guard.run("wait_for_save", None, self._settle_waves, self._join_failed)
         if not meta.saves:
             return
         with self.clock.time(SAVE):
@@ -668,7 +738,7 @@ class OffloadWorker:
             return
         self._finish_load(run.p, *outcome)
 
-    def _run_sync_load(self, p: PendingLoad) -> dict[str, Mark]:
+    def _run_sync_load(self, p: PendingLoad) -> SyncMarks:
         """Queue a sync load from the calling thread on its own lane; it is reported at once
         (its bytes land before the forward reads them: the compute stream waits for the
         returned marks), never expires and reports no finished_recving."""
@@ -677,7 +747,7 @@ class OffloadWorker:
         if dp.sync_lane is None:
             # made in the thread that runs the forward (on CUDA: streams of its device)
             dp.sync_lane = self._ops.lane()
-        run, marks = dp.sync_loads.issue_sync(dp.sync_lane, p)
+        run, marks = dp.sync_loads.issue_sync(dp.sync_lane, p, self._waves)
         outcome = self._load_outcome(run)
         assert outcome is not None  # only a deadline drops a result, and it never expires
         self._record(p.op.req_id, outcome[0], recv=False, invalid=outcome[1])
