@@ -5,6 +5,7 @@ they depend on this host's load)."""
 from __future__ import annotations
 
 from kvtier.bench.datapath_sim import SIM_TARGET, run_sim
+from kvtier.bench.layerwise_sim import run_layerwise
 from kvtier.bench.table import Report
 
 
@@ -31,3 +32,15 @@ def test_sim_rows_put_the_pipeline_next_to_the_serial_design() -> None:
         if depth == 2:
             assert r["target_spec"]["bound"] == SIM_TARGET
     assert any("simulated 50 GB/s engine, pipeline" in m for m in said)
+
+
+def test_the_layerwise_row_puts_a_restore_in_waves_next_to_one_joined_before_the_forward() -> None:
+    """Compute equal to the transfer: in waves the forward overlaps the link (0.625 of the
+    joined time at full overlap); joined before it, the two add up."""
+    report = Report("tier", "sim")
+    run_layerwise(report, 2, lambda m: None)
+    (row,) = report.to_json()["rows"]
+    assert row["id"] == "datapath.sim.layerwise.restore"
+    # the joined restore takes at least transfer + compute; waves well under it
+    assert row["raw"] >= 2 * row["detail"]["transfer_ms"] * 0.95, row
+    assert row["ratio"] < 0.85, row

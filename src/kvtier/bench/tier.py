@@ -200,8 +200,10 @@ def run(
         report.footnotes.append(line)
     if device == "sim":
         from kvtier.bench.datapath_sim import run_sim
+        from kvtier.bench.layerwise_sim import run_layerwise
 
         run_sim(report, max(plan.datapath_reps // 3, 3), say)
+        run_layerwise(report, max(plan.datapath_reps // 3, 3), say)
     else:
         from kvtier.bench.datapath import run_datapath
 
