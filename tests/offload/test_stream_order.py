@@ -210,7 +210,7 @@ def test_the_cuda_lane_orders_after_fences_of_the_current_stream_and_finish_sync
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """CudaOps' glue, with torch.cuda's stream and event classes replaced by recorders: a fence
-    is an event recorded on the stream current in the calling thread (the forward's), `after`
+    is an event recorded on the KV device's current stream (the forward's), `after`
     makes the lane's kernel stream wait for it, `finish` records a blocking-sync event on each
     of the lane's streams and waits for it (a default event would spin the thread)."""
     from kvtier.offload.device import CudaOps
@@ -230,6 +230,8 @@ def test_the_cuda_lane_orders_after_fences_of_the_current_stream_and_finish_sync
 
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: _FakeStream(log, "side"))
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    # the KV device's own stream (the fence names it, whatever device is current)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
     ops = CudaOps(torch.device("cuda", 0))
     lane = ops.lane()
     fence = ops.fence()

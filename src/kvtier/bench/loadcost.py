@@ -68,7 +68,7 @@ class Plan:
     prompt_tokens: int = 256
     chunk: int = 64
     head_chunks: int = 2
-    mixed: int = 6
+    mixed: int = 12  # the first teaches the engine the store's speed
     sweep_prompts: int = 10  # per sweep step
     slow_bytes_per_s: float = 4 * 2**20
     latency_s: float = 0.0005

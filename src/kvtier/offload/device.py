@@ -331,7 +331,10 @@ class CudaOps:
         """An event at the current stream's position (after this step's forward); only
         streams wait for it, so it needs no blocking sync."""
         event = torch.cuda.Event()
-        event.record()
+        # this device's stream, whatever device the calling thread has current (a TP=1 native
+        # engine on cuda:1 never makes it current): a fence on another device's stream orders
+        # nothing here
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def join(self, mark: Mark) -> None:

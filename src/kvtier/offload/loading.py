@@ -35,7 +35,7 @@ from kvtier.offload.codec import PageCodec, scatter_call
 from kvtier.offload.device import DeviceOps, Lane, Mark
 from kvtier.offload.hooks import HookGuard
 from kvtier.offload.messages import ChunkRef, LoadOp
-from kvtier.offload.transfer import Flights, Peak, settle
+from kvtier.offload.transfer import Flights, Peak, settle, settling
 from kvtier.offload.waves import Waves
 from kvtier.store.stack import TierStack
 
@@ -289,7 +289,7 @@ class LoadPath:
         for w in range(len(marks.waves)):
             for i, d in enumerate(deferred):
                 if d.pieces[w]:
-                    with p.lock:
+                    with p.lock, settling(lane, self._tag):
                         mark = lane.copy_regions(d.pieces[w], to_host=False, fence=p.fence)
                         p.marks.append(mark)
                     last[i] = marks.waves[w] = mark
@@ -351,7 +351,7 @@ class LoadPath:
                     return _MISS
                 src, tier = host, found
             ids = list(ref.block_ids)
-            with p.lock:
+            with p.lock, settling(lane, self._tag):
                 if p.expired:
                     held.close()
                     return _EXPIRED  # its deadline reported it failed: write no more blocks

@@ -13,9 +13,10 @@ never overwritten while a copy may still read them or a scatter has not yet cons
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -93,6 +94,18 @@ class Flights(Generic[B]):
         lane already, so nothing of theirs is still landing)."""
         while self._queue:
             self._queue.popleft().landed(error)
+
+
+@contextlib.contextmanager
+def settling(lane: Lane, tag: str) -> Iterator[None]:
+    """Settle `lane` if the block raises, before leaving it: entered inside a load's lock, a
+    write queued before the raise has landed by the time a deadline expiry can take the lock
+    and report the load failed (the host's recompute is never overwritten)."""
+    try:
+        yield
+    except BaseException:
+        settle(lane, tag)
+        raise
 
 
 def settle(lane: Lane, tag: str) -> None:
