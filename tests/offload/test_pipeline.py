@@ -361,6 +361,47 @@ def test_a_sync_chunk_on_the_copy_engine_does_not_free_a_staging_buffer_a_scatte
         assert all(torch.equal(a, b) for a, b in zip(got, w, strict=True)), f"chunk {i}"
 
 
+def test_a_load_job_that_raises_lets_go_of_every_slot_it_was_reading(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A defect of kvtier's own in an async load's report (it raised on the lane) used to end
+    the lane's job with chunks still in flight: their memory slots stayed pinned for good
+    (never evicted, never reused), and their load never reported. The job now settles the
+    lane, lets every one go and reports their load failed."""
+    _save_step(rig)
+    assert rig.worker._path is not None
+    path = rig.worker._path.loads
+    real = path._report
+    raised = threading.Event()
+
+    def report_once_broken(run: object) -> None:
+        if not raised.is_set():
+            raised.set()
+            raise RuntimeError("a defect in the load's report (injected)")
+        real(run)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(path, "_report", report_once_broken)
+    # the first load's report runs as the job drains (the ring holds 2), with the second
+    # load's one chunk still in flight behind it
+    first = _load_op(rig, "lj", _chunks(N * K), sync=False)
+    second = _load_op(rig, "lj2", _chunks(N * K), sync=False)
+    second = LoadOp("lj2", "q-lj2", second.lookup_id, second.chunks[:1], CHUNK)
+    rig.worker.start_load_kv(OffloadMeta(loads=[first, second]))
+    memory = rig.worker.stack.memory  # type: ignore[union-attr]
+    assert raised.wait(WAIT_S)
+    deadline = time.monotonic() + 5.0
+    while any(memory._readers) and time.monotonic() < deadline:
+        rig.worker.wait_idle(0.05)  # a condition wait on the worker, bounded
+    assert not any(memory._readers), memory._readers
+    # the chunk still in flight failed its load, which reports (the first load's report was
+    # the defect's: a deadline ends that one)
+    results: dict[str, bool] = {}
+    while "lj2" not in results and time.monotonic() < deadline:
+        rig.worker.wait_idle(0.05)
+        results.update((r.op_id, r.ok) for r in rig.worker.take_report().results)
+    assert results == {"lj2": False}
+
+
 def test_the_serial_design_keeps_one_transfer_in_flight_and_moves_the_same_bytes() -> None:
     """`transfer_depth: 1` is the design before the pipeline (kept for the bench's comparison):
     one chunk on the link at a time, the same bytes stored. The speed difference is the

@@ -162,9 +162,17 @@ class LoadPath:
         """Asynchronous loads, pipelined across all their chunks; each reports once, after
         everything it queued landed."""
         flights: Flights[Buffers] = Flights(self._buffers, self._peak)
-        for run in [LoadRun(p) for p in loads]:
-            self._run_one(lane, flights, run)
-        flights.drain()
+        try:
+            for run in [LoadRun(p) for p in loads]:
+                self._run_one(lane, flights, run)
+            flights.drain()
+        except Exception as e:  # noqa: BLE001 - counted by the guard; what is in flight ends below
+            # a defect of kvtier's own (a report that raised, while chunks were still on the
+            # link): nothing queued may land after its slot is let go, and every chunk still in
+            # flight lets go of its slot and tells its load it failed
+            self._guard.failed("load", None, e)
+            settle(lane, self._tag)
+            flights.abandon(e)
 
     def one(self, lane: Lane, p: PendingLoad) -> LoadRun:
         """Run one load to completion on `lane` (the self-test); it reports nothing."""
