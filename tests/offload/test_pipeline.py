@@ -242,6 +242,25 @@ def test_fragmented_block_ids_take_the_kernel_path_and_are_counted(
         assert all(torch.equal(x, y) for x, y in zip(_blocks(rig.views, b), w, strict=True))
 
 
+def _hold_scatters(monkeypatch: pytest.MonkeyPatch, until: threading.Event, first_only: bool
+                   ) -> None:  # fmt: skip
+    """Scatters (only the first, with `first_only`) wait for `until`, at most 1 s, on their
+    stream before they write."""
+    from kvtier.offload import loading
+
+    real = loading.scatter_call
+    calls = [0]
+
+    def held(c: object, s: torch.Tensor, ids: list[int], part: int) -> Callable[[], int]:
+        fn = real(c, s, ids, part)  # type: ignore[arg-type]
+        calls[0] += 1
+        if first_only and calls[0] > 1:
+            return fn
+        return lambda: (until.wait(1.0), fn())[1]
+
+    monkeypatch.setattr(loading, "scatter_call", held)
+
+
 def test_a_sync_step_of_kernel_and_dma_chunks_orders_the_forward_after_both_streams(
     rig: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -249,7 +268,7 @@ def test_a_sync_step_of_kernel_and_dma_chunks_orders_the_forward_after_both_stre
     lane's kernel stream) and whose last is a run (the copy engine, on its copy stream): the
     forward waits for both streams. Waiting for the last chunk's mark alone let the forward
     read the scatter's blocks before it wrote them."""
-    from kvtier.offload import codec, loading
+    from kvtier.offload import codec
 
     monkeypatch.setattr(codec, "_MAX_RUNS", 1)  # a chunk of 2 blocks in 2 runs is fragmented
     src = _save_step(rig)
@@ -265,21 +284,9 @@ def test_a_sync_step_of_kernel_and_dma_chunks_orders_the_forward_after_both_stre
     refs = [ChunkRef(_key(i), b) for i, b in enumerate(dst)]
     op = LoadOp("mx", "q-mx", lease, refs, CHUNK * 2, sync=True)
     read = threading.Event()
-    real = loading.scatter_call
-
-    def held_scatter(c: codec.PageCodec, s: torch.Tensor, ids: list[int], part: int
-                     ) -> Callable[[], int]:  # fmt: skip
-        fn = real(c, s, ids, part)
-
-        def run() -> int:
-            # a forward not ordered after this scatter reads first (and sets `read`); one
-            # that is waits here until the deadline
-            read.wait(1.0)
-            return fn()
-
-        return run
-
-    monkeypatch.setattr(loading, "scatter_call", held_scatter)
+    # a forward not ordered after the scatter reads first (and sets `read`); one that is
+    # waits for the scatter, held until the deadline
+    _hold_scatters(monkeypatch, read, first_only=False)
     rig.worker.start_load_kv(OffloadMeta(loads=[op]))
     seen: list[list[torch.Tensor]] = []
 
@@ -300,7 +307,7 @@ def test_a_sync_chunk_on_the_copy_engine_does_not_free_a_staging_buffer_a_scatte
     one's copy into the first one's staging buffer waits for that chunk's scatter. A run of
     blocks uses no staging buffer, so it must not stand as the buffer's last reader (the copy
     overwrote the buffer while the first scatter still read it)."""
-    from kvtier.offload import codec, loading
+    from kvtier.offload import codec
 
     monkeypatch.setattr(codec, "_MAX_RUNS", 1)  # a chunk of 2 blocks in 2 runs is fragmented
     src = _save_step(rig)
@@ -335,24 +342,8 @@ def test_a_sync_chunk_on_the_copy_engine_does_not_free_a_staging_buffer_a_scatte
         return done
 
     monkeypatch.setattr(rig.ops, "_copy", counted_copy)
-    real = loading.scatter_call
-    calls = [0]
-
-    def held_scatter(c: codec.PageCodec, s: torch.Tensor, ids: list[int], part: int
-                     ) -> Callable[[], int]:  # fmt: skip
-        fn = real(c, s, ids, part)
-        calls[0] += 1
-        if calls[0] > 1:
-            return fn
-
-        def slow() -> int:
-            # the first scatter: a copy that may overwrite its buffer does so now
-            reused.wait(1.0)
-            return fn()
-
-        return slow
-
-    monkeypatch.setattr(loading, "scatter_call", held_scatter)
+    # the first scatter waits: a copy that may overwrite its buffer does so meanwhile
+    _hold_scatters(monkeypatch, reused, first_only=True)
     rig.worker.start_load_kv(OffloadMeta(loads=[op]))
     seen: list[list[torch.Tensor]] = []
     rig.ops.run_on_compute(lambda: seen.extend(_blocks(rig.views, ids) for ids in dst)).wait()

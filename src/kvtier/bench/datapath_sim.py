@@ -136,7 +136,7 @@ def _measure(
             op = SaveOp(f"sv{next(ids)}", "bench", refs, CHUNK * SIM_CHUNKS)
             t0 = time.perf_counter()
             worker.wait_for_save(OffloadMeta(saves=[op]))
-            _wait(worker)
+            settled(worker)
             save_s = time.perf_counter() - t0
             lease = f"bench-sim-{next(ids)}"
             if worker.stack.lookup([r.key for r in refs], lease) != SIM_CHUNKS:
@@ -144,7 +144,7 @@ def _measure(
             load = LoadOp(f"ld{lease}", "bench", lease, refs, CHUNK * SIM_CHUNKS)
             t0 = time.perf_counter()
             worker.start_load_kv(OffloadMeta(loads=[load]))
-            _wait(worker)
+            settled(worker)
             load_s = time.perf_counter() - t0
             if rep:
                 fractions["save"].append(n * SIM_CHUNKS / save_s / link_bps)
@@ -164,7 +164,9 @@ def _measure(
     return statistics.median(fractions["save"]), statistics.median(fractions["load"]), detail
 
 
-def _wait(worker: OffloadWorker) -> None:
+def settled(worker: OffloadWorker) -> None:
+    """Wait until `worker` has nothing in flight; raise if that takes too long or an op it
+    reports failed (a bench must not time a failure)."""
     if not worker.wait_idle(_IDLE_S):
         raise RuntimeError(f"the worker did not finish a transfer within {_IDLE_S} s")
     failed = [r for r in worker.take_report().results if not r.ok]

@@ -20,7 +20,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from kvtier.bench.datapath import BLOCK, CHUNK, kv_views
-from kvtier.bench.datapath_sim import SIM_LATENCY_US, SIM_MODEL
+from kvtier.bench.datapath_sim import SIM_LATENCY_US, SIM_MODEL, settled
 from kvtier.bench.table import Report, Row, Target
 from kvtier.bench.tier_common import Keys, interleave
 from kvtier.config import KVTierConfig
@@ -33,7 +33,6 @@ from kvtier.offload.worker import OffloadWorker
 CHUNKS = 16
 TRANSFER_S = 0.24  # the restore's modelled time on the link
 LAYERWISE_TARGET = 0.8  # waves over joined: 0.625 ideal, 1.0 no overlap at all
-_IDLE_S = 60.0
 
 
 def run_layerwise(report: Report, reps: int, say: Callable[[str], None]) -> None:
@@ -68,7 +67,7 @@ def run_layerwise(report: Report, reps: int, say: Callable[[str], None]) -> None
         refs = [ChunkRef(keys.next(), list(range(c * k, (c + 1) * k))) for c in range(CHUNKS)]
         for w in workers.values():
             w.wait_for_save(OffloadMeta(saves=[SaveOp("sv", "bench", refs, CHUNK * CHUNKS)]))
-            _wait(w)
+            settled(w)
         seq = iter(range(1 << 30))
 
         def restore(w: OffloadWorker) -> float:
@@ -90,7 +89,7 @@ def run_layerwise(report: Report, reps: int, say: Callable[[str], None]) -> None
             end.wait()
             w.wait_for_save(OffloadMeta())
             ops.synchronize()
-            _wait(w)
+            settled(w)
             return end.t_done - start.t_done
 
         times = interleave(
@@ -115,10 +114,3 @@ def run_layerwise(report: Report, reps: int, say: Callable[[str], None]) -> None
         )
     )
 
-
-def _wait(worker: OffloadWorker) -> None:
-    if not worker.wait_idle(_IDLE_S):
-        raise RuntimeError(f"the worker did not finish a transfer within {_IDLE_S} s")
-    failed = [r for r in worker.take_report().results if not r.ok]
-    if failed:
-        raise RuntimeError(f"a bench transfer failed: {failed[0].reason}")
