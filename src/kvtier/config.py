@@ -308,6 +308,7 @@ _COERCE: dict[str, Callable[[str, Any], Any]] = {
 
 # each chunk in flight holds a staging buffer of chunk bytes per lane on the KV device
 _MAX_TRANSFER_DEPTH = 8
+_MAX_LOAD_WAVES = 64
 
 
 def _f(default: Any, kind: str, doc: str) -> Any:
@@ -486,6 +487,13 @@ class KVTierConfig:
         "int",
         "chunks each copy lane keeps in flight (one staging buffer each): the host commits or "
         "unpins the oldest while the next ones cross the link; 1 = one chunk at a time",
+    )
+    load_waves: int = _f(
+        4,
+        "int",
+        "waves a synchronous load lands in, layer by layer, on a host whose forward waits per "
+        "layer (the native engine on a GPU): the forward starts after the first; 1 = the whole "
+        "load before the forward",
     )
     lane_cpus: str = _f(
         "auto",
@@ -793,6 +801,13 @@ class KVTierConfig:
                 f"{_show('transfer_depth', self.transfer_depth)} is outside 1.."
                 f"{_MAX_TRANSFER_DEPTH}; use 2 (the default: one chunk committed while the next "
                 "crosses the link) or 3-4 on links the host cannot keep busy",
+            )
+        if not 1 <= self.load_waves <= _MAX_LOAD_WAVES:
+            raise _error(
+                "load_waves",
+                f"{_show('load_waves', self.load_waves)} is outside 1..{_MAX_LOAD_WAVES}; use 4 "
+                "(the default: the forward starts after a quarter of a load) or 1 to land a "
+                "load whole before the forward",
             )
         if self.gil_switch_ms < 0:
             raise _error(

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from kvtier.errors import ConfigError
 from kvtier.offload.device import CpuOps
 from kvtier.offload.messages import ChunkRef, LoadOp, OffloadMeta, SaveOp
 from kvtier.offload.pages import KVCacheDescription, describe_pages, manager_view
@@ -155,10 +156,10 @@ def test_a_forward_that_skips_a_layers_call_gets_the_waves_joined_after_it_and_w
 def test_no_plan_where_a_page_holds_every_layer_or_the_device_copies_synchronously() -> None:
     _, views = _views("BLHNC")  # cross-layer: one page per block for all layers
     pages = describe_pages(KVCacheDescription(views, NB, BS, "BLHNC"))
-    assert plan_waves(pages, [len(pages.segments)], list(views)) is None
+    assert plan_waves(pages, [len(pages.segments)], list(views), WAVES) is None
     _, views = _views("LBNHC")
     pages = describe_pages(KVCacheDescription(views, NB, BS, "LBNHC"))
-    plan = plan_waves(pages, [len(pages.segments)], list(views))
+    plan = plan_waves(pages, [len(pages.segments)], list(views), WAVES)
     assert plan is not None
     # consecutive layers, two per wave; every layer complete after its own wave
     assert [plan.of_layer[n] for n in views] == [0, 0, 1, 1, 2, 2, 3, 3]
@@ -168,3 +169,14 @@ def test_no_plan_where_a_page_holds_every_layer_or_the_device_copies_synchronous
         assert not cpu.enable_layer_waves(list(views))
     finally:
         cpu.close()
+    # load_waves: 1 turns them off on a device that could have them
+    ops = SimOps(CopyModel(gbps=1.0))
+    one = rank0(config(memory_bytes="1MiB", load_waves=1), ops)  # type: ignore[arg-type]
+    try:
+        one.register_kv_caches(KVCacheDescription(views, NB, BS, "LBNHC"))
+        assert not one.enable_layer_waves(list(views))
+    finally:
+        one.close()
+        ops.close()
+    with pytest.raises(ConfigError, match="load_waves"):
+        config(load_waves=0)

@@ -16,11 +16,6 @@ from dataclasses import dataclass
 
 from kvtier.offload.pages import KVPages
 
-# waves per load: each is one 2-D copy per chunk and run, so more waves mean more copies (a few
-# microseconds each on CUDA) for a shorter wait before layer 0; four waves let the forward
-# start after a quarter of the transfer
-LOAD_WAVES = 4
-
 
 @dataclass(frozen=True, slots=True)
 class Waves:
@@ -33,11 +28,13 @@ class Waves:
 
 
 def plan_waves(
-    pages: KVPages, stack_sizes: Sequence[int], layers: Sequence[str], count: int = LOAD_WAVES
+    pages: KVPages, stack_sizes: Sequence[int], layers: Sequence[str], count: int
 ) -> Waves | None:
     """Split `layers` (the forward's order) into up to `count` waves of consecutive layers over
     the stacks' rows (`stack_sizes`, payload order); None when every row would land in one
-    wave (a cross-layer layout, a single layer, a hybrid's groups)."""
+    wave (a cross-layer layout, a single layer, a hybrid's groups). Each wave is one 2-D copy
+    per chunk and run (a few microseconds each on CUDA): more waves start the forward sooner
+    for more copies (`load_waves`, default 4)."""
     if count < 2 or len(layers) < 2 or pages.groups:
         return None
     if sum(stack_sizes) != len(pages.segments):

@@ -360,8 +360,13 @@ class OffloadWorker:
         elif not isinstance(self.codec, PageCodec):
             why = "a hybrid model's groups move by gather and scatter"
         else:
-            self._waves = plan_waves(self.pages, self.codec.stack_sizes(), layers)
-            why = "" if self._waves is not None else "no stack row holds fewer than all layers"
+            self._waves = plan_waves(
+                self.pages, self.codec.stack_sizes(), layers, self.config.load_waves
+            )
+            why = "" if self._waves is not None else (
+                "load_waves is 1" if self.config.load_waves < 2
+                else "no stack row holds fewer than all layers"
+            )
         if why:
             log.info("%s: layer-by-layer loads off: %s", self.tag, why)
             return False
