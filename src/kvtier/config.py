@@ -492,8 +492,10 @@ class KVTierConfig:
         4,
         "int",
         "waves a synchronous load lands in, layer by layer, on a host whose forward waits per "
-        "layer (the native engine on a GPU): the forward starts after the first; 1 = the whole "
-        "load before the forward",
+        "layer (the native engine on a GPU or the simulated device; not vLLM, not the CPU): "
+        "every chunk's first quarter of the layers, then the next, each layer waiting only for "
+        "its own; the forward starts after the first wave. Each wave is one 2-D copy per chunk "
+        "and run. 1 = the whole load before the forward",
     )
     lane_cpus: str = _f(
         "auto",
