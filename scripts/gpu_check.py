@@ -9,7 +9,10 @@
    in `wait_for_save`, and the forward's step time under a save burst per layout (the same code
    and bytes as the bench: `kvtier.bench.datapath`);
 4. the native engine's two-pass restore at TP=1 on the device: pass 2 from the tier, outputs
-   equal to an engine without offload.
+   equal to an engine without offload;
+5. restore at scale (the Llama-3.1-8B shape): restore vs recompute and vs the raw transfer, the
+   first restore vs later ones, the cost model's prediction;
+6. layer by layer: half-restored prompts with the load in waves vs whole before the forward.
 
 Every argument a device run passes is checked before anything runs (`plan`), and the CPU form
 runs in `make test` (tests/test_gpu_check.py), so an import or argument error cannot wait for
@@ -20,6 +23,7 @@ Exit code 1 on any FAIL, 2 when the device is unusable.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -219,38 +223,62 @@ FIRST_TO_LATER_TARGET = 1.2
 PREDICTION_TARGET = 1.25
 
 
-def restore(p: Plan) -> list[Row]:
-    """A one-token generate() of prompts whose KV left HBM, restored from the memory tier,
-    against recomputing them and against the raw transfer of the same bytes; the first restore
-    after the saving pass against the later ones."""
+@dataclass(frozen=True)
+class Restore:
+    """The restore checks' model, engine and prompts (the model is written once per run)."""
+
+    shape: Shape
+    model: Path
+    engine: EngineConfig
+    prompts: list[list[int]]
+    nbytes: int  # the prompts' KV
+    cuda: bool
+
+    def timed(self, eng: Engine, prompts: list[list[int]] | None = None) -> float:
+        """A one-token generate() of `prompts` (default: all) after HBM forgot every prefix."""
+        sync = torch.cuda.synchronize if self.cuda else (lambda: None)
+        eng.reset_prefix_cache()
+        sync()
+        t0 = time.perf_counter()
+        eng.generate(self.prompts if prompts is None else prompts, ONE)
+        sync()
+        return time.perf_counter() - t0
+
+
+ONE = SamplingParams(temperature=0.0, max_tokens=1)
+_WRITTEN: dict[Path, str] = {}  # restore models written in this run, by directory
+
+
+def restore_setup(p: Plan) -> Restore:
+    """The Llama-3.1-8B shape on a GPU (the small one on a CPU), written under `p.out`."""
     shape = LLAMA_8B if p.device.startswith("cuda") else SMALL
-    cuda = p.device.startswith("cuda")
-    model = init_model(p.out / "restore-model", dtype="bfloat16", device=p.device,
-                       **shape.model)  # fmt: skip
+    path = p.out / "restore-model"
+    if _WRITTEN.get(path) != shape.name:  # once per run: an earlier run's may be another shape
+        init_model(path, dtype="bfloat16", device=p.device, **shape.model)
+        _WRITTEN[path] = shape.name
     m = shape.model
     kv_bytes_per_token = 2 * m["layers"] * m["kv_heads"] * m["head_dim"] * 2
     tokens = shape.prompts * shape.prompt_len
-    nbytes = tokens * kv_bytes_per_token
-    blocks = -(-tokens // 16) + 64
     engine = EngineConfig(
-        device=p.device, dtype="bfloat16", num_blocks=blocks, num_threads=2,
+        device=p.device, dtype="bfloat16", num_blocks=-(-tokens // 16) + 64, num_threads=2,
         max_num_batched_tokens=8192, max_num_seqs=shape.prompts,
         max_model_len=shape.prompt_len + 16,
     )  # fmt: skip
     g = torch.Generator().manual_seed(5)
-    vocab = m["vocab_size"]
-    prompts = [torch.randint(3, vocab, (shape.prompt_len,), generator=g).tolist()
+    prompts = [torch.randint(3, m["vocab_size"], (shape.prompt_len,), generator=g).tolist()
                for _ in range(shape.prompts)]  # fmt: skip
-    one = SamplingParams(temperature=0.0, max_tokens=1)
+    return Restore(shape, path, engine, prompts, tokens * kv_bytes_per_token,
+                   p.device.startswith("cuda"))  # fmt: skip
 
-    def timed(eng: Engine) -> float:
-        sync = torch.cuda.synchronize if cuda else (lambda: None)
-        eng.reset_prefix_cache()
-        sync()
-        t0 = time.perf_counter()
-        eng.generate(prompts, one)
-        sync()
-        return time.perf_counter() - t0
+
+def restore(p: Plan) -> list[Row]:
+    """A one-token generate() of prompts whose KV left HBM, restored from the memory tier,
+    against recomputing them and against the raw transfer of the same bytes; the first restore
+    after the saving pass against the later ones."""
+    r = restore_setup(p)
+    shape, model, engine, cuda, nbytes = r.shape, r.model, r.engine, r.cuda, r.nbytes
+    timed = r.timed
+    tokens = shape.prompts * shape.prompt_len
 
     with Engine(model, engine) as plain:
         timed(plain)  # warm: allocator, kernels
@@ -305,6 +333,42 @@ def restore(p: Plan) -> list[Row]:
     ]  # fmt: skip
 
 
+def layerwise(p: Plan) -> list[Row]:
+    """Prompts whose first half is restored from the memory tier and whose second half is new,
+    their one-token generate() with the load landing layer by layer (`load_waves` 4: the
+    forward over the new half starts after the first wave) against the whole load first (1).
+    Both engines are up at once, each saves the halves, then the arms alternate round by
+    round, every round with new second halves. On the CPU the copies are synchronous and both
+    arms take the same path: its ratio is the machine's noise."""
+    r = restore_setup(p)
+    half = r.shape.prompt_len // 2
+    vocab = r.shape.model["vocab_size"]
+    g = torch.Generator().manual_seed(9)
+    times: dict[int, list[float]] = {4: [], 1: []}
+    with contextlib.ExitStack() as stack:
+        engines = {}
+        for waves in times:
+            tier = KVTierConfig(chunk_size=256, memory_bytes=int(r.nbytes * 0.8) + (256 << 20),
+                                load_gate=False, load_waves=waves)  # fmt: skip
+            spec = connector_spec(tier, r.model, run_dir=p.out / f"layerwise-run-{waves}")
+            eng = engines[waves] = stack.enter_context(Engine(r.model, r.engine, spec))
+            eng.generate([q[:half] for q in r.prompts], ONE)  # the halves into the tier
+        for i in range(5):
+            tails = [torch.randint(3, vocab, (r.shape.prompt_len - half,), generator=g).tolist()
+                     for _ in r.prompts]  # fmt: skip
+            prompts = [q[:half] + t for q, t in zip(r.prompts, tails, strict=True)]
+            for waves in (4, 1) if i % 2 else (1, 4):
+                dt = r.timed(engines[waves], prompts)
+                if i:  # the first round warms both paths
+                    times[waves].append(dt)
+    w4, w1 = sorted(times[4])[1], sorted(times[1])[1]
+    note = "" if r.cuda else "; CPU: the same path in both arms"
+    return [
+        (f"layer by layer: half-restored prompts ({r.shape.name}), load_waves 4 / 1",
+         f"{w4 / w1:.2f}x ({w4:.3f} s vs {w1:.3f} s{note})", None),
+    ]  # fmt: skip
+
+
 def _prediction_ratio(eng: Engine) -> tuple[float, float]:
     """The sum and count of every finished load's measured over predicted time so far."""
     m = eng.connector.metrics  # type: ignore[union-attr]
@@ -317,6 +381,7 @@ CHECKS: tuple[tuple[str, Callable[[Plan], list[Row]]], ...] = (
     ("bench tier", bench),
     ("two-pass restore", two_pass),
     ("restore at scale", restore),
+    ("layer by layer", layerwise),
 )
 
 

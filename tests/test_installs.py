@@ -86,6 +86,9 @@ def test_the_gpu_checks_cpu_form_runs_every_check_from_offline_wheels(
     # the cost model predicted the later restores' loads (judged on a GPU: within 25%)
     ratio, judged = rows["cost model: a later restore's loads, measured / predicted (mean)"]
     assert judged is None and float(ratio.split("x")[0]) > 0, ratio
+    # layer by layer: both arms ran (on the CPU the same path; judged nowhere yet)
+    (waves,) = [v for n, v in rows.items() if n.startswith("layer by layer: half-restored")]
+    assert waves[1] is None and "CPU: the same path" in waves[0], waves
     # the rows are bench tier's own datapath rows, written beside the table
     bench = json.loads((out / "bench-tier.json").read_text())
     assert {r["id"] for r in bench["rows"]} >= {
