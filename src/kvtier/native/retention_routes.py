@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 from kvtier.native.engine_loop import EngineLoop, EngineUnavailable
 from kvtier.native.openai_requests import RequestBuilder
 from kvtier.native.protocol import APIError
+from kvtier.offload.retention import positive_seconds
 
 ADMIN_KEY_ENV = "KVTIER_ADMIN_KEY"
 _OPS = ("retain", "release", "prefetch", "forget")
@@ -100,8 +101,8 @@ def _target(body: bytes, requests: RequestBuilder) -> dict[str, Any]:
     ttl = doc.get("ttl_s")
     if not isinstance(user, str) or (key is not None and not isinstance(key, str)):
         raise APIError(400, "user and prompt_cache_key must be strings")
-    if ttl is not None and (not isinstance(ttl, int | float) or isinstance(ttl, bool) or ttl <= 0):
-        raise APIError(400, f"ttl_s is {ttl!r}; send seconds > 0", "ttl_s")
+    if ttl is not None and not positive_seconds(ttl):
+        raise APIError(400, f"ttl_s is {ttl!r}; send a finite number of seconds > 0", "ttl_s")
     prompt = None
     if doc.get("prompt") is not None or doc.get("messages") is not None:
         prompt = _prompt_ids(doc, requests)

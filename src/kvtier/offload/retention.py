@@ -13,6 +13,7 @@ budget. Thread-safe: hooks and an admin API share one ledger.
 from __future__ import annotations
 
 import heapq
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -83,6 +84,17 @@ OPENAI_RETENTION: dict[str, float | None] = {"in_memory": None, "in-memory": Non
 MAX_SESSION_CHARS = 256
 
 
+def positive_seconds(value: object) -> bool:
+    """A number of seconds a deadline can be made of: finite and > 0 (JSON parsers accept
+    NaN and Infinity literals; a bool is not a number here)."""
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
 def hint_from_params(params: Mapping[str, object]) -> RetentionHint | None:
     """A hint from a request's parameters in OpenAI's names (`prompt_cache_key`,
     `prompt_cache_retention`, `user`) plus kvtier's `retain_ttl_s` and `retain_tokens`; None
@@ -96,8 +108,8 @@ def hint_from_params(params: Mapping[str, object]) -> RetentionHint | None:
         raise ValueError(f"prompt_cache_key must be a string of at most {MAX_SESSION_CHARS} chars")
     if retention is not None and retention not in OPENAI_RETENTION:
         raise ValueError(f"prompt_cache_retention is {retention!r}; use 'in_memory' or '24h'")
-    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0):
-        raise ValueError(f"retain_ttl_s is {ttl!r}; use seconds > 0")
+    if ttl is not None and not positive_seconds(ttl):
+        raise ValueError(f"retain_ttl_s is {ttl!r}; use a finite number of seconds > 0")
     if upto is not None and (isinstance(upto, bool) or not isinstance(upto, int) or upto < 0):
         raise ValueError(f"retain_tokens is {upto!r}; use a number of prompt tokens >= 0")
     if not isinstance(user, str):
@@ -158,6 +170,10 @@ class RetentionLedger:
         their deadline. The conversation's keys are remembered either way."""
         want = len(keys) if hint.upto_tokens is None else min(len(keys), hint.upto_tokens // chunk)
         ttl = self.default_ttl_s if hint.ttl_s is None else hint.ttl_s
+        if not positive_seconds(ttl):
+            # a deadline that never comes (NaN) would sit atop the deadline heap and stop every
+            # later one from expiring: one request would hold every tenant's budget for good
+            return RetentionDecision(REJECTED, 0, 0.0, "ttl"), [], 0.0
         reason = ""
         if ttl > self.max_ttl_s:
             ttl, reason = self.max_ttl_s, "ttl"

@@ -238,9 +238,16 @@ class DiskTier(TierBase):
             self._check_open()
             if key not in self._index and not self._adopt(key):
                 return None
+            size = self._index[key]
         path = self._path(key)
         try:
-            buf, ino = _read_file(path)
+            buf, ino = _read_file(path, size)
+        except RefusedFile as e:
+            # another process put something else under the record's name (a FIFO would block
+            # the lane forever, a sparse giant file would be read whole into memory)
+            log.warning("kvtier: disk tier refused %s: %s", path, e)
+            self._drop_bad(key, None, e.reason)
+            return None
         except FileNotFoundError:
             if self.follower:
                 # the owner evicted it: a miss, not a bad record
@@ -694,11 +701,29 @@ def _create_private(path: Path) -> int:
         return os.open(path, flags, PRIVATE_FILE)
 
 
-def _read_file(path: Path) -> tuple[bytearray, int]:
-    """The whole file and its inode number (never read through a symlink)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+class RefusedFile(OSError):
+    """A record's file that must not be read: not a regular file of ours, or not the size the
+    tier indexed; `reason` is its verify-failure label."""
+
+    def __init__(self, reason: str, why: str) -> None:
+        super().__init__(why)
+        self.reason = reason
+
+
+def _read_file(path: Path, size: int) -> tuple[bytearray, int]:
+    """The whole file and its inode number: never through a symlink, never a FIFO or device
+    (opened without blocking, checked on the open descriptor), never more than the `size`
+    bytes the tier indexed for it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     with open(fd, "rb", buffering=0) as f:
         st = os.fstat(f.fileno())
+        why = untrusted(st)
+        if why is not None:
+            raise RefusedFile("untrusted_file", why)
+        if st.st_size != size:
+            raise RefusedFile(
+                "length_mismatch", f"{st.st_size} bytes where the tier indexed {size}"
+            )
         buf = bytearray(st.st_size)
         view = memoryview(buf)
         got = 0

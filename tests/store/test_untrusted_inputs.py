@@ -1,6 +1,7 @@
-"""Review: bytes from outside kvtier's process (disk tier files, shared-store records, request
-fields) must never reach a KV cache, leak across tenants, hang a request, stop the engine or
-grow memory without bound. Each test here pins one way they did (or a checked-safe shape)."""
+"""Bytes from outside kvtier's process (disk tier files, shared-store records, request fields)
+never reach a KV cache, leak across tenants, hang a request, stop the engine or grow memory
+without bound. Each test pins one way they did before its fix (a FIFO or a sparse giant file
+under a record's name, a NaN retention TTL), or a shape checked safe."""
 
 from __future__ import annotations
 
