@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 from kvtier.offload.messages import OffloadMeta, OpResult
@@ -24,8 +24,10 @@ _PREFIX = {"load": "ld", "save": "sv"}
 class OpLedger:
     """Operation ids, their quorum and owners, and the per-step news for the ranks."""
 
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.quorum = Quorum(world)
+        self._clock = clock
+        self._opened_at: dict[str, float] = {}  # op id -> when it opened (open order)
         self.step = 0  # engine steps so far (metas built)
         self._ops: dict[str, tuple[str, Kind]] = {}  # op id -> (req id, kind)
         self._nonce = itertools.count()
@@ -46,7 +48,21 @@ class OpLedger:
         op_id = f"{_PREFIX[kind]}{next(self._nonce)}"
         self.quorum.open(op_id)
         self._ops[op_id] = (req_id, kind)
+        self._opened_at[op_id] = self._clock()
         return op_id
+
+    def overdue(self, after_s: float) -> list[str]:
+        """Open operations older than `after_s`, oldest first; their quorums are abandoned (a
+        report for them from now on is ignored)."""
+        now = self._clock()
+        out = []
+        for op_id, t in self._opened_at.items():
+            if now - t < after_s:
+                break  # opened in order: every later one is younger
+            out.append(op_id)
+        for op_id in out:
+            self.quorum.abandon(op_id)
+        return out
 
     def owner(self, op_id: str) -> str:
         """The request an open operation belongs to ("" when it is not open)."""
@@ -58,11 +74,13 @@ class OpLedger:
 
     def close(self, op_id: str) -> tuple[str, Kind]:
         """The operation reached its terminal: its (request, kind)."""
+        self._opened_at.pop(op_id, None)
         return self._ops.pop(op_id)
 
     def forget(self, op_id: str) -> tuple[str, Kind] | None:
         """Processing its terminal failed: the operation is gone, its news unsent."""
         self._terminals.pop(op_id, None)
+        self._opened_at.pop(op_id, None)
         return self._ops.pop(op_id, None)
 
     def load_ended(self, op_id: str, ok: bool, sync_s: float | None) -> None:

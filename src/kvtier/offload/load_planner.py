@@ -30,7 +30,7 @@ from kvtier.offload.ledger import OpLedger
 from kvtier.offload.messages import ChunkRef, LoadOp
 from kvtier.offload.planner import SavePlanner
 from kvtier.offload.protocols import LookupPort, LookupResultLike
-from kvtier.offload.quorum import Terminal
+from kvtier.offload.quorum import REPORT_LOST, Terminal
 from kvtier.offload.request_state import LoadOutcome, LoadState, RequestState
 from kvtier.store import registry
 
@@ -305,7 +305,8 @@ class LoadPlanner:
                 sync_s = term.seconds
             self._m.load_parked_steps.observe(0 if load.sync else self._ledger.step - load.step + 1)
         self._ledger.load_ended(term.op_id, term.ok, sync_s)
-        self._learn(load, term, tokens)
+        if term.reason != REPORT_LOST:  # no read was measured: the report never came
+            self._learn(load, term, tokens)
         if term.ok:
             return LoadOutcome(req_id, True, tokens, "", term.tier)
         self._m.load_failure(term.reason or "unknown").inc()

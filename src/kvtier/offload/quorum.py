@@ -11,6 +11,10 @@ from dataclasses import dataclass
 
 from kvtier.offload.messages import OpResult
 
+# the reason of a terminal the scheduler gave an operation no rank reported in time: its
+# report was lost (a rank ends its loads within `lease_ttl_s` and never reports a result twice)
+REPORT_LOST = "report_lost"
+
 
 @dataclass(frozen=True, slots=True)
 class Terminal:

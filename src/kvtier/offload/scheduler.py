@@ -25,13 +25,15 @@ from kvtier.offload.load_planner import WITHDRAWN, LoadPlanner
 from kvtier.offload.messages import LoadOp, OffloadMeta, SaveOp, WorkerReport
 from kvtier.offload.planner import SavePlanner
 from kvtier.offload.protocols import LookupPort, RequestView, StepRequest
-from kvtier.offload.quorum import Terminal
+from kvtier.offload.quorum import REPORT_LOST, Terminal
 from kvtier.offload.request_state import LoadOutcome, LoadState, RequestState
 from kvtier.offload.retention import RetentionHint
 from kvtier.offload.steps import LOOKUP, META, REPORTS, HookClock
 from kvtier.store import registry
 
 log = logging.getLogger("kvtier")
+# an operation with no report from every rank after this many `lease_ttl_s` lost its report
+LOST_REPORT_TTLS = 2.0
 
 T = TypeVar("T")
 
@@ -77,7 +79,7 @@ class OffloadScheduler:
         self.keys = KeySpace(model_id, self.chunk)
         self._m = metrics
         self._reqs: dict[str, RequestState] = {}
-        self.ops = OpLedger(world)
+        self.ops = OpLedger(world, clock)
         self._inflight = InFlight()
         self.layout = layout_for(groups, self.chunk, block_size)
         seeds = {}
@@ -300,9 +302,31 @@ class OffloadScheduler:
                         )
                         if outcome is not None:
                             outcomes.append(outcome)
+            outcomes += self._end_lost_reports()
         step_s = self.ops.step_seconds()
         if step_s is not None:
             self.gate.observe_step(step_s)
+        return outcomes
+
+    def _end_lost_reports(self) -> list[LoadOutcome]:
+        """Operations no rank finished reporting within twice `lease_ttl_s` lost a report (each
+        rank ends its loads within `lease_ttl_s` and never sends a result twice): they end as
+        failed here, or a lost report would keep a load open for good, its chunks parking
+        every request that shares them and its request never saving again."""
+        outcomes = []
+        for op_id in self.ops.overdue(LOST_REPORT_TTLS * self.config.lease_ttl_s):
+            term = Terminal(op_id, ok=False, reason=REPORT_LOST, nbytes=0, seconds=0.0, tier="")
+            log.warning("kvtier: operation %s has no report from every rank after %.0f s: ended "
+                        "as failed (%s)", op_id, LOST_REPORT_TTLS * self.config.lease_ttl_s,
+                        REPORT_LOST)  # fmt: skip
+            outcome = self.guard.run(
+                "update_connector_output",
+                self.ops.owner(op_id) or None,
+                lambda term=term: self._terminal(term),
+                lambda op_id=op_id: self._forget_op(op_id),
+            )
+            if outcome is not None:
+                outcomes.append(outcome)
         return outcomes
 
     def _terminal(self, term: Terminal) -> LoadOutcome | None:

@@ -296,7 +296,11 @@ class SchedulerSide:
             meta.delayed_free = [r for r in meta.delayed_free if r not in self._vllm_frees]
             self._vllm_frees.clear()
         for op in meta.loads:
-            self._loading.add(op.req_id)
+            if not op.sync:
+                # only a parked request waits for finished_recving (vLLM holds its blocks
+                # until then); a load inside the forward sends none, and its request's id left
+                # here made request_finished let vLLM free blocks a save was still reading
+                self._loading.add(op.req_id)
         return KVTierConnectorMetadata(encode_step_meta(meta))
 
     def _learn_states(self, out: SchedulerOutput) -> None:
