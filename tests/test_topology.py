@@ -204,6 +204,16 @@ def test_context_parallelism_is_rejected_not_miscounted() -> None:
     assert resolve(vllm_config(tensor_parallel_size=2, prefill_context_parallel_size=1)).world == 2
 
 
+def test_decode_context_parallelism_is_refused_naming_the_setting() -> None:
+    """DCP shards a block's tokens across the TP ranks with the same tensor shapes as without
+    it: an engine with it and one without would read each other's blocks from a shared tier,
+    and an MLA model would be taken for replicated (rank 1 restoring rank 0's shard)."""
+    cfg = vllm_config(tensor_parallel_size=2, decode_context_parallel_size=2)
+    with pytest.raises(TopologyError, match="decode_context_parallel_size=2"):
+        resolve(cfg)
+    assert resolve(vllm_config(tensor_parallel_size=2, decode_context_parallel_size=1)).world == 2
+
+
 def test_topology_passthrough_and_with_rank() -> None:
     topo = resolve({"tensor_parallel_size": 4})
     assert resolve(topo) is topo

@@ -390,7 +390,13 @@ class KVTierConfig:
     lookup_wait_ms: float = _f(
         5.0, "float", "longest the scheduler loop waits on a lookup before asking next step"
     )
-    lookup_transport: str = _f("ipc", "str", "'ipc' or 'tcp'")
+    lookup_transport: str = _f(
+        "ipc",
+        "str",
+        "'ipc' (its socket in the engine's private run directory) or 'tcp' (loopback: only "
+        "where no other user runs on the host; one who binds a rank's port first can replay "
+        "frames to other ranks and send messages zmq buffers whole)",
+    )
     lookup_base_port: int | None = _f(
         None, "opt_int", "tcp: rank r's lookup server listens on this port + r"
     )

@@ -19,7 +19,11 @@ _MISSING = object()
 _SIZE_KEYS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
 _RANK_KEYS = ("data_parallel_rank", "rank")
 # context parallelism multiplies vLLM's world, which world = tp x pp would silently miss
-_UNSUPPORTED_SIZE_KEYS = ("prefill_context_parallel_size",)
+# decode context parallelism shards each block's tokens across the TP ranks (interleaved, a
+# block then covers block_size x dcp tokens) with the same tensor shapes as without it: an
+# engine with it and one without would share page identities and read each other's blocks,
+# and an MLA model would be taken for replicated (rank 1 restoring rank 0's token shard)
+_UNSUPPORTED_SIZE_KEYS = ("prefill_context_parallel_size", "decode_context_parallel_size")
 
 
 @dataclass(frozen=True)

@@ -480,21 +480,26 @@ class LookupClient:
             if left_ms <= 0:
                 return
             for rank, frames in self._peers.received(math.ceil(left_ms)):
-                frame = self._authentic(rank, frames)
-                if frame is None:
-                    continue
-                try:
-                    msg = self._codec.decode(frame)
-                except FrameError as e:
-                    self._m.rejected_frame(e.reason).inc()
-                    log.warning("kvtier: lookup reply from rank %d rejected: %s", rank, e)
-                    continue
-                if isinstance(msg, LookupReply):
-                    taken = self._accept_reply(rank, msg)
-                else:
-                    taken = accept(rank, msg)
-                if not taken:
-                    self.stale_replies += 1
+                self._take(rank, frames, accept)
+                if time.perf_counter() >= deadline:
+                    # a socket that never runs dry (a flood of junk on a port someone else
+                    # holds) keeps no caller past its wait: the scheduler loop's bound
+                    return
+
+    def _take(self, rank: int, frames: list[bytes], accept: Callable[[int, Message], bool]) -> None:
+        """One message from `rank`: an authentic reply to its request, else dropped (counted)."""
+        frame = self._authentic(rank, frames)
+        if frame is None:
+            return
+        try:
+            msg = self._codec.decode(frame)
+        except FrameError as e:
+            self._m.rejected_frame(e.reason).inc()
+            log.warning("kvtier: lookup reply from rank %d rejected: %s", rank, e)
+            return
+        taken = self._accept_reply(rank, msg) if isinstance(msg, LookupReply) else accept(rank, msg)
+        if not taken:
+            self.stale_replies += 1
 
     def _signed(self, body: bytes) -> tuple[bytes, bytes]:
         """The message `[MAC, body]` every request travels as."""

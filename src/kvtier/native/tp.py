@@ -171,7 +171,10 @@ class MultiprocExecutor:
                 parent, child = socket.socketpair()
                 fd = child.fileno()
                 proc = subprocess.Popen(
-                    [sys.executable, "-c", _WORKER_CMD, str(fd)],
+                    # -P: `python -c` would put the working directory first on the import
+                    # path, and a module planted there (/tmp, a shared project) would run in
+                    # every rank, with its KV cache and lookup key
+                    [sys.executable, "-P", "-c", _WORKER_CMD, str(fd)],
                     pass_fds=(fd,),
                     stdin=subprocess.DEVNULL,
                     env=env,

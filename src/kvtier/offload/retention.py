@@ -87,12 +87,13 @@ MAX_SESSION_CHARS = 256
 def positive_seconds(value: object) -> bool:
     """A number of seconds a deadline can be made of: finite and > 0 (JSON parsers accept
     NaN and Infinity literals; a bool is not a number here)."""
-    return (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value > 0
-    )
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int of hundreds of digits: no float holds it
+        return False
+    return math.isfinite(seconds) and seconds > 0
 
 
 def hint_from_params(params: Mapping[str, object]) -> RetentionHint | None:
