@@ -1,6 +1,7 @@
 """A replicated layout (every TP rank holds the same bytes: MLA, the DSA indexer) is stored
-once below memory: rank 0 writes the disk and remote copy under a rank-independent namespace,
-every rank reads it; a per-rank layout never shares keys across ranks."""
+once below memory per pipeline stage: the stage's first rank writes the disk and remote copy
+under a rank-independent namespace, every rank reads it; a per-rank layout never shares keys
+across ranks."""
 
 from __future__ import annotations
 
@@ -76,3 +77,33 @@ def test_one_copy_below_memory_for_a_replicated_layout(tmp_path: Path, replicate
         finally:
             w0.close()
             w1.close()
+
+
+def test_every_pipeline_stage_of_a_replicated_layout_writes_its_copy_below_memory(
+    tmp_path: Path,
+) -> None:
+    """PP=2 x TP=2: stage 1's layers are another layout (another namespace), so its first rank
+    (rank 2) writes that stage's copy below memory; rank 0 only writes stage 0's (it used to be
+    the only writer: no chunk of a later stage could be served from disk)."""
+    config = KVTierConfig.from_dict(
+        {"memory_bytes": "4MiB", "chunk_size": CHUNK, "disk_dir": str(tmp_path / "disk"),
+         "disk_bytes": "64MiB", "record_key": RECORD_KEY}
+    )  # fmt: skip
+    ranks = []
+    try:
+        for rank, first_layer in ((0, 0), (2, 3)):
+            _, views = build(mla(num_layers=3, block_size=BS), NB, "LBHNC")
+            # stage 1 holds the model's later layers: their names differ from stage 0's
+            views = {n.replace(f"layers.{i}.", f"layers.{i + first_layer}."): v
+                     for i, (n, v) in enumerate(views.items())}  # fmt: skip
+            w = OffloadWorker(
+                config, rank=rank, world=4, model_id="m", tp_size=2,
+                metrics=Metrics(rank=rank, registry=CollectorRegistry()), lookup_endpoint=None,
+            )  # fmt: skip
+            w.register_kv_caches(KVCacheDescription(views, NB, BS, "LBHNC", replicated=True))
+            ranks.append(w)
+            save(w)
+        assert records_on_disk(tmp_path) == 2  # one copy per stage
+    finally:
+        for w in ranks:
+            w.close()

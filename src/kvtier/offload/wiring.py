@@ -195,6 +195,7 @@ def build_worker(
         ranks_on_host=ranks_on_host,
         report_changes=report_changes,
         compute_cpus=compute_cpus,
+        tp_size=spec.topo.tp_size,
     )
 
 

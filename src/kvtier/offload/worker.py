@@ -83,6 +83,12 @@ class RankIdentity:
     model_id: str
     lookup_endpoint: str | None
     ranks_on_host: int = 1
+    tp_size: int = 0  # ranks per pipeline stage (0: the whole world is one stage)
+
+    @property
+    def first_of_stage(self) -> bool:
+        """The first TP rank of its pipeline stage (ranks are pp-major, as in vLLM)."""
+        return self.rank % (self.tp_size or self.world) == 0
 
     @property
     def tag(self) -> str:
@@ -120,15 +126,17 @@ class OffloadWorker:
         ops: DeviceOps | None = None,
         report_changes: bool = False,
         compute_cpus: frozenset[int] | None = None,
+        tp_size: int = 0,
     ) -> None:
-        """`clock` times the per-load deadline (`config.lease_ttl_s` after a load is queued);
-        `ranks_on_host` sizes the host-RAM check (every rank of every replica on this host);
+        """`tp_size` is the ranks per pipeline stage (0: one stage); `clock` times the per-load
+        deadline (`config.lease_ttl_s` after a load is queued); `ranks_on_host` sizes the
+        host-RAM check (every rank of every replica on this host);
         `ops` drives the KV device (default: the device the KV cache lives on);
         `report_changes` puts what the tiers store and drop into the reports (KV events);
         `compute_cpus` are the cores the host bound its compute threads to on this machine
         (None: it binds none), which `config.lane_cpus` 'auto' keeps the copy lanes off."""
         self.config = config
-        self.me = RankIdentity(rank, world, model_id, lookup_endpoint, ranks_on_host)
+        self.me = RankIdentity(rank, world, model_id, lookup_endpoint, ranks_on_host, tp_size)
         self.metrics = metrics
         self.guard = HookGuard(self.metrics, self.tag)
         self.stack: TierStack | None = None
@@ -207,7 +215,9 @@ class OffloadWorker:
             tenant=self.config.tenant,
         )
         check_host_memory(self.config.memory_bytes, self.me.ranks_on_host, self.tag)
-        # a replicated layout keeps one copy below memory for every rank: rank 0 writes it
+        # a replicated layout keeps one copy below memory for every rank of a stage: the
+        # stage's first rank writes it (a later stage's layers are another layout: rank 0's
+        # copy is not theirs)
         shared = dataclasses.replace(ns, replicated=True) if desc.replicated else ns
         self.stack = build_stack(
             self.config,
@@ -215,7 +225,7 @@ class OffloadWorker:
             codec.chunk_bytes,
             self.metrics,
             lower_namespace=shared.fingerprint,
-            writes_lower=not desc.replicated or self.rank == 0,
+            writes_lower=not desc.replicated or self.me.first_of_stage,
         )
         if self._report_changes:
             self.stack.listen(self._tier_changed)
