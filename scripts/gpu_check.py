@@ -285,7 +285,7 @@ def restore(p: Plan) -> list[Row]:
         recompute = sorted(timed(plain) for _ in range(2))[0]
     tier = KVTierConfig(chunk_size=256, memory_bytes=int(nbytes * 1.3) + (256 << 20),
                         load_gate=False)  # fmt: skip
-    spec = connector_spec(tier, model, run_dir=p.out / "restore-run")
+    spec = connector_spec(tier, model, run_dir=p.out / "rr")  # short: see layerwise
     with Engine(model, engine, spec) as eng:
         saving = timed(eng)
         before = eng.stats()
@@ -350,7 +350,8 @@ def layerwise(p: Plan) -> list[Row]:
         for waves in times:
             tier = KVTierConfig(chunk_size=256, memory_bytes=int(r.nbytes * 0.8) + (256 << 20),
                                 load_gate=False, load_waves=waves)  # fmt: skip
-            spec = connector_spec(tier, r.model, run_dir=p.out / f"layerwise-run-{waves}")
+            # a short name: the lookup socket's path must fit 107 bytes under a deep --out
+            spec = connector_spec(tier, r.model, run_dir=p.out / f"lw{waves}")
             eng = engines[waves] = stack.enter_context(Engine(r.model, r.engine, spec))
             eng.generate([q[:half] for q in r.prompts], ONE)  # the halves into the tier
         for i in range(5):
