@@ -75,15 +75,16 @@ def run_fake_server(rank: int, endpoint: str, held: int, events: Any, stop: Any)
     serve_until(stop, rank, backend, endpoint)
 
 
-def signed(key: bytes, body: bytes) -> list[bytes]:
-    """The message `[MAC, body]` the engine's client sends: `body` under the engine's `key`."""
-    return [FrameMac(key, REQUESTS).of(body), body]
+def signed(key: bytes, body: bytes, rank: int = 0) -> list[bytes]:
+    """The message `[MAC, body]` the engine's client sends rank `rank`: `body` under the
+    engine's `key`."""
+    return [FrameMac(key, REQUESTS, rank).of(body), body]
 
 
-def recv_signed(sock: zmq.Socket, key: bytes, timeout_ms: int = 5000) -> bytes:
+def recv_signed(sock: zmq.Socket, key: bytes, timeout_ms: int = 5000, rank: int = 0) -> bytes:
     """The body of the next message on `sock` within `timeout_ms`, asserting it carries the
-    engine's reply MAC."""
+    engine's reply MAC of rank `rank`."""
     assert sock.poll(timeout_ms), f"no reply within {timeout_ms} ms"
     mac, body = sock.recv_multipart()
-    assert FrameMac(key, REPLIES).matches(mac, body), "a reply without the engine's MAC"
+    assert FrameMac(key, REPLIES, rank).matches(mac, body), "a reply without the engine's MAC"
     return body

@@ -241,7 +241,7 @@ def _classify(codec: Codec, key: bytes, wire: list[bytes]) -> tuple[str, str]:
     mac, body = wire
     if len(body) > codec.max_frame_bytes:
         return "refuse", REJECT_OVERSIZED
-    if not FrameMac(key, REQUESTS).matches(mac, body):
+    if not FrameMac(key, REQUESTS, 0).matches(mac, body):
         return "refuse", REJECT_AUTH
     try:
         msg = codec.decode(body)

@@ -431,8 +431,9 @@ def test_endpoint_served_by_another_rank_is_detected(run_dir: Path) -> None:
         assert c.ping(2000) == {0: True, 1: False}
         res = c.lookup(keys, "shared")
         assert res.per_rank == {0: 4, 1: 0}
-        assert "reply from rank 0" in res.errors[1]
-        assert m.value("rejected_frames_total", reason="wrong_rank") == 2
+        # frames for rank 1 carry rank 1's MAC: rank 0 refuses them (counted, never answered)
+        assert 1 in res.timed_out
+        assert servers[0].rejected == 2  # rank 1's ping and lookup
     finally:
         c.close()
         servers[0].close()

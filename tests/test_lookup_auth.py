@@ -33,6 +33,7 @@ from kvtier.lookup import (
     engine_key,
     make_run_dir,
 )
+from kvtier.lookup.keyfile import endpoint_key
 from kvtier.metrics import Metrics
 from kvtier.offload.wiring import OffloadSpec
 from kvtier.store.memory import MemoryTier
@@ -88,6 +89,7 @@ class Rank:
     server: LookupServer
     client: LookupClient
     foreign: zmq.Socket
+    key: bytes  # the engine's (a frame under it for another rank is still foreign here)
     base: int = 0
 
     def settled(self, frames: int) -> None:
@@ -124,7 +126,7 @@ def rank(request: pytest.FixtureRequest) -> Iterator[Rank]:
     foreign.connect(ep)
     try:
         client.wait_ready(DEADLINE_S)
-        yield Rank(stack, metrics, server, client, foreign)
+        yield Rank(stack, metrics, server, client, foreign, endpoint_key(ep))
     finally:
         foreign.close()
         client.close()
@@ -147,6 +149,8 @@ def test_a_foreign_lookup_is_not_answered_leases_nothing_and_is_counted(rank: Ra
         [body],  # a well-formed request without the engine's key
         [os.urandom(32), body],  # with a made-up MAC
         signed(os.urandom(32), body),  # MAC'd under another key (another engine's)
+        # the engine's own frame for rank 1, replayed here by whoever held rank 1's TCP port
+        signed(rank.key, body, rank=1),
     ]
     for frames in forged:
         rank.foreign.send_multipart(frames)
@@ -169,7 +173,8 @@ def test_a_lease_cannot_be_released_without_the_key(rank: Rank) -> None:
     assert rank.leased()
     rank.base = rank.server.served
     body = _release_frame("lk7")
-    forged = [[body], [os.urandom(32), body], signed(os.urandom(32), body)]
+    forged = [[body], [os.urandom(32), body], signed(os.urandom(32), body),
+              signed(rank.key, body, rank=1)]  # fmt: skip
     for frames in forged:
         rank.foreign.send_multipart(frames)
     rank.settled(len(forged))

@@ -394,8 +394,8 @@ class KVTierConfig:
         "ipc",
         "str",
         "'ipc' (its socket in the engine's private run directory) or 'tcp' (loopback: only "
-        "where no other user runs on the host; one who binds a rank's port first can replay "
-        "frames to other ranks and send messages zmq buffers whole)",
+        "where no other user runs on the host; one who binds a rank's port first can send "
+        "messages zmq buffers whole)",
     )
     lookup_base_port: int | None = _f(
         None, "opt_int", "tcp: rank r's lookup server listens on this port + r"

@@ -1,12 +1,15 @@
 """Frame authentication: every lookup frame travels with a keyed BLAKE3 MAC under the engine key.
 
 The key never travels: each side proves it holds the key by the MAC over the frame's bytes.
-Requests and replies are MAC'd under two keys derived from the engine key, so a frame of one
-direction is never taken for the other. A frame whose MAC does not match is dropped before it
-is decoded: it is never answered, never leases and never releases.
+Requests and replies are MAC'd under keys derived from the engine key per direction and per
+rank, so a frame of one direction is never taken for the other, and a frame the engine sent to
+one rank (read by whoever holds that rank's TCP port) is refused by every other rank. A frame
+whose MAC does not match is dropped before it is decoded: it is never answered, never leases
+and never releases.
 
-Not covered: replay of a frame recorded off the wire (loopback and ipc traffic cannot be read
-by another unprivileged user), and root, who can read the key file.
+Not covered: replay of a frame to the rank it was sent to (its port is held by that rank, or by
+whoever recorded it: then the rank is not there to receive it), and root, who can read the key
+file.
 """
 
 from __future__ import annotations
@@ -42,12 +45,16 @@ def check_key(key: object) -> bytes:
 
 
 class FrameMac:
-    """MACs of one direction's frames (`REQUESTS` or `REPLIES`) under an engine key."""
+    """MACs of one direction's frames (`REQUESTS` or `REPLIES`) to or from one rank, under an
+    engine key."""
 
-    def __init__(self, key: bytes, direction: str) -> None:
+    def __init__(self, key: bytes, direction: str, rank: int) -> None:
         if direction not in (REQUESTS, REPLIES):
             raise ValueError(f"direction {direction!r} is not REQUESTS or REPLIES")
-        self._key = blake3.blake3(check_key(key), derive_key_context=direction).digest()
+        if rank < 0:
+            raise ValueError(f"rank {rank} must be >= 0")
+        per_direction = blake3.blake3(check_key(key), derive_key_context=direction).digest()
+        self._key = blake3.blake3(b"rank %d" % rank, key=per_direction).digest()
 
     def of(self, body: bytes) -> bytes:
         """The MAC of `body`."""

@@ -110,8 +110,9 @@ class LookupClient:
         for ep in endpoints.values():
             parse_endpoint(ep)
         key = _one_engine_key(endpoints) if key is None else check_key(key)
-        self._mac_out = FrameMac(key, REQUESTS)
-        self._mac_in = FrameMac(key, REPLIES)
+        # one key per rank: a frame sent to one rank is refused by every other
+        self._mac_out = {r: FrameMac(key, REQUESTS, r) for r in endpoints}
+        self._mac_in = {r: FrameMac(key, REPLIES, r) for r in endpoints}
         self._refusals = RefusalLog(log, "lookup client")
         self.ranks: tuple[int, ...] = tuple(sorted(endpoints))
         self.world = world
@@ -377,10 +378,10 @@ class LookupClient:
                 req = AdminRequest(PROTOCOL_VERSION, next(self._reqs), op, batch, until, False)
                 self._send_nowait(self._signed(self._codec.encode(req)), f"admin {op}")
 
-    def _send_nowait(self, frames: tuple[bytes, bytes], what: str) -> None:
+    def _send_nowait(self, frames: Mapping[int, tuple[bytes, bytes]], what: str) -> None:
         for rank, peer in self._peers.by_rank.items():
             try:
-                peer.sock.send_multipart(frames, zmq.NOBLOCK)
+                peer.sock.send_multipart(frames[rank], zmq.NOBLOCK)
             except zmq.Again:
                 self.dropped_releases[rank] += 1
                 # a rank already known to be missing was logged when it went missing
@@ -501,9 +502,9 @@ class LookupClient:
         if not taken:
             self.stale_replies += 1
 
-    def _signed(self, body: bytes) -> tuple[bytes, bytes]:
-        """The message `[MAC, body]` every request travels as."""
-        return self._mac_out.of(body), body
+    def _signed(self, body: bytes) -> dict[int, tuple[bytes, bytes]]:
+        """The message `[MAC, body]` every request travels as, per rank (each its own MAC)."""
+        return {r: (mac.of(body), body) for r, mac in self._mac_out.items()}
 
     def _authentic(self, rank: int, frames: list[bytes]) -> bytes | None:
         """The body of a reply whose MAC the engine's key made; None (counted) otherwise."""
@@ -512,7 +513,8 @@ class LookupClient:
             self._refusals.refused(f"rank {rank}'s endpoint sent {len(frames)} frames, not 2")
             return None
         mac, body = frames
-        if not self._mac_in.matches(mac, body):
+        mac_in = self._mac_in.get(rank)
+        if mac_in is None or not mac_in.matches(mac, body):
             self._m.rejected_frame(REJECT_AUTH).inc()
             self._refusals.refused(
                 f"a reply on rank {rank}'s endpoint does not carry the engine's MAC (is "

@@ -6,7 +6,7 @@ queued behind a stuck server are dropped. Any answer brings it back."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import zmq
 
@@ -137,14 +137,16 @@ class Peers:
         ready = {socks[s] for s, _ in poller.poll(timeout_ms)}
         return [r for r in down if r not in ready]
 
-    def send_all(self, frames: Sequence[bytes], peers: list[Peer]) -> tuple[set[int], set[int]]:
-        """Send the message `frames` to `peers` without blocking; returns (sent, unsendable)
-        ranks. zmq queues a message whole or not at all."""
+    def send_all(
+        self, frames: Mapping[int, Sequence[bytes]], peers: list[Peer]
+    ) -> tuple[set[int], set[int]]:
+        """Send each of `peers` its message (`frames[rank]`) without blocking; returns (sent,
+        unsendable) ranks. zmq queues a message whole or not at all."""
         pending: set[int] = set()
         unsent: set[int] = set()
         for peer in peers:
             try:
-                peer.sock.send_multipart(frames, zmq.NOBLOCK)
+                peer.sock.send_multipart(frames[peer.rank], zmq.NOBLOCK)
             except zmq.Again:
                 # No live connection, or a full queue behind a stuck server.
                 unsent.add(peer.rank)

@@ -112,8 +112,8 @@ class LookupServer:
         else:
             check_ipc_path(address)
         key = endpoint_key(endpoint) if key is None else check_key(key)
-        self._mac_in = FrameMac(key, REQUESTS)
-        self._mac_out = FrameMac(key, REPLIES)
+        self._mac_in = FrameMac(key, REQUESTS, rank)
+        self._mac_out = FrameMac(key, REPLIES, rank)
         self._refusals = RefusalLog(log, f"lookup server rank {rank}")
         self.rank = rank
         self.endpoint = endpoint
@@ -348,7 +348,10 @@ class LookupServer:
             cap = self._codec.max_frame_bytes
             refusal = REJECT_OVERSIZED, f"{len(frames[2])} bytes > max_frame_bytes={cap}"
         elif not self._mac_in.matches(frames[1], frames[2]):
-            refusal = REJECT_AUTH, "its MAC was not made with the engine's key"
+            refusal = REJECT_AUTH, (
+                f"its MAC was not made with the engine's key for rank {self.rank} (another "
+                "engine, or a rank of this one sent to the wrong socket)"
+            )
         if refusal is None:
             return frames[2]
         reason, detail = refusal
