@@ -49,6 +49,15 @@ def _call_bounded(fn: Callable[[], object], unblock: Callable[[], None]) -> tupl
     return finished, box.get("result")
 
 
+def _one_record(tmp_path: Path, namespace: bytes, metrics: Metrics, i: int
+                ) -> tuple[DiskTier, bytes, Path]:  # fmt: skip
+    """A disk tier holding one record (key `i`), and that record's file."""
+    tier = DiskTier(tmp_path, 10 * RECORD, namespace, metrics)
+    k = key_of(i)
+    assert tier.put(k, payload_of(i, SIZE))
+    return tier, k, _record_path(tier, k)
+
+
 # ---- disk tier ----------------------------------------------------------------------------
 
 
@@ -56,10 +65,7 @@ def test_disk_record_replaced_by_fifo_is_a_miss_not_a_hang(
     tmp_path: Path, namespace: bytes, metrics: Metrics
 ) -> None:
     """Another process swaps an indexed record file for a FIFO: the read must not block."""
-    tier = DiskTier(tmp_path, 10 * RECORD, namespace, metrics)
-    k = key_of(1)
-    assert tier.put(k, payload_of(1, SIZE))
-    path = _record_path(tier, k)
+    tier, k, path = _one_record(tmp_path, namespace, metrics, 1)
     path.unlink()
     os.mkfifo(path, 0o600)
 
@@ -77,6 +83,7 @@ def test_disk_record_replaced_by_fifo_is_a_miss_not_a_hang(
             os.close(fd)
     assert finished, "DiskTier.get blocked forever in open() on a FIFO planted as a record"
     assert result is None
+    assert metrics.value("verify_failures_total", tier="disk", reason="untrusted_file") == 1
     tier.close()
 
 
@@ -85,10 +92,7 @@ def test_disk_sparse_huge_file_is_not_read_into_memory(
 ) -> None:
     """A record file truncated up to a huge (sparse, free on disk) size: the reader allocates
     and fills a buffer of the file's size, not of the record size the tier indexed."""
-    tier = DiskTier(tmp_path, 10 * RECORD, namespace, metrics)
-    k = key_of(2)
-    assert tier.put(k, payload_of(2, SIZE))
-    path = _record_path(tier, k)
+    tier, k, path = _one_record(tmp_path, namespace, metrics, 2)
     huge = 64 << 20  # 64 MiB for a 4 KiB record; nothing stops 64 GiB
     os.truncate(path, huge)
     tracemalloc.start()
@@ -99,6 +103,7 @@ def test_disk_sparse_huge_file_is_not_read_into_memory(
         tracemalloc.stop()
     assert got is None
     assert peak < 16 * RECORD, f"reading one {RECORD}-byte record allocated {peak} bytes"
+    assert metrics.value("verify_failures_total", tier="disk", reason="length_mismatch") == 1
     tier.close()
 
 
@@ -107,10 +112,7 @@ def test_disk_file_larger_than_memory_is_a_counted_miss_not_an_exception(
 ) -> None:
     """A 1 TiB sparse file under a record's name: get() must read as a miss (dropped,
     counted), not raise MemoryError into the load (and again on every later lookup)."""
-    tier = DiskTier(tmp_path, 10 * RECORD, namespace, metrics)
-    k = key_of(3)
-    assert tier.put(k, payload_of(3, SIZE))
-    path = _record_path(tier, k)
+    tier, k, path = _one_record(tmp_path, namespace, metrics, 3)
     os.truncate(path, 1 << 40)
     try:
         got = tier.get(k)
@@ -125,10 +127,7 @@ def test_disk_record_replaced_by_directory_is_a_counted_miss(
     tmp_path: Path, namespace: bytes, metrics: Metrics
 ) -> None:
     """Checked safe: a directory under a record's name reads as an io_error miss."""
-    tier = DiskTier(tmp_path, 10 * RECORD, namespace, metrics)
-    k = key_of(4)
-    assert tier.put(k, payload_of(4, SIZE))
-    path = _record_path(tier, k)
+    tier, k, path = _one_record(tmp_path, namespace, metrics, 4)
     path.unlink()
     path.mkdir()
     assert tier.get(k) is None

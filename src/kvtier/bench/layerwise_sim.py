@@ -12,6 +12,7 @@ same plan through the native engine.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import threading
 from collections.abc import Callable
@@ -68,7 +69,7 @@ def run_layerwise(report: Report, reps: int, say: Callable[[str], None]) -> None
         for w in workers.values():
             w.wait_for_save(OffloadMeta(saves=[SaveOp("sv", "bench", refs, CHUNK * CHUNKS)]))
             settled(w)
-        seq = iter(range(1 << 30))
+        seq = itertools.count()
 
         def restore(w: OffloadWorker) -> float:
             lease = f"lw-{next(seq)}"

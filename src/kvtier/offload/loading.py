@@ -389,8 +389,8 @@ class LoadPath:
                     self._moved("host" if bufs.staging is None else "kernel")
                 p.marks.append(mark)
         except BaseException:
-            # a copy queued out of the slot before the raise must land before it is unpinned
-            settle(lane, self._tag)
+            # every copy it queued was queued under `settling`, which waited for it: the slot
+            # may be unpinned now
             held.close()
             raise
         stream = _KERNELS if regions is None else _COPIES

@@ -482,7 +482,7 @@ class OffloadWorker:
             if marks is not None:
                 tails.update(marks.tails)
                 # a later load's wave w is queued after every earlier load's waves
-                waves = [b or a for a, b in zip_longest(waves, marks.waves)]
+                waves = [a if b is None else b for a, b in zip_longest(waves, marks.waves)]
         self._wave_marks = waves if any(m is not None for m in waves) else []
         if tails:
             # the forward runs after the sync loads' copies and scatters, ordered on the device
@@ -498,9 +498,9 @@ class OffloadWorker:
             )
 
     def _dispatch_load(self, p: PendingLoad, queued: list[PendingLoad]) -> SyncMarks | None:
-        """Start one load: a sync one is queued ahead of the forward on the device (its last
-        mark on each lane stream returned), an async one joins the step's batch for the load
-        lane."""
+        """Start one load: a sync one is queued ahead of the forward on the device (its marks
+        returned: the last on each lane stream, and each wave's), an async one joins the
+        step's batch for the load lane."""
         if p.op.sync:
             return self._run_sync_load(p)
         queued.append(p)
