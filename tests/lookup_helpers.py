@@ -12,6 +12,7 @@ import zmq
 
 from kvtier.lookup import FrameMac, serve_until
 from kvtier.lookup.auth import REPLIES, REQUESTS
+from kvtier.lookup.curve import curve_keys, secure_client
 
 
 def make_keys(n: int, salt: str = "k") -> list[bytes]:
@@ -88,3 +89,15 @@ def recv_signed(sock: zmq.Socket, key: bytes, timeout_ms: int = 5000, rank: int 
     mac, body = sock.recv_multipart()
     assert FrameMac(key, REPLIES, rank).matches(mac, body), "a reply without the engine's MAC"
     return body
+
+
+def engine_side(sock: zmq.Socket, key: bytes, rank: int = 0, *, server: bool = False) -> None:
+    """Give a test's raw socket (before bind or connect) the engine's CURVE keys for `rank`,
+    as a client, or as a server that vets no peers: a process holding the engine key, past
+    the TCP handshake, whose frames only the MACs judge."""
+    keys = curve_keys(key, rank)
+    if server:
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, keys.server_secret)
+    else:
+        secure_client(sock, keys)

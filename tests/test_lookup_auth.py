@@ -40,7 +40,7 @@ from kvtier.store.memory import MemoryTier
 from kvtier.store.registry import order
 from kvtier.store.stack import TierStack
 from kvtier.topology import resolve
-from tests.lookup_helpers import FakeBackend, make_keys, signed
+from tests.lookup_helpers import FakeBackend, engine_side, make_keys, signed
 
 KEYS = make_keys(4, salt="auth")
 HELD = 3
@@ -123,6 +123,10 @@ def rank(request: pytest.FixtureRequest) -> Iterator[Rank]:
     )
     foreign = zmq.Context.instance().socket(zmq.DEALER)
     foreign.setsockopt(zmq.LINGER, 0)
+    if request.param == "tcp":
+        # past the handshake (test_lookup_untrusted: no one without the key gets there), so
+        # what is judged here is the MAC layer behind it
+        engine_side(foreign, endpoint_key(ep))
     foreign.connect(ep)
     try:
         client.wait_ready(DEADLINE_S)
@@ -304,6 +308,8 @@ def test_a_reply_without_the_engines_mac_is_dropped_and_counted(run_dir: Path) -
     ep = endpoint_for(0, transport="tcp", run_dir=run_dir, base_port=_free_port())
     squatter = zmq.Context.instance().socket(zmq.ROUTER)
     squatter.setsockopt(zmq.LINGER, 0)
+    # a squatter that passes the handshake (it holds the engine's CURVE keys, not its MAC key)
+    engine_side(squatter, endpoint_key(ep), server=True)
     squatter.bind(ep)
     m = Metrics("scheduler")
     client = LookupClient(

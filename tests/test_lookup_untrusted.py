@@ -1,13 +1,13 @@
 """kvtier's inter-process surfaces on one host: what a process that is not the engine can do
 to the lookup channel, the TP workers' start and the retention admin routes. Each test states
 the threat it holds, and each failed before its fix (a flood of junk on a squatted port held
-the scheduler's lookup wait for seconds; a TP worker imported a module planted in the working
-directory; a huge integer TTL raised OverflowError). The TCP transport's replay and
-never-ending-message gaps are documented in docs/architecture.md, not yet fixed."""
+the scheduler's lookup wait for seconds; a peer without the engine key could open a zmq
+message on a TCP rank that never ends, buffered whole; a TP worker imported a module planted
+in the working directory; a huge integer TTL raised OverflowError)."""
 
 from __future__ import annotations
 
-import os
+import contextlib
 import shutil
 import socket
 import struct
@@ -18,10 +18,12 @@ from pathlib import Path
 import pytest
 import zmq
 
-from kvtier.lookup import LookupClient, endpoint_for, make_run_dir
+from kvtier.lookup import LookupClient, LookupServer, endpoint_for, make_run_dir
+from kvtier.lookup.curve import curve_keys
+from kvtier.lookup.keyfile import engine_key
 from kvtier.metrics import Metrics
 from kvtier.store.registry import order
-from tests.lookup_helpers import make_keys
+from tests.lookup_helpers import FakeBackend, engine_side, make_keys, signed
 
 TIER_ORDER = order()
 KEYS = make_keys(4, salt="review")
@@ -51,12 +53,17 @@ def run_dir() -> Iterator[Path]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _squat(ctx: zmq.Context, kind: int = zmq.DEALER) -> tuple[zmq.Socket, int]:
+def _squat(
+    ctx: zmq.Context, kind: int = zmq.DEALER, key: bytes | None = None
+) -> tuple[zmq.Socket, int]:
     """Another local user binding a lookup rank's tcp port (before the rank binds it, or while
-    the rank is down): loopback ports belong to whoever binds them first."""
+    the rank is down): loopback ports belong to whoever binds them first. With `key`, one that
+    holds the engine's CURVE keys for rank 0 (past the handshake, as a faulty rank would be)."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)  # queue without limit on the squatter's side
+    if key is not None:
+        engine_side(sock, key, server=True)
     sock.bind("tcp://127.0.0.1:*")
     port = int(sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
     return sock, port
@@ -67,13 +74,14 @@ def _squat(ctx: zmq.Context, kind: int = zmq.DEALER) -> tuple[zmq.Socket, int]:
 
 def test_a_flood_from_a_squatted_rank_port_never_holds_poll_past_its_wait(run_dir: Path) -> None:
     """`poll(p, wait_ms)` is what the scheduler loop calls with `lookup_wait_ms`; the wait must
-    stay bounded whatever arrives on a rank's socket. A process that holds a rank's tcp port
-    cannot make a MAC, but it can send junk faster than the client checks MACs: the client
-    drains a readable socket to empty before it looks at its deadline again
-    (`Peers.received` / `LookupClient._gather`), so a steady flood keeps the scheduler inside
-    one poll for as long as the flood lasts."""
+    stay bounded whatever arrives on a rank's socket. A peer past the TCP handshake (one that
+    holds the engine's keys: a faulty rank; outsiders are stopped at the handshake, below) can
+    send junk faster than the client checks MACs: the client drained a readable socket to
+    empty before it looked at its deadline again (`Peers.received` /
+    `LookupClient._gather`), so a steady flood kept the scheduler inside one poll for as long
+    as the flood lasted."""
     ctx = zmq.Context.instance()
-    squatter, port = _squat(ctx)
+    squatter, port = _squat(ctx, key=engine_key(run_dir))
     ep = endpoint_for(0, transport="tcp", run_dir=run_dir, base_port=port)
     client = LookupClient(
         {0: ep}, Metrics("scheduler"), chunk_size=16, world=1, timeout_ms=50,
@@ -99,31 +107,132 @@ def test_a_flood_from_a_squatted_rank_port_never_holds_poll_past_its_wait(run_di
         squatter.close()
 
 
-# -- 2. frames the engine sent to a squatted port are valid on every other rank ----------------
+# -- 2. a peer without the engine key on a TCP rank's port --------------------------------------
 
 
-def _zmtp_connect(port: int) -> socket.socket:
-    """A raw ZMTP 3.0 peer (NULL mechanism, DEALER): what any local user can write to a tcp
-    lookup port without libzmq's sender-side batching."""
-    s = socket.create_connection(("127.0.0.1", port), timeout=10.0)
+def _zmtp_null(port: int) -> tuple[socket.socket, bytes]:
+    """A raw ZMTP 3.0 peer offering the NULL mechanism (what any local user can write to a tcp
+    lookup port, byte by byte); returns it and as much of the rank's 64-byte greeting as the
+    rank sent before it hung up."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=DEADLINE_S)
     greeting = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0")
-    greeting += b"\0" + bytes(31)
-    s.sendall(greeting)
+    s.sendall(greeting + b"\0" + bytes(31))
     got = b""
     while len(got) < 64:
         chunk = s.recv(64 - len(got))
-        assert chunk, "the rank closed the connection during the greeting"
+        if not chunk:  # the rank hung up during the greeting
+            break
         got += chunk
-    props = b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
-    props += b"\x08Identity" + struct.pack(">I", 0)
-    ready = b"\x05READY" + props
-    s.sendall(b"\x04" + bytes([len(ready)]) + ready)  # short command frame
-    return s
+    return s, got
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _hung_up(s: socket.socket) -> bool:
+    """Whether the rank closed `s` (EOF or reset) within the deadline, reading what it sent."""
+    s.settimeout(DEADLINE_S)
+    try:
+        while s.recv(65536):
+            pass
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+    return True
+
+
+@pytest.fixture
+def tcp_rank(run_dir: Path) -> Iterator[tuple[LookupServer, Metrics, LookupClient, int]]:
+    """Rank 0 serving on loopback TCP, and the engine's own client of it."""
+    port = _free_port()
+    ep = endpoint_for(0, transport="tcp", run_dir=run_dir, base_port=port)
+    metrics = Metrics(0)
+    server = LookupServer(0, FakeBackend(0, KEYS), ep, metrics).start()
+    client = LookupClient(
+        {0: ep}, Metrics("scheduler"), chunk_size=16, world=1, timeout_ms=2000,
+        tier_order=TIER_ORDER,
+    )  # fmt: skip
+    try:
+        client.wait_ready(DEADLINE_S)
+        yield server, metrics, client, port
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_peer_without_the_engine_key_cannot_open_a_message_on_a_tcp_rank(
+    tcp_rank: tuple[LookupServer, Metrics, LookupClient, int],
+) -> None:
+    """zmq's limits are per frame: a peer that was let in could send one message of endless
+    parts (each under MAXMSGSIZE), which the rank buffers whole until its last part. Under the
+    handshake the rank answers a NULL greeting with its CURVE one and hangs up: not one byte
+    of a message is read, and the engine's own client is served as before."""
+    server, _metrics, client, port = tcp_rank
+    s, greeting = _zmtp_null(port)
+    try:
+        # a NULL rank would send its whole greeting, then its READY, and wait for parts
+        assert greeting[12:32].rstrip(b"\0") in (b"CURVE", b""), greeting
+        ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+        part = b"\x03" + struct.pack(">Q", 1 << 20)  # a long frame with more to come
+        with contextlib.suppress(OSError):  # the rank may hang up while we write
+            s.sendall(b"\x04" + bytes([len(ready)]) + ready + part + bytes(1 << 16))
+        assert _hung_up(s), "the rank kept a connection that offered no engine key"
+    finally:
+        s.close()
+    assert (server.served, server.released) == (0, 0)
+    assert client.lookup(KEYS, "lk1").hit_chunks == len(KEYS)
+
+
+def test_a_curve_peer_with_its_own_key_is_refused_at_the_handshake_and_counted(
+    tcp_rank: tuple[LookupServer, Metrics, LookupClient, int], run_dir: Path
+) -> None:
+    """A peer that learnt the rank's public server key (it is derived, never written, but say
+    it leaked) still needs the engine's client key: the rank's ZAP handler refuses any other,
+    counts it as `auth`, and no frame of it is handled."""
+    server, metrics, client, port = tcp_rank
+    public, secret = zmq.curve_keypair()
+    foreign = zmq.Context.instance().socket(zmq.DEALER)
+    foreign.setsockopt(zmq.LINGER, 0)
+    foreign.setsockopt(zmq.CURVE_SERVERKEY, curve_keys(engine_key(run_dir), 0).server_public)
+    foreign.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    foreign.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    foreign.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        foreign.send_multipart(signed(engine_key(run_dir), b"junk"), zmq.NOBLOCK)
+        _wait(lambda: metrics.value("rejected_frames_total", reason="auth") >= 1, "a refusal")
+        assert server.served == 0
+        assert client.lookup(KEYS, "lk1").hit_chunks == len(KEYS)
+        assert server.rejected == metrics.value("rejected_frames_total", reason="auth")
+    finally:
+        foreign.close()
+
+
+@pytest.mark.parametrize("mechanism", ["NULL", "CURVE"])
+def test_the_client_never_queues_a_frame_to_a_squatter_without_the_engine_key(
+    run_dir: Path, mechanism: str
+) -> None:
+    """Whoever binds a rank's port first gets the client's connection, but not past the
+    handshake: a plain socket is refused for its mechanism, a CURVE server of its own keys
+    cannot prove the rank's, so the client's lookups to it are never sent (a timeout, 0 hits)
+    and never read, and nothing it sends reaches the client."""
+    squatter = zmq.Context.instance().socket(zmq.ROUTER)
+    squatter.setsockopt(zmq.LINGER, 0)
+    if mechanism == "CURVE":
+        squatter.setsockopt(zmq.CURVE_SERVER, 1)
+        squatter.setsockopt(zmq.CURVE_SECRETKEY, zmq.curve_keypair()[1])
+    squatter.bind("tcp://127.0.0.1:*")
+    port = int(squatter.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+    ep = endpoint_for(0, transport="tcp", run_dir=run_dir, base_port=port)
+    client = LookupClient(
+        {0: ep}, Metrics("scheduler"), chunk_size=16, world=1, timeout_ms=200,
+        tier_order=TIER_ORDER,
+    )  # fmt: skip
+    try:
+        assert client.wait_connected(1.0) == [0], "the client took the squatter for rank 0"
+        res = client.lookup(KEYS, "lk0")
+        assert (res.hit_chunks, res.timed_out) == (0, (0,))
+        assert squatter.poll(0) == 0, "a lookup frame reached the squatter"
+    finally:
+        client.close()
+        squatter.close()
 
 
 def test_a_ttl_of_a_huge_integer_is_refused_as_a_bad_value_not_an_overflow() -> None:

@@ -393,9 +393,8 @@ class KVTierConfig:
     lookup_transport: str = _f(
         "ipc",
         "str",
-        "'ipc' (its socket in the engine's private run directory) or 'tcp' (loopback: only "
-        "where no other user runs on the host; one who binds a rank's port first can send "
-        "messages zmq buffers whole)",
+        "'ipc' (its socket in the engine's private run directory) or 'tcp' (loopback, CURVE "
+        "handshake under keys derived from the engine key: a peer without it is refused)",
     )
     lookup_base_port: int | None = _f(
         None, "opt_int", "tcp: rank r's lookup server listens on this port + r"

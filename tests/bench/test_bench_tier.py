@@ -34,6 +34,7 @@ ROW_IDS = {
     "lookup.p50",
     "lookup.p99",
     "lookup.hash",
+    "lookup.tcp_over_ipc",
 }
 REMOTE_ROW_IDS = {
     f"remote.{setup}.{op}.{mib}mib"
@@ -55,11 +56,16 @@ ENCRYPTED = {
     f"{tier}.{what}_encrypted" for tier in ("disk", "remote") for what in ("write.put", "read.get")
 }
 ROW_IDS |= DATAPATH | WAIT_FOR_SAVE | LATENCY | REMOTE_ROW_IDS | ENCRYPTED
-RATIO_TARGETED = {
-    "memory.store.reserve_commit",
-    "memory.store.put",
-    "memory.retrieve.read_into",
-} | DATAPATH | REMOTE_ROW_IDS | ENCRYPTED
+RATIO_TARGETED = (
+    {
+        "memory.store.reserve_commit",
+        "memory.store.put",
+        "memory.retrieve.read_into",
+    }
+    | DATAPATH
+    | REMOTE_ROW_IDS
+    | ENCRYPTED
+)
 WITH_RAW = RATIO_TARGETED | {
     "memory.store.reserve_commit_verify",
     "memory.retrieve.read_into_verify",
@@ -105,14 +111,16 @@ def test_json_on_disk_is_the_returned_report_with_every_row(quick: dict[str, Any
     doc = quick["doc"]
     assert json.loads(quick["json_path"].read_text()) == doc
     assert doc["bench"] == "tier"
-    assert set(_rows(doc)) == ROW_IDS, (set(_rows(doc)) ^ ROW_IDS)
+    assert set(_rows(doc)) == ROW_IDS, set(_rows(doc)) ^ ROW_IDS
     assert len(doc["rows"]) == len(ROW_IDS)
 
 
 def test_every_number_is_positive_and_ratios_are_measured_over_raw(quick: dict[str, Any]) -> None:
     for row_id, row in _rows(quick["doc"]).items():
         assert _positive(row["value"]), row_id
-        if row_id in WITH_RAW:
+        if row_id == "lookup.tcp_over_ipc":
+            assert row["unit"] == "ms" and _positive(row["raw"]), row_id
+        elif row_id in WITH_RAW:
             assert _positive(row["raw"]), row_id
             assert row["ratio"] == pytest.approx(row["value"] / row["raw"], rel=1e-12), row_id
             assert row["unit"] == "GB/s"
@@ -154,6 +162,13 @@ def test_lookup_rows_count_every_lookup_and_p50_is_at_most_p99(quick: dict[str, 
     assert detail["errors"] == 0
     assert rows["lookup.p99"]["value"] <= detail["max_ms"]
     assert rows["lookup.hash"]["detail"]["samples"] == tier.QUICK.hash_reps
+    # the transports' row: both arms measured lookup by lookup, tcp (CURVE) over ipc
+    tcp = rows["lookup.tcp_over_ipc"]
+    assert tcp["detail"]["samples"] == tier.QUICK.lookup_reps
+    assert (tcp["value"], tcp["raw"]) == (
+        tcp["detail"]["p50_ms"]["tcp"],
+        tcp["detail"]["p50_ms"]["ipc"],
+    )
 
 
 def test_chunk_is_sized_from_the_llama_layout(quick: dict[str, Any]) -> None:

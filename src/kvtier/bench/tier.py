@@ -48,6 +48,7 @@ from kvtier.bench.tier_common import (
     interleave,
     remote_url,
 )
+from kvtier.bench.tier_transport import bench_transports
 from kvtier.errors import StartupError
 from kvtier.keys import chain_keys, digest16, key_seed
 from kvtier.layout import KVGeometry, bytes_per_token_from_hf
@@ -761,6 +762,7 @@ def _bench_lookup(report: Report, plan: Plan, say: Progress) -> None:
             detail={"samples": len(hashing), "p99_ms": float(np.percentile(hashing, 99) * 1e3)},
         )
     )
+    bench_transports(report, plan, keys, CHUNK_TOKENS, say)
 
 
 @contextmanager

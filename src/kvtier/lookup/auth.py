@@ -44,6 +44,14 @@ def check_key(key: object) -> bytes:
     return key
 
 
+def rank_key(key: bytes, context: str, rank: int) -> bytes:
+    """A 32-byte key of `rank`, derived from the engine key under the BLAKE3 `context`."""
+    if rank < 0:
+        raise ValueError(f"rank {rank} must be >= 0")
+    per_context = blake3.blake3(check_key(key), derive_key_context=context).digest()
+    return blake3.blake3(b"rank %d" % rank, key=per_context).digest()
+
+
 class FrameMac:
     """MACs of one direction's frames (`REQUESTS` or `REPLIES`) to or from one rank, under an
     engine key."""
@@ -51,10 +59,7 @@ class FrameMac:
     def __init__(self, key: bytes, direction: str, rank: int) -> None:
         if direction not in (REQUESTS, REPLIES):
             raise ValueError(f"direction {direction!r} is not REQUESTS or REPLIES")
-        if rank < 0:
-            raise ValueError(f"rank {rank} must be >= 0")
-        per_direction = blake3.blake3(check_key(key), derive_key_context=direction).digest()
-        self._key = blake3.blake3(b"rank %d" % rank, key=per_direction).digest()
+        self._key = rank_key(key, direction, rank)
 
     def of(self, body: bytes) -> bytes:
         """The MAC of `body`."""

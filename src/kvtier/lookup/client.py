@@ -14,6 +14,7 @@ import zmq
 
 from kvtier.errors import ConfigError, StartupError, TopologyError
 from kvtier.lookup.auth import REPLIES, REQUESTS, FrameMac, RefusalLog, check_key
+from kvtier.lookup.curve import curve_keys
 from kvtier.lookup.endpoints import key_dir_of, parse_endpoint
 from kvtier.lookup.keyfile import engine_key
 from kvtier.lookup.messages import (
@@ -138,7 +139,8 @@ class LookupClient:
         self.stale_replies = 0
         self.dropped_releases: dict[int, int] = dict.fromkeys(self.ranks, 0)
         for rank in self.ranks:
-            self._peers.connect(rank, endpoints[rank])
+            tcp = parse_endpoint(endpoints[rank])[0] == "tcp"
+            self._peers.connect(rank, endpoints[rank], curve_keys(key, rank) if tcp else None)
         log.info(format_client_line(self.ranks, world))
 
     @property
@@ -187,9 +189,7 @@ class LookupClient:
             self._check_open()
             req = next(self._reqs)
             frame = self._codec.encode(
-                LookupRequest(
-                    PROTOCOL_VERSION, lookup_id, req, list(keys), lease, list(ends or ())
-                )
+                LookupRequest(PROTOCOL_VERSION, lookup_id, req, list(keys), lease, list(ends or ()))
             )
             if len(frame) > self._codec.max_frame_bytes:
                 raise ValueError(
@@ -248,9 +248,7 @@ class LookupClient:
         runs = merged_runs((p.runs.get(r, ()) for r in self.ranks), hit, self.tier_order)
         # the counted chunks' deepest tier (a rank's own answer may name a deeper tier for
         # chunks beyond the run every rank holds)
-        tier = deepest_tier(
-            (t for t, _ in runs) if runs else p.tiers.values(), self.tier_order
-        )
+        tier = deepest_tier((t for t, _ in runs) if runs else p.tiers.values(), self.tier_order)
         p.result = LookupResult(
             hit_chunks=hit,
             hit_tokens=hit * self.chunk_size,

@@ -1,7 +1,9 @@
 """The client's end of every rank: one zmq DEALER socket per rank, connecting in the background
 with heartbeats, and its miss record. A rank that misses `miss_limit` deadlines in a row is
 down: it is skipped except for one probe per `probe_s`, and its socket is replaced, so requests
-queued behind a stuck server are dropped. Any answer brings it back."""
+queued behind a stuck server are dropped. Any answer brings it back. A TCP rank's socket is a
+CURVE client of that rank's server keys (`lookup/curve.py`), so it never queues a frame to a
+process that took the port without the engine key."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import zmq
 
+from kvtier.lookup.curve import CurveKeys, secure_client
+from kvtier.lookup.endpoints import parse_endpoint
 from kvtier.lookup.messages import REJECT_WRONG_RANK
 from kvtier.metrics import Metrics
 
@@ -25,11 +29,12 @@ _HEARTBEAT_TIMEOUT_MS = 3000
 class Peer:
     """One rank's DEALER socket and its miss record (consecutive misses, next probe time)."""
 
-    __slots__ = ("endpoint", "misses", "rank", "retry_at", "sock")
+    __slots__ = ("curve", "endpoint", "misses", "rank", "retry_at", "sock")
 
-    def __init__(self, rank: int, endpoint: str, sock: zmq.Socket) -> None:
+    def __init__(self, rank: int, endpoint: str, sock: zmq.Socket, curve: CurveKeys | None) -> None:
         self.rank = rank
         self.endpoint = endpoint
+        self.curve = curve
         self.sock = sock
         self.misses = 0
         self.retry_at = 0.0
@@ -57,8 +62,11 @@ class Peers:
         self.by_rank: dict[int, Peer] = {}
         self.socket_resets: dict[int, int] = {}
 
-    def connect(self, rank: int, endpoint: str) -> Peer:
-        """A new socket for `rank` at `endpoint` (replacing none: see `reset`)."""
+    def connect(self, rank: int, endpoint: str, curve: CurveKeys | None) -> Peer:
+        """A new socket for `rank` at `endpoint` (replacing none: see `reset`); `curve` is
+        required on a TCP endpoint, the handshake that keeps the port's impostors out."""
+        if (parse_endpoint(endpoint)[0] == "tcp") != (curve is not None):
+            raise ValueError(f"rank {rank} at {endpoint}: CURVE keys go with tcp endpoints only")
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         # Queue only to live connections: a send to a dead rank fails at once instead of
@@ -69,8 +77,10 @@ class Peers:
         sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
+        if curve is not None:
+            secure_client(sock, curve)
         sock.connect(endpoint)
-        peer = self.by_rank[rank] = Peer(rank, endpoint, sock)
+        peer = self.by_rank[rank] = Peer(rank, endpoint, sock, curve)
         self.socket_resets.setdefault(rank, 0)
         self._rank_of[sock] = rank
         self._poller.register(sock, zmq.POLLIN)
@@ -122,7 +132,7 @@ class Peers:
         del self._rank_of[peer.sock]
         peer.sock.close()
         self.socket_resets[peer.rank] += 1
-        fresh = self.connect(peer.rank, peer.endpoint)
+        fresh = self.connect(peer.rank, peer.endpoint, peer.curve)
         fresh.misses, fresh.retry_at = peer.misses, peer.retry_at
 
     def unwritable(self, ranks: Iterable[int], timeout_ms: int) -> list[int]:

@@ -16,6 +16,7 @@ import zmq
 
 from kvtier.errors import ConfigError, StartupError
 from kvtier.lookup.auth import REPLIES, REQUESTS, FrameMac, RefusalLog, check_key
+from kvtier.lookup.curve import ZapGate, curve_keys, secure_server
 from kvtier.lookup.endpoints import (
     check_ipc_path,
     check_tcp_host,
@@ -90,6 +91,10 @@ class LookupServer:
     frame cap, or whose MAC the engine's `key` did not make is refused before it is decoded:
     counted (`frames`, `oversized`, `auth`), never answered, leased or released for. Without
     `key`, the key is read from the run dir the endpoint names (`lookup/keyfile.py`).
+
+    On TCP the socket is a CURVE server in a zmq context of its own, whose ZAP handler this
+    server's thread answers (`lookup/curve.py`): a peer without the engine key is refused at
+    the handshake, before any frame of it is queued, and counted as `auth`.
     """
 
     def __init__(
@@ -101,7 +106,6 @@ class LookupServer:
         *,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         allow_remote_bind: bool = False,
-        context: zmq.Context | None = None,
         key: bytes | None = None,
     ) -> None:
         if rank < 0:
@@ -122,7 +126,9 @@ class LookupServer:
         self._backend = backend
         self._m = metrics
         self._codec = Codec(max_frame_bytes)
-        self._ctx = context if context is not None else zmq.Context.instance()
+        self._curve = curve_keys(key, rank) if transport == "tcp" else None
+        # a context per TCP server: the ZAP handler is bound once per context
+        self._ctx = zmq.Context() if self._curve is not None else zmq.Context.instance()
         self._thread: threading.Thread | None = None
         self._bound: str | None = None
         self._wake_send: zmq.Socket | None = None
@@ -146,13 +152,21 @@ class LookupServer:
         if self._transport == "ipc":
             _check_socket_dir(Path(self._address).parent)
             ensure_ipc_free(self._address)
+        gate: ZapGate | None = None
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.MAXMSGSIZE, _HARD_FRAME_FACTOR * self._codec.max_frame_bytes)
+        if self._curve is not None:
+            domain = f"kvtier-lookup-rank-{self.rank}"
+            gate = ZapGate(self._ctx, domain, self._curve.client_public)
+            secure_server(router, self._curve, domain)
         try:
             router.bind(self.endpoint)
         except zmq.ZMQError as e:
             router.close()
+            if gate is not None:
+                gate.close()
+            self._ctx_term()
             raise StartupError(
                 f"lookup server rank {self.rank} cannot bind {self.endpoint}: {e}"
             ) from e
@@ -169,7 +183,7 @@ class LookupServer:
         # Sockets move to the serving thread; Thread.start() is the memory barrier zmq requires.
         self._thread = threading.Thread(
             target=self._serve,
-            args=(router, wake_recv),
+            args=(router, wake_recv, gate),
             name=f"kvtier-lookup-server-{self.rank}",
             daemon=True,
         )
@@ -194,8 +208,15 @@ class LookupServer:
                 self.rank,
                 _JOIN_TIMEOUT_S,
             )
-        elif self._transport == "ipc":
+            return
+        if self._transport == "ipc":
             self._wait_unbound()
+        self._ctx_term()
+
+    def _ctx_term(self) -> None:
+        """End a TCP server's own context (every socket of it is closed by now)."""
+        if self._curve is not None:
+            self._ctx.term()
 
     def _wait_unbound(self) -> None:
         """zmq closes the listener on its IO thread after the socket's close(): wait (bounded)
@@ -219,15 +240,19 @@ class LookupServer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _serve(self, router: zmq.Socket, wake: zmq.Socket) -> None:
+    def _serve(self, router: zmq.Socket, wake: zmq.Socket, gate: ZapGate | None) -> None:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)
+        if gate is not None:
+            poller.register(gate.socket, zmq.POLLIN)
         try:
             while True:
                 ready = dict(poller.poll())
                 if wake in ready:
                     return
+                if gate is not None and gate.socket in ready:
+                    self._vet(gate)
                 for _ in range(_BATCH):
                     try:
                         frames = router.recv_multipart(zmq.NOBLOCK)
@@ -240,6 +265,14 @@ class LookupServer:
         finally:
             router.close()
             wake.close()
+            if gate is not None:
+                gate.close()
+
+    def _vet(self, gate: ZapGate) -> None:
+        """Answer a TCP peer's handshake: one without the engine key is counted and logged."""
+        why = gate.answer()
+        if why is not None:
+            self._refuse(REJECT_AUTH, f"handshake: {why}")
 
     def _handle(self, router: zmq.Socket, frames: list[bytes]) -> None:
         peer = frames[0]
@@ -348,18 +381,23 @@ class LookupServer:
             cap = self._codec.max_frame_bytes
             refusal = REJECT_OVERSIZED, f"{len(frames[2])} bytes > max_frame_bytes={cap}"
         elif not self._mac_in.matches(frames[1], frames[2]):
-            refusal = REJECT_AUTH, (
-                f"its MAC was not made with the engine's key for rank {self.rank} (another "
-                "engine, or a rank of this one sent to the wrong socket)"
+            refusal = (
+                REJECT_AUTH,
+                (
+                    f"its MAC was not made with the engine's key for rank {self.rank} (another "
+                    "engine, or a rank of this one sent to the wrong socket)"
+                ),
             )
         if refusal is None:
             return frames[2]
-        reason, detail = refusal
+        self._refuse(*refusal)
+        return None
+
+    def _refuse(self, reason: str, detail: str) -> None:
+        """Count and log (a flood of them must not fill the log) a refused peer or frame."""
         self.rejected += 1
         self._m.rejected_frame(reason).inc()
-        # a flood of them must not fill the log
         self._refusals.refused(f"{reason}: {detail}")
-        return None
 
     def _reject(self, router: zmq.Socket, peer: bytes, err: FrameError) -> None:
         """Answer an authenticated message this side cannot take (the engine's own client,
