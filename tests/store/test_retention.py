@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.keys import state_key
 from kvtier.metrics import Metrics
 from kvtier.store.disk import DiskTier
 from kvtier.store.memory import MemoryTier
@@ -215,5 +216,30 @@ def test_retention_extends_the_shared_stores_ttl_and_a_retained_put_lives_as_lon
         # b is written after the hint: its record lives as long as the retention too
         assert remote.put(b, payload_of(1, SIZE))
         assert 3000 < admin.ttl(remote.redis_key(b)) <= 3600
+    finally:
+        s.close()
+
+
+def test_prefetch_and_forget_of_a_hybrid_rank_carry_each_boundary_state_whole(
+    tmp_path: Path, namespace: bytes, metrics: Metrics
+):
+    """A hybrid rank's boundary state is a record of its own (`state_key(chunk, part)`, part
+    0 the leaf): prefetch brings every part of a state the disk holds up with its chunk (a
+    hit ends at a boundary whose state is in memory, or the restore reads it from disk), a
+    boundary with a part missing stays below, and forget deletes the states from every tier."""
+    disk = _disk(tmp_path / "disk", namespace, metrics, 16)
+    s = TierStack(_memory(namespace, metrics, 16), [disk], metrics, state_parts=2)
+    try:
+        keys = [key_of(300 + i) for i in range(3)]
+        whole = [state_key(keys[1], j) for j in range(2)]
+        torn = state_key(keys[2], 0)  # its part 1 is gone
+        for i, k in enumerate([*keys, *whole, torn]):
+            assert disk.put(k, payload_of(i, SIZE))
+        assert s.admin("prefetch", keys, 0.0) == 3
+        assert s.wait_prefetched(1, timeout_s=10.0)
+        assert [s.memory.get(k) for k in whole] == [payload_of(3, SIZE), payload_of(4, SIZE)]
+        assert not s.memory.contains(torn) and not s.memory.contains(state_key(keys[0], 0))
+        assert s.admin("forget", keys, 0.0) == 3
+        assert not any(t.contains(k) for t in (s.memory, disk) for k in [*keys, *whole, torn])
     finally:
         s.close()

@@ -201,7 +201,8 @@ class LookupClient:
             peers = self._peers.by_rank
             targets = [p.rank for p in peers.values() if not self._peers.is_down(p, now)]
             sent, unsent = self._peers.send_all(self._signed(frame), [peers[r] for r in targets])
-            p = PendingLookup(lookup_id, req, len(keys), t0, deadline, now, targets, sent, unsent)
+            p = PendingLookup(lookup_id, req, len(keys), t0, deadline, now, targets, sent, unsent,
+                              with_ends=bool(ends))  # fmt: skip
             self._inflight[req] = p
         return p
 
@@ -244,7 +245,12 @@ class LookupClient:
                 self._peers.answered(peer)
         ordered = {r: p.per_rank[r] for r in self.ranks}
         hit = min(ordered.values())
-        limiting = None if hit == p.n else next(r for r, h in ordered.items() if h == hit)
+        if p.with_ends:
+            # each rank cut its run at its own deepest end; the hit ends at one every rank
+            # holds (ranks diverge after a save failed on one, or unequal evictions)
+            common = frozenset.intersection(*(p.ends.get(r, frozenset()) for r in self.ranks))
+            hit = max((e for e in common if e <= hit), default=0)
+        limiting = None if hit == p.n else min(ordered, key=lambda r: (ordered[r], r))
         runs = merged_runs((p.runs.get(r, ()) for r in self.ranks), hit, self.tier_order)
         # the counted chunks' deepest tier (a rank's own answer may name a deeper tier for
         # chunks beyond the run every rank holds)
@@ -284,6 +290,7 @@ class LookupClient:
             p.per_rank[rank] = msg.hit_chunks
             p.tiers[rank] = msg.tier
             p.runs[rank] = msg.runs
+            p.ends[rank] = frozenset(e for e in msg.ends_held if 0 < e <= msg.hit_chunks)
         return True
 
     def release(self, lookup_ids: Iterable[str]) -> None:

@@ -56,7 +56,9 @@ class LookupRequest(msgspec.Struct, tag="lookup", array_like=True, frozen=True):
 class LookupReply(msgspec.Struct, tag="reply", array_like=True, frozen=True):
     """A rank's answer: `hit_chunks` leading chunks held; `error` set when it could not answer;
     `tier` the deepest tier any of those chunks lives in ("memory", "disk", "remote"; "" when
-    none or unknown); `runs` the tier of each run of consecutive chunks (empty: all `tier`)."""
+    none or unknown); `runs` the tier of each run of consecutive chunks (empty: all `tier`);
+    `ends_held` (a request with `ends`) the chunk counts, ascending, after which the rank holds
+    the end: the client cuts every rank at the deepest one all of them hold."""
 
     version: int
     lookup_id: str
@@ -66,6 +68,7 @@ class LookupReply(msgspec.Struct, tag="reply", array_like=True, frozen=True):
     error: str | None = None
     tier: str = ""
     runs: tuple[TierRun, ...] = ()
+    ends_held: tuple[NonNegative, ...] = ()
 
 
 class ReleaseRequest(msgspec.Struct, tag="release", array_like=True, frozen=True):

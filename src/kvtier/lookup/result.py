@@ -78,4 +78,7 @@ class PendingLookup:
     errors: dict[int, str] = field(default_factory=dict)
     tiers: dict[int, str] = field(default_factory=dict)
     runs: dict[int, tuple[tuple[str, int], ...]] = field(default_factory=dict)
+    # asked with ends: per rank, the chunk counts after which it holds the end
+    with_ends: bool = False
+    ends: dict[int, frozenset[int]] = field(default_factory=dict)
     result: LookupResult | None = None

@@ -302,6 +302,7 @@ class LookupServer:
         error: str | None = None
         tier = ""
         runs: tuple[tuple[str, int], ...] = ()
+        ends: tuple[int, ...] = ()
         lease = req.lookup_id if req.lease else None
         try:
             run = getattr(self._backend, "lookup_run", None)
@@ -314,6 +315,7 @@ class LookupServer:
                 answer = run(req.keys, lease, req.ends) if req.ends else run(req.keys, lease)
                 hit, tier = operator.index(answer.chunks), str(answer.tier)
                 runs = tuple((str(t), operator.index(c)) for t, c in answer.runs)
+                ends = tuple(operator.index(e) for e in getattr(answer, "ends", ()))
             else:
                 hit = operator.index(self._backend.lookup(req.keys, lease))
         except Exception as e:  # a failing store costs hits, never the server (invariant 9)
@@ -330,7 +332,7 @@ class LookupServer:
             runs = ()
         reply = LookupReply(
             PROTOCOL_VERSION, req.lookup_id, req.req, self.rank, hit, error,
-            tier if hit else "", runs,
+            tier if hit else "", runs, tuple(e for e in ends if 0 < e <= hit),
         )  # fmt: skip
         self._send(router, peer, self._codec.encode(reply))
         self.served += 1

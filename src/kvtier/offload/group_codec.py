@@ -51,9 +51,7 @@ class StateCodec:
         if not 0 <= part < self.parts:
             raise ValueError(f"state part {part} is outside [0, {self.parts})")
 
-    def _pieces(
-        self, block_ids: Sequence[int], part: int
-    ) -> Iterator[tuple[torch.Tensor, slice]]:
+    def _pieces(self, block_ids: Sequence[int], part: int) -> Iterator[tuple[torch.Tensor, slice]]:
         """(bytes of a block's segment row, where they sit in the part) for each row that
         overlaps part `part`; rows of a -1 block are left out."""
         lo, hi = part * self.part_bytes, (part + 1) * self.part_bytes
@@ -169,9 +167,7 @@ class GroupedCodec:
             out.append(ChunkRef(state_key(key, 0), state, key, 0))
         return out
 
-    def regions(
-        self, block_ids: Sequence[int], buf: torch.Tensor, *, skips: bool = False
-    ) -> None:
+    def regions(self, block_ids: Sequence[int], buf: torch.Tensor, *, skips: bool = False) -> None:
         """No 2-D copy plan: groups alias one pool, so their pages go by gather and scatter."""
         return None
 
@@ -197,3 +193,8 @@ def codec_for(pages: KVPages, blocks_per_chunk: int, ops: DeviceOps) -> PageCode
     if pages.groups:
         return GroupedCodec(pages, blocks_per_chunk, ops)
     return PageCodec(pages, blocks_per_chunk, ops)
+
+
+def state_parts(codec: PageCodec | GroupedCodec) -> int:
+    """The parts of a boundary state record under `codec` (0: no state groups)."""
+    return codec.states.parts if isinstance(codec, GroupedCodec) else 0

@@ -38,7 +38,7 @@ from kvtier.offload import messages
 from kvtier.offload.codec import PageCodec
 from kvtier.offload.device import DeviceOps, Lane, Mark, ops_for
 from kvtier.offload.gil import apply_switch_interval
-from kvtier.offload.group_codec import GroupedCodec, codec_for
+from kvtier.offload.group_codec import GroupedCodec, codec_for, state_parts
 from kvtier.offload.hooks import HOOK_ERROR, HookGuard
 from kvtier.offload.lane import WorkLane
 from kvtier.offload.loading import Buffers, LoadPath, LoadRun, PendingLoad, SyncMarks
@@ -226,6 +226,7 @@ class OffloadWorker:
             self.metrics,
             lower_namespace=shared.fingerprint,
             writes_lower=not desc.replicated or self.me.first_of_stage,
+            state_parts=state_parts(codec),
         )
         if self._report_changes:
             self.stack.listen(self._tier_changed)

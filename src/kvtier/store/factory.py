@@ -18,6 +18,7 @@ def build_stack(
     *,
     lower_namespace: bytes | None = None,
     writes_lower: bool = True,
+    state_parts: int = 0,
 ) -> TierStack:
     """The tiers of one rank; a tier that cannot be built stops startup with the cause (the
     tiers built before it are closed).
@@ -53,6 +54,7 @@ def build_stack(
         queue_depth=config.write_queue_depth,
         writes_lower=writes_lower,
         retention_limit=retention_limit(config, slot_bytes),
+        state_parts=state_parts,
     )
 
 

@@ -10,6 +10,7 @@ chunk's parent key down to every tier, which evicts leaves first.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import queue
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvtier.keys import state_key
 from kvtier.metrics import Metrics
 from kvtier.store.base import Tier
 from kvtier.store.policy import NO_PARENT
@@ -63,12 +65,18 @@ class TierStack:
         writes_lower: bool = True,
         retention_limit: int = 0,
         clock: Callable[[], float] | None = None,
+        state_parts: int = 0,
     ) -> None:
         """`writes_lower=False`: the lower tiers are read only (another rank writes the records
         of a replicated layout there). `retention_limit`: chunks clients may retain on this rank
-        (0: none); `clock`: wall-clock seconds of retention deadlines (tests pass their own)."""
+        (0: none); `clock`: wall-clock seconds of retention deadlines (tests pass their own).
+        `state_parts`: the parts of a hybrid model's boundary state record (0: no state groups),
+        which the admin ops carry out on along with the chunk it ends."""
         if metrics is None:
             raise ValueError("TierStack needs the rank's Metrics; pass metrics=Metrics(rank)")
+        if state_parts < 0:
+            raise ValueError(f"state_parts={state_parts} must be >= 0")
+        self._state_parts = state_parts
         if queue_depth <= 0 or max_leases <= 0:
             raise ValueError(
                 f"queue_depth ({queue_depth}) and max_leases ({max_leases}) must be > 0"
@@ -166,7 +174,9 @@ class TierStack:
     ) -> LookupRun:
         """`lookup`, and the deepest tier any counted chunk lives in (the run's source). With
         `ends`, the run is cut back to end after the deepest chunk `i` whose `ends[i]` some
-        tier holds (leased with the run); chunks from `len(ends)` on never end it."""
+        tier holds; chunks from `len(ends)` on never end it. Every end held within the run is
+        leased with it and named in `.ends` (chunk counts), so the client can cut all ranks
+        at an end each of them holds."""
         run = self._lookup_run(keys, lease_id)
         if not ends:
             return run
@@ -174,25 +184,26 @@ class TierStack:
         candidates = list(reversed(ends[: min(run.chunks, len(ends))]))
         presence: dict[int, dict[bytes, bool]] = {}
         touched: set[int] = set()
-        n = 0
+        held: list[int] = []
         for j, key in enumerate(candidates):
             if lease_id is None:
-                held = self._memory.contains(key) or (
+                there = self._memory.contains(key) or (
                     self._lower_holder(candidates, j, presence) is not None
                 )
             else:
-                held = self._lease_one(candidates, j, lease_id, touched, presence) is not None
-            if held:
-                n = len(candidates) - j
-                if lease_id is not None:
-                    # recency as for the run it ends: a state evicted before its chunks would
-                    # cost the hit while they stay
-                    for t in self._all():
-                        t.touch([key])
-                break
+                there = self._lease_one(candidates, j, lease_id, touched, presence) is not None
+            if not there:
+                continue
+            if not held and lease_id is not None:
+                # recency as for the run it ends: a state evicted before its chunks would
+                # cost the hit while they stay
+                for t in self._all():
+                    t.touch([key])
+            held.append(len(candidates) - j)
         if lease_id is not None and touched:
             self._remember_lease(lease_id, touched)
-        return self._run_of(run.sources[:n])
+        n = held[0] if held else 0
+        return dataclasses.replace(self._run_of(run.sources[:n]), ends=tuple(reversed(held)))
 
     def _lookup_run(self, keys: Sequence[bytes], lease_id: str | None) -> LookupRun:
         sources: list[int] = []  # per counted chunk, the index of the tier serving it
@@ -468,11 +479,16 @@ class TierStack:
         self._check_open()
         if op == "retain":
             n = self.retention.retain(keys, until)
+            # a boundary state is a record of its own: without it the retained run's hit ends
+            # at an earlier boundary, or at none
+            states = self._states_of(keys[:n])
+            self.retention.retain(states, until)
             if self._writes_lower:
                 for t in self._lower:
-                    t.extend_ttl(keys[:n], until)
+                    t.extend_ttl([*keys[:n], *states], until)
         elif op == "release":
             n = self.retention.release(keys)
+            self.retention.release(self._states_of(keys))
         elif op == "prefetch":
             return self._queue_prefetch(keys)
         elif op == "forget":
@@ -484,21 +500,47 @@ class TierStack:
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         """Bring the chunks of `keys` that only a lower tier holds into memory (each after the
-        key before it); how many came up. Stops at the first chunk no tier holds."""
-        moved = 0
+        key before it), and the boundary states they end; how many chunks came up. Stops at
+        the first chunk no tier holds."""
+        moved = held = 0
         for i, key in enumerate(keys):
-            if self._memory.contains(key):
-                continue
-            payload = None
-            for t in self._lower:
-                payload = t.get(key)
-                if payload is not None:
+            if not self._memory.contains(key):
+                payload = None
+                for t in self._lower:
+                    payload = t.get(key)
+                    if payload is not None:
+                        break
+                if payload is None:
                     break
-            if payload is None:
-                break
-            if self._memory.put(key, payload, keys[i - 1] if i else NO_PARENT):
+                if not self._memory.put(key, payload, keys[i - 1] if i else NO_PARENT):
+                    break
                 moved += 1
+            held += 1
+        self._prefetch_states(keys[:held])
         return moved
+
+    def _prefetch_states(self, keys: Sequence[bytes]) -> None:
+        """Bring the boundary states `keys` end into memory where only a lower tier holds them
+        (asked in one batch per tier: most boundaries have none), parts deepest first: each
+        part's parent is the next, the last's the chunk."""
+        if not self._state_parts or not keys:
+            return
+        firsts = [state_key(k, 0) for k in keys]
+        below = [False] * len(keys)
+        for t in self._lower:
+            below = [b or h for b, h in zip(below, t.contains_many(firsts), strict=True)]
+        for key, first, there in zip(keys, firsts, below, strict=True):
+            if not there or self._memory.contains(first):
+                continue
+            parts = self._states_of([key])
+            payloads = [next((p for t in self._lower if (p := t.get(k)) is not None), None)
+                        for k in parts]  # fmt: skip
+            if any(p is None for p in payloads):
+                continue  # a part is gone: the boundary has no whole state to bring up
+            for j in reversed(range(len(parts))):
+                up = parts[j + 1] if j + 1 < len(parts) else key
+                if not self._memory.put(parts[j], payloads[j], up):
+                    break
 
     def _queue_prefetch(self, keys: Sequence[bytes]) -> int:
         """Hand `keys` to the prefetch thread (reads from disk or the store must not hold up
@@ -547,16 +589,24 @@ class TierStack:
 
     def forget(self, keys: Sequence[bytes]) -> int:
         """Delete `keys` from every tier (the shared store included) and stop retaining them;
-        how many some tier held. A save still in flight may store a key again."""
+        how many some tier held. The boundary states the keys end go with them (derived from the
+        same tokens). A save still in flight may store a key again."""
         self.retention.release(keys)
+        states = self._states_of(keys)
+        self.retention.release(states)
         deleted = 0
-        for key in keys:
+        for i, key in enumerate([*keys, *states]):
             found = False
             for t in self._all():
                 if self._writes_lower or t is self._memory:
                     found = t.delete(key) or found
-            deleted += found
+            deleted += found and i < len(keys)
         return deleted
+
+    def _states_of(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Every part of the boundary state each of `keys` may end (none without state
+        groups); states are saved at some boundaries only, so most may be missing."""
+        return [state_key(k, j) for k in keys for j in range(self._state_parts)]
 
     def _retention_path(self) -> Path | None:
         if not self._writes_lower:
@@ -627,6 +677,8 @@ class LookupRun:
     runs: tuple[tuple[str, int], ...] = ()
     # per counted chunk, the index of the tier serving it (0 = memory)
     sources: tuple[int, ...] = ()
+    # with ends asked: the chunk counts (ascending) after which this rank holds the end
+    ends: tuple[int, ...] = ()
 
 
 def _leased(result: int | None) -> bool:
