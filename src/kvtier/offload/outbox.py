@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Iterable
 
+import msgspec
+
 from kvtier.metrics import Metrics
 from kvtier.offload.messages import OpResult, TierChange, WorkerReport
 
@@ -38,6 +40,16 @@ class Outbox:
         if recv:
             self.recving.append(req_id)
         self.invalid.extend(invalid)
+
+    def overrule(self, op_ids: set[str], reason: str) -> list[str]:
+        """Turn the unsent successful results of `op_ids` into failures for `reason`; the ids
+        turned (a result already sent cannot be taken back)."""
+        turned = []
+        for i, r in enumerate(self.results):
+            if r.op_id in op_ids and r.ok:
+                self.results[i] = msgspec.structs.replace(r, ok=False, reason=reason, nbytes=0)
+                turned.append(r.op_id)
+        return turned
 
     def change(self, change: TierChange) -> None:
         """A tier stored or dropped a chunk; past `MAX_CHANGES` unsent ones, counted and lost."""

@@ -158,6 +158,8 @@ class OffloadWorker:
         # marks not yet joined into the compute stream (None: joined)
         self._waves: Waves | None = None
         self._wave_marks: list[Mark | None] = []
+        # this step's sync loads, reported loaded before the forward (a failed join overrules)
+        self._step_sync: list[LoadOp] = []
 
     @property
     def rank(self) -> int:
@@ -366,17 +368,26 @@ class OffloadWorker:
         if self.pages is None or self.codec is None or self._ops is None:
             raise RuntimeError("enable_layer_waves before register_kv_caches")
         why = ""
+        # a tensor no named layer waits for would be read by a layer without its wave
+        unnamed = sorted({r.tensor for g in self.pages.segments for r in g.runs} - set(layers))
         if not self._ops.asynchronous:
             why = "the device copies synchronously"
+        elif unnamed:
+            why = f"the host names no layer for {len(unnamed)} KV tensor(s), e.g. {unnamed[0]!r}"
         elif not isinstance(self.codec, PageCodec):
             why = "a hybrid model's groups move by gather and scatter"
         else:
             self._waves = plan_waves(
                 self.pages, self.codec.stack_sizes(), layers, self.config.load_waves
             )
-            why = "" if self._waves is not None else (
-                "load_waves is 1" if self.config.load_waves < 2
-                else "no stack row holds fewer than all layers"
+            why = (
+                ""
+                if self._waves is not None
+                else (
+                    "load_waves is 1"
+                    if self.config.load_waves < 2
+                    else "no stack row holds fewer than all layers"
+                )
             )
         if why:
             log.info("%s: layer-by-layer loads off: %s", self.tag, why)
@@ -390,19 +401,20 @@ class OffloadWorker:
         """Before `layer` reads its KV: the compute stream waits for the waves of this step's
         sync loads that hold its pages (no host wait). Nothing to do without waves."""
         if self._wave_marks:
-            self.guard.run(
-                "wait_for_layer_load", None, lambda: self._join_waves(layer), self._join_failed
-            )
+            marks = self._take_waves(layer)
+            self._join_guarded("wait_for_layer_load", marks)
 
-    def _join_waves(self, layer: str) -> None:
+    def _take_waves(self, layer: str) -> list[Mark]:
+        """The marks of the waves `layer` reads that no earlier layer joined (taken off)."""
         assert self._waves is not None
         # a layer the plan does not know waits for every wave
         last = self._waves.of_layer.get(layer, self._waves.count - 1)
         marks = self._wave_marks
-        self._join([m for m in marks[: last + 1] if m is not None])
+        taken = [m for m in marks[: last + 1] if m is not None]
         marks[: last + 1] = [None] * min(last + 1, len(marks))
         if not any(m is not None for m in marks):
             self._wave_marks = []
+        return taken
 
     def _settle_waves(self) -> None:
         """After the forward: waves no layer asked for mean the host skipped a layer's call; the
@@ -411,7 +423,7 @@ class OffloadWorker:
             return
         left = [m for m in self._wave_marks if m is not None]
         self._wave_marks = []
-        self._join(left)
+        self._join_guarded("start_load_kv", left)
         log.warning(
             "%s: a forward read layers without wait_for_layer_load for %d wave(s) of a sync "
             "load; layer-by-layer loads are off from now on", self.tag, len(left),
@@ -468,7 +480,8 @@ class OffloadWorker:
                 if not p.op.sync:
                     self._book.pending[p.op.op_id] = p
             self.outbox.delayed.update(meta.delayed_free)
-        self.guard.run("start_load_kv", None, self._settle_waves, self._join_failed)
+        self._step_sync = []
+        self.guard.run("start_load_kv", None, self._settle_waves, self.degrade_on_hook_error)
         tails: dict[str, Mark] = {}
         waves: list[Mark | None] = []
         queued: list[PendingLoad] = []
@@ -487,9 +500,7 @@ class OffloadWorker:
         self._wave_marks = waves if any(m is not None for m in waves) else []
         if tails:
             # the forward runs after the sync loads' copies and scatters, ordered on the device
-            self.guard.run(
-                "start_load_kv", None, lambda: self._join(tails.values()), self._join_failed
-            )
+            self._join_guarded("start_load_kv", list(tails.values()))
         if queued:
             self.guard.run(
                 "start_load_kv",
@@ -512,10 +523,36 @@ class OffloadWorker:
         for mark in marks:
             self._ops.join(mark)
 
-    def _join_failed(self) -> None:
-        """The compute stream could not be ordered after this step's sync loads: the forward
-        may read their blocks before they land, so this rank stops serving from the tier."""
+    def _join_guarded(self, hook: str, marks: list[Mark]) -> None:
+        """Order the compute stream after `marks` (this step's sync-load copies); if the device
+        refuses, wait for them on the host, so what the forward queues next runs after they
+        landed, and if that fails too, report this step's sync loads failed (their blocks
+        recomputed). Either way the rank stops serving from the tier."""
+        self.guard.run(hook, None, lambda: self._join(marks), lambda: self._join_failed(marks))
+
+    def _join_failed(self, marks: list[Mark]) -> None:
+        try:
+            for mark in marks:
+                mark.wait()
+        except Exception:  # the device is gone: the loads' bytes cannot be vouched for
+            log.exception("%s: waiting on the host for a sync load's copies failed", self.tag)
+            self._overrule_sync_loads(HOOK_ERROR)
         self.degrade(HOOK_ERROR)
+
+    def degrade_on_hook_error(self) -> None:
+        """A hook's fallback: the rank's state can no longer be trusted (`degrade`)."""
+        self.degrade(HOOK_ERROR)
+
+    def _overrule_sync_loads(self, reason: str) -> None:
+        """This step's sync loads, already reported loaded, may not have landed before the
+        forward read them: their results become failures and their blocks invalid."""
+        ops = {op.op_id: op for op in self._step_sync}
+        with self._book.lock:
+            failed = self.outbox.overrule(set(ops), reason)
+            for op_id in failed:
+                self.outbox.invalid.extend(self._claimed_blocks(ops[op_id]))
+        for _ in failed:
+            self.metrics.load_failure(reason).inc()
 
     def _submit_loads(self, loads: list[PendingLoad]) -> None:
         assert self._path is not None
@@ -541,7 +578,7 @@ class OffloadWorker:
         """Queue this step's saves behind the forward that computed their blocks; returns
         without waiting for any copy."""
         # the forward is over: no layer may still be waiting for a wave
-        self.guard.run("wait_for_save", None, self._settle_waves, self._join_failed)
+        self.guard.run("wait_for_save", None, self._settle_waves, self.degrade_on_hook_error)
         if not meta.saves:
             return
         with self.clock.time(SAVE):
@@ -767,6 +804,7 @@ class OffloadWorker:
         outcome = self._load_outcome(run)
         assert outcome is not None  # only a deadline drops a result, and it never expires
         self._record(p.op.req_id, outcome[0], recv=False, invalid=outcome[1])
+        self._step_sync.append(p.op)
         return marks
 
     def _finish_load(self, p: PendingLoad, result: OpResult, invalid: Iterable[int]) -> None:
@@ -818,6 +856,17 @@ class OffloadWorker:
             if p.expired or run.expired:
                 return None
             p.done = True
+        try:
+            return self._account_load(run)
+        except Exception:  # claimed above: a defect here still reports the load, failed
+            log.exception("%s: accounting load %s failed", self.tag, op.op_id)
+            self.metrics.load_failure(HOOK_ERROR).inc()
+            return OpResult(op.op_id, False, HOOK_ERROR), self._claimed_blocks(op)
+
+    def _account_load(self, run: LoadRun) -> tuple[OpResult, list[int]]:
+        """Count, log and judge a load this side claimed: its result and suspect blocks."""
+        assert self.codec is not None
+        op = run.p.op
         reason = run.reason
         seconds = time.perf_counter() - run.t0
         nbytes = run.written * self.codec.bytes_per_block + run.states * self.codec.chunk_bytes
