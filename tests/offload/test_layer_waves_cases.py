@@ -16,7 +16,7 @@ import torch
 
 from kvtier.offload.messages import ChunkRef, LoadOp, OffloadMeta, SaveOp
 from kvtier.offload.pages import KVCacheDescription, describe_pages, manager_view
-from kvtier.offload.simdevice import CopyModel, SimEvent, SimOps, _Item
+from kvtier.offload.simdevice import CopyModel, SimEvent, SimOps, _Item, _SimLane
 from kvtier.offload.waves import plan_waves
 from kvtier.offload.worker import OffloadWorker
 from tests.offload.test_worker import BS, config, rank0
@@ -646,3 +646,66 @@ def test_no_plan_when_the_host_leaves_a_registered_kv_tensor_unnamed(rigs: list[
     assert not rig.worker.enable_layer_waves(rig.names[:-1])
     assert rig.worker._waves is None
     assert rig.worker.enable_layer_waves(rig.names)
+
+
+def test_layer_zero_of_a_step_with_two_sync_loads_computes_before_the_first_loads_last_wave(
+    rigs: list[Rig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several prompts restored in one step are several sync loads. Each load was issued
+    whole, its waves at its end: the second load's wave 0 (and the staging copy of a
+    fragmented chunk, which the forward joins before layer 0) queued behind every wave of the
+    first, so layer 0 waited for all of them. Now every load's scatter chunks go first, then
+    all loads' copy-engine chunks wave-major: layer 0 computes while the first load's last
+    wave is still held back, and every layer reads its bytes."""
+    rig = Rig(layers=8, waves=4, chunk=8 * BS, nb=128, gbps=0.002)
+    rigs.append(rig)
+    k = rig.k
+    assert rig.worker.enable_layer_waves(rig.names)
+    src = [(_key(c), list(range(c * k, (c + 1) * k))) for c in range(4)]
+    saved = rig.save(src)
+    base = 4 * k
+    load_a = [(_key(0), [base + i for i in range(k)]), (_key(1), [base + k + i for i in range(k)])]
+    # fragmented (every other block: 8 runs) and contiguous chunks in the second load
+    load_b = [(_key(2), [base + 2 * k + 2 * i for i in range(k)]),
+              (_key(3), [base + 4 * k + i for i in range(k)])]  # fmt: skip
+    refs = load_a + load_b
+    dst = [b for _, ids in refs for b in ids]
+    rig.fill(dst, 0)
+    # the copies of the last wave wait for a gate layer 0's compute opens (or a 2 s deadline,
+    # so a forward that waited for every wave before layer 0 still ends)
+    gate = SimEvent(rig.ops)
+    timer = threading.Timer(2.0, lambda: gate.done() or gate._complete(0.0))
+    timer.start()
+    copies = [0]
+    gated_at: list[int] = []
+    real = _SimLane.copy_regions
+    # the last wave holds layers 6 and 7: in this layer-major layout, pages from layer 6's on
+    wave3 = rig.views[rig.names[6]].data_ptr()
+
+    def gated(self: _SimLane, pieces, to_host, fence=None):  # type: ignore[no-untyped-def]
+        if not gated_at and min(kv.data_ptr() for kv, _ in pieces) >= wave3:
+            gated_at.append(copies[0])  # the first copy of the last wave, whichever load's
+            self.copies.put(_Item("wait", None, dep=gate))
+        copies[0] += 1
+        return real(self, pieces, to_host, fence)
+
+    monkeypatch.setattr(_SimLane, "copy_regions", gated)
+    ops = [rig.sync_load("a", load_a), rig.sync_load("b", load_b)]
+    rig.worker.start_load_kv(OffloadMeta(loads=ops))
+    assert copies[0] == 4 * 3  # a's two chunks and b's contiguous one, once a wave
+    assert gated_at
+    early: list[bool] = []
+
+    def on_layer(i: int, _name: str) -> None:
+        if i == 0:
+            early.append(not gate.done())
+            gate._complete(0.0)
+
+    seen = rig.forward(dst, on_layer=on_layer)
+    timer.cancel()
+    assert early == [True], "layer 0 waited for the first load's last wave"
+    _check_seen(seen, _expect(saved, refs))
+    rep = rig.worker.take_report()
+    assert sorted(r.op_id for r in rep.results if r.ok) == ["a", "b"]
+    rig.settle()
+    assert rig.held_slots() == 0

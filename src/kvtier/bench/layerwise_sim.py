@@ -3,11 +3,13 @@ real load path on the simulated device, followed by a modelled forward (one comp
 layer, each after that layer's `wait_for_layer_load`), with the wave plan and without it, in
 the same run, repetitions interleaved.
 
-The forward's compute equals the transfer's time, the case where overlap matters most: joined
-before the forward the restore takes transfer + compute; in waves (a quarter of the layers
-each) the forward starts after the first wave and ends about a quarter of the transfer after
-the last one lands, 0.625 of that sum. A GPU's restore rows (`scripts/gpu-check.sh`) run the
-same plan through the native engine.
+The restore is a step's batch: 4 prompts of 4 chunks, each a sync load of its own, one chunk of
+each on fragmented block ids (the scatter kernel's path), as a batch restored after some churn
+of the engine's block allocator is. The forward's compute equals the transfer's time, the case
+where overlap matters most: joined before the forward the restore takes transfer + compute; in
+waves (a quarter of the layers each) the forward starts after the first wave and ends about a
+quarter of the transfer after the last one lands, 0.625 of that sum. A GPU's restore rows
+(`scripts/gpu-check.sh`) run the same plan through the native engine.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from kvtier.offload.simdevice import CopyModel, SimOps
 from kvtier.offload.worker import OffloadWorker
 
 CHUNKS = 16
+PROMPTS = 4  # sync loads in the step, CHUNKS / PROMPTS chunks each, the last one fragmented
 TRANSFER_S = 0.24  # the restore's modelled time on the link
 LAYERWISE_TARGET = 0.8  # waves over joined: 0.625 ideal, 1.0 no overlap at all
 
@@ -44,7 +47,8 @@ def run_layerwise(report: Report, reps: int, say: Callable[[str], None]) -> None
     gbps = n * CHUNKS / TRANSFER_S / 1e9
     ops = SimOps(CopyModel(gbps=gbps, latency_us=SIM_LATENCY_US))
     k = CHUNK // BLOCK
-    blocks = 2 * k * CHUNKS  # the saved chunks, then the restore's targets
+    # the saved chunks, the restore's contiguous targets, its fragmented ones (every other id)
+    blocks = 2 * k * CHUNKS + 2 * k * PROMPTS
     views = kv_views(model, "LBNHC", blocks, torch.device("cpu"))
     names = list(views)
     layer_s = TRANSFER_S / len(names)
@@ -72,15 +76,14 @@ def run_layerwise(report: Report, reps: int, say: Callable[[str], None]) -> None
         seq = itertools.count()
 
         def restore(w: OffloadWorker) -> float:
-            lease = f"lw-{next(seq)}"
             assert w.stack is not None
-            if w.stack.lookup([r.key for r in refs], lease) != CHUNKS:
-                raise RuntimeError("the saved chunks left the memory tier during the bench")
-            dst = [ChunkRef(r.key, [b + k * CHUNKS for b in r.block_ids]) for r in refs]
-            op = LoadOp(f"ld-{lease}", "bench", lease, dst, CHUNK * CHUNKS, sync=True)
+            loads = _prompt_loads(refs, f"lw-{next(seq)}", k)
+            for op in loads:
+                if w.stack.lookup([c.key for c in op.chunks], op.lookup_id) != len(op.chunks):
+                    raise RuntimeError("the saved chunks left the memory tier during the bench")
             start = ops.compute.record()
             start.wait()
-            w.start_load_kv(OffloadMeta(loads=[op]))
+            w.start_load_kv(OffloadMeta(loads=loads))
             for name in names:
                 w.wait_for_layer_load(name)
                 # the layer's modelled compute on the compute stream (device time, not a wait
@@ -104,9 +107,10 @@ def run_layerwise(report: Report, reps: int, say: Callable[[str], None]) -> None
     report.add(
         Row(
             "datapath.sim.layerwise.restore",
-            f"{model.name}: sync restore of {CHUNKS} chunks and a forward whose compute equals "
-            "the transfer, in waves vs joined before the forward (simulated device; 0.625 is "
-            f"full overlap), median of {reps}",
+            f"{model.name}: sync restore of {PROMPTS} prompts x {CHUNKS // PROMPTS} chunks (one "
+            "of each on fragmented block ids) and a forward whose compute equals the transfer, "
+            "in waves vs joined before the forward (simulated device; 0.625 is full overlap), "
+            f"median of {reps}",
             waves * 1e3,
             "ms",
             raw=joined * 1e3,
@@ -115,3 +119,23 @@ def run_layerwise(report: Report, reps: int, say: Callable[[str], None]) -> None
         )
     )
 
+
+
+def _prompt_loads(refs: list[ChunkRef], lease: str, k: int) -> list[LoadOp]:
+    """The step's sync loads, one a prompt under a lease of its own (`lease`-p): each prompt's
+    chunks on consecutive block ids after the saved ones, its last chunk on every other id of
+    a region past them."""
+    per = CHUNKS // PROMPTS
+    spread = 2 * k * CHUNKS
+    loads = []
+    for p in range(PROMPTS):
+        dst = []
+        for c in range(p * per, (p + 1) * per):
+            if c == (p + 1) * per - 1:
+                ids = [spread + 2 * k * p + 2 * i for i in range(k)]
+            else:
+                ids = [b + k * CHUNKS for b in refs[c].block_ids]
+            dst.append(ChunkRef(refs[c].key, ids))
+        lk = f"{lease}-{p}"
+        loads.append(LoadOp(f"ld-{lk}", f"bench-{p}", lk, dst, CHUNK * per, sync=True))
+    return loads

@@ -119,6 +119,15 @@ class SyncMarks:
     waves: list[Mark | None] = field(default_factory=list)
 
 
+@dataclass(eq=False, slots=True)
+class StepWaves:
+    """A step's sync loads' chunks for the copy engine, held back until every load's chunks
+    for the scatter kernel are queued: a later load's staging copy queued behind an earlier
+    load's waves would hold the forward (which joins it before layer 0) for all of them."""
+
+    loads: list[tuple[PendingLoad, list[_Deferred]]] = field(default_factory=list)
+
+
 _MISS = "miss"
 _EXPIRED = "expired"
 
@@ -236,13 +245,14 @@ class LoadPath:
     # ---- the forward's thread ------------------------------------------------------------------
 
     def issue_sync(
-        self, lane: Lane, p: PendingLoad, waves: Waves | None = None
+        self, lane: Lane, p: PendingLoad, waves: Waves | None = None, step: StepWaves | None = None
     ) -> tuple[LoadRun, SyncMarks]:
         """Queue a synchronous load's chunks without any host wait; its run (as it will be once
         the marks are reached) and the marks the compute stream must wait for: the last one on
         each lane stream its chunks used (each stream runs in order, the two do not). With
         `waves`, the chunks the copy engine moves go wave by wave (every chunk's first layers,
-        then the next ones), each wave's last copy in `SyncMarks.waves`."""
+        then the next ones), each wave's last copy in `SyncMarks.waves`; with `step` too, they
+        wait there for `issue_waves`, after every load of the step."""
         self.reap()
         run = LoadRun(p)
         marks = SyncMarks(waves=[None] * (waves.count if waves else 0))
@@ -275,7 +285,10 @@ class LoadPath:
                 run.written += got.blocks
                 run.states += got.state
             # chunks read before a miss still land, as they do without waves
-            self._issue_waves(lane, p, deferred, marks)
+            if step is None:
+                self._issue_waves(lane, [(p, deferred)], marks)
+            elif deferred:
+                step.loads.append((p, deferred))
         except Exception as e:  # noqa: BLE001 - counted by the guard, reported by the caller
             self._guard.failed("load", op.req_id, e)
             run.reason = f"error:{type(e).__name__}"
@@ -286,28 +299,47 @@ class LoadPath:
             self._stack.release(op.lookup_id)
         return run, marks
 
+    def issue_waves(self, lane: Lane, step: StepWaves, count: int) -> list[Mark | None]:
+        """Queue the copies `issue_sync` held back in `step`, wave-major over all its loads;
+        each wave's last copy. On an error, what was queued has landed when this raises, and
+        every slot is let go: the caller reports the step's loads in `step` failed."""
+        marks = SyncMarks(waves=[None] * count)
+        try:
+            self._issue_waves(lane, step.loads, marks)
+        except BaseException:
+            settle(lane, self._tag)
+            for _, deferred in step.loads:
+                for d in deferred:
+                    d.held.close()
+            raise
+        return marks.waves
+
     def _issue_waves(
-        self, lane: Lane, p: PendingLoad, deferred: Sequence[_Deferred], marks: SyncMarks
+        self,
+        lane: Lane,
+        loads: Sequence[tuple[PendingLoad, Sequence[_Deferred]]],
+        marks: SyncMarks,
     ) -> None:
-        """Queue the deferred chunks' copies wave-major; each chunk's slot is held until its
-        last wave's copy completed."""
-        if not deferred:
-            return
-        last: list[Mark | None] = [None] * len(deferred)
+        """Queue the deferred chunks' copies wave-major (every load's chunks of a wave before
+        the next wave); each chunk's slot is held until its last wave's copy completed."""
+        last: dict[int, Mark] = {}
         for w in range(len(marks.waves)):
-            for i, d in enumerate(deferred):
-                if d.pieces[w]:
-                    with p.lock, settling(lane, self._tag):
-                        mark = lane.copy_regions(d.pieces[w], to_host=False, fence=p.fence)
-                        p.marks.append(mark)
-                    last[i] = marks.waves[w] = mark
-        for d, mark in zip(deferred, last, strict=True):
-            self._moved("dma")
-            if mark is None:
-                d.held.close()  # every block of it was in HBM: nothing to copy
-                continue
-            with self._held_lock:
-                self._held.append(_Issued(mark, d.held, d.tier, d.blocks, stream=_COPIES))
+            for p, deferred in loads:
+                for d in deferred:
+                    if d.pieces[w]:
+                        with p.lock, settling(lane, self._tag):
+                            mark = lane.copy_regions(d.pieces[w], to_host=False, fence=p.fence)
+                            p.marks.append(mark)
+                        last[id(d)] = marks.waves[w] = mark
+        for _, deferred in loads:
+            for d in deferred:
+                self._moved("dma")
+                mark = last.get(id(d))
+                if mark is None:
+                    d.held.close()  # every block of it was in HBM: nothing to copy
+                    continue
+                with self._held_lock:
+                    self._held.append(_Issued(mark, d.held, d.tier, d.blocks, stream=_COPIES))
 
     def reap(self, wait: bool = False) -> bool:
         """Unpin the slots of synchronous loads whose copies completed (all of them, waiting,

@@ -26,7 +26,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from itertools import zip_longest
 
 from kvtier import cpus
 from kvtier.config import KVTierConfig
@@ -41,7 +40,14 @@ from kvtier.offload.gil import apply_switch_interval
 from kvtier.offload.group_codec import GroupedCodec, codec_for, state_parts
 from kvtier.offload.hooks import HOOK_ERROR, HookGuard
 from kvtier.offload.lane import WorkLane
-from kvtier.offload.loading import Buffers, LoadPath, LoadRun, PendingLoad, SyncMarks
+from kvtier.offload.loading import (
+    Buffers,
+    LoadPath,
+    LoadRun,
+    PendingLoad,
+    StepWaves,
+    SyncMarks,
+)
 from kvtier.offload.messages import (
     LoadOp,
     OffloadMeta,
@@ -483,20 +489,27 @@ class OffloadWorker:
         self._step_sync = []
         self.guard.run("start_load_kv", None, self._settle_waves, self.degrade_on_hook_error)
         tails: dict[str, Mark] = {}
-        waves: list[Mark | None] = []
         queued: list[PendingLoad] = []
+        # every sync load's scatter chunks first, then all their copy-engine chunks wave-major
+        step = StepWaves() if self._waves is not None else None
         for p in pending:
             # one load at a time under the guard: a failure costs its own request only
             marks = self.guard.run(
                 "start_load_kv",
                 p.op.req_id,
-                lambda p=p: self._dispatch_load(p, queued),
+                lambda p=p: self._dispatch_load(p, queued, step),
                 lambda p=p: self._fail_load(p, HOOK_ERROR),
             )
             if marks is not None:
                 tails.update(marks.tails)
-                # a later load's wave w is queued after every earlier load's waves
-                waves = [a if b is None else b for a, b in zip_longest(waves, marks.waves)]
+        waves: list[Mark | None] = []
+        if step is not None and step.loads:
+            waves = self.guard.run(
+                "start_load_kv",
+                None,
+                lambda: self._issue_step_waves(step),
+                lambda: self._overrule([p.op for p, _ in step.loads], HOOK_ERROR),
+            )
         self._wave_marks = waves if any(m is not None for m in waves) else []
         if tails:
             # the forward runs after the sync loads' copies and scatters, ordered on the device
@@ -509,14 +522,21 @@ class OffloadWorker:
                 lambda: [self._fail_load(p, HOOK_ERROR) for p in queued] and None,
             )
 
-    def _dispatch_load(self, p: PendingLoad, queued: list[PendingLoad]) -> SyncMarks | None:
+    def _dispatch_load(
+        self, p: PendingLoad, queued: list[PendingLoad], step: StepWaves | None
+    ) -> SyncMarks | None:
         """Start one load: a sync one is queued ahead of the forward on the device (its marks
-        returned: the last on each lane stream, and each wave's), an async one joins the
-        step's batch for the load lane."""
+        returned: the last on each lane stream; its copy-engine chunks wait in `step` when
+        there is a wave plan), an async one joins the step's batch for the load lane."""
         if p.op.sync:
-            return self._run_sync_load(p)
+            return self._run_sync_load(p, step)
         queued.append(p)
         return None
+
+    def _issue_step_waves(self, step: StepWaves) -> list[Mark | None]:
+        assert self._path is not None and self._path.sync_lane is not None
+        assert self._waves is not None
+        return self._path.sync_loads.issue_waves(self._path.sync_lane, step, self._waves.count)
 
     def _join(self, marks: Iterable[Mark]) -> None:
         assert self._ops is not None
@@ -536,23 +556,25 @@ class OffloadWorker:
                 mark.wait()
         except Exception:  # the device is gone: the loads' bytes cannot be vouched for
             log.exception("%s: waiting on the host for a sync load's copies failed", self.tag)
-            self._overrule_sync_loads(HOOK_ERROR)
+            self._overrule(self._step_sync, HOOK_ERROR)
         self.degrade(HOOK_ERROR)
 
     def degrade_on_hook_error(self) -> None:
         """A hook's fallback: the rank's state can no longer be trusted (`degrade`)."""
         self.degrade(HOOK_ERROR)
 
-    def _overrule_sync_loads(self, reason: str) -> None:
-        """This step's sync loads, already reported loaded, may not have landed before the
-        forward read them: their results become failures and their blocks invalid."""
-        ops = {op.op_id: op for op in self._step_sync}
+    def _overrule(self, loads: Iterable[LoadOp], reason: str) -> list[Mark | None]:
+        """Sync loads of this step, already reported loaded, whose bytes may not be there
+        when the forward reads them: their results become failures, their blocks invalid
+        (no marks are left for a layer to wait for)."""
+        ops = {op.op_id: op for op in loads}
         with self._book.lock:
             failed = self.outbox.overrule(set(ops), reason)
             for op_id in failed:
                 self.outbox.invalid.extend(self._claimed_blocks(ops[op_id]))
         for _ in failed:
             self.metrics.load_failure(reason).inc()
+        return []
 
     def _submit_loads(self, loads: list[PendingLoad]) -> None:
         assert self._path is not None
@@ -791,7 +813,7 @@ class OffloadWorker:
             return
         self._finish_load(run.p, *outcome)
 
-    def _run_sync_load(self, p: PendingLoad) -> SyncMarks:
+    def _run_sync_load(self, p: PendingLoad, step: StepWaves | None = None) -> SyncMarks:
         """Queue a sync load from the calling thread on its own lane; it is reported at once
         (its bytes land before the forward reads them: the compute stream waits for the
         returned marks), never expires and reports no finished_recving."""
@@ -800,7 +822,7 @@ class OffloadWorker:
         if dp.sync_lane is None:
             # made in the thread that runs the forward (on CUDA: streams of its device)
             dp.sync_lane = self._ops.lane()
-        run, marks = dp.sync_loads.issue_sync(dp.sync_lane, p, self._waves)
+        run, marks = dp.sync_loads.issue_sync(dp.sync_lane, p, self._waves, step)
         outcome = self._load_outcome(run)
         assert outcome is not None  # only a deadline drops a result, and it never expires
         self._record(p.op.req_id, outcome[0], recv=False, invalid=outcome[1])
