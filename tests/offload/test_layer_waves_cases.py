@@ -709,3 +709,40 @@ def test_layer_zero_of_a_step_with_two_sync_loads_computes_before_the_first_load
     assert sorted(r.op_id for r in rep.results if r.ok) == ["a", "b"]
     rig.settle()
     assert rig.held_slots() == 0
+
+
+def test_a_wave_copy_that_fails_to_queue_fails_every_load_waiting_on_waves_and_frees_slots(
+    rigs: list[Rig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step's wave copies are queued after every sync load reported: one that cannot be
+    queued turns the loads that had chunks waiting into failures (blocks invalid), what was
+    queued lands first, and every slot is let go; a load without such chunks stays loaded."""
+    rig = Rig(layers=8, waves=4, chunk=8 * BS, nb=128, gbps=0.01)
+    rigs.append(rig)
+    k = rig.k
+    assert rig.worker.enable_layer_waves(rig.names)
+    src = [(_key(c), list(range(c * k, (c + 1) * k))) for c in range(3)]
+    rig.save(src)
+    base = 3 * k
+    load_a = [(_key(0), [base + i for i in range(k)])]
+    load_b = [(_key(1), [base + 2 * k + 2 * i for i in range(k)])]  # fragmented only
+    load_c = [(_key(2), [base + k + i for i in range(k)])]
+    calls = [0]
+    real = _SimLane.copy_regions
+
+    def failing(self: _SimLane, pieces, to_host, fence=None):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == 5:
+            raise RuntimeError("injected: the copy could not be queued")
+        return real(self, pieces, to_host, fence)
+
+    monkeypatch.setattr(_SimLane, "copy_regions", failing)
+    ops = [rig.sync_load("a", load_a), rig.sync_load("b", load_b), rig.sync_load("c", load_c)]
+    rig.worker.start_load_kv(OffloadMeta(loads=ops))
+    rig.forward([b for _, ids in load_a + load_b + load_c for b in ids])
+    rep = rig.worker.take_report()
+    assert sorted((r.op_id, r.ok) for r in rep.results) == [("a", False), ("b", True),
+                                                             ("c", False)]  # fmt: skip
+    assert sorted(rep.invalid_block_ids) == sorted(load_a[0][1] + load_c[0][1])
+    rig.settle()
+    assert rig.held_slots() == 0
