@@ -53,6 +53,12 @@ def run_dir() -> Iterator[Path]:
         shutil.rmtree(d, ignore_errors=True)
 
 
+def _client(ep: str, timeout_ms: int) -> LookupClient:
+    """The engine's lookup client of rank 0 at `ep`."""
+    return LookupClient({0: ep}, Metrics("scheduler"), chunk_size=16, world=1,
+                        timeout_ms=timeout_ms, tier_order=TIER_ORDER)  # fmt: skip
+
+
 def _squat(
     ctx: zmq.Context, kind: int = zmq.DEALER, key: bytes | None = None
 ) -> tuple[zmq.Socket, int]:
@@ -83,10 +89,7 @@ def test_a_flood_from_a_squatted_rank_port_never_holds_poll_past_its_wait(run_di
     ctx = zmq.Context.instance()
     squatter, port = _squat(ctx, key=engine_key(run_dir))
     ep = endpoint_for(0, transport="tcp", run_dir=run_dir, base_port=port)
-    client = LookupClient(
-        {0: ep}, Metrics("scheduler"), chunk_size=16, world=1, timeout_ms=50,
-        tier_order=TIER_ORDER,
-    )  # fmt: skip
+    client = _client(ep, timeout_ms=50)
     try:
         assert client.wait_connected(DEADLINE_S) == []
         # the squatter queues its flood (its own memory, not the engine's) before the lookup
@@ -146,10 +149,7 @@ def tcp_rank(run_dir: Path) -> Iterator[tuple[LookupServer, Metrics, LookupClien
     ep = endpoint_for(0, transport="tcp", run_dir=run_dir, base_port=port)
     metrics = Metrics(0)
     server = LookupServer(0, FakeBackend(0, KEYS), ep, metrics).start()
-    client = LookupClient(
-        {0: ep}, Metrics("scheduler"), chunk_size=16, world=1, timeout_ms=2000,
-        tier_order=TIER_ORDER,
-    )  # fmt: skip
+    client = _client(ep, timeout_ms=2000)
     try:
         client.wait_ready(DEADLINE_S)
         yield server, metrics, client, port
@@ -221,10 +221,7 @@ def test_the_client_never_queues_a_frame_to_a_squatter_without_the_engine_key(
     squatter.bind("tcp://127.0.0.1:*")
     port = int(squatter.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
     ep = endpoint_for(0, transport="tcp", run_dir=run_dir, base_port=port)
-    client = LookupClient(
-        {0: ep}, Metrics("scheduler"), chunk_size=16, world=1, timeout_ms=200,
-        tier_order=TIER_ORDER,
-    )  # fmt: skip
+    client = _client(ep, timeout_ms=200)
     try:
         assert client.wait_connected(1.0) == [0], "the client took the squatter for rank 0"
         res = client.lookup(KEYS, "lk0")

@@ -150,6 +150,23 @@ def _key(i: int) -> bytes:
     return bytes([0x40 + i]) * 16
 
 
+def _restore(rigs: list[Rig], n: int, zero: bool = True, **kw: Any) -> tuple[
+    Rig, dict[bytes, dict[str, list]], list[tuple[bytes, list[int]]], list[int]
+]:  # fmt: skip
+    """A rig (`kw`) with a wave plan and `n` chunks saved; the restore's refs, onto the next
+    `n` chunks' blocks, and those blocks (zeroed unless not `zero`)."""
+    rig = Rig(**kw)
+    rigs.append(rig)
+    assert rig.worker.enable_layer_waves(rig.names)
+    src = [(_key(c), list(range(c * rig.k, (c + 1) * rig.k))) for c in range(n)]
+    saved = rig.save(src)
+    refs = [(k, [b + n * rig.k for b in ids]) for k, ids in src]
+    dst = [b for _, ids in refs for b in ids]
+    if zero:
+        rig.fill(dst, 0)
+    return rig, saved, refs, dst
+
+
 def _expect(
     saved: dict[bytes, dict[str, list]], refs: Sequence[tuple[bytes, list[int]]]
 ) -> dict[tuple[str, int], torch.Tensor]:
@@ -405,14 +422,7 @@ def test_a_miss_midway_fails_the_load_and_its_landed_chunks_never_overwrite_the_
 def test_wave_copies_wait_for_the_forward_still_queued_on_the_compute_stream(
     rigs: list[Rig],
 ) -> None:
-    rig = Rig(layers=4, waves=2, gbps=0.05)
-    rigs.append(rig)
-    assert rig.worker.enable_layer_waves(rig.names)
-    src = [(_key(c), list(range(c * rig.k, (c + 1) * rig.k))) for c in range(2)]
-    saved = rig.save(src)
-    refs = [(k, [b + 2 * rig.k for b in ids]) for k, ids in src]
-    dst = [b for _, ids in refs for b in ids]
-    rig.fill(dst, 0)
+    rig, saved, refs, dst = _restore(rigs, 2, layers=4, waves=2, gbps=0.05)
     # the previous step's work on the compute stream, still writing these blocks
     gate = threading.Event()
     started = threading.Event()
@@ -470,14 +480,7 @@ class _RaiseOnce:
 def test_a_hook_error_after_a_sync_load_was_queued_still_reports_it_and_orders_its_copies(
     rigs: list[Rig], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    rig = Rig(layers=8, waves=4, gbps=0.005)
-    rigs.append(rig)
-    assert rig.worker.enable_layer_waves(rig.names)
-    src = [(_key(c), list(range(c * rig.k, (c + 1) * rig.k))) for c in range(4)]
-    rig.save(src)
-    refs = [(k, [b + 4 * rig.k for b in ids]) for k, ids in src]
-    dst = [b for _, ids in refs for b in ids]
-    rig.fill(dst, 0)
+    rig, _, refs, dst = _restore(rigs, 4, layers=8, waves=4, gbps=0.005)
     boom = _RaiseOnce()
     monkeypatch.setattr(rig.worker.metrics, "load_seconds", boom)
     rig.worker.start_load_kv(OffloadMeta(loads=[rig.sync_load("ld", refs)]))
@@ -558,14 +561,7 @@ def test_a_bad_block_id_in_a_later_sync_load_fails_it_alone_and_writes_none_of_i
 def test_a_layer_whose_join_failed_never_reads_unloaded_pages_under_a_successful_load(
     rigs: list[Rig], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    rig = Rig(layers=8, waves=4, gbps=0.005)
-    rigs.append(rig)
-    assert rig.worker.enable_layer_waves(rig.names)
-    src = [(_key(c), list(range(c * rig.k, (c + 1) * rig.k))) for c in range(4)]
-    saved = rig.save(src)
-    refs = [(k, [b + 4 * rig.k for b in ids]) for k, ids in src]
-    dst = [b for _, ids in refs for b in ids]
-    rig.fill(dst, 0)
+    rig, saved, refs, dst = _restore(rigs, 4, layers=8, waves=4, gbps=0.005)
     # the copies wait for a gate layer 0's compute opens (or a 2 s deadline, so a forward that
     # rightly waits for wave 0 is not stuck): layer 0 runs before its wave landed iff unordered
     path = rig.worker._path
@@ -606,13 +602,7 @@ def test_a_join_the_device_refuses_and_a_host_wait_that_fails_overrule_the_loads
     """When neither the compute stream nor the host can be ordered after a sync load's
     copies (the device is lost), the load reported loaded at `start_load_kv` is turned into
     a failure before the step's report leaves: its blocks recomputed, never read as loaded."""
-    rig = Rig(layers=8, waves=4, gbps=0.005)
-    rigs.append(rig)
-    assert rig.worker.enable_layer_waves(rig.names)
-    src = [(_key(c), list(range(c * rig.k, (c + 1) * rig.k))) for c in range(4)]
-    rig.save(src)
-    refs = [(k, [b + 4 * rig.k for b in ids]) for k, ids in src]
-    dst = [b for _, ids in refs for b in ids]
+    rig, _, refs, dst = _restore(rigs, 4, zero=False, layers=8, waves=4, gbps=0.005)
     rig.worker.start_load_kv(OffloadMeta(loads=[rig.sync_load("ld", refs)]))
 
     refused: set[int] = set()
