@@ -58,6 +58,8 @@ log = logging.getLogger(__name__)
 _RECORD_NAME = re.compile(r"^[0-9a-f]{32}\.kvr$")
 _SHARD_NAME = re.compile(r"^[0-9a-f]{2}$")
 _TMP_SUFFIX = ".tmp"
+_MISSING = "missing"  # an indexed record whose file another process removed
+_TRUNCATED = "truncated"  # a record file shorter than a header: never written whole
 # a full disk and an exhausted quota are the same event to an operator
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # ENOSPC retries per write: each one lowers the budget and evicts what the filesystem lacks
@@ -227,6 +229,12 @@ class DiskTier(TierBase):
                 log.warning("kvtier: disk tier follower did not index %s: %s", path, why)
             return False
         size = st.st_size
+        if size < record.HEADER_BYTES:
+            # renamed into place with no data (a power cut before the write reached the disk)
+            if key not in self._untrusted:
+                self._untrusted.add(key)
+                self._m.verify_failure(self.name, _TRUNCATED).inc()
+            return False
         self._index[key] = size
         self._bytes += size
         self._policy.insert(key, size)
@@ -253,7 +261,7 @@ class DiskTier(TierBase):
                 # the owner evicted it: a miss, not a bad record
                 self._forget(key)
                 return None
-            self._drop_bad(key, None, "missing")
+            self._drop_bad(key, None, _MISSING)
             return None
         except OSError as e:
             log.warning("kvtier: disk tier cannot read %s: %s", path, e)
@@ -439,27 +447,34 @@ class DiskTier(TierBase):
         tmp = path.with_name(f"{path.stem}.{os.getpid()}.{threading.get_ident()}{_TMP_SUFFIX}")
         fd = _create_private(tmp)
         try:
-            _write_all(fd, memoryview(header))
-            _write_all(fd, memoryview(payload).cast("B"))
+            try:
+                _write_all(fd, memoryview(header))
+                _write_all(fd, memoryview(payload).cast("B"))
+            finally:
+                # records are verified on every read, so a torn write after power loss reads
+                # as a miss; an fsync per chunk would buy nothing but latency. NFS, FUSE and
+                # quotas report ENOSPC or EDQUOT here, at close
+                os.close(fd)
         except OSError:
             _remove(tmp)
             raise
-        finally:
-            # records are verified on every read, so a torn write after power loss reads as a
-            # miss; an fsync per chunk would buy nothing but latency
-            os.close(fd)
         return tmp
 
     def _drop_bad(self, key: bytes, ino: int | None, reason: str) -> None:
-        """Forget and delete a record that failed to read back, and count it."""
-        self._m.verify_failure(self.name, reason).inc()
+        """Forget and delete a record that failed to read back, and count it; nothing when an
+        eviction took it, or a new record replaced it, since the read (a miss, not damage)."""
         path = self._path(key)
         with self._lock:
             if key not in self._index:
                 return
-            if ino is not None and _inode(path) not in (ino, None):
+            now = _inode(path)
+            if ino is not None and now not in (ino, None):
                 # a concurrent evict + rewrite put a good file there since our read
                 return
+            if reason == _MISSING and now is not None:
+                # evicted, then stored again, between the read and this lock
+                return
+            self._m.verify_failure(self.name, reason).inc()
             self._bytes -= self._index.pop(key)
             self._policy.remove(key)
             _remove(path)
@@ -591,9 +606,7 @@ class DiskTier(TierBase):
 
     def _evictable(self, key: bytes) -> bool:
         return (
-            not self._leases.is_pinned(key)
-            and key not in self._writing
-            and not self._retained(key)
+            not self._leases.is_pinned(key) and key not in self._writing and not self._retained(key)
         )
 
     def _done_writing(self, parent: bytes) -> None:
@@ -625,7 +638,7 @@ class DiskTier(TierBase):
         regular files of ours that nobody else can write; the owner removes temp files of
         writes a crash cut short (the lock says no live process is writing here)."""
         found: list[tuple[int, bytes, int]] = []
-        stale = ignored = 0
+        stale = ignored = short = 0
         distrusted: list[str] = []
         with os.scandir(self._root) as it:
             # the lock and the rank's retention table live beside the shards
@@ -657,6 +670,13 @@ class DiskTier(TierBase):
                     if why is not None:
                         distrusted.append(f"{f.path} ({why})")
                         continue
+                    if st.st_size < record.HEADER_BYTES:
+                        # renamed into place with no data (a power cut before the write
+                        # reached the disk): never a record
+                        short += 1
+                        if not self.follower:
+                            _remove(Path(f.path))
+                        continue
                     found.append((st.st_mtime_ns, bytes.fromhex(f.name[:32]), st.st_size))
         found.sort()
         for _, key, size in found:
@@ -666,6 +686,15 @@ class DiskTier(TierBase):
         if ignored:
             log.warning(
                 "kvtier: disk tier ignored %d unexpected entries in %s", ignored, self._root
+            )
+        if short:
+            self._m.verify_failure(self.name, _TRUNCATED).inc(short)
+            log.warning(
+                "kvtier: disk tier %s %d record files in %s shorter than a record header "
+                "(renamed into place before their bytes reached the disk: a power cut)",
+                "skipped" if self.follower else "removed",
+                short,
+                self._root,
             )
         if distrusted:
             self._m.verify_failure(self.name, "untrusted_file").inc(len(distrusted))

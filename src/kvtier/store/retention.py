@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import stat
 import threading
@@ -117,7 +118,7 @@ class RetentionTable:
             doc = json.loads(path.read_bytes())
         except FileNotFoundError:
             return 0
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:  # nesting too deep for the parser
             log.warning("kvtier: retention file %s unreadable (%s); ignored", path, e)
             return 0
         raw = doc.get("until") if isinstance(doc, dict) else None
@@ -131,9 +132,10 @@ class RetentionTable:
                 if len(self._until) >= self.limit:
                     break
                 key = _parse_key(hexkey)
-                if key is None or not isinstance(until, int | float) or until <= now:
+                deadline = _deadline(until)
+                if key is None or deadline is None or deadline <= now:
                     continue
-                self._until[key] = max(float(until), self._until.get(key, 0.0))
+                self._until[key] = max(deadline, self._until.get(key, 0.0))
                 taken += 1
         return taken
 
@@ -149,3 +151,15 @@ def _parse_key(hexkey: object) -> bytes | None:
         return bytes.fromhex(hexkey)
     except ValueError:
         return None
+
+
+def _deadline(until: object) -> float | None:
+    """A saved deadline as finite seconds, None for anything else (a bool, a NaN, an integer
+    too large for a float)."""
+    if isinstance(until, bool) or not isinstance(until, int | float):
+        return None
+    try:
+        value = float(until)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
