@@ -165,7 +165,9 @@ def test_admin_retain_and_prefetch_of_a_prompt(server: EngineServer) -> None:
         (b'{"prompt": [1, 99999999]}', "outside the vocabulary"),
         (b'{"prompt": [1, 2], "ttl_s": -5}', "ttl_s"),
         (b'{"prompt_cache_key": 7}', "must be strings"),
-        (b'{"all": true}', "retain needs a prompt"),
+        (b'{"all": true}', "name it in user"),
+        (b'{"all": true, "user": "u"}', "retain needs a prompt"),
+        (b'{"all": "false", "user": "u"}', "send true or false"),
     ],
 )
 def test_a_hostile_admin_body_is_a_400_naming_it_and_the_server_serves_on(

@@ -49,7 +49,7 @@ def _anthropic_ttl(cc: object, i: int) -> float:
         )  # fmt: skip
     ttl = cc.get("ttl", "5m")
     if ttl not in ANTHROPIC_TTL:
-        raise APIError(400, f"{where}.ttl is {ttl!r}; use \"5m\" or \"1h\"", "messages")
+        raise APIError(400, f'{where}.ttl is {ttl!r}; use "5m" or "1h"', "messages")
     return ANTHROPIC_TTL[ttl]
 
 
@@ -65,7 +65,8 @@ def hint_of(
             400, f"prompt_cache_key must be a string of at most {MAX_KEY_CHARS} characters",
             "prompt_cache_key",
         )  # fmt: skip
-    if retention is not None and retention not in OPENAI_RETENTION:
+    if retention is not None and (not isinstance(retention, str) or retention not in
+                                  OPENAI_RETENTION):  # fmt: skip
         raise APIError(
             400, f"prompt_cache_retention is {retention!r}; use \"in_memory\" or \"24h\"",
             "prompt_cache_retention",
@@ -73,6 +74,11 @@ def hint_of(
     if key is None and retention is None and mark is None:
         return None
     tenant = getattr(req, "user", None) or ""
+    if len(tenant) > MAX_KEY_CHARS:
+        # it names the conversation in the ledger, kept for as long as the conversation is
+        raise APIError(
+            400, f"user must be at most {MAX_KEY_CHARS} characters with a retention hint", "user"
+        )
     if retention is None and mark is None:
         return RetentionHint(session=key or "", tenant=tenant, retain=False)
     ttl: float | None = None if retention is None else OPENAI_RETENTION[retention]

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from kvtier.native.engine_loop import EngineLoop, EngineUnavailable
 from kvtier.native.openai_requests import RequestBuilder
 from kvtier.native.protocol import APIError
-from kvtier.offload.retention import positive_seconds
+from kvtier.offload.retention import MAX_SESSION_CHARS, positive_seconds
 
 ADMIN_KEY_ENV = "KVTIER_ADMIN_KEY"
 _OPS = ("retain", "release", "prefetch", "forget")
@@ -101,6 +101,13 @@ def _target(body: bytes, requests: RequestBuilder) -> dict[str, Any]:
     ttl = doc.get("ttl_s")
     if not isinstance(user, str) or (key is not None and not isinstance(key, str)):
         raise APIError(400, "user and prompt_cache_key must be strings")
+    if len(user) > MAX_SESSION_CHARS or (key is not None and len(key) > MAX_SESSION_CHARS):
+        raise APIError(400, f"user and prompt_cache_key are at most {MAX_SESSION_CHARS} characters")
+    whole = doc.get("all", False)
+    if not isinstance(whole, bool):
+        raise APIError(400, f"all is {whole!r}; send true or false", "all")
+    if whole and not user:
+        raise APIError(400, "all: true acts on one tenant's conversations: name it in user", "user")
     if ttl is not None and not positive_seconds(ttl):
         raise APIError(400, f"ttl_s is {ttl!r}; send a finite number of seconds > 0", "ttl_s")
     prompt = None
@@ -111,7 +118,7 @@ def _target(body: bytes, requests: RequestBuilder) -> dict[str, Any]:
         "session": key,
         "tenant": user,
         "ttl_s": None if ttl is None else float(ttl),
-        "whole_tenant": bool(doc.get("all")),
+        "whole_tenant": whole,
     }
 
 

@@ -119,9 +119,7 @@ class LoadPlanner:
         t0 = time.perf_counter()
         if st.lookup is None:
             ends = self.layout.ends(st.keys, st.prompt_len)
-            st.lookup = self._lookup.begin(
-                st.keys, f"lk{next(self._nonce)}", lease=True, ends=ends
-            )
+            st.lookup = self._lookup.begin(st.keys, f"lk{next(self._nonce)}", lease=True, ends=ends)
         result = self._lookup.poll(st.lookup, wait_ms=self.config.lookup_wait_ms)
         self._m.scheduler_lookup_seconds.observe(time.perf_counter() - t0)
         if result is None:

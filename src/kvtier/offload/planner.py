@@ -111,9 +111,14 @@ class SavePlanner:
             self._heads.add(first_key)
 
     def new_epoch(self) -> None:
-        """Every key of the old epoch is unreachable: none is a known head any more."""
+        """Every key of the old epoch is unreachable: none is a known head any more, and what
+        was retained gives its budget back (the ranks release it)."""
         if self._heads is not None:
             self._heads.clear()
+        gone = self.retention.reset()
+        if gone:
+            self._lookup.admin_send("release", gone)
+        self._m.retained_chunks.set(0)
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -194,8 +199,11 @@ class SavePlanner:
         if term.reason == HOOK_ERROR:
             st.quarantined = True  # a defect, not a full tier: trying again fails again
         # a cancelled sliding-window save comes back only while the host still holds its blocks
-        then = ("the request saves nothing more" if st.quarantined
-                else "a later step saves the range again if the host still holds its blocks")
+        then = (
+            "the request saves nothing more"
+            if st.quarantined
+            else "a later step saves the range again if the host still holds its blocks"
+        )
         log.warning(
             "kvtier: save %s of request %s, tokens [%d, %d), failed (%s); %s",
             term.op_id, shown_id(st.req_id), start, end, term.reason, then,
@@ -228,6 +236,16 @@ class SavePlanner:
         if gone:
             self._m.retention_displaced.inc(len(gone))
             self._lookup.admin_send("release", gone)
+
+    def _retain_shortened(self) -> None:
+        """Chunks a conversation let go of that others still hold, until their (earlier)
+        deadline: a rank keeps the later of two, so it is told by a release, then a retain."""
+        by_until: dict[float, list[bytes]] = {}
+        for key, until in self.retention.take_shortened().items():
+            by_until.setdefault(until, []).append(key)
+        for until, keys in by_until.items():
+            self._lookup.admin_send("release", keys)
+            self._lookup.admin_send("retain", keys, until)
 
     def retention_decision(self, req_id: str) -> RetentionDecision | None:
         """What the request's retention hint was granted (once; None without a hint)."""
@@ -266,6 +284,7 @@ class SavePlanner:
         `holder` (tenant, session) lets go only of what no other conversation still retains."""
         if op == "release":
             keys = self.retention.release(keys, holder)
+            self._retain_shortened()
         elif op == "forget":
             self.retention.release(keys)
         if op in ("release", "forget"):

@@ -35,6 +35,10 @@ STATUSES = (RETAINED, CLIPPED, REJECTED)
 # conversations and keys remembered for forget / prefetch by key; the oldest go first
 _SESSIONS = 65536
 _KEYS_PER_SESSION = 1 << 16
+# conversations one tenant keeps named: a flood of fresh keys evicts the flooder's own first
+_SESSIONS_PER_TENANT = 4096
+# conversations retaining one chunk at once (a shared system prompt): the soonest due go first
+_HOLDERS_PER_KEY = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,14 +111,15 @@ def hint_from_params(params: Mapping[str, object]) -> RetentionHint | None:
     user = params.get("user") or ""
     if key is not None and (not isinstance(key, str) or len(key) > MAX_SESSION_CHARS):
         raise ValueError(f"prompt_cache_key must be a string of at most {MAX_SESSION_CHARS} chars")
-    if retention is not None and retention not in OPENAI_RETENTION:
+    if retention is not None and (not isinstance(retention, str) or retention not in
+                                  OPENAI_RETENTION):  # fmt: skip
         raise ValueError(f"prompt_cache_retention is {retention!r}; use 'in_memory' or '24h'")
     if ttl is not None and not positive_seconds(ttl):
         raise ValueError(f"retain_ttl_s is {ttl!r}; use a finite number of seconds > 0")
     if upto is not None and (isinstance(upto, bool) or not isinstance(upto, int) or upto < 0):
         raise ValueError(f"retain_tokens is {upto!r}; use a number of prompt tokens >= 0")
-    if not isinstance(user, str):
-        raise ValueError(f"user is {user!r}; use a string")
+    if not isinstance(user, str) or len(user) > MAX_SESSION_CHARS:
+        raise ValueError(f"user must be a string of at most {MAX_SESSION_CHARS} chars")
     if key is None and retention is None and ttl is None and upto is None:
         return None
     if retention is None and ttl is None and upto is None:
@@ -163,6 +168,11 @@ class RetentionLedger:
         self._deadlines: list[tuple[float, bytes]] = []
         # (tenant, session) -> its keys in prompt order (a dict as an ordered set)
         self._sessions: OrderedDict[tuple[str, str], dict[bytes, None]] = OrderedDict()
+        # tenant -> its sessions, least recently noted first (the per-tenant cap)
+        self._tenant_sessions: dict[str, OrderedDict[str, None]] = {}
+        # keys whose deadline a holder's release made earlier, and the new deadline (the
+        # ranks keep the later of two deadlines: they are told by a release, then a retain)
+        self._shortened: dict[bytes, float] = {}
 
     def decide(
         self, keys: Sequence[bytes], hint: RetentionHint, chunk: int
@@ -203,13 +213,15 @@ class RetentionLedger:
             for depth, key in enumerate(keys[:granted]):
                 held = self._holders.setdefault(key, {})
                 held[holder] = max(held.get(holder, 0.0), until)
+                self._prune_holders(held, now)
                 old = self._until.get(key)
                 if old is None:
-                    self._per_tenant[hint.tenant] = self._per_tenant.get(hint.tenant, 0) + 1
+                    self._charge(hint.tenant)
                     self._until[key] = (until, hint.tenant)
                 elif old[0] < until:
-                    self._until[key] = (until, old[1])
+                    self._until[key] = (until, self._payer(key, old[1], held))
                 else:
+                    self._until[key] = (old[0], self._payer(key, old[1], held))
                     continue
                 heapq.heappush(self._deadlines, (until, key))
                 if self.full == SOONEST:
@@ -218,6 +230,43 @@ class RetentionLedger:
             return RetentionDecision(REJECTED, 0, 0.0, reason or "budget"), [], 0.0
         status = RETAINED if granted == want and not reason else CLIPPED
         return RetentionDecision(status, granted * chunk, ttl, reason), list(keys[:granted]), until
+
+    def _prune_holders(self, held: dict[tuple[str, str], float], now: float) -> None:
+        """Drop a key's holders whose deadline passed, and past the cap the soonest due (a
+        chunk renewed by conversation after conversation keeps only the live ones)."""
+        for h in [h for h, u in held.items() if u <= now]:
+            del held[h]
+        if len(held) > _HOLDERS_PER_KEY:
+            for h in sorted(held, key=held.__getitem__)[: len(held) - _HOLDERS_PER_KEY]:
+                del held[h]
+
+    def _charge(self, tenant: str) -> None:
+        self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
+
+    def _uncharge(self, tenant: str) -> None:
+        left = self._per_tenant.get(tenant, 0) - 1
+        if left > 0:
+            self._per_tenant[tenant] = left
+        else:
+            # a tenant with nothing retained leaves nothing behind (`user` is client text)
+            self._per_tenant.pop(tenant, None)
+
+    def _payer(self, key: bytes, charged: str, held: dict[tuple[str, str], float]) -> str:
+        """The tenant a retained key is charged to: `charged` while one of its conversations
+        still holds it, else the tenant of the holder due last (the charge moves)."""
+        if not held or any(t == charged for t, _ in held):
+            return charged
+        payer = max(held, key=held.__getitem__)[0]
+        self._uncharge(charged)
+        self._charge(payer)
+        return payer
+
+    def take_shortened(self) -> dict[bytes, float]:
+        """Keys whose deadline moved earlier since the last call (a holder let go), and the
+        new deadline: the ranks release and retain them again."""
+        with self._lock:
+            out, self._shortened = self._shortened, {}
+            return out
 
     def take_displaced(self) -> list[bytes]:
         """The keys `soonest` took room from since the last call (the ranks release them)."""
@@ -260,6 +309,7 @@ class RetentionLedger:
         """Let `holder` ((tenant, session); session None: any of the tenant's; None: everyone)
         stop retaining `keys`; the keys nobody retains any more, which the ranks may release."""
         with self._lock:
+            now = self._clock()
             gone = []
             for key in keys:
                 held = self._holders.get(key)
@@ -269,11 +319,30 @@ class RetentionLedger:
                     tenant, session = holder
                     for h in [h for h in held if h[0] == tenant and session in (None, h[1])]:
                         del held[h]
+                    self._prune_holders(held, now)
                     if held:
+                        self._rehold(key, held)
                         continue
                 if self._drop(key):
                     gone.append(key)
             return gone
+
+    def _rehold(self, key: bytes, held: dict[tuple[str, str], float]) -> None:
+        """After a holder let go: the key is due when its last holder's hold ends and is
+        charged to a tenant still holding it."""
+        entry = self._until.get(key)
+        if entry is None:
+            return
+        until = max(held.values())
+        payer = self._payer(key, entry[1], held)
+        if until < entry[0]:
+            self._shortened[key] = until
+            heapq.heappush(self._deadlines, (until, key))
+            if self.full == SOONEST:
+                heapq.heappush(self._latest, (-until, 0, key))
+        else:
+            until = entry[0]
+        self._until[key] = (until, payer)
 
     def keys_of(self, session: str | None, tenant: str) -> list[bytes]:
         """The keys conversation `session` of `tenant` owns, or with `session` None every key
@@ -293,8 +362,30 @@ class RetentionLedger:
         with self._lock:
             for sk in [sk for sk in self._sessions if sk[0] == tenant]:
                 if session is None or sk[1] == session:
+                    self._unname(sk)
                     for k in self._sessions.pop(sk):
                         self._drop(k)
+
+    def known(self, session: str, tenant: str) -> bool:
+        """Whether conversation `session` of `tenant` is remembered (one evicted or never
+        seen is not: a forget or prefetch of it covers nothing, and says so)."""
+        with self._lock:
+            return (tenant, session) in self._sessions
+
+    def reset(self) -> list[bytes]:
+        """A new epoch (vLLM's reset_prefix_cache, new weights): every key retained so far is
+        unreachable; drop them all, and the conversations; the keys, which the ranks release."""
+        with self._lock:
+            gone = list(self._until)
+            self._until.clear()
+            self._holders.clear()
+            self._per_tenant.clear()
+            self._deadlines.clear()
+            self._latest.clear()
+            self._shortened.clear()
+            self._sessions.clear()
+            self._tenant_sessions.clear()
+            return gone
 
     def stats(self) -> dict[str, object]:
         """Retained chunks now, the budget, per tenant, and conversations remembered."""
@@ -324,15 +415,32 @@ class RetentionLedger:
                 break
             owned[k] = None
         self._sessions[sk] = owned
+        mine = self._tenant_sessions.setdefault(tenant, OrderedDict())
+        mine.pop(session, None)
+        mine[session] = None
+        while len(mine) > _SESSIONS_PER_TENANT:
+            oldest = (tenant, next(iter(mine)))
+            self._unname(oldest)
+            del self._sessions[oldest]
         while len(self._sessions) > _SESSIONS:
-            self._sessions.popitem(last=False)
+            self._unname(self._sessions.popitem(last=False)[0])
+
+    def _unname(self, sk: tuple[str, str]) -> None:
+        """Take conversation `sk` out of its tenant's list (the caller drops it from
+        `_sessions`)."""
+        mine = self._tenant_sessions.get(sk[0])
+        if mine is not None:
+            mine.pop(sk[1], None)
+            if not mine:
+                del self._tenant_sessions[sk[0]]
 
     def _drop(self, key: bytes) -> bool:
         self._holders.pop(key, None)
+        self._shortened.pop(key, None)
         entry = self._until.pop(key, None)
         if entry is None:
             return False
-        self._per_tenant[entry[1]] -= 1
+        self._uncharge(entry[1])
         return True
 
     def _expire(self, now: float) -> None:

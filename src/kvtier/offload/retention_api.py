@@ -60,6 +60,12 @@ def run_admin(
         raise ValueError("retain needs a prompt or a prompt_cache_key, not a whole user")
     keys = core.keys_for(prompt, None if whole_tenant else session, tenant)
     out: dict[str, Any] = {"op": op, "keys": len(keys)}
+    if session is not None and op != "retain" and not core.retention.known(session, tenant):
+        # never seen, or evicted from the ledger's memory: nothing done must not look done
+        out["error"] = (
+            f"conversation {session!r} of user {tenant!r} is not known (never seen, or no "
+            "longer remembered): name its prompt instead"
+        )
     if op == "retain":
         hint = RetentionHint(ttl_s=ttl_s, session=session or "", tenant=tenant)
         decision = core.retain_keys(keys, hint)

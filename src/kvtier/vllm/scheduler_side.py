@@ -73,9 +73,11 @@ def _held(ids: list[int] | tuple[int, ...]) -> list[int]:
 
 def _offloadable(request: Request) -> bool:
     """Keys are chained over token ids only, so requests whose KV also depends on something
-    else (images, LoRA weights, a cache salt) or that have no token ids stay out of the tier."""
+    else (images, LoRA weights, a cache salt, prompt embeddings: their token ids are
+    placeholders) or that have no token ids stay out of the tier."""
     return (
         request.prompt_token_ids is not None
+        and getattr(request, "prompt_embeds", None) is None
         and not getattr(request, "mm_features", None)
         and getattr(request, "lora_request", None) is None
         and getattr(request, "cache_salt", None) is None
