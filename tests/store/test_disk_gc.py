@@ -152,8 +152,9 @@ def test_gc_never_locks_a_recent_namespace(
     tier = DiskTier(disk, CAP, _ns(3), metrics)
     tier.close()
     assert [c.path for c in tier.collected] == [old]
+    # each lock file, and each directory itself (a deleted lock file must not free it)
     assert sorted(locked) == sorted(
-        str(d / "kvtier.lock") for d in (old, disk / _ns(3).hex())
+        p for d in (old, disk / _ns(3).hex()) for p in (str(d / "kvtier.lock"), str(d))
     )
     assert recent.is_dir()
 

@@ -32,6 +32,7 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import StartupError
 from kvtier.keys import Namespace
 from kvtier.lookup import LookupServer
+from kvtier.lookup.endpoints import key_dir_of
 from kvtier.metrics import Metrics, snapshot
 from kvtier.offload import messages
 from kvtier.offload.codec import PageCodec
@@ -235,6 +236,7 @@ class OffloadWorker:
             lower_namespace=shared.fingerprint,
             writes_lower=not desc.replicated or self.me.first_of_stage,
             state_parts=state_parts(codec),
+            engine="" if self.lookup_endpoint is None else str(key_dir_of(self.lookup_endpoint)),
         )
         if self._report_changes:
             self.stack.listen(self._tier_changed)

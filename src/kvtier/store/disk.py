@@ -47,7 +47,7 @@ from kvtier.store.disk_dirs import (
     untrusted,
 )
 from kvtier.store.disk_gc import Collected, collect
-from kvtier.store.disk_lock import CONFLICTS, LOCK_NAME, DirLock, claim
+from kvtier.store.disk_lock import CONFLICTS, LOCK_NAME, DirLock, claim, find_owned
 from kvtier.store.lease import LeaseTable
 from kvtier.store.policy import NO_PARENT, ChainPolicy
 from kvtier.store.retention import RETENTION_FILE, RETENTION_TEMP_PREFIX
@@ -70,6 +70,8 @@ _NAMESPACE_DIR = "disk namespace directory"
 _SHARD_DIR = "disk tier shard directory"
 # untrusted record files named in the startup warning; the count says how many there are
 _UNTRUSTED_NAMED = 10
+# how long a follower waits for its engine's owner rank to lock a directory (own_dir)
+_FOLLOW_WAIT_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +110,7 @@ class DiskTier(TierBase):
         gc_days: float = 30.0,
         conflict: str = "refuse",
         codec: record.RecordCodec | None = None,
+        engine: str = "",
     ) -> None:
         """`follower`: another process (rank 0 of a replicated layout) owns the directory and
         writes and evicts its records; this tier only reads them, finding new ones on disk
@@ -116,7 +119,9 @@ class DiskTier(TierBase):
         `conflict` (disk_conflict): when another live process holds the namespace directory,
         "refuse" (StartupError naming its pid) or "own_dir" (use `<namespace>.<n>`). `codec`
         seals and opens the records (the deployment's `record_key`); without one, a key this
-        disk tier generates once in `directory` (a private disk tier needs no setup)."""
+        disk tier generates once in `directory` (a private disk tier needs no setup).
+        `engine` names the engine replica this rank belongs to: the owner writes it in its
+        lock, and a follower under "own_dir" reads the directory whose lock names it."""
         if max_bytes <= 0:
             raise ValueError(f"disk tier max_bytes must be > 0, got {max_bytes}; set a disk size")
         if len(namespace) != record.NAMESPACE_BYTES:
@@ -144,6 +149,7 @@ class DiskTier(TierBase):
         self._max = max_bytes  # the budget in force: lower while the filesystem is full
         self._m = metrics
         self.follower = follower
+        self._engine = engine
         self._lock = threading.Condition(threading.RLock())
         self._index: dict[bytes, int] = {}  # key -> file bytes (header + payload)
         self._policy = ChainPolicy(max_bytes)
@@ -187,8 +193,13 @@ class DiskTier(TierBase):
             name = self._ns.hex()
             if self.follower:
                 os.close(open_private_dir(base_fd, base, name, _NAMESPACE_DIR))
+                if conflict == "own_dir" and self._engine:
+                    # another engine may hold `name`: the owner of ours took the first free one
+                    return self._owners_dir(base_fd, base, name)
                 return base / name
-            self._dir_lock = claim(base_fd, base, name, conflict, what=_NAMESPACE_DIR)
+            self._dir_lock = claim(
+                base_fd, base, name, conflict, what=_NAMESPACE_DIR, engine=self._engine
+            )
             try:
                 # before the space check: what GC frees is room this tier may use
                 self.collected = collect(base_fd, base, gc_days)
@@ -199,28 +210,50 @@ class DiskTier(TierBase):
         finally:
             os.close(base_fd)
 
+    def _owners_dir(self, base_fd: int, base: Path, name: str) -> Path:
+        """The namespace directory this engine's owner rank locked (it may start after this
+        rank: waited for, bounded)."""
+        deadline = time.monotonic() + _FOLLOW_WAIT_S
+        pause = threading.Event()
+        while True:
+            found = find_owned(base_fd, base, name, self._engine)
+            if found is not None:
+                return found
+            if time.monotonic() >= deadline:
+                raise StartupError(
+                    f"no {_NAMESPACE_DIR} under disk_dir={str(base)!r} is locked by this "
+                    f"engine's writing rank (engine {self._engine!r}) after "
+                    f"{_FOLLOW_WAIT_S:.0f}s; did rank 0 of the stage start? With "
+                    "disk_conflict=own_dir the other ranks read the directory it took"
+                )
+            pause.wait(0.05)
+
     # ---- Tier protocol -------------------------------------------------------------------
 
     def contains(self, key: bytes) -> bool:
-        """True if a record file for `key` is indexed (no read; a follower also looks on disk
-        for records the owner wrote since)."""
+        """True if a record file for `key` is indexed (no read; a follower looks on disk: the
+        owner writes and evicts behind its back)."""
         with self._lock:
-            return key in self._index or self._adopt(key)
+            return self._has(key)
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """`contains` for a batch (a local index: no I/O, but a follower's stat of new files)."""
+        """`contains` for a batch (a local index: no I/O, but a follower's stat of each file)."""
         with self._lock:
-            return [k in self._index or self._adopt(k) for k in keys]
+            return [self._has(k) for k in keys]
 
-    def _adopt(self, key: bytes) -> bool:
-        """Follower: index a record file the owner wrote after this tier's scan."""
+    def _has(self, key: bytes) -> bool:
+        """Whether a record of `key` is held (under the lock): the index; a follower stats the
+        file, indexing one the owner wrote since and forgetting one it evicted."""
         if not self.follower:
-            return False
+            return key in self._index
         path = self._path(key)
         try:
             st = os.lstat(path)
         except FileNotFoundError:
+            self._forget(key)  # the owner evicted it
             return False
+        if key in self._index:
+            return True
         why = untrusted(st)
         if why is not None:
             if key not in self._untrusted:
@@ -238,13 +271,20 @@ class DiskTier(TierBase):
         self._index[key] = size
         self._bytes += size
         self._policy.insert(key, size)
+        # the owner keeps the files within the budget; this index of them stays within it too
+        while self._bytes > self._max and len(self._index) > 1:
+            victim = self._policy.victim(lambda k: k != key and not self._leases.is_pinned(k))
+            if victim is None:
+                break
+            self._forget(victim)
+        self._publish()
         return True
 
     def get(self, key: bytes) -> bytes | memoryview | None:
         """The verified payload of `key`, or None. A bad or unreadable file is deleted + counted."""
         with self._lock:
             self._check_open()
-            if key not in self._index and not self._adopt(key):
+            if not self._has(key):
                 return None
             size = self._index[key]
         path = self._path(key)
@@ -344,10 +384,12 @@ class DiskTier(TierBase):
         """Pin every key of `keys` this tier holds under `lease_id`; returns how many leading
         keys it holds (as MemoryTier does). `counted=False` keeps it out of the lease metrics."""
         with self._lock:
-            self._leases.acquire(lease_id, [k for k in keys if k in self._index], counted)
+            held = [self._has(k) for k in keys]
+            self._leases.acquire(lease_id, [k for k, h in zip(keys, held, strict=True) if h],
+                                 counted)  # fmt: skip
             leading = 0
-            for k in keys:
-                if k not in self._index:
+            for h in held:
+                if not h:
                     break
                 leading += 1
             return leading
@@ -399,7 +441,7 @@ class DiskTier(TierBase):
         with self._lock:
             n = 0
             for k in keys:
-                if k not in self._index:
+                if not self._has(k):
                     break
                 n += 1
             self._policy.touch(keys[:n])

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.store.disk_dirs import private_dir_problem, untrusted
-from kvtier.store.disk_lock import LOCK_NAME
+from kvtier.store.disk_lock import LOCK_NAME, lock_directory
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,11 @@ class _Candidate:
     dir_fd: int
     lock_fd: int  # locked: nobody can start in it while it is looked at and removed
     newest: float
+    own_fd: int | None = None  # the directory's own lock, once taken
 
     def close(self) -> None:
+        if self.own_fd is not None:
+            os.close(self.own_fd)
         os.close(self.lock_fd)
         os.close(self.dir_fd)
 
@@ -83,8 +86,7 @@ def collect(
             removed = _remove(base_fd, base, c, now)
             if removed is not None:
                 log.info(
-                    "kvtier: disk GC removed %s (%d bytes, unused for %.1f days; "
-                    "disk_gc_days=%g)",
+                    "kvtier: disk GC removed %s (%d bytes, unused for %.1f days; disk_gc_days=%g)",
                     removed.path,
                     removed.bytes,
                     removed.age_days,
@@ -129,6 +131,10 @@ def _inspect(base_fd: int, base: Path, name: str, cutoff: float) -> _Candidate |
         except BlockingIOError:
             candidate.close()
             return None  # a live process holds it
+        candidate.own_fd = lock_directory(dir_fd)
+        if candidate.own_fd is None:
+            candidate.close()
+            return None  # a live process holds it through a lock file since deleted
         # again under the lock: a process may have started in it and let go since the look
         candidate.newest = _newest_mtime(dir_fd)
         if candidate.newest >= cutoff:

@@ -7,6 +7,10 @@ in-flight temp files and each would evict files the other leased. The lock makes
 refuse (naming the holder's pid, which the holder writes into the lock file) or, with
 `disk_conflict: own_dir`, take `<namespace>.<n>` for the first n whose lock is free.
 
+The directory itself is locked too (a `flock` on its own descriptor): a lock file another
+process deleted (a `/tmp` cleaner ages it by its mtime) would let a second process lock a fresh
+one, but a directory cannot be unlinked while it holds records.
+
 The kernel drops a `flock` when the last descriptor of its open file goes: at `release()`, and
 at the holder's death, however it dies. A child forked while the lock is held would share that
 open file and keep the lock past its parent, so the child closes its copy at fork.
@@ -64,24 +68,25 @@ def _close_in_child() -> None:
 os.register_at_fork(after_in_child=_close_in_child)
 
 
-def _release(fd: int, owner_pid: int) -> None:
+def _release(fds: tuple[int, ...], owner_pid: int) -> None:
     if os.getpid() != owner_pid:
         return  # a forked child: `_close_in_child` closed its copy; this number is not ours
     with _held_guard:
-        _held.discard(fd)
-    os.close(fd)
+        _held.difference_update(fds)
+    for fd in fds:
+        os.close(fd)
 
 
 class DirLock:
-    """The held lock of one namespace directory; released by `release()`, by garbage
-    collection and by the process's death."""
+    """The held lock of one namespace directory (its lock file's and its own); released by
+    `release()`, by garbage collection and by the process's death."""
 
-    def __init__(self, fd: int, directory: Path) -> None:
+    def __init__(self, fd: int, directory: Path, dir_fd: int) -> None:
         self.directory = directory
         self._fd = fd
         with _held_guard:
-            _held.add(fd)
-        self._finalizer = weakref.finalize(self, _release, fd, os.getpid())
+            _held.update((fd, dir_fd))
+        self._finalizer = weakref.finalize(self, _release, (fd, dir_fd), os.getpid())
 
     @property
     def path(self) -> Path:
@@ -113,15 +118,23 @@ class Vanished(Exception):
 
 
 def claim(
-    base_fd: int, base: Path, name: str, conflict: str, *, what: str = "disk namespace directory"
+    base_fd: int,
+    base: Path,
+    name: str,
+    conflict: str,
+    *,
+    what: str = "disk namespace directory",
+    engine: str = "",
 ) -> DirLock:
     """Lock `base/name` (created 0700 if missing); when another live process holds it, raise a
-    StartupError (`conflict="refuse"`) or lock the first free `name.<n>` (`"own_dir"`)."""
+    StartupError (`conflict="refuse"`) or lock the first free `name.<n>` (`"own_dir"`). The
+    lock file names this process's pid and `engine` (its engine replica), by which the ranks
+    that only read the directory find it (`find_owned`)."""
     if conflict not in CONFLICTS:
         raise ValueError(
             f"disk conflict={conflict!r} is not one of {CONFLICTS}; use 'refuse' or 'own_dir'"
         )
-    first = _try_dir(base_fd, base, name, what)
+    first = _try_dir(base_fd, base, name, what, engine)
     if isinstance(first, DirLock):
         return first
     if conflict == "refuse":
@@ -134,7 +147,7 @@ def claim(
             "this process another disk_dir"
         )
     for n in range(1, MAX_OWN_DIRS + 1):
-        got = _try_dir(base_fd, base, f"{name}.{n}", what)
+        got = _try_dir(base_fd, base, f"{name}.{n}", what, engine)
         if isinstance(got, DirLock):
             log.warning(
                 "kvtier: %s %s is in use by %s; this process uses %s (disk_conflict=own_dir)",
@@ -152,16 +165,36 @@ def claim(
 
 
 def _holder_pid(fd: int) -> int | None:
-    """The pid written in the open lock file `fd`, or None."""
-    text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    """The pid written in the open lock file `fd` (its first line), or None."""
+    text = os.pread(fd, 32, 0).decode("ascii", "replace").split("\n", 1)[0].strip()
     return int(text) if text.isdigit() else None
 
 
-def _try_dir(base_fd: int, base: Path, name: str, what: str) -> DirLock | Held:
+def find_owned(base_fd: int, base: Path, name: str, engine: str) -> Path | None:
+    """The directory among `base/name` and its own_dir variants whose lock file names
+    `engine` (its owner is a rank of that engine replica), or None (not claimed yet)."""
+    for candidate in [name, *(f"{name}.{n}" for n in range(1, MAX_OWN_DIRS + 1))]:
+        try:
+            fd = os.open(f"{candidate}/{LOCK_NAME}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         dir_fd=base_fd)  # fmt: skip
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        try:
+            if untrusted(os.fstat(fd)) is not None:
+                continue
+            lines = os.pread(fd, 4096, 0).decode("utf-8", "replace").split("\n")
+        finally:
+            os.close(fd)
+        if len(lines) > 1 and lines[1] == f"engine {engine}":
+            return base / candidate
+    return None
+
+
+def _try_dir(base_fd: int, base: Path, name: str, what: str, engine: str) -> DirLock | Held:
     for _ in range(_CLAIM_TRIES):
         dir_fd = open_private_dir(base_fd, base, name, what)
         try:
-            return _try_lock(dir_fd, base / name)
+            return _try_lock(dir_fd, base / name, engine)
         except Vanished:
             continue
         finally:
@@ -172,7 +205,7 @@ def _try_dir(base_fd: int, base: Path, name: str, what: str) -> DirLock | Held:
     )
 
 
-def _try_lock(dir_fd: int, directory: Path) -> DirLock | Held:
+def _try_lock(dir_fd: int, directory: Path, engine: str = "") -> DirLock | Held:
     """Take the lock of the open directory `dir_fd`, or say who holds it."""
     path = directory / LOCK_NAME
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -200,13 +233,38 @@ def _try_lock(dir_fd: int, directory: Path) -> DirLock | Held:
             return held
         if not _still_linked(dir_fd, st):
             raise Vanished(directory)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        own = lock_directory(dir_fd)
+        if own is None:
+            # a live process holds the directory through a lock file since deleted
+            os.close(fd)
+            return Held(directory, None, True)
+        try:
+            os.ftruncate(fd, 0)
+            named = f"engine {engine}\n" if engine else ""
+            os.pwrite(fd, f"{os.getpid()}\n{named}".encode(), 0)
+        except BaseException:
+            os.close(own)
+            raise
     except BaseException:
         os.close(fd)
         raise
     # the pid just written also set the lock file's mtime: the directory counts as used now
-    return DirLock(fd, directory)
+    return DirLock(fd, directory, own)
+
+
+def lock_directory(dir_fd: int) -> int | None:
+    """A descriptor of the open directory `dir_fd` holding an exclusive `flock` on it, or None
+    when another open file holds one (a live tier, or a GC removing it)."""
+    own = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        fcntl.flock(own, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(own)
+        return None
+    except BaseException:
+        os.close(own)
+        raise
+    return own
 
 
 def _wait_for_lock(fd: int, dir_fd: int, st: os.stat_result, directory: Path) -> Held | None:
@@ -250,6 +308,8 @@ def _still_linked(dir_fd: int, st: os.stat_result) -> bool:
 
 
 def _holder(held: Held) -> str:
+    if held.pid is None and held.alive:
+        return "a live process whose lock file was deleted (a /tmp cleaner?)"
     if held.pid is None:
         return "a process that wrote no pid"
     if not held.alive:

@@ -19,13 +19,15 @@ def build_stack(
     lower_namespace: bytes | None = None,
     writes_lower: bool = True,
     state_parts: int = 0,
+    engine: str = "",
 ) -> TierStack:
     """The tiers of one rank; a tier that cannot be built stops startup with the cause (the
     tiers built before it are closed).
 
     A replicated layout (every TP rank holds the same bytes) passes `lower_namespace`, one for
     all ranks, so the tiers below memory hold one copy; only rank 0 `writes_lower` (the others
-    read its records: a follower disk tier, the shared remote)."""
+    read its records: a follower disk tier, the shared remote). `engine` names the engine
+    replica (its lookup run dir): a follower finds its owner's own_dir directory by it."""
     ctx = registry.TierContext(
         config,
         namespace,
@@ -33,6 +35,7 @@ def build_stack(
         slot_bytes,
         metrics,
         writes_lower,
+        engine,
     )
     built = []
     try:

@@ -151,8 +151,7 @@ class RecordCodec:
         if len(view) != HEADER_BYTES + header.length:
             raise RecordError(
                 "length_mismatch",
-                f"record has {len(view) - HEADER_BYTES} payload bytes, header says "
-                f"{header.length}",
+                f"record has {len(view) - HEADER_BYTES} payload bytes, header says {header.length}",
             )
         if expected_length is not None and header.length != expected_length:
             raise RecordError(
@@ -164,7 +163,9 @@ class RecordCodec:
             # neither kind is read as the other: an attacker cannot downgrade to plain records
             raise RecordError(
                 "tag_mismatch",
-                "record is " + ("encrypted" if encrypted else "not encrypted") + ", this tier "
+                "record is "
+                + ("encrypted" if encrypted else "not encrypted")
+                + ", this tier "
                 + ("encrypts" if self.encrypt else "does not encrypt"),
             )
         head = bytes(view[:_TAG_AT])

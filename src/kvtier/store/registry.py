@@ -39,6 +39,7 @@ class TierContext:
     slot_bytes: int  # one chunk's payload
     metrics: Metrics
     writes_lower: bool  # False: a follower rank, which reads what rank 0 writes below memory
+    engine: str = ""  # the engine replica the rank belongs to (its lookup run dir), or ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +222,7 @@ def _build_disk(ctx: TierContext, s: DiskSection) -> Tier:
             gc_days=s.gc_days,
             conflict=s.conflict,
             codec=codec_for(ctx.config, ctx.shared_namespace),
+            engine=ctx.engine,
         )
     except OSError as e:
         raise StartupError(
