@@ -223,7 +223,7 @@ def test_the_client_never_queues_a_frame_to_a_squatter_without_the_engine_key(
     ep = endpoint_for(0, transport="tcp", run_dir=run_dir, base_port=port)
     client = _client(ep, timeout_ms=200)
     try:
-        assert client.wait_connected(1.0) == [0], "the client took the squatter for rank 0"
+        assert client.wait_connected(0.3) == [0], "the client took the squatter for rank 0"
         res = client.lookup(KEYS, "lk0")
         assert (res.hit_chunks, res.timed_out) == (0, (0,))
         assert squatter.poll(0) == 0, "a lookup frame reached the squatter"

@@ -46,7 +46,7 @@ SCHEDULER = {
     "request_finished": ("core", "_finished", lambda req: req.request_id),
 }
 WORKER = {
-    "start_load_kv": ("worker", "_dispatch_load", lambda p, queued: p.op.req_id),
+    "start_load_kv": ("worker", "_dispatch_load", lambda p, *rest: p.op.req_id),
     "save": ("worker", "_save", lambda job, batch: job.op.req_id),
     "get_finished": ("worker", "_drain_report", None),
     "build_connector_worker_meta": ("worker", "_encode_report", None),

@@ -569,7 +569,7 @@ def test_a_layer_whose_join_failed_never_reads_unloaded_pages_under_a_successful
     path.sync_lane = lane = rig.ops.lane()  # what the first sync load makes, on this thread
     gate = SimEvent(rig.ops)
     lane.copies.put(_Item("wait", None, dep=gate))  # type: ignore[attr-defined]
-    timer = threading.Timer(2.0, lambda: gate.done() or gate._complete(0.0))
+    timer = threading.Timer(0.5, lambda: gate.done() or gate._complete(0.0))
     timer.start()
     rig.worker.start_load_kv(OffloadMeta(loads=[rig.sync_load("ld", refs)]))
     real = rig.ops.join
@@ -664,7 +664,7 @@ def test_layer_zero_of_a_step_with_two_sync_loads_computes_before_the_first_load
     # the copies of the last wave wait for a gate layer 0's compute opens (or a 2 s deadline,
     # so a forward that waited for every wave before layer 0 still ends)
     gate = SimEvent(rig.ops)
-    timer = threading.Timer(2.0, lambda: gate.done() or gate._complete(0.0))
+    timer = threading.Timer(0.5, lambda: gate.done() or gate._complete(0.0))
     timer.start()
     copies = [0]
     gated_at: list[int] = []

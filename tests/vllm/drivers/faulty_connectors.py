@@ -94,7 +94,7 @@ HOOK_POINTS: dict[str, tuple[str, str, str, Callable[..., str] | None]] = {
     "build_meta_save": ("scheduler", "core.planner", "emit", lambda st, item: st.req_id),
     "build_connector_meta": ("scheduler", "side", "_scheduled_new", lambda out, new: new.req_id),
     "request_finished": ("scheduler", "core", "_finished", lambda req: req.request_id),
-    "start_load_kv": ("worker", "worker", "_dispatch_load", lambda p, queued: p.op.req_id),
+    "start_load_kv": ("worker", "worker", "_dispatch_load", lambda p, *rest: p.op.req_id),
     "save": ("worker", "worker", "_save", lambda job, batch: job.op.req_id),
     "get_finished": ("worker", "worker", "_drain_report", None),
     "build_connector_worker_meta": ("worker", "worker", "_encode_report", None),
