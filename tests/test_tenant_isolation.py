@@ -8,7 +8,6 @@ Each test states the contract it checks; none sleeps (clocks are injected)."""
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import tracemalloc
 import types
@@ -23,8 +22,6 @@ import pytest
 from kvtier.config import KVTierConfig
 from kvtier.keys import chain_keys, key_seed
 from kvtier.metrics import Metrics
-from kvtier.native import Engine, EngineConfig
-from kvtier.native.offload import connector_spec
 from kvtier.native.server import EngineServer
 from kvtier.offload import messages
 from kvtier.offload.messages import OpResult, WorkerReport
@@ -37,9 +34,9 @@ from kvtier.offload.retention import (
 )
 from kvtier.offload.retention_api import run_admin
 from kvtier.offload.scheduler import OffloadScheduler
+from tests.native.admin_server import admin_server, call, held_chunks
 from tests.native.conftest import make_prompts
 from tests.native.conftest import tiny_model as tiny_model  # the session fixture
-from tests.native.test_server import client
 from tests.offload.fakes import FakeLookup
 from tests.offload.test_scheduler import BLOCK, CHUNK, blocks, make, prompt
 from tests.offload.test_scheduler_contract import (
@@ -387,39 +384,9 @@ NCHUNK = 64
 
 @pytest.fixture(scope="module")
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineServer]:
-    config = KVTierConfig(
-        chunk_size=NCHUNK,
-        memory_bytes="64MiB",
-        load_gate=False,
-        lookup_timeout_ms=2000,
-    )
-    spec = connector_spec(config, tiny_model, run_dir=tmp_path_factory.mktemp("tenant-run"))
-    engine = Engine(tiny_model, EngineConfig(num_threads=1, num_blocks=256), spec)
-    try:
-        srv = EngineServer(engine, model_name="tiny", admin_key=ADMIN)
-    except BaseException:
-        engine.close()
-        raise
-    with srv:
+    run_dir = tmp_path_factory.mktemp("tenant-run")
+    with admin_server(tiny_model, run_dir, ADMIN, chunk_size=NCHUNK, memory_bytes="64MiB") as srv:
         yield srv
-
-
-def call(srv: EngineServer, method: str, path: str, body: Any = None, **kw: Any) -> httpx.Response:
-    async def go() -> httpx.Response:
-        async with client(srv) as c:
-            return await c.request(method, path, json=body, **kw)
-
-    return asyncio.run(go())
-
-
-def hits(srv: EngineServer, tokens: list[int]) -> int:
-    """Chunks of `tokens` the ranks' tiers hold now (a probe without a lease)."""
-
-    def probe(engine: Any) -> int:
-        keys = engine.connector.core.planner.keys_for(tokens)
-        return engine.connector.client.lookup(keys, "probe", lease=False).hit_chunks
-
-    return srv.loop.call(probe).result(timeout=30)
 
 
 def complete(srv: EngineServer, tokens: list[int], **fields: Any) -> httpx.Response:
@@ -439,7 +406,7 @@ def test_native_conversation_keys_are_scoped_by_user(server: EngineServer) -> No
                      prompt_cache_retention="in_memory")  # fmt: skip
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["kvtier_retention"]["status"] == "retained"
-    assert (hits(server, pa), hits(server, pb)) == (2, 3)
+    assert (held_chunks(server, pa), held_chunks(server, pb)) == (2, 3)
     rel = call(server, "POST", "/kvtier/release", {"prompt_cache_key": "chat", "user": "alice"},
                headers=AUTH)  # fmt: skip
     assert rel.status_code == 200 and rel.json()["keys"] == 2, rel.text
@@ -448,10 +415,10 @@ def test_native_conversation_keys_are_scoped_by_user(server: EngineServer) -> No
     gone = call(server, "POST", "/kvtier/forget", {"prompt_cache_key": "chat", "user": "alice"},
                 headers=AUTH)  # fmt: skip
     assert gone.status_code == 200 and gone.json()["keys"] == 2 and gone.json()["ranks"] == {"0": 2}
-    assert (hits(server, pa), hits(server, pb)) == (0, 3)
+    assert (held_chunks(server, pa), held_chunks(server, pb)) == (0, 3)
     # without `user` the key names the anonymous conversation "chat" (none): nothing happens
     none = call(server, "POST", "/kvtier/forget", {"prompt_cache_key": "chat"}, headers=AUTH)
-    assert none.json()["keys"] == 0 and hits(server, pb) == 3
+    assert none.json()["keys"] == 0 and held_chunks(server, pb) == 3
 
 
 def test_native_request_user_is_bounded_like_prompt_cache_key(server: EngineServer) -> None:
@@ -473,9 +440,9 @@ def test_native_forget_all_needs_a_user(server: EngineServer) -> None:
     p2 = make_prompts(1, 2 * NCHUNK + 1, seed=512)[0]
     assert complete(server, p1, prompt_cache_key="client-1").status_code == 200
     assert complete(server, p2, prompt_cache_key="client-2").status_code == 200
-    assert (hits(server, p1), hits(server, p2)) == (2, 2)
+    assert (held_chunks(server, p1), held_chunks(server, p2)) == (2, 2)
     r = call(server, "POST", "/kvtier/forget", {"all": True}, headers=AUTH)
-    after = (hits(server, p1), hits(server, p2))
+    after = (held_chunks(server, p1), held_chunks(server, p2))
     assert r.status_code == 400, (
         f"forget {{'all': true}} without a user answered {r.status_code} {r.text} and left "
         f"hits {after} (two anonymous clients' conversations deleted)"
@@ -488,7 +455,7 @@ def test_native_salt_and_transfer_params_are_refused(server: EngineServer) -> No
     saved into) the shared tier, and so is vLLM's kv_transfer_params channel."""
     p = make_prompts(1, 2 * NCHUNK + 1, seed=521)[0]
     assert complete(server, p).status_code == 200
-    assert hits(server, p) == 2
+    assert held_chunks(server, p) == 2
     for field, value in (("cache_salt", "tenant-b"), ("kv_transfer_params", {"user": "x"})):
         r = complete(server, p, **{field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

@@ -7,15 +7,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
-from kvtier.config import KVTierConfig
-from kvtier.native import Engine, EngineConfig
-from kvtier.native.offload import connector_spec
 from kvtier.native.server import EngineServer
+from tests.native.admin_server import admin_server, call, held_chunks
 from tests.native.conftest import make_prompts
 from tests.native.test_server import client
 
@@ -27,41 +24,11 @@ GREEDY = {"model": "tiny", "max_tokens": 2, "temperature": 0}
 
 @pytest.fixture(scope="module")
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineServer]:
-    config = KVTierConfig(
-        chunk_size=CHUNK,
-        memory_bytes="64MiB",
-        disk_bytes="64MiB",
-        disk_dir=str(tmp_path_factory.mktemp("retention-disk")),
-        load_gate=False,
-        lookup_timeout_ms=2000,
-    )
-    spec = connector_spec(config, tiny_model, run_dir=tmp_path_factory.mktemp("retention-run"))
-    engine = Engine(tiny_model, EngineConfig(num_threads=1, num_blocks=256), spec)
-    try:
-        srv = EngineServer(engine, model_name="tiny", admin_key=ADMIN)
-    except BaseException:
-        engine.close()
-        raise
-    with srv:
+    run_dir = tmp_path_factory.mktemp("retention-run")
+    disk = str(tmp_path_factory.mktemp("retention-disk"))
+    with admin_server(tiny_model, run_dir, ADMIN, chunk_size=CHUNK, memory_bytes="64MiB",
+                      disk_bytes="64MiB", disk_dir=disk) as srv:  # fmt: skip
         yield srv
-
-
-def call(srv: EngineServer, method: str, path: str, body: Any = None, **kw: Any) -> httpx.Response:
-    async def go() -> httpx.Response:
-        async with client(srv) as c:
-            return await c.request(method, path, json=body, **kw)
-
-    return asyncio.run(go())
-
-
-def lookup_hits(srv: EngineServer, prompt: list[int]) -> int:
-    """Chunks of `prompt` every rank's tiers hold now (a probe: no lease)."""
-
-    def probe(engine: Any) -> int:
-        keys = engine.connector.core.planner.keys_for(prompt)
-        return engine.connector.client.lookup(keys, "probe", lease=False).hit_chunks
-
-    return srv.loop.call(probe).result(timeout=30)
 
 
 def test_openai_retention_is_granted_and_reported_in_usage(server: EngineServer) -> None:
@@ -87,8 +54,9 @@ def test_anthropic_cache_control_retains_up_to_the_marked_message(server: Engine
         ]},
         {"role": "user", "content": "What is the capital of France? " * 20},
     ]  # fmt: skip
-    head = call(server, "POST", "/tokenize", {"messages": messages[:1],
-                                              "add_generation_prompt": False}).json()["count"]
+    head = call(
+        server, "POST", "/tokenize", {"messages": messages[:1], "add_generation_prompt": False}
+    ).json()["count"]
     whole = call(server, "POST", "/tokenize", {"messages": messages}).json()["count"]
     assert whole > head >= CHUNK
     r = call(server, "POST", "/v1/chat/completions", {**GREEDY, "messages": messages})
@@ -129,7 +97,7 @@ def test_forget_deletes_a_conversation_from_every_tier(server: EngineServer) -> 
         body = {**GREEDY, "prompt": p, "prompt_cache_key": "conv-f", "user": "bob"}
         assert call(server, "POST", "/v1/completions", body).status_code == 200
     assert server.loop.wait_idle(30.0)
-    assert lookup_hits(server, turn2) == 4  # saved in memory and disk
+    assert held_chunks(server, turn2) == 4  # saved in memory and disk
     other = make_prompts(1, 2 * CHUNK + 1, seed=45)[0]
     assert call(server, "POST", "/v1/completions", {**GREEDY, "prompt": other}).status_code == 200
     assert server.loop.wait_idle(30.0)
@@ -137,8 +105,8 @@ def test_forget_deletes_a_conversation_from_every_tier(server: EngineServer) -> 
              headers=AUTH)  # fmt: skip
     assert r.status_code == 200, r.text
     assert r.json()["keys"] == 4 and r.json()["ranks"] == {"0": 4}
-    assert lookup_hits(server, turn1) == 0 and lookup_hits(server, turn2) == 0
-    assert lookup_hits(server, other) == 2  # another conversation is untouched
+    assert held_chunks(server, turn1) == 0 and held_chunks(server, turn2) == 0
+    assert held_chunks(server, other) == 2  # another conversation is untouched
     # the key no longer names anything
     again = call(server, "POST", "/kvtier/forget", {"prompt_cache_key": "conv-f", "user": "bob"},
                  headers=AUTH)  # fmt: skip

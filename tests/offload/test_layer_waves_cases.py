@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvtier.offload.messages import ChunkRef, LoadOp, OffloadMeta, SaveOp
+from kvtier.offload.messages import ChunkRef, LoadOp, OffloadMeta, SaveOp, WorkerReport
 from kvtier.offload.pages import KVCacheDescription, describe_pages, manager_view
 from kvtier.offload.simdevice import CopyModel, SimEvent, SimOps, _Item, _SimLane
 from kvtier.offload.waves import plan_waves
@@ -150,16 +150,24 @@ def _key(i: int) -> bytes:
     return bytes([0x40 + i]) * 16
 
 
+def _saved(rigs: list[Rig], n: int, **kw: Any) -> tuple[
+    Rig, dict[bytes, dict[str, list]], list[tuple[bytes, list[int]]]
+]:  # fmt: skip
+    """A rig (`kw`) with a wave plan and its first `n` chunks saved: their pages, and the
+    (key, block ids) of each."""
+    rig = Rig(**kw)
+    rigs.append(rig)
+    assert rig.worker.enable_layer_waves(rig.names)
+    src = [(_key(c), list(range(c * rig.k, (c + 1) * rig.k))) for c in range(n)]
+    return rig, rig.save(src), src
+
+
 def _restore(rigs: list[Rig], n: int, zero: bool = True, **kw: Any) -> tuple[
     Rig, dict[bytes, dict[str, list]], list[tuple[bytes, list[int]]], list[int]
 ]:  # fmt: skip
     """A rig (`kw`) with a wave plan and `n` chunks saved; the restore's refs, onto the next
     `n` chunks' blocks, and those blocks (zeroed unless not `zero`)."""
-    rig = Rig(**kw)
-    rigs.append(rig)
-    assert rig.worker.enable_layer_waves(rig.names)
-    src = [(_key(c), list(range(c * rig.k, (c + 1) * rig.k))) for c in range(n)]
-    saved = rig.save(src)
+    rig, saved, src = _saved(rigs, n, **kw)
     refs = [(k, [b + n * rig.k for b in ids]) for k, ids in src]
     dst = [b for _, ids in refs for b in ids]
     if zero:
@@ -254,16 +262,24 @@ def test_every_layer_reads_its_loaded_bytes_and_nothing_else_is_written(
 # ---- several sync loads in one step: contiguous, fragmented, HBM floor ---------------------------
 
 
+def _step_checked(rig: Rig, loads: list[LoadOp], blocks: list[int], want: dict) -> WorkerReport:
+    """One step of `loads` and a forward over `blocks`: every layer read `want`'s bytes and no
+    page outside them changed; the step's report."""
+    before = rig.snapshot()
+    rig.worker.start_load_kv(OffloadMeta(loads=loads))
+    seen = rig.forward(blocks)
+    _check_seen(seen, want)
+    rig.settle()
+    _check_untouched(rig, before, set(want))
+    return rig.worker.take_report()
+
+
 def test_three_sync_loads_mixing_fragmented_contiguous_and_floored_chunks_in_one_step(
     rigs: list[Rig],
 ) -> None:
     # 8 blocks a chunk: a chunk of 8 separate runs goes through staging and a scatter kernel
-    rig = Rig(layers=8, waves=4, chunk=8 * BS, nb=128, gbps=0.002, depth=2)
-    rigs.append(rig)
+    rig, saved, src = _saved(rigs, 6, layers=8, waves=4, chunk=8 * BS, nb=128, gbps=0.002, depth=2)
     k = rig.k
-    assert rig.worker.enable_layer_waves(rig.names)
-    src = [(_key(c), list(range(c * k, (c + 1) * k))) for c in range(6)]
-    saved = rig.save(src)
     base = 6 * k
     contiguous = lambda c: [base + c * k + i for i in range(k)]  # noqa: E731
     # fragmented: every other block from a region of its own (8 runs > 4)
@@ -281,15 +297,8 @@ def test_three_sync_loads_mixing_fragmented_contiguous_and_floored_chunks_in_one
     assert len(set(dst)) == len(dst)
     rig.fill(dst, 0)
     rig.fill(hbm, 0x5A)
-    before = rig.snapshot()
     ops = [rig.sync_load("a", load_a), rig.sync_load("b", load_b), rig.sync_load("c", load_c)]
-    rig.worker.start_load_kv(OffloadMeta(loads=ops))
-    seen = rig.forward(dst)
-    want = _expect(saved, refs)
-    _check_seen(seen, want)
-    rig.settle()
-    _check_untouched(rig, before, set(want))
-    rep = rig.worker.take_report()
+    rep = _step_checked(rig, ops, dst, _expect(saved, refs))
     assert sorted(r.op_id for r in rep.results if r.ok) == ["a", "b", "c"]
     assert rep.invalid_block_ids == []
     assert rig.held_slots() == 0
@@ -302,12 +311,10 @@ def test_fragmented_sync_chunks_beyond_the_staging_ring_reuse_buffers_after_thei
     # four fragmented chunks through a ring of `depth` staging buffers, in two loads of one
     # step, the scatters held back on the device: a copy into a buffer must wait for the
     # scatter that last read it, or that scatter reads the next chunk's bytes
-    rig = Rig(layers=4, waves=2, chunk=8 * BS, nb=160, gbps=0.05, depth=depth)
-    rigs.append(rig)
+    rig, saved, src = _saved(
+        rigs, 6, layers=4, waves=2, chunk=8 * BS, nb=160, gbps=0.05, depth=depth
+    )
     k = rig.k
-    assert rig.worker.enable_layer_waves(rig.names)
-    src = [(_key(c), list(range(c * k, (c + 1) * k))) for c in range(6)]
-    saved = rig.save(src)
     base = 6 * k
     frags = [[base + 2 * k * (c // 2) + 2 * i + c % 2 for i in range(k)] for c in range(6)]
     path = rig.worker._path
@@ -390,11 +397,7 @@ def test_two_stacks_mla_with_indexer_named_in_forward_order_each_read_their_byte
 def test_a_miss_midway_fails_the_load_and_its_landed_chunks_never_overwrite_the_recompute(
     rigs: list[Rig],
 ) -> None:
-    rig = Rig(layers=8, waves=4, gbps=0.005)
-    rigs.append(rig)
-    assert rig.worker.enable_layer_waves(rig.names)
-    src = [(_key(c), list(range(c * rig.k, (c + 1) * rig.k))) for c in range(2)]
-    rig.save(src)
+    rig, _, src = _saved(rigs, 2, layers=8, waves=4, gbps=0.005)
     # chunk 2 was never saved: a miss after two chunks were deferred to the waves
     refs = [
         (src[0][0], [b + 8 for b in src[0][1]]),
@@ -532,26 +535,15 @@ def test_an_async_load_whose_bookkeeping_raised_is_still_reported_by_its_deadlin
 def test_a_bad_block_id_in_a_later_sync_load_fails_it_alone_and_writes_none_of_its_blocks(
     rigs: list[Rig],
 ) -> None:
-    rig = Rig(layers=8, waves=4, gbps=0.01)
-    rigs.append(rig)
-    assert rig.worker.enable_layer_waves(rig.names)
-    src = [(_key(c), list(range(c * rig.k, (c + 1) * rig.k))) for c in range(4)]
-    saved = rig.save(src)
+    rig, saved, src = _saved(rigs, 4, layers=8, waves=4, gbps=0.01)
     good = [(k, [b + 4 * rig.k for b in ids]) for k, ids in src[:2]]
     # its first chunk is fine (deferred to the waves), its second names a block past the cache
     bad = [(src[2][0], [b + 4 * rig.k for b in src[2][1]]), (src[3][0], [rig.nb - 1, rig.nb])]
     dst = [b for _, ids in good for b in ids]
     bad_dst = [b for b in bad[0][1] + bad[1][1] if b < rig.nb]
     rig.fill(dst + bad_dst, 0)
-    before = rig.snapshot()
     loads = [rig.sync_load("good", good), rig.sync_load("bad", bad)]
-    rig.worker.start_load_kv(OffloadMeta(loads=loads))
-    seen = rig.forward(dst)
-    want = _expect(saved, good)
-    _check_seen(seen, want)
-    rig.settle()
-    _check_untouched(rig, before, set(want))
-    rep = rig.worker.take_report()
+    rep = _step_checked(rig, loads, dst, _expect(saved, good))
     assert sorted((r.op_id, r.ok) for r in rep.results) == [("bad", False), ("good", True)]
     assert set(bad_dst) <= set(rep.invalid_block_ids)
     assert not set(dst) & set(rep.invalid_block_ids)
@@ -647,12 +639,8 @@ def test_layer_zero_of_a_step_with_two_sync_loads_computes_before_the_first_load
     first, so layer 0 waited for all of them. Now every load's scatter chunks go first, then
     all loads' copy-engine chunks wave-major: layer 0 computes while the first load's last
     wave is still held back, and every layer reads its bytes."""
-    rig = Rig(layers=8, waves=4, chunk=8 * BS, nb=128, gbps=0.002)
-    rigs.append(rig)
+    rig, saved, src = _saved(rigs, 4, layers=8, waves=4, chunk=8 * BS, nb=128, gbps=0.002)
     k = rig.k
-    assert rig.worker.enable_layer_waves(rig.names)
-    src = [(_key(c), list(range(c * k, (c + 1) * k))) for c in range(4)]
-    saved = rig.save(src)
     base = 4 * k
     load_a = [(_key(0), [base + i for i in range(k)]), (_key(1), [base + k + i for i in range(k)])]
     # fragmented (every other block: 8 runs) and contiguous chunks in the second load
@@ -707,12 +695,8 @@ def test_a_wave_copy_that_fails_to_queue_fails_every_load_waiting_on_waves_and_f
     """The step's wave copies are queued after every sync load reported: one that cannot be
     queued turns the loads that had chunks waiting into failures (blocks invalid), what was
     queued lands first, and every slot is let go; a load without such chunks stays loaded."""
-    rig = Rig(layers=8, waves=4, chunk=8 * BS, nb=128, gbps=0.01)
-    rigs.append(rig)
+    rig, _, src = _saved(rigs, 3, layers=8, waves=4, chunk=8 * BS, nb=128, gbps=0.01)
     k = rig.k
-    assert rig.worker.enable_layer_waves(rig.names)
-    src = [(_key(c), list(range(c * k, (c + 1) * k))) for c in range(3)]
-    rig.save(src)
     base = 3 * k
     load_a = [(_key(0), [base + i for i in range(k)])]
     load_b = [(_key(1), [base + 2 * k + 2 * i for i in range(k)])]  # fragmented only
