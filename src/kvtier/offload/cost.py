@@ -332,7 +332,9 @@ class CostModel:
 
     def _probe_due(self, tier: str, now: float) -> bool:
         last = self.last_probe.get(tier)
-        if last is None:  # the first turn-away starts the clock: no probe right after it
+        if last is None or now < last:
+            # the first turn-away starts the clock (no probe right after it); a clock that
+            # went back restarts it, or no probe would come until it caught up
             self.last_probe[tier] = now
             return False
         return now - last >= self.probe_s
@@ -371,6 +373,22 @@ class CostModel:
         others = sum(self.tier(t).seconds(n) for t, n in by_tier.items() if t != slowest)
         # the others' share is a prediction: never leave the slowest less than a tenth
         self.tier(slowest).observe(by_tier[slowest], max(seconds - others, seconds / 10))
+
+    def clipped(
+        self, reads: Sequence[tuple[str, int]], drop_head: int, keep: int
+    ) -> tuple[tuple[str, int], ...]:
+        """`reads` (tier, tokens in prompt order) less `drop_head` leading tokens, then cut to
+        `keep` tokens: what a load reads once the host moved its floor or granted less."""
+        out: list[tuple[str, int]] = []
+        skip, left = drop_head, keep
+        for tier, n in reads:
+            gone = min(skip, n)
+            skip -= gone
+            take = min(n - gone, left)
+            left -= take
+            if take > 0:
+                out.append((tier, take))
+        return tuple(out)
 
     def predicted_seconds(self, reads: Sequence[tuple[str, int]]) -> float:
         """The predicted time of a load reading `reads` (tier, tokens)."""

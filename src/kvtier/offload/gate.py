@@ -36,6 +36,8 @@ class LoadGate:
 
     cost: CostModel
     step: Duration = field(default_factory=Duration)  # one busy engine step, sync loads left out
+    # False: memory's read rate was unknown at startup (seeded as free until measured)
+    memory_seeded: bool = True
 
     @classmethod
     def seeded(
@@ -50,9 +52,11 @@ class LoadGate:
         """A gate seeded from config: `load_tokens_per_s` is memory's read rate (unknown: a
         load never loses to recompute until measured); `tier_seeds` the other tiers'."""
         seeds = dict(tier_seeds or {})
-        seeds["memory"] = load_tokens_per_s or seeds.get("memory") or float("inf")
+        known = load_tokens_per_s or seeds.get("memory")
+        seeds["memory"] = known or float("inf")
         tiers = {name: TierRead(rate) for name, rate in seeds.items()}
-        return cls(CostModel(PrefillTime(prefill_tokens_per_s), tiers, margin, probe_s))
+        cost = CostModel(PrefillTime(prefill_tokens_per_s), tiers, margin, probe_s)
+        return cls(cost, memory_seeded=bool(known))
 
     def transfer_seconds(self, tokens: int, tier: str | None = None) -> float:
         """Predicted time to move `tokens` from `tier` into KV blocks (the fitted latency
@@ -83,9 +87,14 @@ class LoadGate:
         seed (one chunk's time holds a lane's wake-up too, so it only ever errs low: a slower
         reading keeps the seed rather than turn loads away)."""
         memory = self.cost.tier("memory")
-        if seconds <= 0 or memory.samples > 0:
+        if seconds <= 0 or tokens <= 0 or memory.samples > 0:
             return
-        if memory.seconds(tokens) > seconds:
+        if not self.memory_seeded:
+            # no rate was known: the self-test's is the cold start (an unknown rate reads as
+            # free, and every memory load, however large, would run inside the forward)
+            self.cost.tiers["memory"] = TierRead(tokens / seconds)
+            self.memory_seeded = True
+        elif memory.seconds(tokens) > seconds:
             self.observe_load(tokens, seconds, "memory")
 
     def observe_prefill(self, tokens: int, seconds: float, context: float = 0.0) -> None:

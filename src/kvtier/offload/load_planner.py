@@ -22,9 +22,9 @@ from kvtier.config import KVTierConfig
 from kvtier.lookup.result import deepest_tier
 from kvtier.metrics import Metrics
 from kvtier.offload.chunking import ChunkLayout
-from kvtier.offload.cost import LoadChoice
+from kvtier.offload.cost import RECOMPUTE, LoadChoice
 from kvtier.offload.gate import LoadGate
-from kvtier.offload.hooks import shown_id
+from kvtier.offload.hooks import HOOK_ERROR, shown_id
 from kvtier.offload.inflight import InFlight
 from kvtier.offload.ledger import OpLedger
 from kvtier.offload.messages import ChunkRef, LoadOp
@@ -126,6 +126,18 @@ class LoadPlanner:
             return None  # still in flight: polled again at the next ask, never blocking
         lookup_id = st.lookup.lookup_id
         st.lookup = None
+        try:
+            return self._answered(st, num_computed_tokens, result, lookup_id)
+        except BaseException:
+            # between the answer and the promise the lease is held by this call alone
+            if st.load is None or st.load.lookup_id != lookup_id:
+                self._lookup.release([lookup_id])
+            raise
+
+    def _answered(
+        self, st: RequestState, num_computed_tokens: int, result: LookupResultLike, lookup_id: str
+    ) -> int:
+        """The promise made of a lookup's answer (its lease released unless a load holds it)."""
         hit = result.hit_chunks * self.chunk
         self._m.lookups.inc()
         # lookup_hit_tokens is the lookup client's to count (it shares these metrics)
@@ -148,6 +160,7 @@ class LoadPlanner:
             short = self.layout.exact_end and choice.end != end
             if choice.end <= num_computed_tokens or short:
                 reason = SLOWER
+            self._count_decisions(choice, recomputed=reason is not None)
         if reason is not None or choice is None:
             self._m.skipped_load(reason or SLOWER).inc()
             self._lookup.release([lookup_id])
@@ -176,7 +189,6 @@ class LoadPlanner:
             hbm=num_computed_tokens, end=end, lookup_id=lookup_id, sync=sync,
             predicted_s=choice.predicted_s, reads=choice.reads(),
         )  # fmt: skip
-        self._m.load_predicted_seconds.observe(choice.predicted_s)
         return tokens
 
     def _choose(self, hbm: int, end: int, result: LookupResultLike) -> LoadChoice:
@@ -185,14 +197,26 @@ class LoadPlanner:
         runs = result.runs or ((result.tier or self.sync_tier, result.hit_chunks),)
         cost = self.gate.cost
         if self.policy == "always":
-            choice = cost.load_all(hbm, end, runs, self.chunk)
-        else:
-            choice = cost.choose(hbm, end, runs, self.chunk, self.min_load, self._clock())
+            return cost.load_all(hbm, end, runs, self.chunk)
+        return cost.choose(hbm, end, runs, self.chunk, self.min_load, self._clock())
+
+    def _count_decisions(self, choice: LoadChoice, recomputed: bool) -> None:
+        """Count each run's decision; every run recomputed when the hit was turned away."""
         for seg in choice.segments:
             tier = seg.tier or "unknown"
-            self._m.load_decision(seg.decision, tier).inc()
-            self._m.load_decision_tokens(seg.decision, tier).inc(seg.end - seg.start)
-        return choice
+            decision = RECOMPUTE if recomputed else seg.decision
+            self._m.load_decision(decision, tier).inc()
+            self._m.load_decision_tokens(decision, tier).inc(seg.end - seg.start)
+
+    def repredict(self, load: LoadState) -> None:
+        """After the host moved a promised load's floor or granted less: its reads and its
+        prediction are those of what it will read."""
+        head, keep = load.hbm - load.promised_hbm, load.end - load.hbm
+        if not load.reads or (head == 0 and sum(n for _, n in load.reads) == keep):
+            return
+        load.reads = self.gate.cost.clipped(load.reads, max(head, 0), keep)
+        load.promised_hbm = load.hbm
+        load.predicted_s = self.gate.cost.predicted_seconds(load.reads)
 
     def _behind_load(self, st: RequestState, first: int) -> bool:
         """Whether `st` waits for another request's load of its chunks: their blocks land in
@@ -263,6 +287,9 @@ class LoadPlanner:
             load.fail = WINDOW
             return self.failing(st, load)
         self._open(st, load)
+        # only a load that goes out is predicted: a promise refused, aborted or preempted
+        # before it is sent reads nothing
+        self._m.load_predicted_seconds.observe(load.predicted_s)
         log.debug(
             "kvtier: %s load %s tokens [%d, %d)",
             "sync" if load.sync else "async", load.op_id, load.hbm, load.end,
@@ -302,8 +329,13 @@ class LoadPlanner:
                 self._m.sync_loads.inc()
                 sync_s = term.seconds
             self._m.load_parked_steps.observe(0 if load.sync else self._ledger.step - load.step + 1)
-        self._ledger.load_ended(term.op_id, term.ok, sync_s)
-        if term.reason != REPORT_LOST:  # no read was measured: the report never came
+        # the ranks count a load's tokens retrieved on this word: a load whose request finished
+        # first (aborted while it was parked) was never used, nor counted a hit by the host
+        self._ledger.load_ended(term.op_id, term.ok and (st is None or not st.finished), sync_s)
+        # no tier was read when the report never came, or when the ranks failed the load at
+        # once (a hook error, a window not stored): neither is evidence of a tier's speed
+        doomed = load is not None and load.fail
+        if term.reason not in (REPORT_LOST, HOOK_ERROR, WINDOW) and not doomed:
             self._learn(load, term, tokens)
         if term.ok:
             return LoadOutcome(req_id, True, tokens, "", term.tier)

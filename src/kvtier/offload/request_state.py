@@ -22,6 +22,11 @@ class LoadState:
     tables: list[list[int]] | None = None  # a hybrid load: every KV cache group's block table
     predicted_s: float = 0.0  # the cost model's predicted read time, checked at its terminal
     reads: tuple[tuple[str, int], ...] = ()  # (tier, tokens) the load reads from each tier
+    promised_hbm: int = -1  # the floor `reads` start at (-1: `hbm`, as promised)
+
+    def __post_init__(self) -> None:
+        if self.promised_hbm < 0:
+            self.promised_hbm = self.hbm
 
 
 @dataclass

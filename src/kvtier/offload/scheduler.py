@@ -146,6 +146,7 @@ class OffloadScheduler:
         if st.epoch != self.keys.epoch:
             if st.busy() or st.load is not None:
                 return 0  # its keys name the old epoch until its transfers end
+            self.load_planner.cancel_lookup(st)  # its lease on every rank goes back
             del self._reqs[st.req_id]  # a new lifecycle: keyed in the new epoch
             st = self._state(req)
         if st.load is not None and st.load.op_id is None:
@@ -210,6 +211,7 @@ class OffloadScheduler:
                 shown_id(st.req_id), promised, num_external_tokens,
             )  # fmt: skip
             load.end = load.hbm + num_external_tokens
+        self.load_planner.repredict(load)
         need_blocks = -(-load.end // self.block_size)
         if len(block_ids) < need_blocks:
             raise ValueError(
