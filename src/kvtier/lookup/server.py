@@ -16,7 +16,7 @@ import zmq
 
 from kvtier.errors import ConfigError, StartupError
 from kvtier.lookup.auth import REPLIES, REQUESTS, FrameMac, RefusalLog, check_key
-from kvtier.lookup.curve import ZapGate, curve_keys, secure_server
+from kvtier.lookup.curve import curve_keys, secure_server
 from kvtier.lookup.endpoints import (
     check_ipc_path,
     check_tcp_host,
@@ -92,9 +92,9 @@ class LookupServer:
     counted (`frames`, `oversized`, `auth`), never answered, leased or released for. Without
     `key`, the key is read from the run dir the endpoint names (`lookup/keyfile.py`).
 
-    On TCP the socket is a CURVE server in a zmq context of its own, whose ZAP handler this
-    server's thread answers (`lookup/curve.py`): a peer without the engine key is refused at
-    the handshake, before any frame of it is queued, and counted as `auth`.
+    On TCP the socket is a CURVE server under keys derived from the engine key and the rank
+    (`lookup/curve.py`): a peer without the engine key is dropped at the handshake, before any
+    frame of it is queued.
     """
 
     def __init__(
@@ -127,8 +127,7 @@ class LookupServer:
         self._m = metrics
         self._codec = Codec(max_frame_bytes)
         self._curve = curve_keys(key, rank) if transport == "tcp" else None
-        # a context per TCP server: the ZAP handler is bound once per context
-        self._ctx = zmq.Context() if self._curve is not None else zmq.Context.instance()
+        self._ctx = zmq.Context.instance()
         self._thread: threading.Thread | None = None
         self._bound: str | None = None
         self._wake_send: zmq.Socket | None = None
@@ -152,21 +151,15 @@ class LookupServer:
         if self._transport == "ipc":
             _check_socket_dir(Path(self._address).parent)
             ensure_ipc_free(self._address)
-        gate: ZapGate | None = None
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.MAXMSGSIZE, _HARD_FRAME_FACTOR * self._codec.max_frame_bytes)
         if self._curve is not None:
-            domain = f"kvtier-lookup-rank-{self.rank}"
-            gate = ZapGate(self._ctx, domain, self._curve.client_public)
-            secure_server(router, self._curve, domain)
+            secure_server(router, self._curve)
         try:
             router.bind(self.endpoint)
         except zmq.ZMQError as e:
             router.close()
-            if gate is not None:
-                gate.close()
-            self._ctx_term()
             raise StartupError(
                 f"lookup server rank {self.rank} cannot bind {self.endpoint}: {e}"
             ) from e
@@ -183,7 +176,7 @@ class LookupServer:
         # Sockets move to the serving thread; Thread.start() is the memory barrier zmq requires.
         self._thread = threading.Thread(
             target=self._serve,
-            args=(router, wake_recv, gate),
+            args=(router, wake_recv),
             name=f"kvtier-lookup-server-{self.rank}",
             daemon=True,
         )
@@ -208,15 +201,8 @@ class LookupServer:
                 self.rank,
                 _JOIN_TIMEOUT_S,
             )
-            return
-        if self._transport == "ipc":
+        elif self._transport == "ipc":
             self._wait_unbound()
-        self._ctx_term()
-
-    def _ctx_term(self) -> None:
-        """End a TCP server's own context (every socket of it is closed by now)."""
-        if self._curve is not None:
-            self._ctx.term()
 
     def _wait_unbound(self) -> None:
         """zmq closes the listener on its IO thread after the socket's close(): wait (bounded)
@@ -240,19 +226,15 @@ class LookupServer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _serve(self, router: zmq.Socket, wake: zmq.Socket, gate: ZapGate | None) -> None:
+    def _serve(self, router: zmq.Socket, wake: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)
-        if gate is not None:
-            poller.register(gate.socket, zmq.POLLIN)
         try:
             while True:
                 ready = dict(poller.poll())
                 if wake in ready:
                     return
-                if gate is not None and gate.socket in ready:
-                    self._vet(gate)
                 for _ in range(_BATCH):
                     try:
                         frames = router.recv_multipart(zmq.NOBLOCK)
@@ -265,14 +247,6 @@ class LookupServer:
         finally:
             router.close()
             wake.close()
-            if gate is not None:
-                gate.close()
-
-    def _vet(self, gate: ZapGate) -> None:
-        """Answer a TCP peer's handshake: one without the engine key is counted and logged."""
-        why = gate.answer()
-        if why is not None:
-            self._refuse(REJECT_AUTH, f"handshake: {why}")
 
     def _handle(self, router: zmq.Socket, frames: list[bytes]) -> None:
         peer = frames[0]
@@ -396,7 +370,7 @@ class LookupServer:
         return None
 
     def _refuse(self, reason: str, detail: str) -> None:
-        """Count and log (a flood of them must not fill the log) a refused peer or frame."""
+        """Count and log (a flood of them must not fill the log) a refused frame."""
         self.rejected += 1
         self._m.rejected_frame(reason).inc()
         self._refusals.refused(f"{reason}: {detail}")
