@@ -357,23 +357,18 @@ class LookupServer:
             cap = self._codec.max_frame_bytes
             refusal = REJECT_OVERSIZED, f"{len(frames[2])} bytes > max_frame_bytes={cap}"
         elif not self._mac_in.matches(frames[1], frames[2]):
-            refusal = (
-                REJECT_AUTH,
-                (
-                    f"its MAC was not made with the engine's key for rank {self.rank} (another "
-                    "engine, or a rank of this one sent to the wrong socket)"
-                ),
-            )
+            refusal = REJECT_AUTH, (
+                f"its MAC was not made with the engine's key for rank {self.rank} (another "
+                "engine, or a rank of this one sent to the wrong socket)"
+            )  # fmt: skip
         if refusal is None:
             return frames[2]
-        self._refuse(*refusal)
-        return None
-
-    def _refuse(self, reason: str, detail: str) -> None:
-        """Count and log (a flood of them must not fill the log) a refused frame."""
+        reason, detail = refusal
         self.rejected += 1
         self._m.rejected_frame(reason).inc()
+        # a flood of them must not fill the log
         self._refusals.refused(f"{reason}: {detail}")
+        return None
 
     def _reject(self, router: zmq.Socket, peer: bytes, err: FrameError) -> None:
         """Answer an authenticated message this side cannot take (the engine's own client,

@@ -13,7 +13,6 @@ budget. Thread-safe: hooks and an admin API share one ledger.
 from __future__ import annotations
 
 import heapq
-import math
 import threading
 import time
 from collections import OrderedDict
@@ -21,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvtier.config import RETENTION_FULL_MODES
+from kvtier.numbers import finite_number
 
 # what a hint finds when the budget is full: `clip` keeps what fits; `soonest` first takes
 # room from retained chunks due back later than it (latest first), as the optimum would
@@ -91,13 +91,8 @@ MAX_SESSION_CHARS = 256
 def positive_seconds(value: object) -> bool:
     """A number of seconds a deadline can be made of: finite and > 0 (JSON parsers accept
     NaN and Infinity literals; a bool is not a number here)."""
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        return False
-    try:
-        seconds = float(value)
-    except OverflowError:  # an int of hundreds of digits: no float holds it
-        return False
-    return math.isfinite(seconds) and seconds > 0
+    seconds = finite_number(value)
+    return seconds is not None and seconds > 0
 
 
 def hint_from_params(params: Mapping[str, object]) -> RetentionHint | None:
@@ -223,13 +218,17 @@ class RetentionLedger:
                 else:
                     self._until[key] = (old[0], self._payer(key, old[1], held))
                     continue
-                heapq.heappush(self._deadlines, (until, key))
-                if self.full == SOONEST:
-                    heapq.heappush(self._latest, (-until, -depth, key))
+                self._schedule(key, until, depth)
         if granted == 0 and want > 0:
             return RetentionDecision(REJECTED, 0, 0.0, reason or "budget"), [], 0.0
         status = RETAINED if granted == want and not reason else CLIPPED
         return RetentionDecision(status, granted * chunk, ttl, reason), list(keys[:granted]), until
+
+    def _schedule(self, key: bytes, until: float, depth: int) -> None:
+        """`key` is due at `until` now (the heaps' older entries for it go stale)."""
+        heapq.heappush(self._deadlines, (until, key))
+        if self.full == SOONEST:
+            heapq.heappush(self._latest, (-until, -depth, key))
 
     def _prune_holders(self, held: dict[tuple[str, str], float], now: float) -> None:
         """Drop a key's holders whose deadline passed, and past the cap the soonest due (a
@@ -337,9 +336,7 @@ class RetentionLedger:
         payer = self._payer(key, entry[1], held)
         if until < entry[0]:
             self._shortened[key] = until
-            heapq.heappush(self._deadlines, (until, key))
-            if self.full == SOONEST:
-                heapq.heappush(self._latest, (-until, 0, key))
+            self._schedule(key, until, 0)
         else:
             until = entry[0]
         self._until[key] = (until, payer)

@@ -510,7 +510,7 @@ class OffloadWorker:
                 "start_load_kv",
                 None,
                 lambda: self._issue_step_waves(step),
-                lambda: self._overrule([p.op for p, _ in step.loads], HOOK_ERROR),
+                lambda: self._step_waves_failed(step),
             )
         self._wave_marks = waves if any(m is not None for m in waves) else []
         if tails:
@@ -540,6 +540,12 @@ class OffloadWorker:
         assert self._waves is not None
         return self._path.sync_loads.issue_waves(self._path.sync_lane, step, self._waves.count)
 
+    def _step_waves_failed(self, step: StepWaves) -> list[Mark | None]:
+        """The step's wave copies could not all be queued (what was, landed): the loads that
+        had chunks waiting fail; no wave is left for a layer to wait for."""
+        self._overrule([p.op for p, _ in step.loads], HOOK_ERROR)
+        return []
+
     def _join(self, marks: Iterable[Mark]) -> None:
         assert self._ops is not None
         for mark in marks:
@@ -565,10 +571,9 @@ class OffloadWorker:
         """A hook's fallback: the rank's state can no longer be trusted (`degrade`)."""
         self.degrade(HOOK_ERROR)
 
-    def _overrule(self, loads: Iterable[LoadOp], reason: str) -> list[Mark | None]:
+    def _overrule(self, loads: Iterable[LoadOp], reason: str) -> None:
         """Sync loads of this step, already reported loaded, whose bytes may not be there
-        when the forward reads them: their results become failures, their blocks invalid
-        (no marks are left for a layer to wait for)."""
+        when the forward reads them: their results become failures, their blocks invalid."""
         ops = {op.op_id: op for op in loads}
         with self._book.lock:
             failed = self.outbox.overrule(set(ops), reason)
@@ -576,7 +581,6 @@ class OffloadWorker:
                 self.outbox.invalid.extend(self._claimed_blocks(ops[op_id]))
         for _ in failed:
             self.metrics.load_failure(reason).inc()
-        return []
 
     def _submit_loads(self, loads: list[PendingLoad]) -> None:
         assert self._path is not None

@@ -255,19 +255,17 @@ class DiskTier(TierBase):
         if key in self._index:
             return True
         why = untrusted(st)
+        if why is None and st.st_size < record.HEADER_BYTES:
+            # renamed into place with no data (a power cut before the write reached the disk)
+            why = _TRUNCATED
         if why is not None:
-            if key not in self._untrusted:
+            if key not in self._untrusted:  # counted and logged once a key
                 self._untrusted.add(key)
-                self._m.verify_failure(self.name, "untrusted_file").inc()
+                reason = _TRUNCATED if why == _TRUNCATED else "untrusted_file"
+                self._m.verify_failure(self.name, reason).inc()
                 log.warning("kvtier: disk tier follower did not index %s: %s", path, why)
             return False
         size = st.st_size
-        if size < record.HEADER_BYTES:
-            # renamed into place with no data (a power cut before the write reached the disk)
-            if key not in self._untrusted:
-                self._untrusted.add(key)
-                self._m.verify_failure(self.name, _TRUNCATED).inc()
-            return False
         self._index[key] = size
         self._bytes += size
         self._policy.insert(key, size)

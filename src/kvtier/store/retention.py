@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+
+from kvtier.numbers import finite_number
 
 log = logging.getLogger("kvtier")
 
@@ -132,7 +133,7 @@ class RetentionTable:
                 if len(self._until) >= self.limit:
                     break
                 key = _parse_key(hexkey)
-                deadline = _deadline(until)
+                deadline = finite_number(until)
                 if key is None or deadline is None or deadline <= now:
                     continue
                 self._until[key] = max(deadline, self._until.get(key, 0.0))
@@ -151,15 +152,3 @@ def _parse_key(hexkey: object) -> bytes | None:
         return bytes.fromhex(hexkey)
     except ValueError:
         return None
-
-
-def _deadline(until: object) -> float | None:
-    """A saved deadline as finite seconds, None for anything else (a bool, a NaN, an integer
-    too large for a float)."""
-    if isinstance(until, bool) or not isinstance(until, int | float):
-        return None
-    try:
-        value = float(until)
-    except OverflowError:
-        return None
-    return value if math.isfinite(value) else None

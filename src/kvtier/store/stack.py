@@ -591,17 +591,19 @@ class TierStack:
         """Delete `keys` from every tier (the shared store included) and stop retaining them;
         how many some tier held. The boundary states the keys end go with them (derived from the
         same tokens). A save still in flight may store a key again."""
-        self.retention.release(keys)
         states = self._states_of(keys)
-        self.retention.release(states)
-        deleted = 0
-        for i, key in enumerate([*keys, *states]):
-            found = False
-            for t in self._all():
-                if self._writes_lower or t is self._memory:
-                    found = t.delete(key) or found
-            deleted += found and i < len(keys)
-        return deleted
+        self.retention.release([*keys, *states])
+        for key in states:
+            self._delete_everywhere(key)
+        return sum(self._delete_everywhere(key) for key in keys)
+
+    def _delete_everywhere(self, key: bytes) -> bool:
+        """Delete `key` from every tier this rank writes; whether some tier held it."""
+        found = False
+        for t in self._all():
+            if self._writes_lower or t is self._memory:
+                found = t.delete(key) or found
+        return found
 
     def _states_of(self, keys: Sequence[bytes]) -> list[bytes]:
         """Every part of the boundary state each of `keys` may end (none without state
