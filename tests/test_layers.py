@@ -34,6 +34,7 @@ FOUNDATION = frozenset(
         "remote_endpoint",
         "cpus",
         "private_file",
+        "numbers",
         "data",
     }
 )
