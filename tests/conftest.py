@@ -5,13 +5,14 @@ kvtier or the native server against vLLM."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.cpu_isa import vector_isa
-from tests.vllm.conftest import DRIVERS, TIER, _run
+from tests.vllm.conftest import DRIVERS, TIER, VLLM_CACHE, _run
 from tests.vllm.conftest import tiny_vllm_model as tiny_vllm_model  # fixtures, visible everywhere
 from tests.vllm.conftest import vllm_env as vllm_env
 from tests.vllm.conftest import vllm_python as vllm_python
@@ -28,6 +29,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from tests.xdist_files import FileScheduling
 
     return FileScheduling(config, log)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every vLLM server a test starts through kvtier's bench (which passes VLLM_CACHE_ROOT
+    on) shares the drivers' cache: a developer's own cache stays out of the tests."""
+    os.environ["VLLM_CACHE_ROOT"] = str(VLLM_CACHE)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -106,7 +106,11 @@ def test_environment_is_offline_with_dev_endpoints_and_tp_binding(
     src = str(Path(e2e.__file__).resolve().parents[2])
     assert env["PYTHONPATH"].split(":")[0] == src
     assert env["TMPDIR"] == env["VLLM_RPC_BASE_PATH"] == str(tmp)
-    assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "work" / "vllm-cache")
+    # vLLM's cache is the caller's (kept across runs: model inspection runs once), never per run
+    monkeypatch.setenv("VLLM_CACHE_ROOT", "/caches/vllm")
+    assert server(tmp_path).environ(tmp)["VLLM_CACHE_ROOT"] == "/caches/vllm"
+    monkeypatch.delenv("VLLM_CACHE_ROOT")
+    assert "VLLM_CACHE_ROOT" not in server(tmp_path).environ(tmp)
     assert server(tmp_path, tp=2).environ(tmp)["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     assert server(tmp_path).environ(tmp)["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"

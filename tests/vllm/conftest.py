@@ -23,6 +23,9 @@ from tests.vllm.forkclient import server_for
 REPO = Path(__file__).resolve().parents[2]
 SETUP_SCRIPT = REPO / "scripts" / "setup-vllm-env.sh"
 VENV = REPO / ".venv-vllm"
+# vLLM's cache for every vLLM process the suite starts (drivers, servers, both xdist workers):
+# its model inspection (a subprocess importing vLLM, ~10 s) then runs once per checkout
+VLLM_CACHE = REPO / "build" / "vllm-cache"
 DRIVERS = Path(__file__).resolve().parent / "drivers"
 SETUP_TIMEOUT_S = 1800
 CHUNK = 256
@@ -277,8 +280,7 @@ def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
-            # shared across drivers: the second engine skips vLLM's model inspection (~13 s)
-            "VLLM_CACHE_ROOT": str(root / "vllm-cache"),
+            "VLLM_CACHE_ROOT": str(VLLM_CACHE),
             "VLLM_RPC_BASE_PATH": str(root / "tmp"),
             "TMPDIR": str(root / "tmp"),
             "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]),

@@ -229,7 +229,9 @@ class VLLMServerConfig:
 
     def environ(self, tmp: Path) -> dict[str, str]:
         """Ours minus our venv, for an offline vLLM with dev endpoints, its sockets and temp
-        files in `tmp` and kvtier's source on PYTHONPATH; then `env`."""
+        files in `tmp` and kvtier's source on PYTHONPATH; then `env`. VLLM_CACHE_ROOT is the
+        caller's, or vLLM's default: a cache kept across runs spares every later server start
+        vLLM's model inspection (a subprocess that imports vLLM, ~10 s on 2 cores)."""
         if len(str(tmp)) > _MAX_TMP_LEN:
             raise ConfigError(
                 f"vLLM temp dir {str(tmp)!r} is longer than {_MAX_TMP_LEN} characters; its ipc "
@@ -244,7 +246,6 @@ class VLLMServerConfig:
                 "TRANSFORMERS_OFFLINE": "1",
                 # /reset_prefix_cache is a dev endpoint
                 "VLLM_SERVER_DEV_MODE": "1",
-                "VLLM_CACHE_ROOT": str(self.work_dir / "vllm-cache"),
                 "VLLM_RPC_BASE_PATH": str(tmp),
                 "TMPDIR": str(tmp),
                 "PYTHONPATH": src if not path else os.pathsep.join([src, path]),
