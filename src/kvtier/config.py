@@ -493,6 +493,13 @@ class KVTierConfig:
         "chunks each copy lane keeps in flight (one staging buffer each): the host commits or "
         "unpins the oldest while the next ones cross the link; 1 = one chunk at a time",
     )
+    persistent_ring: bool = _f(
+        True,
+        "bool",
+        "each copy lane keeps its transfers in flight across steps: a step's last chunks are "
+        "still on the link while the next step's are issued (false: each step's job waits for "
+        "all of its chunks before the lane takes the next, as before)",
+    )
     load_waves: int = _f(
         4,
         "int",

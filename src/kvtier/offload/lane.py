@@ -22,6 +22,8 @@ log = logging.getLogger("kvtier")
 
 T = TypeVar("T")
 Job = Callable[[Lane], object]
+# retires what a job left in flight on the lane (a path's persistent transfer ring)
+Settle = Callable[[Lane], None]
 
 
 class WorkLane:
@@ -40,7 +42,7 @@ class WorkLane:
         self.cpus = cpus
         self._cpu = cpu
         self._ops = ops
-        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._jobs: queue.Queue[tuple[Job, Settle | None] | None] = queue.Queue()
         self._ready = threading.Event()
         self._failed: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -53,9 +55,12 @@ class WorkLane:
         if self._failed is not None:
             raise self._failed
 
-    def submit(self, job: Job) -> None:
-        """Queue `job(lane)`; it must report its own outcome (the lane only logs a crash)."""
-        self._jobs.put(job)
+    def submit(self, job: Job, settle: Settle | None = None) -> None:
+        """Queue `job(lane)`; it must report its own outcome (the lane only logs a crash).
+        `settle(lane)` retires what the job may leave in flight: the lane runs it before it
+        waits for more work, before any job that brings another `settle` (or none), and
+        before it stops, so a job of the same path queued behind it keeps the link busy."""
+        self._jobs.put((job, settle))
 
     def call(self, fn: Callable[[Lane], T], timeout_s: float) -> T:
         """Run `fn(lane)` on the lane and return its result (or raise what it raised)."""
@@ -100,16 +105,33 @@ class WorkLane:
             self._ready.set()
             return
         self._ready.set()
+        left: Settle | None = None  # what the last job left in flight, to settle
         while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            c0 = time.thread_time()
             try:
-                job(lane)
-            except Exception:
-                # jobs report their outcome themselves; one that raised anyway is a bug, and
-                # the lane must live on for the jobs behind it
-                log.exception("kvtier: %s job raised", self.name)
-            if self._cpu is not None:
-                self._cpu.inc(time.thread_time() - c0)
+                item = self._jobs.get_nowait()
+            except queue.Empty:
+                # out of work: nothing may stay on the link unreported while the lane sleeps
+                left = self._timed(lane, left, "settle")
+                item = self._jobs.get()
+            if item is None:
+                self._timed(lane, left, "settle")
+                return
+            job, settle = item
+            if left is not None and settle != left:
+                left = self._timed(lane, left, "settle")
+            self._timed(lane, job, "job")
+            left = settle
+
+    def _timed(self, lane: Lane, fn: Callable[[Lane], object] | None, what: str) -> None:
+        """Run `fn(lane)` (a job or a settle) counting its CPU time; None is a no-op. A job
+        reports its outcome itself: one that raised anyway is a bug, and the lane lives on
+        for the jobs behind it."""
+        if fn is None:
+            return
+        c0 = time.thread_time()
+        try:
+            fn(lane)
+        except Exception:
+            log.exception("kvtier: %s %s raised", self.name, what)
+        if self._cpu is not None:
+            self._cpu.inc(time.thread_time() - c0)

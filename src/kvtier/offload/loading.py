@@ -146,9 +146,12 @@ class LoadPath:
         guard: HookGuard,
         tag: str,
         moved: Callable[[str], None] = lambda path: None,
+        persistent: bool = True,
     ) -> None:
-        """`moved(path)` counts each chunk by the path it took (dma, kernel, host)."""
+        """`moved(path)` counts each chunk by the path it took (dma, kernel, host);
+        `persistent`: the load lane's last chunks stay in flight into its next job (`settle`)."""
         self._moved = moved
+        self._persistent = persistent
         self._stack = stack
         self._codec = codec
         self._ops = ops
@@ -157,6 +160,7 @@ class LoadPath:
         self._guard = guard
         self._tag = tag
         self._peak = Peak()
+        self._ring: Flights[Buffers] = Flights(self._buffers, self._peak)
         # why this rank fails every load at once ("": it serves); set by the worker
         self.degraded = ""
         # synchronous loads: the next buffer, each buffer's last scatter, slots still pinned
@@ -170,18 +174,35 @@ class LoadPath:
     def run(self, lane: Lane, loads: Sequence[PendingLoad]) -> None:
         """Asynchronous loads, pipelined across all their chunks; each reports once, after
         everything it queued landed."""
-        flights: Flights[Buffers] = Flights(self._buffers, self._peak)
+        flights = self._ring
+        earlier = flights.issued  # what the lane's previous jobs left in flight is before this
         try:
             for run in [LoadRun(p) for p in loads]:
                 self._run_one(lane, flights, run)
-            flights.drain()
+            # this job's last chunks may stay on the link into the lane's next job (it settles
+            # the ring when it has no more work); an earlier job's never wait longer than this
+            if self._persistent:
+                flights.retire_before(earlier)
+            else:
+                flights.drain()
         except Exception as e:  # noqa: BLE001 - counted by the guard; what is in flight ends below
-            # a defect of kvtier's own (a report that raised, while chunks were still on the
-            # link): nothing queued may land after its slot is let go, and every chunk still in
-            # flight lets go of its slot and tells its load it failed
-            self._guard.failed("load", None, e)
-            settle(lane, self._tag)
-            flights.abandon(e)
+            self._failed(lane, e)
+
+    def settle(self, lane: Lane) -> None:
+        """Retire every chunk still in flight, so each load reports (the load lane runs this
+        when it runs out of work, and before a job of another kind)."""
+        try:
+            self._ring.drain()
+        except Exception as e:  # noqa: BLE001 - counted by the guard; what is in flight ends below
+            self._failed(lane, e)
+
+    def _failed(self, lane: Lane, e: Exception) -> None:
+        """A defect of kvtier's own (a report that raised, while chunks were still on the
+        link): nothing queued may land after its slot is let go, and every chunk still in
+        flight lets go of its slot and tells its load it failed."""
+        self._guard.failed("load", None, e)
+        settle(lane, self._tag)
+        self._ring.abandon(e)
 
     def one(self, lane: Lane, p: PendingLoad) -> LoadRun:
         """Run one load to completion on `lane` (the self-test); it reports nothing."""
@@ -196,12 +217,20 @@ class LoadPath:
         # timed from its own first chunk, not from its job's start: a load queued behind others
         # in one job would otherwise read as a slow tier to the load gate
         run.t0 = time.perf_counter()
+        first = flights.issued  # the chunks before this are other loads', which may report
+
+        def before_read() -> None:
+            # a lower tier's read may take long (a remote store, a cold disk): the other loads'
+            # chunks still on the link (a copy each, at most) retire and report first
+            flights.retire_before(first)
+
         try:
             run.reason = op.fail or self.degraded
             for ref in () if run.reason else self._codec.records(op.chunks):
                 try:
+                    flights.retire_landed()
                     bufs = flights.acquire()
-                    got = self._issue(lane, run.p, ref, bufs, None)
+                    got = self._issue(lane, run.p, ref, bufs, None, before_read=before_read)
                 except Exception as e:  # noqa: BLE001 - counted by the guard, reported below
                     # whatever a tier or the codec raised, the lane lives on to serve later
                     # loads, and this one reports; a scatter queued before the raise must not
@@ -369,10 +398,12 @@ class LoadPath:
         bufs: Buffers,
         reusable: Mark | None,
         waves: Waves | None = None,
+        before_read: Callable[[], None] = lambda: None,
     ) -> _Issued | _Deferred | str:
         """Read one chunk's source and queue its copy and scatter; `reusable`: the mark after
         which the staging buffer may be overwritten (None: it is free now). With `waves`, a
-        chunk the copy engine can move is returned unqueued, its regions split by wave."""
+        chunk the copy engine can move is returned unqueued, its regions split by wave.
+        `before_read` runs before a lower tier is read (which may take long)."""
         stack, codec = self._stack, self._codec
         held = contextlib.ExitStack()
         try:
@@ -385,6 +416,7 @@ class LoadPath:
                     bufs.host = self._ops.host_buffer(codec.chunk_bytes)
                 host = bufs.host
                 held.callback(lambda: host)  # alive until the copy out of it completed
+                before_read()
                 found = stack.read_into(ref.key, host, ref.parent)
                 if found is None:
                     held.close()

@@ -73,9 +73,11 @@ class SavePath:
         tag: str,
         dma: bool = False,
         moved: Callable[[str], None] = lambda path: None,
+        persistent: bool = True,
     ) -> None:
         """`staging`: one device buffer per transfer in flight (None: gather into the slot);
-        `dma`: contiguous runs go by the lane's 2-D copies; `moved(path)` counts each chunk."""
+        `dma`: contiguous runs go by the lane's 2-D copies; `moved(path)` counts each chunk;
+        `persistent`: a step's last chunks stay in flight into the next job (`settle`)."""
         self._stack = stack
         self._codec = codec
         self._staging = list(staging)
@@ -85,31 +87,52 @@ class SavePath:
         self._dma = dma
         self._moved = moved
         self._peak = Peak()
+        self._persistent = persistent
+        self._ring: Flights[torch.Tensor | None] = Flights(self._staging, self._peak)
 
     def run(self, lane: Lane, jobs: Sequence[PendingSave]) -> None:
         """A step's saves, pipelined across all their chunks; each reports once."""
         runs = [SaveRun(job) for job in jobs]
-        flights: Flights[torch.Tensor | None] = Flights(self._staging, self._peak)
+        flights = self._ring
+        earlier = flights.issued  # what the lane's previous jobs left in flight is before this
         try:
             for run in runs:
                 # deepest chunk first: a chain's head is committed last, so it is the most recent
                 for ref in reversed(self._codec.records(run.job.op.chunks)):
                     if run.reason:
                         break
+                    flights.retire_landed()
                     self._issue(lane, flights, run, ref)
                 run.issued = True
                 self._maybe_report(run)
-            flights.drain()
+            # this job's chunks may stay on the link into the lane's next job (it settles the
+            # ring when it has no more work); an earlier job's never wait longer than this one
+            if self._persistent:
+                flights.retire_before(earlier)
+            else:
+                flights.drain()
         except Exception as e:  # noqa: BLE001 - counted by the guard; every save reports below
-            # a defect of kvtier's own (the copy path's errors are caught per chunk): nothing
-            # queued may land after its slot is freed, and every save still reports
-            self._guard.failed("save", None, e)
-            settle(lane, self._tag)
-            flights.abandon(e)
+            self._failed(lane, e)
             for run in runs:
                 run.reason = run.reason or HOOK_ERROR
                 run.issued, run.in_flight = True, 0
                 self._maybe_report(run)
+
+    def settle(self, lane: Lane) -> None:
+        """Retire every chunk still in flight, committing what landed (the lane runs this when
+        it runs out of work, and before a job of another kind)."""
+        try:
+            self._ring.drain()
+        except Exception as e:  # noqa: BLE001 - counted by the guard; the saves report below
+            self._failed(lane, e)
+
+    def _failed(self, lane: Lane, e: Exception) -> None:
+        """A defect of kvtier's own (the copy path's errors are caught per chunk): nothing
+        queued may land after its slot is freed, and every chunk in flight tells its save it
+        failed (so each save still reports)."""
+        self._guard.failed("save", None, e)
+        settle(lane, self._tag)
+        self._ring.abandon(e)
 
     def one(self, lane: Lane, job: PendingSave, ref: ChunkRef) -> str:
         """Save one chunk and wait for it (the self-test): "" when stored, else the reason; it

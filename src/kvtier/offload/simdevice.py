@@ -73,6 +73,10 @@ class SimStats:
     d2h: int = 0
     kernels: int = 0
     engine_busy_s: float = 0.0  # modelled seconds the engines were copying, summed
+    # idle stretches between two copies on an engine (modelled seconds, summed): a copy that
+    # could have been queued earlier (the host waking, committing, reporting) shows up here
+    engine_idle_s: float = 0.0
+    engine_gaps: int = 0  # copies that found their engine idle after its previous copy
     peak_in_flight: int = 0  # most copies queued and not yet complete at once
     host_waits: collections.Counter[str] = field(default_factory=collections.Counter)
     host_wait_s: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -137,11 +141,19 @@ class _Engine:
         self._lock = threading.Lock()
         self._free_at = 0.0
 
-    def reserve(self, ready_at: float, seconds: float) -> tuple[float, float]:
+    def forget(self) -> None:
+        """Drop the engine's history: its next copy's wait is not an idle gap."""
+        with self._lock:
+            self._free_at = 0.0
+
+    def reserve(self, ready_at: float, seconds: float) -> tuple[float, float, float]:
+        """The copy's modelled (start, end), and how long the engine sat idle before it since
+        its previous copy (0 for its first)."""
         with self._lock:
             start = max(ready_at, self._free_at)
+            idle = start - self._free_at if self._free_at else 0.0
             self._free_at = start + seconds
-            return start, self._free_at
+            return start, self._free_at, idle
 
 
 class SimStream:
@@ -368,6 +380,12 @@ class SimOps:
         self.compute.put(_Item("kernel", ev, fn=fn))
         return ev
 
+    def forget_idle(self) -> None:
+        """Start counting the engines' idle gaps afresh: the next copy on each engine opens a
+        measured burst (the wait since the last burst is not a gap within it)."""
+        for engine in self._engines:
+            engine.forget()
+
     def synchronize(self) -> None:
         """Wait for everything queued on every stream so far (a host wait, counted)."""
         with self._lock:
@@ -438,7 +456,7 @@ class SimOps:
         nbytes = src.numel() * src.element_size()
         seconds = self.model.seconds(nbytes)
         engine = self._engines[1 if to_host and len(self._engines) > 1 else 0]
-        _, end = engine.reserve(ready, seconds)
+        _, end, idle = engine.reserve(ready, seconds)
         _sleep_until(end - nbytes / self._host_bps)
         if ok:
             t0 = time.perf_counter()
@@ -452,8 +470,12 @@ class SimOps:
             self.stats.copies += 1
             self.stats.copy_bytes += nbytes
             self.stats.engine_busy_s += seconds
+            self.stats.engine_idle_s += idle
+            self.stats.engine_gaps += idle > 0
             if to_host:
                 self.stats.d2h += 1
             else:
                 self.stats.h2d += 1
-        return max(end, time.monotonic())
+        # the modelled end, not when this thread woke: the stream's next copy is ready then, so
+        # a late wake-up of the simulating thread never shows up as the engine idling
+        return end

@@ -7,6 +7,13 @@ chunks i+1 .. i+depth-1 are on the link, so the copy engine is never idle behind
 `depth=1` is the serial design kvtier had before: each chunk waited for and committed before
 the next one starts (kept for comparison: `transfer_depth: 1`).
 
+A path keeps one ring across its lane's jobs (`transfer_ring: persistent`): a step's last
+chunks stay on the link while the next step's job, already queued, issues its own, so the copy
+engine is not left idle between steps while the host waits, commits, reports and wakes for the
+next job. What a job left is retired as soon as it landed (`retire_landed`, before each issue),
+at the latest when the next job ends, and whenever the lane runs out of work
+(`WorkLane.submit(settle=...)`).
+
 A buffer is reused only after the transfer that last used it was retired, so its bytes are
 never overwritten while a copy may still read them or a scatter has not yet consumed them.
 """
@@ -40,6 +47,7 @@ class Peak:
 class _Flight:
     mark: Mark
     landed: Landed
+    number: int  # its place in issue order
 
 
 class Flights(Generic[B]):
@@ -62,6 +70,11 @@ class Flights(Generic[B]):
     def __len__(self) -> int:
         return len(self._queue)
 
+    @property
+    def issued(self) -> int:
+        """Transfers pushed so far (the issue number the next one gets)."""
+        return self._issued
+
     def acquire(self) -> B:
         """The buffer of the next transfer; retires the oldest first when every one is busy."""
         if len(self._queue) >= len(self._buffers):
@@ -70,7 +83,7 @@ class Flights(Generic[B]):
 
     def push(self, mark: Mark, landed: Landed) -> None:
         """The transfer just issued into the buffer `acquire` gave: `landed` runs on retire."""
-        self._queue.append(_Flight(mark, landed))
+        self._queue.append(_Flight(mark, landed, self._issued))
         self._issued += 1
         self._peak.value = max(self._peak.value, len(self._queue))
 
@@ -87,6 +100,23 @@ class Flights(Generic[B]):
     def drain(self) -> None:
         """Retire every transfer in flight."""
         while self._queue:
+            self.retire()
+
+    def retire_before(self, number: int) -> None:
+        """Retire the transfers issued before issue number `number` (waiting for them)."""
+        while self._queue and self._queue[0].number < number:
+            self.retire()
+
+    def retire_landed(self) -> None:
+        """Retire, oldest first, the transfers whose work is already done (no wait): their
+        owners hear of them now, not when the ring next needs their buffers."""
+        while self._queue:
+            try:
+                reached = self._queue[0].mark.done()
+            except RuntimeError:  # the device failed it: `retire` hands its owner the error
+                reached = True
+            if not reached:
+                return
             self.retire()
 
     def abandon(self, error: BaseException) -> None:

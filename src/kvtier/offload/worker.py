@@ -282,6 +282,7 @@ class OffloadWorker:
             self.tag,
             dma=ops.dma,
             moved=lambda path: self.metrics.transfer_chunk("save", path).inc(),
+            persistent=self.config.persistent_ring,
         )
 
         def load_path(report: Callable[[LoadRun], None]) -> LoadPath:
@@ -290,6 +291,7 @@ class OffloadWorker:
             return LoadPath(
                 self.stack, self.codec, ops, bufs, report, self.guard, self.tag,
                 moved=lambda path: self.metrics.transfer_chunk("load", path).inc(),
+                persistent=self.config.persistent_ring,
             )  # fmt: skip
 
         self._path = path = Datapath(
@@ -585,7 +587,7 @@ class OffloadWorker:
     def _submit_loads(self, loads: list[PendingLoad]) -> None:
         assert self._path is not None
         path = self._path.loads
-        self._path.load_lane.submit(lambda lane: path.run(lane, loads))
+        self._path.load_lane.submit(lambda lane: path.run(lane, loads), settle=path.settle)
 
     def _fail_load(self, p: PendingLoad, reason: str) -> None:
         """Report a load failed without running it (nothing of it was written, or what was
@@ -642,7 +644,7 @@ class OffloadWorker:
         self.guard.run(
             "wait_for_save",
             jobs[0].op.req_id,
-            lambda: save_lane.submit(lambda lane: path.run(lane, jobs)),
+            lambda: save_lane.submit(lambda lane: path.run(lane, jobs), settle=path.settle),
             lambda: [self._fail_save(job, HOOK_ERROR) for job in jobs] and None,
         )
 
