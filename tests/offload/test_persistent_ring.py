@@ -283,3 +283,16 @@ def test_a_load_that_landed_reports_before_the_next_jobs_slow_lower_tier_read(
     finally:
         release.set()
     assert w.wait_idle(WAIT_S)
+
+
+def test_two_saves_of_one_chunk_in_one_step_both_succeed(rig: Rig) -> None:
+    """Two requests sharing a prefix save its chunk in the same step: the second waits for the
+    first's copy on the link and finds the chunk stored (it failed `no_slot` while the slot was
+    only reserved, before and after the ring was kept)."""
+    w = rig.worker
+    ref = ChunkRef(_key(0), _ids(0))
+    w.wait_for_save(OffloadMeta(saves=[SaveOp("sv-a", "a", [ref], CHUNK),
+                                       SaveOp("sv-b", "b", [ref], CHUNK)]))  # fmt: skip
+    assert w.wait_idle(WAIT_S)
+    got = {r.op_id: (r.ok, r.reason) for r in w.take_report().results}
+    assert got == {"sv-a": (True, ""), "sv-b": (True, "")}

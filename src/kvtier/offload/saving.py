@@ -89,6 +89,9 @@ class SavePath:
         self._peak = Peak()
         self._persistent = persistent
         self._ring: Flights[torch.Tensor | None] = Flights(self._staging, self._peak)
+        # chunk key -> issue number of its copy still in flight (its slot reserved, not yet
+        # committed): a later save of the same key waits for it instead of failing no_slot
+        self._in_ring: dict[bytes, int] = {}
 
     def run(self, lane: Lane, jobs: Sequence[PendingSave]) -> None:
         """A step's saves, pipelined across all their chunks; each reports once."""
@@ -151,6 +154,12 @@ class SavePath:
             if job.cancelled:
                 run.reason = PREEMPTED
                 return
+        number = self._in_ring.get(ref.key)
+        if number is not None:
+            # the same chunk is still on the link for an earlier save (two requests sharing a
+            # prefix, the same step or the last one): it lands and commits first, then this
+            # save finds it stored
+            flights.retire_before(number + 1)
         if stack.memory.contains(ref.key):
             return
         # the parent link keeps the chain prefix-closed: a chunk's slot never comes from its parent
@@ -179,6 +188,7 @@ class SavePath:
                         mark = lane.copy(slot, staging, after=mark)
                 self._moved("host" if staging is None else "kernel")
             run.in_flight += 1
+            self._in_ring[ref.key] = flights.issued
             flights.push(mark, lambda error: self._landed(run, ref, error))
             issued = True
         except (RuntimeError, ValueError) as e:
@@ -194,6 +204,7 @@ class SavePath:
     def _landed(self, run: SaveRun, ref: ChunkRef, error: BaseException | None) -> None:
         """The chunk's copy completed (or failed): commit it, or free its slot."""
         committed = False
+        self._in_ring.pop(ref.key, None)
         try:
             if error is not None:
                 log.error("%s: save %s: the device failed: %s", self._tag, run.job.op.op_id, error)
