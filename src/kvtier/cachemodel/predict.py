@@ -35,10 +35,12 @@ from kvtier.store.stack import TierStack
 # the payload of a modelled chunk: the policy is what is measured, not the copies
 _PAYLOAD = 16
 _NAMESPACE = bytes(16)
-# the copies a save lane keeps in flight (`transfer_depth`'s default; 0: each chunk committed as
-# it takes its slot): under eviction pressure, when each chunk takes its slot and when it is
-# committed decides what stays
-TRANSFER_DEPTH = 2
+# the copies still in flight, uncommitted, when a save lane reserves the next chunk's slot (0:
+# each chunk committed before the next takes its slot): under eviction pressure, when each chunk
+# takes its slot and when it is committed decides what stays. The save lane retires whatever
+# landed before each slot it reserves (`offload/saving.py`), so on the CPU, where every copy has
+# landed when it is issued, nothing is in flight; on a GPU up to `transfer_depth` may be
+TRANSFER_DEPTH = 0
 
 MEMORY = "memory"
 DISK = "disk"
