@@ -77,17 +77,18 @@ def run_fake_server(rank: int, endpoint: str, held: int, events: Any, stop: Any)
 
 
 def signed(key: bytes, body: bytes, rank: int = 0) -> list[bytes]:
-    """The message `[MAC, body]` the engine's client sends rank `rank`: `body` under the
-    engine's `key`."""
-    return [FrameMac(key, REQUESTS, rank).of(body), body]
+    """The message (one frame, `MAC || body`) the engine's client sends rank `rank`: `body`
+    under the engine's `key`."""
+    return [FrameMac(key, REQUESTS, rank).seal(body)]
 
 
 def recv_signed(sock: zmq.Socket, key: bytes, timeout_ms: int = 5000, rank: int = 0) -> bytes:
     """The body of the next message on `sock` within `timeout_ms`, asserting it carries the
     engine's reply MAC of rank `rank`."""
     assert sock.poll(timeout_ms), f"no reply within {timeout_ms} ms"
-    mac, body = sock.recv_multipart()
-    assert FrameMac(key, REPLIES, rank).matches(mac, body), "a reply without the engine's MAC"
+    (frame,) = sock.recv_multipart()
+    body = FrameMac(key, REPLIES, rank).opened(frame)
+    assert body is not None, "a reply without the engine's MAC"
     return body
 
 

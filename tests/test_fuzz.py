@@ -39,7 +39,7 @@ from kvtier.lookup import (
     engine_key,
     make_run_dir,
 )
-from kvtier.lookup.auth import REQUESTS, FrameMac
+from kvtier.lookup.auth import MAC_BYTES, REQUESTS, FrameMac
 from kvtier.lookup.messages import (
     REJECT_AUTH,
     REJECT_FRAMES,
@@ -166,8 +166,8 @@ frames = st.one_of(
     huge_lengths(),
     st.sampled_from(VALID_FRAMES),
 )
-# a message is one frame, or several (the wire takes exactly one body), sent under the engine's
-# MAC (a MAC frame of the first in front: the codec behind the MAC is fuzzed) or as it is (no
+# a message is one frame, or several (the wire takes exactly one frame), sent under the engine's
+# MAC (the first frame sealed, MAC || body: the codec behind the MAC is fuzzed) or as it is (no
 # MAC, or a made-up one: refused before decoding)
 messages = st.tuples(
     st.booleans(),
@@ -234,14 +234,15 @@ def _wire(key: bytes, message: tuple[bool, list[bytes]]) -> list[bytes]:
 def _classify(codec: Codec, key: bytes, wire: list[bytes]) -> tuple[str, str]:
     """What the server must do with the frames `wire`: ("refuse", reason) (never answered),
     ("reject", reason), ("answer", kind) or ("silent", "release"), by the wire's own codec."""
-    if len(wire) == 1:
-        return "refuse", REJECT_AUTH
-    if len(wire) != 2:
+    if len(wire) != 1:
         return "refuse", REJECT_FRAMES
-    mac, body = wire
-    if len(body) > codec.max_frame_bytes:
+    (frame,) = wire
+    if len(frame) < MAC_BYTES:
+        return "refuse", REJECT_AUTH
+    if len(frame) - MAC_BYTES > codec.max_frame_bytes:
         return "refuse", REJECT_OVERSIZED
-    if not FrameMac(key, REQUESTS, 0).matches(mac, body):
+    body = FrameMac(key, REQUESTS, 0).opened(frame)
+    if body is None:
         return "refuse", REJECT_AUTH
     try:
         msg = codec.decode(body)
@@ -291,7 +292,7 @@ def _round(r: Rank, batch: list[tuple[bool, list[bytes]]]) -> None:
             assert (reply.rank, reply.hit_chunks) == (0, 0)
         elif detail == "lookup":
             assert isinstance(reply, LookupReply) and reply.error is None, (message, reply)
-            sent = r.oracle.decode(message[1])
+            sent = r.oracle.decode(message[0][MAC_BYTES:])
             assert isinstance(sent, LookupRequest)
             assert (reply.lookup_id, reply.req) == (sent.lookup_id, sent.req)
             held = 0

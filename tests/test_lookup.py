@@ -35,6 +35,7 @@ from kvtier.lookup import (
     format_client_line,
     make_run_dir,
 )
+from kvtier.lookup.auth import REQUESTS, FrameMac
 from kvtier.lookup.result import merged_runs
 from kvtier.metrics import Metrics
 from kvtier.store.registry import order
@@ -313,8 +314,11 @@ def test_malformed_frames_are_rejected_counted_and_the_server_keeps_serving(
         ("oversized", signed(key, b"\x00" * 4097)),
         ("frames", [*signed(key, ping), b"extra"]),
         ("frames", [b"a", b"b", b"c", b"d"]),
+        # the framing before one frame: a multipart message, whatever it carries
+        ("frames", [FrameMac(key, REQUESTS, 0).of(ping), ping]),
         ("auth", [ping]),
-        ("auth", [os.urandom(32), ping]),
+        ("auth", [b"short"]),
+        ("auth", [os.urandom(32) + ping]),
     ]
     m = Metrics(0)
     c = LookupClient(eps, m, chunk_size=CHUNK, world=1, timeout_ms=2000, tier_order=TIER_ORDER)

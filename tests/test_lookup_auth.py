@@ -22,6 +22,7 @@ from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
 from kvtier.lookup import (
     KEY_FILE,
+    MAC_BYTES,
     PROTOCOL_VERSION,
     Codec,
     LookupClient,
@@ -151,7 +152,7 @@ def test_a_foreign_lookup_is_not_answered_leases_nothing_and_is_counted(rank: Ra
     body = _lookup_frame("lk0")
     forged = [
         [body],  # a well-formed request without the engine's key
-        [os.urandom(32), body],  # with a made-up MAC
+        [os.urandom(32) + body],  # with a made-up MAC
         signed(os.urandom(32), body),  # MAC'd under another key (another engine's)
         # the engine's own frame for rank 1, replayed here by whoever held rank 1's TCP port
         signed(rank.key, body, rank=1),
@@ -177,7 +178,7 @@ def test_a_lease_cannot_be_released_without_the_key(rank: Rank) -> None:
     assert rank.leased()
     rank.base = rank.server.served
     body = _release_frame("lk7")
-    forged = [[body], [os.urandom(32), body], signed(os.urandom(32), body),
+    forged = [[body], [os.urandom(32) + body], signed(os.urandom(32), body),
               signed(rank.key, body, rank=1)]  # fmt: skip
     for frames in forged:
         rank.foreign.send_multipart(frames)
@@ -320,12 +321,12 @@ def test_a_reply_without_the_engines_mac_is_dropped_and_counted(run_dir: Path) -
         assert client.wait_connected(DEADLINE_S) == []
         pending = client.begin(KEYS, "lk0")
         assert squatter.poll(int(DEADLINE_S * 1000))
-        peer, _mac, body = squatter.recv_multipart()
-        req = codec.decode(body)
+        peer, frame = squatter.recv_multipart()
+        req = codec.decode(frame[MAC_BYTES:])
         assert isinstance(req, LookupRequest)
         claim = codec.encode(LookupReply(PROTOCOL_VERSION, "lk0", req.req, 0, len(KEYS)))
-        squatter.send_multipart([peer, claim])  # no MAC
-        squatter.send_multipart([peer, os.urandom(32), claim])  # a made-up one
+        squatter.send_multipart([peer, os.urandom(32), claim])  # two frames (no protocol's)
+        squatter.send_multipart([peer, os.urandom(32) + claim])  # a made-up MAC
         squatter.send_multipart([peer, *signed(os.urandom(32), claim)])  # another key's
         res = client.poll(pending, wait_ms=DEADLINE_S * 1000)
         assert res is not None
@@ -356,5 +357,6 @@ def test_a_flood_of_foreign_frames_is_counted_whole_and_logged_once(
     assert not rank.leased()
     lines = [r.message for r in caplog.records if "refused a frame" in r.message]
     assert lines == [
-        "kvtier: lookup server rank 0 refused a frame: auth: a message without a MAC frame"
+        "kvtier: lookup server rank 0 refused a frame: auth: its MAC was not made with the "
+        "engine's key for rank 0 (another engine, or a rank of this one sent to the wrong socket)"
     ]

@@ -69,6 +69,15 @@ class FrameMac:
         """Whether `mac` is `body`'s MAC (compared in constant time)."""
         return len(mac) == MAC_BYTES and hmac.compare_digest(mac, self.of(body))
 
+    def seal(self, body: bytes) -> bytes:
+        """The one zmq frame `body` travels as: its MAC, then the body."""
+        return self.of(body) + body
+
+    def opened(self, frame: bytes) -> bytes | None:
+        """The body of a frame `seal` made under this key; None for any other frame."""
+        mac, body = frame[:MAC_BYTES], frame[MAC_BYTES:]
+        return body if self.matches(mac, body) else None
+
 
 class RefusalLog:
     """Logs refused frames without letting a flood of them fill the log: the first at once,

@@ -383,7 +383,7 @@ class LookupClient:
                 req = AdminRequest(PROTOCOL_VERSION, next(self._reqs), op, batch, until, False)
                 self._send_nowait(self._signed(self._codec.encode(req)), f"admin {op}")
 
-    def _send_nowait(self, frames: Mapping[int, tuple[bytes, bytes]], what: str) -> None:
+    def _send_nowait(self, frames: Mapping[int, tuple[bytes]], what: str) -> None:
         for rank, peer in self._peers.by_rank.items():
             try:
                 peer.sock.send_multipart(frames[rank], zmq.NOBLOCK)
@@ -507,19 +507,20 @@ class LookupClient:
         if not taken:
             self.stale_replies += 1
 
-    def _signed(self, body: bytes) -> dict[int, tuple[bytes, bytes]]:
-        """The message `[MAC, body]` every request travels as, per rank (each its own MAC)."""
-        return {r: (mac.of(body), body) for r, mac in self._mac_out.items()}
+    def _signed(self, body: bytes) -> dict[int, tuple[bytes]]:
+        """The one frame, `MAC || body`, every request travels as, per rank (each its own
+        MAC)."""
+        return {r: (mac.seal(body),) for r, mac in self._mac_out.items()}
 
     def _authentic(self, rank: int, frames: list[bytes]) -> bytes | None:
         """The body of a reply whose MAC the engine's key made; None (counted) otherwise."""
-        if len(frames) != 2:
+        if len(frames) != 1:
             self._m.rejected_frame(REJECT_FRAMES).inc()
-            self._refusals.refused(f"rank {rank}'s endpoint sent {len(frames)} frames, not 2")
+            self._refusals.refused(f"rank {rank}'s endpoint sent {len(frames)} frames, not 1")
             return None
-        mac, body = frames
         mac_in = self._mac_in.get(rank)
-        if mac_in is None or not mac_in.matches(mac, body):
+        body = None if mac_in is None else mac_in.opened(frames[0])
+        if body is None:
             self._m.rejected_frame(REJECT_AUTH).inc()
             self._refusals.refused(
                 f"a reply on rank {rank}'s endpoint does not carry the engine's MAC (is "

@@ -2,8 +2,11 @@
 
 Every message is encoded as an array `[tag, version, fields...]`, so `version` is always at index
 1 and a frame from another protocol version is recognised even when its layout differs. On the
-wire a message travels as two zmq frames, `[MAC, body]`: the body is these bytes, the MAC their
-keyed BLAKE3 under the engine's key (`lookup/auth.py`), checked before the body is decoded.
+wire a message travels as one zmq frame, `MAC || body`: the body is these bytes, the MAC their
+keyed BLAKE3 under the engine's key (`lookup/auth.py`), checked before the body is decoded. One
+frame, never a multipart message: libzmq 4.3.5 aborts the process when a connection drops while
+its engine holds part of an outgoing multipart message (`session_base.cpp:233`, zeromq/libzmq
+#3442), which a peer hanging up mid-reply could cause.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ DEFAULT_MAX_FRAME_BYTES: Final = 4 * 1024 * 1024
 # Reasons a frame is rejected (label of `kvtier_rejected_frames_total`).
 REJECT_AUTH: Final = "auth"  # no MAC, or one the engine's key did not make (lookup/auth.py)
 REJECT_OVERSIZED: Final = "oversized"  # longer than max_frame_bytes
-REJECT_FRAMES: Final = "frames"  # wrong number of zmq frames in the message (not [MAC, body])
+REJECT_FRAMES: Final = "frames"  # a multipart message (the protocol's are one frame)
 REJECT_GARBAGE: Final = "garbage"  # not msgpack at all
 REJECT_SCHEMA: Final = "schema"  # msgpack, but not a known message of this version
 REJECT_VERSION: Final = "version"  # a message of another protocol version

@@ -15,7 +15,7 @@ from typing import Protocol
 import zmq
 
 from kvtier.errors import ConfigError, StartupError
-from kvtier.lookup.auth import REPLIES, REQUESTS, FrameMac, RefusalLog, check_key
+from kvtier.lookup.auth import MAC_BYTES, REPLIES, REQUESTS, FrameMac, RefusalLog, check_key
 from kvtier.lookup.curve import curve_keys, secure_server
 from kvtier.lookup.endpoints import (
     check_ipc_path,
@@ -87,10 +87,10 @@ class LookupServer:
     Counts `metrics.lookups` (one per lookup answered) and `metrics.rejected_frame(reason)`.
     Hit tokens and latency are counted by the client, which knows the chunk size.
 
-    A message is `[MAC, body]` (`lookup/auth.py`). One that is not, whose body is over the
-    frame cap, or whose MAC the engine's `key` did not make is refused before it is decoded:
-    counted (`frames`, `oversized`, `auth`), never answered, leased or released for. Without
-    `key`, the key is read from the run dir the endpoint names (`lookup/keyfile.py`).
+    A message is one frame, `MAC || body` (`lookup/auth.py`). One that is not, whose body is
+    over the frame cap, or whose MAC the engine's `key` did not make is refused before it is
+    decoded: counted (`frames`, `oversized`, `auth`), never answered, leased or released for.
+    Without `key`, the key is read from the run dir the endpoint names (`lookup/keyfile.py`).
 
     On TCP the socket is a CURVE server under keys derived from the engine key and the rank
     (`lookup/curve.py`): a peer without the engine key is dropped at the handshake, before any
@@ -345,24 +345,28 @@ class LookupServer:
                 self.released += 1
 
     def _authentic(self, frames: list[bytes]) -> bytes | None:
-        """The body of a `[peer, MAC, body]` message whose MAC the engine's key made; None for
-        anything else, counted and never answered (its sender need not be the engine's)."""
+        """The body of a `[peer, MAC || body]` message whose MAC the engine's key made; None
+        for anything else, counted and never answered (its sender need not be the engine's)."""
         refusal: tuple[str, str] | None = None
-        if len(frames) == 2:
-            refusal = REJECT_AUTH, "a message without a MAC frame"
-        elif len(frames) != 3:
-            refusal = REJECT_FRAMES, f"{len(frames) - 1} frames, expected 2"
-        elif len(frames[2]) > self._codec.max_frame_bytes:
+        body: bytes | None = None
+        if len(frames) != 2:
+            refusal = REJECT_FRAMES, f"{len(frames) - 1} frames, expected 1"
+        elif len(frames[1]) < MAC_BYTES:
+            refusal = REJECT_AUTH, f"a frame of {len(frames[1])} bytes, too short for a MAC"
+        elif len(frames[1]) - MAC_BYTES > self._codec.max_frame_bytes:
             # refused before any work on it: hashing is linear in its length
             cap = self._codec.max_frame_bytes
-            refusal = REJECT_OVERSIZED, f"{len(frames[2])} bytes > max_frame_bytes={cap}"
-        elif not self._mac_in.matches(frames[1], frames[2]):
-            refusal = REJECT_AUTH, (
-                f"its MAC was not made with the engine's key for rank {self.rank} (another "
-                "engine, or a rank of this one sent to the wrong socket)"
-            )  # fmt: skip
-        if refusal is None:
-            return frames[2]
+            size = len(frames[1]) - MAC_BYTES
+            refusal = REJECT_OVERSIZED, f"{size} bytes > max_frame_bytes={cap}"
+        else:
+            body = self._mac_in.opened(frames[1])
+            if body is None:
+                refusal = REJECT_AUTH, (
+                    f"its MAC was not made with the engine's key for rank {self.rank} (another "
+                    "engine, or a rank of this one sent to the wrong socket)"
+                )  # fmt: skip
+        if refusal is None and body is not None:
+            return body
         reason, detail = refusal
         self.rejected += 1
         self._m.rejected_frame(reason).inc()
@@ -380,7 +384,8 @@ class LookupServer:
         self._send(router, peer, self._codec.encode(reply))
 
     def _send(self, router: zmq.Socket, peer: bytes, body: bytes) -> None:
-        router.send_multipart((peer, self._mac_out.of(body), body))
+        # the ROUTER takes `peer` off: one frame goes on the wire (messages.py says why)
+        router.send_multipart((peer, self._mac_out.seal(body)))
 
 
 def _check_socket_dir(directory: Path) -> None:
