@@ -72,3 +72,19 @@ def test_a_merged_collector_serves_a_ranks_snapshot_as_its_own_samples() -> None
     for _name, _type, _doc, samples in _collected(rank.registry):
         for name, labels, value in samples:
             assert served[(name, tuple(sorted(labels.items())))] == value
+
+
+def test_a_labelled_child_is_made_once_and_counts_in_the_registry() -> None:
+    """The copy lanes count every chunk (`transfer_chunk`, `tier_hit`): the child is looked up
+    once per label set, not validated and locked again per chunk, and still counts."""
+    m = Metrics(rank=3)
+    a = m.transfer_chunk("save", "dma")
+    assert m.transfer_chunk("save", "dma") is a
+    assert m.transfer_chunk("save", "kernel") is not a
+    for _ in range(5):
+        m.transfer_chunk("save", "dma").inc()
+    m.tier_hit("memory").inc()
+    labels = {"rank": "3", "lane": "save", "path": "dma"}
+    assert m.value("transfer_chunks_total", lane="save", path="dma") == 5
+    assert m.registry.get_sample_value("kvtier_transfer_chunks_total", labels) == 5
+    assert m.value("tier_hits_total", tier="memory") == 1

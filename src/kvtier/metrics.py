@@ -430,6 +430,9 @@ class Metrics:
         self.rank = rank
         self.registry = registry if registry is not None else CollectorRegistry()
         self.f = families(self.registry)
+        # (family, label values) -> child: prometheus_client's `labels()` validates and locks
+        # on every call, several microseconds each time a copy lane counts a chunk
+        self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
         r = str(rank)
         f = self.f
         self.lookups = f.lookups.labels(r)
@@ -463,86 +466,94 @@ class Metrics:
         self.load_mispredictions = f.load_mispredictions.labels(r)
         self.load_misprediction_share = f.load_misprediction_share.labels(r)
 
+    def _child(self, family: Any, *values: str) -> Any:
+        """`family`'s child for this rank and `values`, made once."""
+        key = (family, values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = family.labels(str(self.rank), *values)
+        return child
+
     def hook(self, name: str) -> Histogram:
-        return self.f.hook_seconds.labels(str(self.rank), name)
+        return self._child(self.f.hook_seconds, name)
 
     def hook_cpu(self, name: str) -> Counter:
-        return self.f.hook_cpu_seconds.labels(str(self.rank), name)
+        return self._child(self.f.hook_cpu_seconds, name)
 
     def hook_error(self, hook: str) -> Counter:
-        return self.f.hook_errors.labels(str(self.rank), hook)
+        return self._child(self.f.hook_errors, hook)
 
     def lane_cpu(self, lane: str) -> Counter:
-        return self.f.lane_cpu_seconds.labels(str(self.rank), lane)
+        return self._child(self.f.lane_cpu_seconds, lane)
 
     def transfer_chunk(self, lane: str, path: str) -> Counter:
-        return self.f.transfer_chunks.labels(str(self.rank), lane, path)
+        return self._child(self.f.transfer_chunks, lane, path)
 
     def lookup_timeout(self, target: int) -> Counter:
-        return self.f.lookup_timeouts.labels(str(self.rank), str(target))
+        return self._child(self.f.lookup_timeouts, str(target))
 
     def load_failure(self, reason: str) -> Counter:
-        return self.f.load_failures.labels(str(self.rank), reason)
+        return self._child(self.f.load_failures, reason)
 
     def save_failure(self, reason: str) -> Counter:
-        return self.f.save_failures.labels(str(self.rank), reason)
+        return self._child(self.f.save_failures, reason)
 
     def admission(self, decision: str) -> Counter:
-        return self.f.admission.labels(str(self.rank), decision)
+        return self._child(self.f.admission, decision)
 
     def retention(self, status: str) -> Counter:
-        return self.f.retention.labels(str(self.rank), status)
+        return self._child(self.f.retention, status)
 
     def admission_return(self, decision: str) -> Counter:
-        return self.f.admission_returns.labels(str(self.rank), decision)
+        return self._child(self.f.admission_returns, decision)
 
     def load_decision(self, decision: str, tier: str) -> Counter:
-        return self.f.load_decisions.labels(str(self.rank), decision, tier)
+        return self._child(self.f.load_decisions, decision, tier)
 
     def load_decision_tokens(self, decision: str, tier: str) -> Counter:
-        return self.f.load_decision_tokens.labels(str(self.rank), decision, tier)
+        return self._child(self.f.load_decision_tokens, decision, tier)
 
     def load_speed_shift(self, tier: str) -> Counter:
-        return self.f.load_speed_shifts.labels(str(self.rank), tier)
+        return self._child(self.f.load_speed_shifts, tier)
 
     def skipped_load(self, reason: str) -> Counter:
-        return self.f.skipped_loads.labels(str(self.rank), reason)
+        return self._child(self.f.skipped_loads, reason)
 
     def verify_failure(self, tier: str, reason: str) -> Counter:
-        return self.f.verify_failures.labels(str(self.rank), tier, reason)
+        return self._child(self.f.verify_failures, tier, reason)
 
     def tier_hit(self, tier: str) -> Counter:
-        return self.f.tier_hits.labels(str(self.rank), tier)
+        return self._child(self.f.tier_hits, tier)
 
     def residency(self, tier: str) -> Gauge:
-        return self.f.tier_residency_bytes.labels(str(self.rank), tier)
+        return self._child(self.f.tier_residency_bytes, tier)
 
     def capacity(self, tier: str) -> Gauge:
-        return self.f.tier_capacity_bytes.labels(str(self.rank), tier)
+        return self._child(self.f.tier_capacity_bytes, tier)
 
     def eviction(self, tier: str) -> Counter:
-        return self.f.evictions.labels(str(self.rank), tier)
+        return self._child(self.f.evictions, tier)
 
     def store_failure(self, tier: str, reason: str) -> Counter:
-        return self.f.store_failures.labels(str(self.rank), tier, reason)
+        return self._child(self.f.store_failures, tier, reason)
 
     def tier_full(self, tier: str) -> Counter:
-        return self.f.tier_full.labels(str(self.rank), tier)
+        return self._child(self.f.tier_full, tier)
 
     def dropped_write(self, tier: str, reason: str) -> Counter:
-        return self.f.dropped_writes.labels(str(self.rank), tier, reason)
+        return self._child(self.f.dropped_writes, tier, reason)
 
     def rejected_frame(self, reason: str) -> Counter:
-        return self.f.rejected_frames.labels(str(self.rank), reason)
+        return self._child(self.f.rejected_frames, reason)
 
     def breaker(self, tier: str) -> Gauge:
-        return self.f.breaker_open.labels(str(self.rank), tier)
+        return self._child(self.f.breaker_open, tier)
 
     def writes_refused(self, tier: str) -> Gauge:
-        return self.f.writes_refused_seconds.labels(str(self.rank), tier)
+        return self._child(self.f.writes_refused_seconds, tier)
 
     def queue(self, name: str) -> Gauge:
-        return self.f.queue_depth.labels(str(self.rank), name)
+        return self._child(self.f.queue_depth, name)
 
     def set_load_failure_policy(self, fails_request: bool) -> None:
         """Export whether a failed tier load fails its request on this host (doctor FAILs it)."""

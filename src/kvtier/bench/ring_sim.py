@@ -72,6 +72,9 @@ def run_ring(report: Report, reps: int, say: Callable[[str], None]) -> None:
         keys = Keys("ring-sim")
         seq = itertools.count()
         idle: dict[str, dict[str, list[float]]] = {"save": {}, "load": {}}
+        # the lane threads' CPU per chunk: Python holding the GIL beside the forward's (the
+        # copies themselves are the simulated engine's threads')
+        lane_us: dict[str, dict[str, list[float]]] = {"save": {}, "load": {}}
 
         def burst(arm: str, what: str) -> float:
             w, ops = arms[arm]
@@ -98,9 +101,14 @@ def run_ring(report: Report, reps: int, say: Callable[[str], None]) -> None:
                     op = LoadOp(f"ld{i}", f"b{i}", f"lk{i}", dst, CHUNK * PER_STEP, sync=False)
                     w.start_load_kv(OffloadMeta(loads=[op]))
             busy0, idle0 = ops.stats.engine_busy_s, ops.stats.engine_idle_s
+            cpu = w.metrics.registry.get_sample_value
+            labels = {"rank": "0", "lane": what}
+            cpu0 = cpu("kvtier_lane_cpu_seconds_total", labels) or 0.0
             ops.forget_idle()
             gate.set()
             settled(w)
+            spent = (cpu("kvtier_lane_cpu_seconds_total", labels) or 0.0) - cpu0
+            lane_us[what].setdefault(arm, []).append(spent / chunks * 1e6)
             w.stack.forget([r.key for r in refs])  # room for the next burst, no eviction
             busy = ops.stats.engine_busy_s - busy0
             gaps = ops.stats.engine_idle_s - idle0
@@ -130,8 +138,14 @@ def run_ring(report: Report, reps: int, say: Callable[[str], None]) -> None:
                 "ms",
                 raw=drained * 1e3,
                 detail={
-                    f"idle_ms_per_step_{arm}": round(statistics.median(v) * 1e3, 3)
-                    for arm, v in idle[what].items()
+                    **{
+                        f"idle_ms_per_step_{arm}": round(statistics.median(v) * 1e3, 3)
+                        for arm, v in idle[what].items()
+                    },
+                    **{
+                        f"lane_cpu_us_per_chunk_{arm}": round(statistics.median(v), 1)
+                        for arm, v in lane_us[what].items()
+                    },
                 },
             )
         )
