@@ -17,7 +17,10 @@ def test_a_consumer_decodes_from_the_prefix_a_producer_stored(
 ) -> None:
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     with RedisServer() as srv:
-        extra = {**TIER, "remote_url": srv.url, "record_key": RECORD_KEY}
+        # the hand-off is what is tested, not the store's 100 ms read timeout: on a loaded CI
+        # machine (three pytest workers on 2 cores) a read missed it and every load recomputed
+        extra = {**TIER, "remote_url": srv.url, "record_key": RECORD_KEY,
+                 "remote_timeout_ms": 1000}  # fmt: skip
         lens = [600 + 37 * i for i in range(3)]
         chunks = sum(n // CHUNK for n in lens)
         # every whole chunk of every prompt, plus the producer's self-test chunk
