@@ -40,12 +40,16 @@ from prometheus_client import CollectorRegistry
 
 from kvtier.bench import tier
 from kvtier.bench.datapath import MODELS, kv_views, resolve_device, run_datapath, summarize
+from kvtier.bench.ring_sim import PER_STEP as RING_PER_STEP
+from kvtier.bench.ring_sim import STEPS as RING_STEPS
+from kvtier.bench.ring_sim import measure_ring
 from kvtier.bench.table import Report, write_json
 from kvtier.config import KVTierConfig
 from kvtier.metrics import Metrics
 from kvtier.native import Engine, EngineConfig, SamplingParams
 from kvtier.native.modelgen import init_model
 from kvtier.native.offload import connector_spec
+from kvtier.offload.device import ops_for
 from kvtier.offload.groups import FULL, STATE, GroupSpec
 from kvtier.offload.pages import KVCacheDescription
 from kvtier.offload.worker import OffloadWorker
@@ -370,6 +374,27 @@ def layerwise(p: Plan) -> list[Row]:
     ]  # fmt: skip
 
 
+def ring(p: Plan) -> list[Row]:
+    """Issue 41, item 3: a burst of 16 steps' saves (then loads), each step one lane job queued
+    behind a busy lane, through workers that keep the transfer ring across jobs and drain it at
+    each job's end, arms interleaved (`kvtier.bench.ring_sim`); wall time kept / drained and
+    the lanes' CPU per chunk. Measured, not judged: no GPU has run it yet."""
+    device = torch.device(p.device)
+    got = measure_ring(lambda: ops_for(device), device, 3 if p.quick else 5, print)
+    rows: list[Row] = []
+    for what in ("save", "load"):
+        kept, drained = (got.median("seconds", what, arm) for arm in ("kept", "drained"))
+        cpu = got.median("lane_us", what, "kept")
+        rows.append((
+            f"transfer ring kept across steps: a burst of {RING_STEPS} steps x {RING_PER_STEP} "
+            f"chunks, {what}, kept / drained",
+            f"{kept / drained:.2f}x ({kept * 1e3:.1f} vs {drained * 1e3:.1f} ms; lane CPU "
+            f"{cpu:.0f} us a chunk)",
+            None,
+        ))  # fmt: skip
+    return rows
+
+
 def _prediction_ratio(eng: Engine) -> tuple[float, float]:
     """The sum and count of every finished load's measured over predicted time so far."""
     m = eng.connector.metrics  # type: ignore[union-attr]
@@ -383,6 +408,7 @@ CHECKS: tuple[tuple[str, Callable[[Plan], list[Row]]], ...] = (
     ("two-pass restore", two_pass),
     ("restore at scale", restore),
     ("layer by layer", layerwise),
+    ("transfer ring", ring),
 )
 
 

@@ -89,6 +89,9 @@ def test_the_gpu_checks_cpu_form_runs_every_check_from_offline_wheels(
     # layer by layer: both arms ran (on the CPU the same path; judged nowhere yet)
     (waves,) = [v for n, v in rows.items() if n.startswith("layer by layer: half-restored")]
     assert waves[1] is None and "CPU: the same path" in waves[0], waves
+    # the transfer ring kept across steps against drained at each (issue 41, item 3): measured
+    ring = [v for n, v in rows.items() if n.startswith("transfer ring kept across steps")]
+    assert len(ring) == 2 and all(judged is None and "x (" in v for v, judged in ring), ring
     # the rows are bench tier's own datapath rows, written beside the table
     bench = json.loads((out / "bench-tier.json").read_text())
     assert {r["id"] for r in bench["rows"]} >= {

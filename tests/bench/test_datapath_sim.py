@@ -4,10 +4,13 @@ they depend on this host's load)."""
 
 from __future__ import annotations
 
-from kvtier.bench.datapath_sim import SIM_TARGET, run_sim
+import torch
+
+from kvtier.bench.datapath_sim import SIM_MODEL, SIM_TARGET, run_sim
 from kvtier.bench.layerwise_sim import run_layerwise
-from kvtier.bench.ring_sim import COPY_S, PER_STEP, STEPS, run_ring
+from kvtier.bench.ring_sim import COPY_S, PER_STEP, STEPS, measure_ring, run_ring
 from kvtier.bench.table import Report
+from kvtier.offload.simdevice import CopyModel, SimOps
 
 
 def test_sim_rows_put_the_pipeline_next_to_the_serial_design() -> None:
@@ -48,9 +51,6 @@ def test_the_layerwise_row_puts_a_restore_in_waves_next_to_one_joined_before_the
 
 
 def test_the_ring_rows_put_a_ring_kept_across_steps_next_to_one_drained_at_each_step() -> None:
-    """Issue 41, item 3: with the ring kept, a burst of queued steps leaves the modelled engine
-    no idle time between them; drained at each job's end, the host's wake, commit and report
-    at every step boundary are idle time on the engine."""
     report = Report("tier", "sim")
     said: list[str] = []
     run_ring(report, 1, said.append)
@@ -59,11 +59,22 @@ def test_the_ring_rows_put_a_ring_kept_across_steps_next_to_one_drained_at_each_
     for r in rows.values():
         busy_ms = STEPS * PER_STEP * COPY_S * 1e3  # what the burst moves, on the engine
         assert r["value"] >= busy_ms * 0.99 and r["raw"] >= busy_ms * 0.99, r
-        # kept: 0 on an idle host (a thread of a busy one may still miss a 4 ms copy now
-        # and then); drained: 0.5-0.8 ms a step boundary on 2 cores
-        kept, drained = (r["detail"][f"idle_ms_per_step_{a}"] for a in ("kept", "drained"))
-        assert kept < drained / 4, r
-        # the lanes' own Python per chunk, the GIL share a forward's Python competes with
-        assert all(r["detail"][f"lane_cpu_us_per_chunk_{a}"] > 0 for a in ("kept", "drained"))
-        assert r["value"] < r["raw"], r
+        for arm in ("kept", "drained"):
+            assert r["detail"][f"idle_ms_per_step_{arm}"] >= 0, r
+            # the lanes' own Python per chunk, the GIL share a forward's Python competes with
+            assert r["detail"][f"lane_cpu_us_per_chunk_{arm}"] > 0, r
     assert any("ring kept vs drained" in m for m in said)
+
+
+def test_a_ring_kept_across_steps_leaves_the_engine_no_idle_time_between_them() -> None:
+    """Issue 41, item 3: with the ring kept, a burst of queued steps leaves the modelled engine
+    no idle time between them; drained at each job's end, the host's wake, commit and report at
+    every step boundary are idle time on the engine. 10 ms a chunk: a lane thread of a loaded
+    2-core host still issues the next step's chunk well inside one copy."""
+    gbps = SIM_MODEL.chunk_bytes / 0.01 / 1e9
+    got = measure_ring(lambda: SimOps(CopyModel(gbps=gbps)), torch.device("cpu"), 1, print)
+    for what in ("save", "load"):
+        # drained: the engine waits at every one of the burst's step boundaries; kept: at none
+        # (a lane thread starved by an overloaded host may still miss one now and then)
+        kept, drained = (got.median("gaps", what, arm) for arm in ("kept", "drained"))
+        assert drained >= STEPS - 1 and kept <= 3, (what, got.gaps, got.idle_s)
