@@ -338,14 +338,14 @@ def test_lookup_server_survives_hostile_frames_and_counts_every_rejection(rank: 
 
 
 def test_frame_over_the_hard_cap_drops_only_that_peer(rank: Rank) -> None:
-    """zmq itself disconnects a peer sending over 4x max_frame_bytes (memory stays bounded, no
-    reply, no counter); the server goes on answering everyone else."""
+    """zmq itself disconnects a peer sending a body over 4x max_frame_bytes behind its MAC
+    (memory stays bounded, no reply, no counter); the server goes on answering everyone else."""
     before = rank.metrics.total("rejected_frames_total")
     hostile = zmq.Context.instance().socket(zmq.DEALER)
     hostile.setsockopt(zmq.LINGER, 0)
     hostile.connect(rank.server.bound_endpoint)
     try:
-        hostile.send(b"\x00" * (4 * MAX_FRAME + 1))
+        hostile.send(b"\x00" * (MAC_BYTES + 4 * MAX_FRAME + 1))
         assert rank.client.lookup(KEYS, "after-hard-cap").hit_chunks == HELD
         rank.client.release(["after-hard-cap"])
         assert hostile.poll(100) == 0

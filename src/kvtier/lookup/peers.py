@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import zmq
 
+from kvtier.lookup.auth import MAC_BYTES
 from kvtier.lookup.curve import CurveKeys, secure_client
 from kvtier.lookup.endpoints import parse_endpoint
 from kvtier.lookup.messages import REJECT_WRONG_RANK
@@ -76,7 +77,8 @@ class Peers:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, _RECONNECT_IVL_MAX_MS)
         sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
-        sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
+        # zmq's cap is on the whole frame: the body's cap and the MAC in front of it
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame + MAC_BYTES)
         if curve is not None:
             secure_client(sock, curve)
         sock.connect(endpoint)

@@ -49,8 +49,9 @@ log = logging.getLogger("kvtier")
 
 # Messages handled per wake-up before the stop signal is checked again.
 _BATCH = 64
-# zmq drops (disconnects) peers sending more than this many times the frame cap, which bounds
-# the memory a hostile frame can take; frames between the cap and this are read and counted.
+# zmq drops (disconnects) peers sending a body of more than this many times the frame cap,
+# which bounds the memory a hostile frame can take; bodies between the cap and this are read
+# and counted.
 _HARD_FRAME_FACTOR = 4
 _JOIN_TIMEOUT_S = 5.0
 _UNBIND_TIMEOUT_S = 1.0
@@ -153,7 +154,9 @@ class LookupServer:
             ensure_ipc_free(self._address)
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.MAXMSGSIZE, _HARD_FRAME_FACTOR * self._codec.max_frame_bytes)
+        # on the whole frame: the MAC travels in front of the body
+        hard = _HARD_FRAME_FACTOR * self._codec.max_frame_bytes + MAC_BYTES
+        router.setsockopt(zmq.MAXMSGSIZE, hard)
         if self._curve is not None:
             secure_server(router, self._curve)
         try:
