@@ -80,52 +80,56 @@ def _pong(raw: zmq.Socket, key: bytes, nonce: int) -> Pong:
     return msg
 
 
-def test_a_body_up_to_the_hard_limit_is_read_and_counted_as_oversized(run_dir: Path) -> None:
+CAP = 4096
+
+
+@pytest.fixture
+def capped(run_dir: Path) -> Iterator[tuple[LookupServer, bytes, zmq.Socket]]:
+    """Rank 0 with a frame cap of `CAP` bytes, the engine's key and a raw socket to it."""
+    ep = endpoint_for(0, run_dir=run_dir)
+    server = LookupServer(0, FakeBackend(0, []), ep, Metrics(0), max_frame_bytes=CAP).start()
+    raw = _raw(ep)
+    try:
+        yield server, engine_key(run_dir), raw
+    finally:
+        raw.close()
+        server.close()
+
+
+def test_a_body_up_to_the_hard_limit_is_read_and_counted_as_oversized(
+    capped: tuple[LookupServer, bytes, zmq.Socket],
+) -> None:
     """server.py: "zmq drops (disconnects) peers sending more than [4x] the frame cap ...;
     frames between the cap and this are read and counted". The cap is on the body, but the
     ROUTER's MAXMSGSIZE (4 * max_frame_bytes) now also has to hold the MAC: a body of
     4 * cap bytes (counted `oversized` under [MAC, body]) gets its sender disconnected, and is
     never counted."""
-    cap = 4096
-    ep = endpoint_for(0, run_dir=run_dir)
-    server = LookupServer(0, FakeBackend(0, []), ep, Metrics(0), max_frame_bytes=cap).start()
-    key = engine_key(run_dir)
-    raw = _raw(ep)
-    try:
-        _pong(raw, key, 1)
-        raw.send_multipart(signed(key, b"\x00" * (4 * cap)))
-        # one connection's messages are handled in order: the pong says the frame was handled
-        _pong(raw, key, 2)
-        assert server._m.value("rejected_frames_total", reason="oversized") == 1
-    finally:
-        raw.close()
-        server.close()
+    server, key, raw = capped
+    _pong(raw, key, 1)
+    raw.send_multipart(signed(key, b"\x00" * (4 * CAP)))
+    # one connection's messages are handled in order: the pong says the frame was handled
+    _pong(raw, key, 2)
+    assert server._m.value("rejected_frames_total", reason="oversized") == 1
 
 
-def test_guard_body_boundaries_of_the_one_frame(run_dir: Path) -> None:
+def test_guard_body_boundaries_of_the_one_frame(
+    capped: tuple[LookupServer, bytes, zmq.Socket],
+) -> None:
     """GUARD (passes): a body of exactly max_frame_bytes is read (not oversized); a frame of
     exactly MAC_BYTES under the engine's MAC is an empty body (answered `garbage`); 32 bytes
     of another MAC and a frame shorter than the MAC are refused as `auth`, unanswered."""
-    cap = 4096
-    ep = endpoint_for(0, run_dir=run_dir)
-    server = LookupServer(0, FakeBackend(0, []), ep, Metrics(0), max_frame_bytes=cap).start()
-    key = engine_key(run_dir)
-    raw = _raw(ep)
-    try:
-        for body in (b"\xc1" * cap, b""):
-            raw.send_multipart(signed(key, body))
-            reply = msgspec.msgpack.decode(recv_signed(raw, key), type=LookupReply)
-            assert reply.error is not None and reply.error.startswith("rejected: garbage")
-        for frame in (b"\x00" * MAC_BYTES, FrameMac(key, REQUESTS, 0).of(b"")[:-1]):
-            raw.send_multipart([frame])
-        _pong(raw, key, 3)  # the refused frames got no answer: the pong is next
-        sm = server._m
-        assert sm.value("rejected_frames_total", reason="garbage") == 2
-        assert sm.value("rejected_frames_total", reason="oversized") == 0
-        assert sm.value("rejected_frames_total", reason="auth") == 2
-    finally:
-        raw.close()
-        server.close()
+    server, key, raw = capped
+    for body in (b"\xc1" * CAP, b""):
+        raw.send_multipart(signed(key, body))
+        reply = msgspec.msgpack.decode(recv_signed(raw, key), type=LookupReply)
+        assert reply.error is not None and reply.error.startswith("rejected: garbage")
+    for frame in (b"\x00" * MAC_BYTES, FrameMac(key, REQUESTS, 0).of(b"")[:-1]):
+        raw.send_multipart([frame])
+    _pong(raw, key, 3)  # the refused frames got no answer: the pong is next
+    sm = server._m
+    assert sm.value("rejected_frames_total", reason="garbage") == 2
+    assert sm.value("rejected_frames_total", reason="oversized") == 0
+    assert sm.value("rejected_frames_total", reason="auth") == 2
 
 
 def test_guard_a_squatters_short_reply_is_counted_as_auth(run_dir: Path) -> None:

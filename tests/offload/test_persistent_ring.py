@@ -140,22 +140,26 @@ class Rig:
     views: dict[str, torch.Tensor]
 
 
-@pytest.fixture(params=[True, False], ids=["persistent", "per-step"])
-def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
+def sim_rig(seed: int = 7, **cfg: object) -> Iterator[Rig]:
+    """A world-1 worker on a simulated device of 100 ms a copy, its BLHNC KV cache random."""
     # 100 ms a copy: the host issues a step's next chunk well inside one copy, however busy
     # the machine, so a gap on the engine is the design's, not a slow thread's
     ops = SimOps(CopyModel(gbps=1.0, latency_us=100_000))
     raw, views = build(gqa(block_size=BS), NB, "BLHNC")
-    raw.copy_(torch.randint(-128, 127, raw.shape, generator=torch.Generator().manual_seed(7),
+    raw.copy_(torch.randint(-128, 127, raw.shape, generator=torch.Generator().manual_seed(seed),
                             dtype=torch.int8))  # fmt: skip
-    cfg = config(memory_bytes="1MiB", transfer_depth=2, persistent_ring=request.param)
-    worker = rank0(cfg, ops)  # type: ignore[arg-type]
+    worker = rank0(config(memory_bytes="1MiB", transfer_depth=2, **cfg), ops)  # type: ignore[arg-type]
     worker.register_kv_caches(KVCacheDescription(views, NB, BS, "BLHNC"))
     try:
         yield Rig(worker, ops, views)
     finally:
         worker.close()
         ops.close()
+
+
+@pytest.fixture(params=[True, False], ids=["persistent", "per-step"])
+def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
+    yield from sim_rig(persistent_ring=request.param)
 
 
 def _blocks(views: dict[str, torch.Tensor], ids: list[int]) -> list[torch.Tensor]:

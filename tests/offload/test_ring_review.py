@@ -7,48 +7,21 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from kvtier.offload.messages import ChunkRef, OffloadMeta, SaveOp
-from kvtier.offload.pages import KVCacheDescription
-from kvtier.offload.simdevice import CopyModel, SimOps
 from kvtier.offload.worker import OffloadWorker
-from tests.offload.test_worker import BS, CHUNK, WAIT_S, config, rank0
-from tests.offload.vllm_views import build, gqa
+from tests.offload.test_persistent_ring import Rig, sim_rig
+from tests.offload.test_worker import BS, CHUNK, WAIT_S
 
-NB = 48
 K = CHUNK // BS  # blocks per chunk
-
-
-@dataclass
-class Rig:
-    worker: OffloadWorker
-    ops: SimOps
-    views: dict[str, torch.Tensor]
-
-
-def _rig(**kw: object) -> Iterator[Rig]:
-    # 100 ms a copy: the host's work between two jobs is far shorter than one copy
-    ops = SimOps(CopyModel(gbps=1.0, latency_us=100_000))
-    raw, views = build(gqa(block_size=BS), NB, "BLHNC")
-    raw.copy_(torch.randint(-128, 127, raw.shape, generator=torch.Generator().manual_seed(5),
-                            dtype=torch.int8))  # fmt: skip
-    cfg = config(memory_bytes="1MiB", transfer_depth=2, **kw)
-    worker = rank0(cfg, ops)  # type: ignore[arg-type]
-    worker.register_kv_caches(KVCacheDescription(views, NB, BS, "BLHNC"))
-    try:
-        yield Rig(worker, ops, views)
-    finally:
-        worker.close()
-        ops.close()
 
 
 @pytest.fixture
 def rig() -> Iterator[Rig]:
-    yield from _rig()  # persistent_ring: the default
+    yield from sim_rig(seed=5)  # persistent_ring: the default
 
 
 def _key(i: int) -> bytes:

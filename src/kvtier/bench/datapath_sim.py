@@ -26,6 +26,7 @@ from kvtier.bench.table import Report, Row, Target
 from kvtier.bench.tier_common import Keys
 from kvtier.config import KVTierConfig
 from kvtier.metrics import Metrics
+from kvtier.offload.device import DeviceOps
 from kvtier.offload.messages import ChunkRef, LoadOp, OffloadMeta, SaveOp
 from kvtier.offload.pages import KVCacheDescription
 from kvtier.offload.simdevice import CopyModel, SimOps
@@ -114,15 +115,7 @@ def _measure(
         load_gate=False,
         transfer_depth=depth,
     )
-    worker = OffloadWorker(
-        config,
-        rank=0,
-        world=1,
-        model_id="bench-datapath-sim",
-        metrics=Metrics(0, registry=CollectorRegistry()),
-        lookup_endpoint=None,
-        ops=ops,
-    )
+    worker = bench_worker(config, "bench-datapath-sim", ops)
     link_bps = gbps * 1e9 / scale  # the modelled engine's bandwidth, in stretched time
     fractions: dict[str, list[float]] = {"save": [], "load": []}
     keys = Keys(f"datapath-sim-{gbps}-{depth}")
@@ -162,6 +155,19 @@ def _measure(
         for what, v in fractions.items()
     }
     return statistics.median(fractions["save"]), statistics.median(fractions["load"]), detail
+
+
+def bench_worker(config: KVTierConfig, model_id: str, ops: DeviceOps) -> OffloadWorker:
+    """A world-1 worker on `ops` with metrics of its own and no lookup server: a bench's arm."""
+    return OffloadWorker(
+        config,
+        rank=0,
+        world=1,
+        model_id=model_id,
+        metrics=Metrics(0, registry=CollectorRegistry()),
+        lookup_endpoint=None,
+        ops=ops,
+    )
 
 
 def settled(worker: OffloadWorker) -> None:

@@ -20,14 +20,12 @@ import threading
 from collections.abc import Callable
 
 import torch
-from prometheus_client import CollectorRegistry
 
 from kvtier.bench.datapath import BLOCK, CHUNK, kv_views
-from kvtier.bench.datapath_sim import SIM_LATENCY_US, SIM_MODEL, settled
+from kvtier.bench.datapath_sim import SIM_LATENCY_US, SIM_MODEL, bench_worker, settled
 from kvtier.bench.table import Report, Row, Target
 from kvtier.bench.tier_common import Keys, interleave
 from kvtier.config import KVTierConfig
-from kvtier.metrics import Metrics
 from kvtier.offload.messages import ChunkRef, LoadOp, OffloadMeta, SaveOp
 from kvtier.offload.pages import KVCacheDescription
 from kvtier.offload.simdevice import CopyModel, SimOps
@@ -56,14 +54,10 @@ def run_layerwise(report: Report, reps: int, say: Callable[[str], None]) -> None
     workers: dict[str, OffloadWorker] = {}
     try:
         for arm in ("waves", "joined"):
-            w = workers[arm] = OffloadWorker(
+            w = workers[arm] = bench_worker(
                 KVTierConfig(chunk_size=CHUNK, memory_bytes=n * (CHUNKS + 4), load_gate=False),
-                rank=0,
-                world=1,
-                model_id=f"bench-layerwise-{arm}",
-                metrics=Metrics(0, registry=CollectorRegistry()),
-                lookup_endpoint=None,
-                ops=ops,
+                f"bench-layerwise-{arm}",
+                ops,
             )
             w.register_kv_caches(KVCacheDescription(views, blocks, BLOCK, "LBNHC"))
             if arm == "waves" and not w.enable_layer_waves(names):

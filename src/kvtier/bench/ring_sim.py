@@ -21,14 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from prometheus_client import CollectorRegistry
 
 from kvtier.bench.datapath import BLOCK, CHUNK, KVModel, kv_views
-from kvtier.bench.datapath_sim import SIM_LATENCY_US, SIM_MODEL, settled
+from kvtier.bench.datapath_sim import SIM_LATENCY_US, SIM_MODEL, bench_worker, settled
 from kvtier.bench.table import Report, Row
 from kvtier.bench.tier_common import Keys, interleave
 from kvtier.config import KVTierConfig
-from kvtier.metrics import Metrics
 from kvtier.offload.device import DeviceOps
 from kvtier.offload.lane import WorkLane
 from kvtier.offload.messages import ChunkRef, LoadOp, OffloadMeta, SaveOp
@@ -80,20 +78,9 @@ def measure_ring(
         for arm, persistent in ARMS:
             ops = make_ops()
             views = kv_views(model, "BLHNC", blocks, device)
-            w = OffloadWorker(
-                KVTierConfig(
-                    chunk_size=CHUNK,
-                    memory_bytes=n * (2 * chunks + 4),
-                    load_gate=False,
-                    persistent_ring=persistent,
-                ),  # fmt: skip
-                rank=0,
-                world=1,
-                model_id=f"bench-ring-{arm}",
-                metrics=Metrics(0, registry=CollectorRegistry()),
-                lookup_endpoint=None,
-                ops=ops,
-            )
+            config = KVTierConfig(chunk_size=CHUNK, memory_bytes=n * (2 * chunks + 4),
+                                  load_gate=False, persistent_ring=persistent)  # fmt: skip
+            w = bench_worker(config, f"bench-ring-{arm}", ops)
             arms[arm] = (w, ops)
             w.register_kv_caches(KVCacheDescription(views, blocks, BLOCK, "BLHNC"))
         keys = Keys("ring")
