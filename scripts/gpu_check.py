@@ -40,9 +40,9 @@ from prometheus_client import CollectorRegistry
 
 from kvtier.bench import tier
 from kvtier.bench.datapath import MODELS, kv_views, resolve_device, run_datapath, summarize
+from kvtier.bench.ring_sim import GIL_ARMS, measure_ring
 from kvtier.bench.ring_sim import PER_STEP as RING_PER_STEP
 from kvtier.bench.ring_sim import STEPS as RING_STEPS
-from kvtier.bench.ring_sim import measure_ring
 from kvtier.bench.table import Report, write_json
 from kvtier.config import KVTierConfig
 from kvtier.metrics import Metrics
@@ -395,6 +395,30 @@ def ring(p: Plan) -> list[Row]:
     return rows
 
 
+def gil(p: Plan) -> list[Row]:
+    """Issue 41, item 6: the same bursts beside a forward thread that runs Python without
+    pause, at the interpreter's 5 ms GIL switch interval and at kvtier's `gil_switch_ms`, with
+    the burst alone; time over alone, and the forward's slowdown. Measured, not judged."""
+    device = torch.device(p.device)
+    got = measure_ring(lambda: ops_for(device), device, 3 if p.quick else 5, print,
+                       arms=GIL_ARMS)  # fmt: skip
+    alone_arm, *busy_arms = (a.name for a in GIL_ARMS)
+    rows: list[Row] = []
+    for what in ("save", "load"):
+        alone = got.median("seconds", what, alone_arm)
+        parts = []
+        for arm in busy_arms:
+            t, slow = got.median("seconds", what, arm), got.median("slowdown", what, arm)
+            parts.append(f"{arm[5:]}: {t / alone:.2f}x, forward {-100 * slow:+.0f}%")
+        rows.append((
+            f"GIL: a burst of {RING_STEPS} steps x {RING_PER_STEP} chunks, {what}, beside a "
+            "forward running Python, over the burst alone",
+            f"{'; '.join(parts)} (alone {alone * 1e3:.1f} ms)",
+            None,
+        ))  # fmt: skip
+    return rows
+
+
 def _prediction_ratio(eng: Engine) -> tuple[float, float]:
     """The sum and count of every finished load's measured over predicted time so far."""
     m = eng.connector.metrics  # type: ignore[union-attr]
@@ -409,6 +433,7 @@ CHECKS: tuple[tuple[str, Callable[[Plan], list[Row]]], ...] = (
     ("restore at scale", restore),
     ("layer by layer", layerwise),
     ("transfer ring", ring),
+    ("gil", gil),
 )
 
 

@@ -92,10 +92,15 @@ def test_the_gpu_checks_cpu_form_runs_every_check_from_offline_wheels(
     # the transfer ring kept across steps against drained at each (issue 41, item 3): measured
     ring = [v for n, v in rows.items() if n.startswith("transfer ring kept across steps")]
     assert len(ring) == 2 and all(judged is None and "x (" in v for v, judged in ring), ring
+    # a burst beside a forward running Python, at 5 ms and 0.5 ms (issue 41, item 6): measured
+    gil = [v for n, v in rows.items() if n.startswith("GIL: a burst of")]
+    assert len(gil) == 2 and all(j is None and "5ms: " in v and "0.5ms: " in v for v, j in gil)
     # the rows are bench tier's own datapath rows, written beside the table
     bench = json.loads((out / "bench-tier.json").read_text())
     assert {r["id"] for r in bench["rows"]} >= {
-        "datapath.cpu.llama-3.1-8b.save.16chunks", "datapath.cpu.deepseek-v3.load_latency"}
+        "datapath.cpu.llama-3.1-8b.save.16chunks",
+        "datapath.cpu.deepseek-v3.load_latency",
+    }
 
 
 @pytest.mark.timeout(600)

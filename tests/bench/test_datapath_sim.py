@@ -8,7 +8,7 @@ import torch
 
 from kvtier.bench.datapath_sim import SIM_MODEL, SIM_TARGET, run_sim
 from kvtier.bench.layerwise_sim import run_layerwise
-from kvtier.bench.ring_sim import COPY_S, PER_STEP, STEPS, measure_ring, run_ring
+from kvtier.bench.ring_sim import COPY_S, PER_STEP, STEPS, measure_ring, run_gil, run_ring
 from kvtier.bench.table import Report
 from kvtier.offload.simdevice import CopyModel, SimOps
 
@@ -63,7 +63,7 @@ def test_the_ring_rows_put_a_ring_kept_across_steps_next_to_one_drained_at_each_
             assert r["detail"][f"idle_ms_per_step_{arm}"] >= 0, r
             # the lanes' own Python per chunk, the GIL share a forward's Python competes with
             assert r["detail"][f"lane_cpu_us_per_chunk_{arm}"] > 0, r
-    assert any("ring kept vs drained" in m for m in said)
+    assert any("arms kept, drained" in m for m in said)
 
 
 def test_a_ring_kept_across_steps_leaves_the_engine_no_idle_time_between_them() -> None:
@@ -78,3 +78,23 @@ def test_a_ring_kept_across_steps_leaves_the_engine_no_idle_time_between_them() 
         # (a lane thread starved by an overloaded host may still miss one now and then)
         kept, drained = (got.median("gaps", what, arm) for arm in ("kept", "drained"))
         assert drained >= STEPS - 1 and kept <= 3, (what, got.gaps, got.idle_s)
+
+
+def test_the_gil_rows_show_a_python_busy_forward_starving_the_lanes_at_5_ms_and_not_at_05() -> None:
+    """Issue 41, item 6: beside a forward thread that runs Python without pause, the lanes get
+    the GIL only when the interpreter forces a switch. At 5 ms every step's issue and wake-ups
+    wait that long and the engine idles (measured 2.6-2.9x the burst alone); at kvtier's
+    0.5 ms the burst keeps the engine busy. Judged by a wide margin: a loaded host moves both
+    arms, not the 5 ms arm's multi-millisecond waits at every step."""
+    report = Report("tier", "sim")
+    run_gil(report, 1, lambda m: None)
+    rows = {r["id"]: r for r in report.to_json()["rows"]}
+    assert set(rows) == {"datapath.sim.gil.save", "datapath.sim.gil.load"}
+    busy_ms = STEPS * PER_STEP * COPY_S * 1e3
+    for r in rows.values():
+        d = r["detail"]
+        assert d["alone_ms"] >= busy_ms * 0.99, r
+        assert r["raw"] >= 1.5 * r["value"], r  # 5 ms against 0.5 ms
+        assert d["idle_ms_per_step_busy_5ms"] >= 1.0, r
+        for arm in ("busy_5ms", "busy_0.5ms"):
+            assert f"forward_slowdown_pct_{arm}" in d, r

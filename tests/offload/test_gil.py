@@ -45,9 +45,10 @@ def test_a_negative_interval_is_refused_naming_the_fix():
 
 
 @pytest.mark.parametrize("backend", ["cpu", "sim"])
-def test_a_worker_sets_the_interval_on_the_cpu_backend_only(backend: str, caplog) -> None:  # type: ignore[no-untyped-def]
-    """Measured to help only where the copy lanes run Python between CPU copies; on a device
-    whose copies are asynchronous it is left alone, and the log says so."""
+def test_a_worker_sets_the_interval_on_every_backend(backend: str, caplog) -> None:  # type: ignore[no-untyped-def]
+    """On a device whose copies are asynchronous the lanes still need the GIL to issue each
+    chunk and to wake from its event: at the interpreter's 5 ms, a forward thread running Python
+    kept a burst of saves 2.6x longer on the simulated device (`datapath.sim.gil`)."""
     from kvtier.offload.device import CpuOps
     from kvtier.offload.pages import KVCacheDescription
     from kvtier.offload.simdevice import SimOps
@@ -64,11 +65,5 @@ def test_a_worker_sets_the_interval_on_the_cpu_backend_only(backend: str, caplog
         worker.close()
         if isinstance(ops, SimOps):
             ops.close()
-    if backend == "cpu":
-        assert sys.getswitchinterval() == pytest.approx(0.0005)
-        assert "kvtier[rank 0/1]: GIL switch interval 5.00 -> 0.50 ms" in caplog.text
-    else:
-        assert sys.getswitchinterval() == pytest.approx(0.005)
-        assert "GIL switch interval left at 5.00 ms on cpu (gil_switch_ms is applied on" in (
-            caplog.text
-        )
+    assert sys.getswitchinterval() == pytest.approx(0.0005)
+    assert "kvtier[rank 0/1]: GIL switch interval 5.00 -> 0.50 ms" in caplog.text

@@ -202,11 +202,12 @@ def run(
     if device == "sim":
         from kvtier.bench.datapath_sim import run_sim
         from kvtier.bench.layerwise_sim import run_layerwise
-        from kvtier.bench.ring_sim import run_ring
+        from kvtier.bench.ring_sim import run_gil, run_ring
 
         run_sim(report, max(plan.datapath_reps // 3, 3), say)
         run_layerwise(report, max(plan.datapath_reps // 3, 3), say)
         run_ring(report, max(plan.datapath_reps // 3, 3), say)
+        run_gil(report, max(plan.datapath_reps // 3, 3), say)
     else:
         from kvtier.bench.datapath import run_datapath
 

@@ -184,7 +184,7 @@ def build_worker(
     counting on metrics of its own; `ranks_on_host` sizes the host-RAM check, `compute_cpus`
     are the cores the host bound its compute threads to (kept free of copy lanes)."""
     rank = spec.topo.rank
-    # the GIL switch interval is the worker's to set once it knows the KV device (CPU only)
+    # the GIL switch interval is the worker's to set when the KV caches register
     return OffloadWorker(
         spec.config,
         rank=rank,

@@ -22,7 +22,6 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -193,16 +192,10 @@ class OffloadWorker:
             )
         self.pages = pages = describe_pages(desc)
         ops = self._ops = self._ops or ops_for(pages.device)
-        if ops.asynchronous:
-            log.info(
-                "%s: GIL switch interval left at %.2f ms on %s (gil_switch_ms is applied on "
-                "the CPU backend only, where it was measured to help)",
-                self.tag,
-                sys.getswitchinterval() * 1000.0,
-                pages.device,
-            )
-        else:
-            apply_switch_interval(self.config, self.tag)
+        # on every backend: an asynchronous device's lanes still need the GIL to issue each
+        # chunk and to wake from its event, and beside a forward running Python the
+        # interpreter's 5 ms starved them (bench row datapath.sim.gil)
+        apply_switch_interval(self.config, self.tag)
         # a hybrid registration gets one codec per KV cache group (kvtier.offload.group_codec)
         self.codec = codec = codec_for(pages, chunk // desc.block_size, ops)
         pad = sum(p.length for p in padding(pages, [0]))
