@@ -47,7 +47,7 @@ def _is_recomputed(rig: Rig, ids: list[int]) -> bool:
 def test_a_deadline_expiry_waits_for_writes_an_issue_queued_before_it_raised(
     fast: Rig, monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
-    """An async load's chunk queues KV writes and then raises (CUDA: `dma.copy_2d` returns an
+    """An async load's chunk queues KV writes and then raises (CUDA: `dma.issue` returns an
     error on a later piece after earlier `cudaMemcpy2DAsync`s were queued; or a scatter whose
     first stack's `index_copy_` was queued before the second stack's temporary hit an OOM).
     `LoadPath._issue` left `with p.lock` on the raise and only then settled the lane, so a

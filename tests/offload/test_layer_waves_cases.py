@@ -661,7 +661,7 @@ def test_layer_zero_of_a_step_with_two_sync_loads_computes_before_the_first_load
     wave3 = rig.views[rig.names[6]].data_ptr()
 
     def gated(self: _SimLane, pieces, to_host, fence=None):  # type: ignore[no-untyped-def]
-        if not gated_at and min(kv.data_ptr() for kv, _ in pieces) >= wave3:
+        if not gated_at and min(span.kv for span in pieces) >= wave3:
             gated_at.append(copies[0])  # the first copy of the last wave, whichever load's
             self.copies.put(_Item("wait", None, dep=gate))
         copies[0] += 1

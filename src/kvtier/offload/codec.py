@@ -11,10 +11,12 @@ crossing to the host is the caller's explicit copy.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from kvtier.offload.device import DeviceOps
+from kvtier.offload.dma import Span
 from kvtier.offload.messages import ChunkRef
 from kvtier.offload.pages import KVPages
 from kvtier.offload.waves import Waves
@@ -52,6 +54,7 @@ class PageCodec:
         self.chunk_bytes = pages.chunk_bytes(blocks_per_chunk)
         self.device = pages.device
         self._stacks = _stacks(pages)
+        self._geometry = _geometry(self._stacks, blocks_per_chunk)
 
     def records(self, chunks: Sequence[ChunkRef]) -> list[ChunkRef]:
         """The records an op's chunks are in the tiers: one each (no state records here)."""
@@ -71,14 +74,17 @@ class PageCodec:
                 f"block ids {list(block_ids)} have {bad} outside [{low}, {self.num_blocks})"
             )
 
+    def _check_buffer(self, buf: torch.Tensor) -> None:
+        if buf.dtype != torch.uint8 or buf.numel() != self.chunk_bytes or not buf.is_contiguous():
+            raise ValueError(
+                f"chunk buffer must be contiguous uint8 of {self.chunk_bytes} bytes, got "
+                f"{buf.dtype} of {buf.numel()}"
+            )
+
     def _rows(self, buf: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(stack view `(S, num_blocks, nbytes)`, this chunk's rows of it in `buf` as
         `(S, blocks_per_chunk, nbytes)`) per stack, in payload order."""
-        if buf.dtype != torch.uint8 or buf.numel() != self.chunk_bytes:
-            raise ValueError(
-                f"chunk buffer must be uint8 of {self.chunk_bytes} bytes, got {buf.dtype} of "
-                f"{buf.numel()}"
-            )
+        self._check_buffer(buf)
         n = self.blocks_per_chunk
         out = []
         off = 0
@@ -90,27 +96,27 @@ class PageCodec:
 
     def regions(
         self, block_ids: Sequence[int], buf: torch.Tensor, *, skips: bool = False
-    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """The chunk as `(KV region, buffer region)` pairs that one 2-D copy each moves: per
-        stack and run of consecutive ids, the run's bytes of every segment (rows = segments,
-        pitch = the stack's stride) and the same bytes of `buf`. None when the ids form more
-        than a few runs, or a stack's blocks are not adjacent in memory: a gather or scatter
-        kernel moves those. With `skips`, -1 positions are left out (a load's HBM blocks)."""
+    ) -> list[Span] | None:
+        """The chunk as 2-D copies between the KV cache and `buf`: per stack and run of
+        consecutive ids, the run's bytes of every segment (rows = segments, pitch = the stack's
+        stride) and the same bytes of `buf`. None when the ids form more than a few runs, or a
+        stack's blocks are not adjacent in memory: a gather or scatter kernel moves those. With
+        `skips`, -1 positions are left out (a load's HBM blocks)."""
         stacked = self._stacked_regions(block_ids, buf, skips=skips)
-        return None if stacked is None else [(kv, mine) for _, kv, mine in stacked]
+        return None if stacked is None else [span for _, span in stacked]
 
     def wave_regions(
         self, block_ids: Sequence[int], buf: torch.Tensor, waves: Waves
-    ) -> list[list[tuple[torch.Tensor, torch.Tensor]]] | None:
+    ) -> list[list[Span]] | None:
         """`regions` (a load's, -1 positions left out) split by the wave each stack row lands
-        in: one list of pairs per wave, a row range of a pair being a plain slice of it."""
+        in: one list of spans per wave, a row range of a span being a span of its own."""
         stacked = self._stacked_regions(block_ids, buf, skips=True)
         if stacked is None:
             return None
-        out: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(waves.count)]
-        for si, kv, mine in stacked:
+        out: list[list[Span]] = [[] for _ in range(waves.count)]
+        for si, span in stacked:
             for w, r0, r1 in waves.rows[si]:
-                out[w].append((kv[r0:r1], mine[r0:r1]))
+                out[w].append(span.rows(r0, r1))
         return out
 
     def stack_sizes(self) -> list[int]:
@@ -119,24 +125,26 @@ class PageCodec:
 
     def _stacked_regions(
         self, block_ids: Sequence[int], buf: torch.Tensor, *, skips: bool
-    ) -> list[tuple[int, torch.Tensor, torch.Tensor]] | None:
+    ) -> list[tuple[int, Span]] | None:
+        # integer arithmetic on geometry taken once: no torch call per chunk, each of which
+        # lets a thread running Python beside the lane take the GIL (issue 41, item 6)
         self._check(block_ids, skips=skips)
         runs = [r for r in _runs(block_ids) if r[1] >= 0]
         if len(runs) > _MAX_RUNS:
             return None
+        self._check_buffer(buf)
+        addr, keep, per_chunk = buf.data_ptr(), (buf, self._stacks), self.blocks_per_chunk
         out = []
-        for si, (view, rows) in enumerate(self._rows(buf)):
-            count, _, sb = view.shape
+        for si, g in enumerate(self._geometry):
             for p, b, n in runs:
-                kv = view[:, b : b + n]
-                if n > 1 and kv.stride(1) != sb:
+                if n > 1 and not g.adjacent:
                     return None  # the run's blocks are not adjacent in this stack
-                mine = rows[:, p : p + n]
-                out.append((
-                    si,
-                    kv.as_strided((count, n * sb), (kv.stride(0), 1)),
-                    mine.as_strided((count, n * sb), (mine.stride(0), 1)),
-                ))  # fmt: skip
+                span = Span(
+                    g.base + b * g.block_stride, g.pitch,
+                    addr + g.offset + p * g.row_bytes, per_chunk * g.row_bytes,
+                    n * g.row_bytes, g.rows, keep,
+                )  # fmt: skip
+                out.append((si, span))
         return out
 
     def gather(self, block_ids: Sequence[int], dst: torch.Tensor, part: int = -1) -> None:
@@ -200,6 +208,32 @@ def _no_state(part: int) -> None:
             f"state part {part} sent to a registration without state groups; only a hybrid "
             "registration with Mamba / linear-attention groups stores boundary states"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class _Geometry:
+    """A stack's layout in bytes, taken once: a run's 2-D copy is arithmetic on it."""
+
+    base: int  # the address of segment 0's block 0
+    rows: int  # segments
+    pitch: int  # from one segment to the next
+    block_stride: int  # from one block to the next within a segment
+    row_bytes: int  # one block's bytes in one segment
+    adjacent: bool  # consecutive blocks are contiguous: a run of them is one row of bytes
+    offset: int  # where the stack's rows start in a chunk buffer
+
+
+def _geometry(stacks: Sequence[torch.Tensor], blocks_per_chunk: int) -> list[_Geometry]:
+    out, offset = [], 0
+    for v in stacks:
+        count, nb, sb = v.shape
+        if v.dtype != torch.uint8 or (sb > 1 and v.stride(2) != 1):
+            raise ValueError(f"a stack must be uint8 rows of contiguous bytes, got {v.dtype} "
+                             f"{tuple(v.shape)} strides {v.stride()}")  # fmt: skip
+        out.append(_Geometry(v.data_ptr(), count, v.stride(0), v.stride(1), sb, v.stride(1) == sb,
+                             offset))  # fmt: skip
+        offset += count * blocks_per_chunk * sb
+    return out
 
 
 def _stacks(pages: KVPages) -> list[torch.Tensor]:

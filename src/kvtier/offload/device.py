@@ -63,15 +63,12 @@ class Lane(Protocol):
         ...
 
     def copy_regions(
-        self,
-        pieces: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        to_host: bool,
-        fence: object | None = None,
+        self, spans: Sequence[dma.Span], to_host: bool, fence: object | None = None
     ) -> Mark:
-        """Queue the 2-D copies between KV regions and host regions (`(kv, host)` pairs, the
-        codec's `regions`) on the copy stream, after `fence` (the forward that wrote or may
-        still read the blocks): the copy engine moves a contiguous run with no kernel and no
-        staging buffer. Its mark."""
+        """Queue the 2-D copies between the KV cache and host buffers (the codec's `regions`)
+        on the copy stream, after `fence` (the forward that wrote or may still read the
+        blocks): the copy engine moves a contiguous run with no kernel and no staging buffer.
+        Its mark."""
         ...
 
     def finish(self) -> None:
@@ -155,13 +152,9 @@ class HostLane:
         return DONE
 
     def copy_regions(
-        self,
-        pieces: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        to_host: bool,
-        fence: object | None = None,
+        self, spans: Sequence[dma.Span], to_host: bool, fence: object | None = None
     ) -> Mark:
-        for kv, host in pieces:
-            (host if to_host else kv).copy_(kv if to_host else host)
+        dma.issue(spans, to_host, dma.host_memcpy2d)
         return DONE
 
     def finish(self) -> None:
@@ -235,14 +228,19 @@ def _wait_on(stream: torch.cuda.Stream, mark: Mark | None) -> None:
         mark.wait()  # a host-side mark (never made by a CUDA lane): wait for it here
 
 
+def _no_dma(dst: int, dpitch: int, src: int, spitch: int, width: int, height: int) -> None:
+    raise RuntimeError("2-D copies need the CUDA runtime bound (CudaOps.dma is False)")
+
+
 class _CudaLane:
     """Two side streams: kernels on one, copies (the copy engine) on the other, so the gather
     of chunk i+1 runs while chunk i crosses the link. Copies are non-blocking from pinned
     memory; marks are blocking events."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, dma_bound: bool) -> None:
         self._kernels = torch.cuda.Stream(device=device)
         self._copies = torch.cuda.Stream(device=device)
+        self._memcpy2d = dma.cuda_memcpy2d(self._copies) if dma_bound else _no_dma
 
     def active(self) -> contextlib.AbstractContextManager[None]:
         return torch.cuda.stream(self._kernels)
@@ -264,14 +262,11 @@ class _CudaLane:
         return _CudaMark(self._copies)
 
     def copy_regions(
-        self,
-        pieces: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        to_host: bool,
-        fence: object | None = None,
+        self, spans: Sequence[dma.Span], to_host: bool, fence: object | None = None
     ) -> Mark:
         if fence is not None:
             self._copies.wait_event(fence)  # type: ignore[arg-type]
-        dma.copy_2d([(h, k) if to_host else (k, h) for k, h in pieces], self._copies)
+        dma.issue(spans, to_host, self._memcpy2d)
         return _CudaMark(self._copies)
 
     def finish(self) -> None:
@@ -321,7 +316,7 @@ class CudaOps:
 
     def lane(self) -> Lane:
         """A lane on a fresh side stream of this device."""
-        return _CudaLane(self.device)
+        return _CudaLane(self.device, self.dma)
 
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         """A copy on this device."""

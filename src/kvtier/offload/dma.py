@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -78,35 +79,75 @@ def load() -> None:
         )
 
 
-def region(t: torch.Tensor) -> tuple[int, int, int, int]:
-    """(address, pitch, width, height) of a 2-D uint8 tensor whose rows are contiguous."""
-    if t.dtype != torch.uint8 or t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1):
-        raise ValueError(f"a 2-D copy needs uint8 rows of contiguous bytes, got {t.dtype} "
-                         f"{tuple(t.shape)} strides {t.stride()}")  # fmt: skip
-    height, width = t.shape
-    pitch = t.stride(0) if height > 1 else width
-    return t.data_ptr(), pitch, width, height
+class Span(NamedTuple):
+    """One 2-D copy between the KV cache and a chunk buffer (a tier slot or staging): `height`
+    rows of `width` bytes, each side's rows its pitch apart. Plain integers, so a lane issues a
+    chunk without a torch call (each one a point where a thread running Python beside it takes
+    the GIL); `keep` holds what the addresses point into until the copy is queued."""
+
+    kv: int
+    kv_pitch: int
+    buf: int
+    buf_pitch: int
+    width: int
+    height: int
+    keep: tuple[object, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes it moves."""
+        return self.width * self.height
+
+    def rows(self, first: int, end: int) -> Span:
+        """Its rows `first` up to `end` as a span of their own."""
+        return self._replace(
+            kv=self.kv + first * self.kv_pitch,
+            buf=self.buf + first * self.buf_pitch,
+            height=end - first,
+        )
 
 
-def copy_2d(pieces: Sequence[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda.Stream) -> None:
-    """Queue one `cudaMemcpy2DAsync` per (dst, src) pair on `stream`; same shapes each."""
+# (dst, dst pitch, src, src pitch, width, height): one 2-D copy, queued or done
+Memcpy2D = Callable[[int, int, int, int, int, int], None]
+
+
+def issue(spans: Sequence[Span], to_host: bool, memcpy2d: Memcpy2D) -> None:
+    """Each span as one `memcpy2d` call toward the host buffer (`to_host`) or the KV cache; a
+    pitch over `MAX_PITCH` goes as one 1-D call per row."""
+    for s in spans:
+        if to_host:
+            d, dp, src, sp = s.buf, s.buf_pitch, s.kv, s.kv_pitch
+        else:
+            d, dp, src, sp = s.kv, s.kv_pitch, s.buf, s.buf_pitch
+        if s.height == 1:
+            dp = sp = s.width
+        if max(dp, sp) <= MAX_PITCH:
+            memcpy2d(d, dp, src, sp, s.width, s.height)
+        else:
+            for i in range(s.height):
+                memcpy2d(d + i * dp, s.width, src + i * sp, s.width, s.width, 1)
+
+
+def host_memcpy2d(dst: int, dpitch: int, src: int, spitch: int, width: int, height: int) -> None:
+    """A 2-D copy between host addresses, row by row (the CPU backend and simulated device)."""
+    for i in range(height):
+        ctypes.memmove(dst + i * dpitch, src + i * spitch, width)
+
+
+def cuda_memcpy2d(stream: torch.cuda.Stream) -> Memcpy2D:
+    """`cudaMemcpy2DAsync` on `stream`, raising RuntimeError with the runtime's message."""
     if _memcpy2d is None:
         load()
-    assert _memcpy2d is not None and _error_string is not None
+    fn, error_string = _memcpy2d, _error_string
+    assert fn is not None and error_string is not None
     handle = ctypes.c_void_p(stream.cuda_stream)
-    for dst, src in pieces:
-        if dst.shape != src.shape:
-            raise ValueError(f"2-D copy of {tuple(src.shape)} into {tuple(dst.shape)}")
-        d, dpitch, width, height = region(dst)
-        s, spitch, _, _ = region(src)
-        if max(dpitch, spitch) <= MAX_PITCH:
-            calls = [(d, dpitch, s, spitch, height)]
-        else:
-            calls = [(d + i * dpitch, width, s + i * spitch, width, 1) for i in range(height)]
-        for dd, dp, ss, sp, h in calls:
-            code = _memcpy2d(dd, dp, ss, sp, width, h, CUDA_MEMCPY_DEFAULT, handle)
-            if code:
-                raise RuntimeError(
-                    f"cudaMemcpy2DAsync of {h} x {width} bytes failed: {code} "
-                    f"({(_error_string(code) or b'').decode()})"
-                )
+
+    def call(dst: int, dpitch: int, src: int, spitch: int, width: int, height: int) -> None:
+        code = fn(dst, dpitch, src, spitch, width, height, CUDA_MEMCPY_DEFAULT, handle)
+        if code:
+            raise RuntimeError(
+                f"cudaMemcpy2DAsync of {height} x {width} bytes failed: {code} "
+                f"({(error_string(code) or b'').decode()})"
+            )
+
+    return call

@@ -33,6 +33,7 @@ import torch
 
 from kvtier.offload.codec import PageCodec, scatter_call
 from kvtier.offload.device import DeviceOps, Lane, Mark
+from kvtier.offload.dma import Span
 from kvtier.offload.hooks import HookGuard
 from kvtier.offload.messages import ChunkRef, LoadOp
 from kvtier.offload.transfer import Flights, Peak, settle, settling
@@ -106,7 +107,7 @@ class _Deferred:
     held: contextlib.ExitStack
     tier: str
     blocks: int
-    pieces: list[list[tuple[torch.Tensor, torch.Tensor]]]
+    pieces: list[list[Span]]
 
 
 @dataclass(eq=False, slots=True)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvtier.offload import dma
 from kvtier.offload.device import Lane, Mark, copy_to
 
 _GB = 1e9
@@ -127,8 +128,8 @@ class _Item:
     fn: Callable[[], object] | None = None
     dst: torch.Tensor | None = None
     src: torch.Tensor | None = None
-    # "regions": (kv, host) 2-D pairs, one engine copy each, and their direction
-    pieces: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
+    # "regions": 2-D copies, one engine copy each, and their direction
+    spans: Sequence[dma.Span] = ()
     to_host: bool = False
     dep: SimEvent | None = None
     queued_at: float = field(default_factory=time.monotonic)
@@ -227,11 +228,14 @@ class SimStream:
                 self._error = self._error or e
                 self._last_t = time.monotonic()
         elif item.kind == "regions":
-            for kv, host in item.pieces:
-                dst, src = (host, kv) if item.to_host else (kv, host)
+            for span in item.spans:
                 try:
                     ready = self._ops._engine_copy(
-                        dst, src, ready, self._error is None, item.to_host
+                        span.nbytes,
+                        lambda s=span: dma.issue([s], item.to_host, dma.host_memcpy2d),
+                        ready,
+                        self._error is None,
+                        item.to_host,
                     )
                 except RuntimeError as e:
                     self._error = self._error or e
@@ -284,18 +288,15 @@ class _SimLane:
         return ev
 
     def copy_regions(
-        self,
-        pieces: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        to_host: bool,
-        fence: object | None = None,
+        self, spans: Sequence[dma.Span], to_host: bool, fence: object | None = None
     ) -> Mark:
         if fence is not None:
             assert isinstance(fence, SimEvent), f"a fence of another device: {fence!r}"
             self.copies.put(_Item("wait", None, dep=fence))
         ev = SimEvent(self._ops)
-        for _ in pieces:
+        for _ in spans:
             self._ops._copy_queued()
-        self.copies.put(_Item("regions", ev, pieces=list(pieces), to_host=to_host))
+        self.copies.put(_Item("regions", ev, spans=list(spans), to_host=to_host))
         return ev
 
     def finish(self) -> None:
@@ -447,20 +448,21 @@ class SimOps:
                 "simulated device: a copy must cross between a staging buffer and host memory "
                 f"(dst {tuple(dst.shape)}, src {tuple(src.shape)})"
             )
-        return self._engine_copy(dst, src, ready, ok, to_host)
+        nbytes = src.numel() * src.element_size()
+        return self._engine_copy(nbytes, lambda: dst.copy_(src), ready, ok, to_host)
 
     def _engine_copy(
-        self, dst: torch.Tensor, src: torch.Tensor, ready: float, ok: bool, to_host: bool
+        self, nbytes: int, move: Callable[[], object], ready: float, ok: bool, to_host: bool
     ) -> float:
-        """One copy of `to_host`'s direction on its engine (a 2-D one moves its rows as one)."""
-        nbytes = src.numel() * src.element_size()
+        """One copy of `nbytes` in `to_host`'s direction on its engine (a 2-D one moves its
+        rows as one); `move` writes its bytes just before its modelled end."""
         seconds = self.model.seconds(nbytes)
         engine = self._engines[1 if to_host and len(self._engines) > 1 else 0]
         _, end, idle = engine.reserve(ready, seconds)
         _sleep_until(end - nbytes / self._host_bps)
         if ok:
             t0 = time.perf_counter()
-            dst.copy_(src)
+            move()
             spent = time.perf_counter() - t0
             if spent > 0 and nbytes >= 1 << 16:
                 self._host_bps = 0.8 * self._host_bps + 0.2 * (nbytes / spent)

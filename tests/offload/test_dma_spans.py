@@ -1,0 +1,136 @@
+"""The 2-D copies a lane issues for a contiguous run (`PageCodec.regions`, `dma.issue`) are
+integer spans: the same bytes as the codec's gather and scatter in every vLLM 0.32 layout, a
+pitch past the runtime's cap split per row, and no torch op per chunk (issue 41, item 6: each
+one let a thread running Python beside the lane take the GIL, up to a switch interval a time).
+`host_memcpy2d` takes `cudaMemcpy2DAsync`'s arguments, so these run the CUDA lane's issue code
+on host memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kvtier.offload import dma
+from kvtier.offload.device import CpuOps
+from kvtier.offload.group_codec import codec_for
+from kvtier.offload.pages import KVCacheDescription, describe_pages
+from tests.offload.vllm_views import SUPPORTED, build, gqa, mla
+
+NB, BS, K = 24, 16, 4  # blocks, tokens a block, blocks a chunk
+CASES = {  # name: block ids of one chunk (-1: left out, a load's HBM block)
+    "one run": [4, 5, 6, 7],
+    "two runs": [9, 10, 2, 3],
+    "four runs": [20, 1, 13, 7],
+    "skips": [-1, -1, 11, 12],
+}
+
+
+def _codec(layout: str, specs=None):  # type: ignore[no-untyped-def]
+    raw, views = build(specs or gqa(block_size=BS), NB, layout)
+    raw.copy_(torch.randint(-128, 127, raw.shape, dtype=torch.int8))
+    pages = describe_pages(KVCacheDescription(views, NB, BS, layout))
+    return raw, codec_for(pages, K, CpuOps())
+
+
+@pytest.mark.parametrize("specs", ["gqa", "mla"])
+@pytest.mark.parametrize("layout", SUPPORTED)
+@pytest.mark.parametrize("case", list(CASES))
+def test_spans_move_the_bytes_the_codec_gathers_and_scatters(
+    layout: str, case: str, specs: str
+) -> None:
+    raw, codec = _codec(layout, gqa(block_size=BS) if specs == "gqa" else mla(block_size=BS))
+    ids = CASES[case]
+    skips = -1 in ids
+    want = torch.zeros(codec.chunk_bytes, dtype=torch.uint8)
+    if not skips:
+        codec.gather(ids, want)
+        got = torch.zeros_like(want)
+        spans = codec.regions(ids, got)
+        assert spans is not None
+        dma.issue(spans, True, dma.host_memcpy2d)
+        assert torch.equal(got, want)
+    # toward the KV cache: only the named blocks change, to the scatter's bytes
+    src = torch.randint(0, 255, (codec.chunk_bytes,), dtype=torch.uint8)
+    expect = raw.clone()
+    spans = codec.regions(ids, src, skips=skips)
+    assert spans is not None
+    dma.issue(spans, False, dma.host_memcpy2d)
+    got_kv = raw.clone()
+    raw.copy_(expect)
+    codec.scatter(src, ids)
+    assert torch.equal(got_kv, raw)
+    assert not torch.equal(got_kv, expect)  # it wrote something
+
+
+def test_a_pitch_over_the_cap_goes_row_by_row_with_the_same_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _, codec = _codec("LBNHC")
+    ids = CASES["two runs"]
+    want = torch.zeros(codec.chunk_bytes, dtype=torch.uint8)
+    codec.gather(ids, want)
+    spans = codec.regions(ids, torch.zeros_like(want))
+    assert spans is not None and all(s.height > 1 for s in spans)
+    calls: list[tuple[int, ...]] = []
+
+    def record(*args: int) -> None:
+        calls.append(args)
+        dma.host_memcpy2d(*args)
+
+    got = torch.zeros_like(want)
+    spans = codec.regions(ids, got)
+    assert spans is not None
+    monkeypatch.setattr(dma, "MAX_PITCH", spans[0].kv_pitch - 1)
+    dma.issue(spans, True, record)
+    assert torch.equal(got, want)
+    assert len(calls) == sum(s.height for s in spans)
+    assert all(c[5] == 1 and c[1] == c[3] == c[4] for c in calls)  # 1-D rows
+
+
+def test_a_span_split_by_rows_moves_the_same_bytes_as_the_whole() -> None:
+    _, codec = _codec("LBHNC", gqa(num_layers=8, block_size=BS))
+    ids = CASES["one run"]
+    want = torch.zeros(codec.chunk_bytes, dtype=torch.uint8)
+    codec.gather(ids, want)
+    got = torch.zeros_like(want)
+    spans = codec.regions(ids, got)
+    assert spans is not None
+    parts = [s.rows(r, r + 1) for s in spans for r in range(s.height)]
+    assert sum(p.nbytes for p in parts) == sum(s.nbytes for s in spans)
+    dma.issue(parts, True, dma.host_memcpy2d)
+    assert torch.equal(got, want)
+
+
+class _Ops(TorchDispatchMode):
+    """Records every aten op dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("layout", SUPPORTED)
+def test_a_chunks_spans_are_made_without_a_torch_op(layout: str) -> None:
+    """Before: a slice, a view and two as_strided per stack and run, each a GIL release; under
+    a forward running Python each cost the lane up to a switch interval (3 ms measured at 5)."""
+    _, codec = _codec(layout)
+    buf = torch.zeros(codec.chunk_bytes, dtype=torch.uint8)
+    with _Ops() as seen:
+        spans = codec.regions(CASES["two runs"], buf)
+        skipped = codec.regions(CASES["skips"], buf, skips=True)
+    assert spans and skipped
+    assert seen.ops == []
+
+
+def test_a_buffer_of_the_wrong_shape_is_refused_naming_its_size() -> None:
+    _, codec = _codec("LBNHC")
+    with pytest.raises(ValueError, match=r"contiguous uint8 of \d+ bytes, got torch.uint8 of 8"):
+        codec.regions(CASES["one run"], torch.zeros(8, dtype=torch.uint8))
+    strided = torch.zeros(2 * codec.chunk_bytes, dtype=torch.uint8)[::2]
+    with pytest.raises(ValueError, match="contiguous uint8"):
+        codec.regions(CASES["one run"], strided)
