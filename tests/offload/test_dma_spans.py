@@ -134,3 +134,58 @@ def test_a_buffer_of_the_wrong_shape_is_refused_naming_its_size() -> None:
     strided = torch.zeros(2 * codec.chunk_bytes, dtype=torch.uint8)[::2]
     with pytest.raises(ValueError, match="contiguous uint8"):
         codec.regions(CASES["one run"], strided)
+
+
+def test_the_cuda_lane_issues_each_span_as_cudamemcpy2dasync_on_its_copy_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CUDA lane's own code with the runtime's function replaced by one that copies host
+    memory: the arguments in `cudaMemcpy2DAsync`'s order, the copy stream's handle, the right
+    bytes; an error code raises naming the runtime's message."""
+    from kvtier.offload.device import CudaOps
+
+    calls: list[tuple[int, ...]] = []
+
+    class _Stream:
+        cuda_stream = 0x5EED
+
+        def __init__(self, device: object = None) -> None:
+            pass
+
+    class _Event:
+        def __init__(self, blocking: bool = False) -> None:
+            pass
+
+        def record(self, stream: object = None) -> None:
+            pass
+
+    failing = [False]
+
+    def memcpy2d(d, dp, s, sp, w, h, kind, handle):  # type: ignore[no-untyped-def]
+        calls.append((kind, handle.value))
+        if failing[0]:
+            return 11  # cudaErrorInvalidValue
+        dma.host_memcpy2d(d, dp, s, sp, w, h)
+        return 0
+
+    monkeypatch.setattr(dma, "_memcpy2d", memcpy2d)
+    monkeypatch.setattr(dma, "_error_string", lambda code: b"invalid argument")
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    ops = CudaOps(torch.device("cuda", 0))
+    assert ops.dma
+    lane = ops.lane()
+    _, codec = _codec("LBNHC")
+    ids = CASES["two runs"]
+    want = torch.zeros(codec.chunk_bytes, dtype=torch.uint8)
+    codec.gather(ids, want)
+    got = torch.zeros_like(want)
+    spans = codec.regions(ids, got)
+    assert spans is not None
+    lane.copy_regions(spans, to_host=True)
+    assert torch.equal(got, want)
+    assert calls == [(dma.CUDA_MEMCPY_DEFAULT, 0x5EED)] * len(spans)
+    failing[0] = True
+    with pytest.raises(RuntimeError, match=r"cudaMemcpy2DAsync of \d+ x \d+ bytes failed: 11 "
+                                           r"\(invalid argument\)"):  # fmt: skip
+        lane.copy_regions(spans, to_host=True)
