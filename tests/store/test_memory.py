@@ -343,6 +343,48 @@ def test_reserve_commit_publishes_the_written_slot(metrics: Metrics):
         tier.commit(k)
 
 
+@pytest.mark.parametrize("cached", [4, 1])
+def test_a_reused_slots_view_is_made_without_a_torch_op(
+    metrics: Metrics, cached: int, monkeypatch: pytest.MonkeyPatch
+):
+    """A slot's view is sliced once and kept (each slice is a torch op, where a thread running
+    Python beside the copy lanes takes the GIL); past `_VIEWS` slots it is sliced each time.
+    Either way the view is the slot's bytes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import kvtier.store.memory as memory
+
+    class _Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(memory, "_VIEWS", cached)
+    tier = _tier(metrics, 2)
+    for i in range(2):  # slot 0, then slot 1 (beyond the cache when it holds one)
+        k, data = key_of(i), payload_of(i, SLOT)
+        slot = tier.reserve(k)
+        assert slot is not None
+        slot.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        tier.commit(k)
+        tier.delete(k)
+        with _Ops() as seen:
+            again = tier.reserve(k)  # the same slot, handed out again
+        assert again is not None and again.data_ptr() == slot.data_ptr()
+        assert bytes(again.numpy()) == data  # forget does not clear the bytes
+        sliced = i >= cached
+        assert (seen.ops != []) == sliced, (i, seen.ops)
+        again[:].copy_(torch.frombuffer(bytearray(payload_of(9, SLOT)), dtype=torch.uint8))
+        tier.commit(k)
+        with tier.pinned_view(k) as view:
+            assert view is not None and bytes(view.numpy()) == payload_of(9, SLOT)
+        # k stays resident: the next key takes the next slot
+
+
 def test_commit_with_length_and_abort(metrics: Metrics):
     tier = _tier(metrics, 2)
     a, b = key_of(0), key_of(1)

@@ -30,6 +30,10 @@ TIER = "memory"
 Payload = bytes | bytearray | memoryview | torch.Tensor
 
 
+# slot views kept at most (10 MiB of them): 512 GiB of 32 MiB chunks
+_VIEWS = 16384
+
+
 @dataclass(frozen=True, slots=True)
 class MemoryTierStats:
     """Slot accounting at one instant; `free + used + reserved + quarantined == num_slots`."""
@@ -102,6 +106,10 @@ class MemoryTier(TierBase):
         self._buf = self._arena.tensor
         # a numpy view of the same memory: zero-copy hashing and bytes-like copies
         self._np = self._buf.numpy()
+        # whole-slot views, each sliced once: a slice is a torch op, and every torch op lets a
+        # thread running Python beside the copy lanes take the GIL for up to a switch interval
+        # (about 600 bytes each: the first _VIEWS slots only)
+        self._views: list[torch.Tensor | None] = [None] * min(num_slots, _VIEWS)
         self._lock = threading.Lock()
         self._leases = LeaseTable(metrics, lease_ttl_s, max_leases, clock)
         self._policy = ChainPolicy(num_slots, ghost_fraction=ghost_fraction)
@@ -229,7 +237,7 @@ class MemoryTier(TierBase):
             off = slot * self.slot_bytes
             if self.verify_reads:
                 bad = checksum(self.namespace, key, memoryview(self._np[off : off + n])) != want
-            yield None if bad else self._buf[off : off + n]
+            yield None if bad else self._slot_view(slot, n)
         finally:
             self._end_read(key, slot, bad)
 
@@ -254,7 +262,7 @@ class MemoryTier(TierBase):
                 bad = checksum(self.namespace, key, memoryview(self._np[off : off + n])) != want
         finally:
             self._end_read(key, slot, bad)
-        return None if bad else self._buf[off : off + n]
+        return None if bad else self._slot_view(slot, n)
 
     # ---- writes --------------------------------------------------------------------------------
 
@@ -322,8 +330,7 @@ class MemoryTier(TierBase):
                 return None
             self._reserved[key] = slot
             self._reserved_parent[key] = parent
-        off = slot * self.slot_bytes
-        return self._buf[off : off + self.slot_bytes]
+        return self._slot_view(slot, self.slot_bytes)
 
     def commit(self, key: bytes, nbytes: int | None = None, parent: bytes = NO_PARENT) -> None:
         """Publish the slot reserved for `key`, holding its first `nbytes` (default: all), as
@@ -448,11 +455,24 @@ class MemoryTier(TierBase):
             self._quarantine.clear()
             self._free.clear()
             self._arena.close()
+            self._views = [None] * len(self._views)
             self._buf = self._arena.tensor
             self._np = self._buf.numpy()
             self._residency.set(0)
 
     # ---- internals (callers hold the lock unless noted) ----------------------------------------
+
+    def _slot_view(self, slot: int, n: int) -> torch.Tensor:
+        """The first `n` bytes of `slot` (no lock needed: two threads filling one cache entry
+        make equal views)."""
+        if n != self.slot_bytes or slot >= len(self._views):
+            off = slot * self.slot_bytes
+            return self._buf[off : off + n]
+        view = self._views[slot]
+        if view is None:
+            off = slot * self.slot_bytes
+            view = self._views[slot] = self._buf[off : off + n]
+        return view
 
     def _check_open(self) -> None:
         if self._closed:
