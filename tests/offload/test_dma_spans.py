@@ -169,6 +169,7 @@ def test_the_cuda_lane_issues_each_span_as_cudamemcpy2dasync_on_its_copy_stream(
         return 0
 
     monkeypatch.setattr(dma, "_memcpy2d", memcpy2d)
+    monkeypatch.setattr(dma, "_memcpy2d_held", None)  # pageable host memory: never used
     monkeypatch.setattr(dma, "_error_string", lambda code: b"invalid argument")
     monkeypatch.setattr(torch.cuda, "Stream", _Stream)
     monkeypatch.setattr(torch.cuda, "Event", _Event)
@@ -189,3 +190,67 @@ def test_the_cuda_lane_issues_each_span_as_cudamemcpy2dasync_on_its_copy_stream(
     with pytest.raises(RuntimeError, match=r"cudaMemcpy2DAsync of \d+ x \d+ bytes failed: 11 "
                                            r"\(invalid argument\)"):  # fmt: skip
         lane.copy_regions(spans, to_host=True)
+
+
+@pytest.mark.parametrize("locked", [False, True])
+def test_the_cuda_lane_issues_holding_the_gil_only_when_the_arena_is_page_locked(
+    monkeypatch: pytest.MonkeyPatch, locked: bool
+) -> None:
+    """From page-locked memory `cudaMemcpy2DAsync` only queues the copy, so the lane makes the
+    call without releasing the GIL (ctypes.PyDLL's binding); from pageable memory the call
+    copies, and it must release it. The worker tells the ops which it is."""
+    from kvtier.offload.device import CudaOps
+    from kvtier.store.memory import MemoryTier
+    from tests.offload.test_worker import config, rank0
+
+    used: list[str] = []
+
+    def binding(name: str):  # type: ignore[no-untyped-def]
+        def call(d, dp, s, sp, w, h, kind, handle):  # type: ignore[no-untyped-def]
+            used.append(name)
+            dma.host_memcpy2d(d, dp, s, sp, w, h)
+            return 0
+
+        return call
+
+    class _Stream:
+        cuda_stream = 1
+
+        def __init__(self, device: object = None) -> None:
+            pass
+
+    monkeypatch.setattr(dma, "_memcpy2d", binding("released"))
+    monkeypatch.setattr(dma, "_memcpy2d_held", binding("held"))
+    monkeypatch.setattr(dma, "_error_string", lambda code: b"")
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "Event", lambda blocking=False: type(
+        "E", (), {"record": lambda self, stream=None: None})())  # fmt: skip
+
+    # what the worker tells the ops: its memory tier's arena, page-locked or not
+    told: list[bool] = []
+
+    class _Recording(CpuOps):
+        def host_locked(self, value: bool) -> None:
+            told.append(value)
+
+    monkeypatch.setattr(MemoryTier, "page_locked", property(lambda self: locked))
+    _, views = build(gqa(block_size=BS), NB, "LBNHC")
+    worker = rank0(config(), _Recording())
+    try:
+        worker.register_kv_caches(KVCacheDescription(views, NB, BS, "LBNHC"))
+    finally:
+        worker.close()
+    assert told == [locked]
+
+    ops = CudaOps(torch.device("cuda", 0))
+    ops.host_locked(told[0])
+    lane = ops.lane()
+    _, codec = _codec("BLHNC")
+    got = torch.zeros(codec.chunk_bytes, dtype=torch.uint8)
+    spans = codec.regions(CASES["one run"], got)
+    assert spans is not None
+    lane.copy_regions(spans, to_host=True)
+    want = torch.zeros_like(got)
+    codec.gather(CASES["one run"], want)
+    assert torch.equal(got, want)
+    assert used == ["held" if locked else "released"] * len(spans)

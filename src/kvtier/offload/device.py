@@ -107,6 +107,11 @@ class DeviceOps(Protocol):
         """A lane for one worker thread (call it from that thread)."""
         ...
 
+    def host_locked(self, locked: bool) -> None:
+        """Whether the memory tier's arena, which the lanes' 2-D copies read and write beside
+        `host_buffer`s, is page-locked (lanes made after the call go by it)."""
+        ...
+
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         """A device copy of a host tensor (an explicit copy)."""
         ...
@@ -192,6 +197,9 @@ class CpuOps:
         """A synchronous lane."""
         return HostLane()
 
+    def host_locked(self, locked: bool) -> None:
+        """Nothing to change: host copies hold no lock."""
+
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         """A copy (the device is the host)."""
         return copy_to(host, self.device)
@@ -237,10 +245,10 @@ class _CudaLane:
     of chunk i+1 runs while chunk i crosses the link. Copies are non-blocking from pinned
     memory; marks are blocking events."""
 
-    def __init__(self, device: torch.device, dma_bound: bool) -> None:
+    def __init__(self, device: torch.device, dma_bound: bool, hold_gil: bool) -> None:
         self._kernels = torch.cuda.Stream(device=device)
         self._copies = torch.cuda.Stream(device=device)
-        self._memcpy2d = dma.cuda_memcpy2d(self._copies) if dma_bound else _no_dma
+        self._memcpy2d = dma.cuda_memcpy2d(self._copies, hold_gil) if dma_bound else _no_dma
 
     def active(self) -> contextlib.AbstractContextManager[None]:
         return torch.cuda.stream(self._kernels)
@@ -293,6 +301,12 @@ class CudaOps:
                 "kvtier: no 2-D DMA on %s (%s); chunks move through a copy kernel", device, e
             )
             self.dma = False
+        self._host_locked = False
+
+    def host_locked(self, locked: bool) -> None:
+        """With every host buffer page-locked, a 2-D copy's issue only queues it: the lanes then
+        issue it holding the GIL (`dma.cuda_memcpy2d`)."""
+        self._host_locked = locked
 
     def bind_thread(self) -> None:
         """A new thread starts on cuda:0; every rank's lanes must run on the rank's device."""
@@ -316,7 +330,7 @@ class CudaOps:
 
     def lane(self) -> Lane:
         """A lane on a fresh side stream of this device."""
-        return _CudaLane(self.device, self.dma)
+        return _CudaLane(self.device, self.dma, self._host_locked)
 
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         """A copy on this device."""

@@ -27,6 +27,10 @@ CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the poi
 MAX_PITCH = (1 << 31) - 1
 _lock = threading.Lock()
 _memcpy2d: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+# the same function called without releasing the GIL (ctypes.PyDLL): between two page-locked
+# buffers it only queues the copy, and a release would let a thread running Python take the
+# GIL from the lane for up to a switch interval
+_memcpy2d_held: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 _error_string: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
 
 
@@ -45,7 +49,7 @@ def _loaded_cudart() -> str | None:
 
 def load() -> None:
     """Bind `cudaMemcpy2DAsync` from the loaded CUDA runtime (once per process)."""
-    global _memcpy2d, _error_string
+    global _memcpy2d, _memcpy2d_held, _error_string
     with _lock:
         if _memcpy2d is not None:
             return
@@ -58,20 +62,21 @@ def load() -> None:
         errors = []
         for name in candidates:
             try:
-                lib = ctypes.CDLL(name)
+                lib, held = ctypes.CDLL(name), ctypes.PyDLL(name)
             except OSError as e:
                 errors.append(f"{name}: {e}")
                 continue
-            fn = lib.cudaMemcpy2DAsync
-            fn.restype = ctypes.c_int
-            fn.argtypes = [
-                ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
-                ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
-            ]  # fmt: skip
+            fn, fn_held = lib.cudaMemcpy2DAsync, held.cudaMemcpy2DAsync
+            for f in (fn, fn_held):
+                f.restype = ctypes.c_int
+                f.argtypes = [
+                    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                    ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
+                ]  # fmt: skip
             err = lib.cudaGetErrorString
             err.restype = ctypes.c_char_p
             err.argtypes = [ctypes.c_int]
-            _memcpy2d, _error_string = fn, err
+            _memcpy2d, _memcpy2d_held, _error_string = fn, fn_held, err
             return
         raise RuntimeError(
             "the CUDA runtime (libcudart) is not loadable in this process: "
@@ -134,11 +139,13 @@ def host_memcpy2d(dst: int, dpitch: int, src: int, spitch: int, width: int, heig
         ctypes.memmove(dst + i * dpitch, src + i * spitch, width)
 
 
-def cuda_memcpy2d(stream: torch.cuda.Stream) -> Memcpy2D:
-    """`cudaMemcpy2DAsync` on `stream`, raising RuntimeError with the runtime's message."""
+def cuda_memcpy2d(stream: torch.cuda.Stream, hold_gil: bool = False) -> Memcpy2D:
+    """`cudaMemcpy2DAsync` on `stream`, raising RuntimeError with the runtime's message;
+    `hold_gil` only where every host buffer is page-locked (from pageable memory the call
+    itself copies, and would hold the GIL for all of it)."""
     if _memcpy2d is None:
         load()
-    fn, error_string = _memcpy2d, _error_string
+    fn, error_string = (_memcpy2d_held if hold_gil else _memcpy2d), _error_string
     assert fn is not None and error_string is not None
     handle = ctypes.c_void_p(stream.cuda_stream)
 

@@ -360,6 +360,9 @@ class SimOps:
         """A lane named after the calling thread."""
         return _SimLane(self, threading.current_thread().name)
 
+    def host_locked(self, locked: bool) -> None:
+        """Nothing to change: the simulated engine's copies are the same either way."""
+
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         """A synchronous copy (used outside the timed path: the self-test's pattern)."""
         return copy_to(host, self.device)

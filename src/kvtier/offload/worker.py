@@ -233,6 +233,7 @@ class OffloadWorker:
         )
         if self._report_changes:
             self.stack.listen(self._tier_changed)
+        ops.host_locked(self.stack.memory.page_locked)
         try:
             self._start_lanes(ops, codec.chunk_bytes)
             if self.config.self_test:

@@ -145,6 +145,11 @@ class MemoryTier(TierBase):
     def __len__(self) -> int:
         return len(self._index)
 
+    @property
+    def page_locked(self) -> bool:
+        """The arena is page-locked for CUDA DMA."""
+        return self._arena.pinned
+
     def contains(self, key: bytes) -> bool:
         """True if `key` is resident (no recency change, no verification)."""
         self._check_open()
