@@ -67,11 +67,6 @@ def _guards_intact(whole: torch.Tensor) -> bool:
     return bool((whole[:G] == 0xA5).all() and (whole[-G:] == 0xA5).all())
 
 
-def _blocks(pages) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
-    """Every segment's rows, copied: row b of entry i is block b's bytes of segment i."""
-    return [s.view.clone() for s in pages.segments]
-
-
 @pytest.mark.parametrize("case", list(IDS))
 @pytest.mark.parametrize(("layout", "spec", "kb"), GEOMETRIES)
 def test_spans_move_the_codecs_bytes_and_nothing_else(
@@ -94,7 +89,7 @@ def test_spans_move_the_codecs_bytes_and_nothing_else(
         assert torch.equal(buf, want) and _guards_intact(whole)
     # toward the KV cache: the scatter's bytes in the named blocks, every other block unchanged
     before, keep = raw.clone(), {b for b in ids if b >= 0}
-    old = _blocks(pages)
+    old = [s.view.clone() for s in pages.segments]  # row b: block b's bytes of a segment
     whole, src = _guarded(codec.chunk_bytes)
     src.copy_(torch.randint(0, 255, (codec.chunk_bytes,), dtype=torch.uint8, generator=_gen()))
     spans = codec.regions(ids, src, skips=True)
@@ -102,7 +97,7 @@ def test_spans_move_the_codecs_bytes_and_nothing_else(
     assert sum(s.nbytes for s in spans) == len(keep) * codec.bytes_per_block
     dma.issue(spans, False, dma.host_memcpy2d)
     got = raw.clone()
-    new = _blocks(pages)
+    new = [s.view.clone() for s in pages.segments]
     for o, n in zip(old, new, strict=True):
         for b in range(NB):
             assert torch.equal(o[b], n[b]) == (b not in keep), (b, ids)
