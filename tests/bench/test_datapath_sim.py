@@ -83,9 +83,9 @@ def test_a_ring_kept_across_steps_leaves_the_engine_no_idle_time_between_them() 
 def test_the_gil_rows_show_a_python_busy_forward_starving_the_lanes_at_5_ms_and_not_at_05() -> None:
     """Issue 41, item 6: beside a forward thread that runs Python without pause, the lanes get
     the GIL only when the interpreter forces a switch. At 5 ms every step's issue and wake-ups
-    wait that long and the engine idles (measured 2.6-2.9x the burst alone); at kvtier's
-    0.5 ms the burst keeps the engine busy. Judged by a wide margin: a loaded host moves both
-    arms, not the 5 ms arm's multi-millisecond waits at every step."""
+    wait that long and the engine idles (2.2-2.3x the burst alone with the lanes issuing spans,
+    2.6-2.9x before); at kvtier's 0.5 ms the burst keeps the engine busy. Judged by a wide
+    margin: a loaded host moves both arms, not the 5 ms arm's waits at every step."""
     report = Report("tier", "sim")
     run_gil(report, 1, lambda m: None)
     rows = {r["id"]: r for r in report.to_json()["rows"]}
@@ -94,7 +94,8 @@ def test_the_gil_rows_show_a_python_busy_forward_starving_the_lanes_at_5_ms_and_
     for r in rows.values():
         d = r["detail"]
         assert d["alone_ms"] >= busy_ms * 0.99, r
-        assert r["raw"] >= 1.5 * r["value"], r  # 5 ms against 0.5 ms
+        # 5 ms against 0.5 ms: 2.1-2.4x in 15 of 16 runs, 1.42x the least
+        assert r["raw"] >= 1.2 * r["value"], r
         assert d["idle_ms_per_step_busy_5ms"] >= 1.0, r
         for arm in ("busy_5ms", "busy_0.5ms"):
             assert f"forward_slowdown_pct_{arm}" in d, r
