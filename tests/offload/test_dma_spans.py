@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvtier.offload import dma
 from kvtier.offload.device import CpuOps
 from kvtier.offload.group_codec import codec_for
 from kvtier.offload.pages import KVCacheDescription, describe_pages
 from tests.offload.vllm_views import SUPPORTED, build, gqa, mla
+from tests.torch_ops import TorchOps
 
 NB, BS, K = 24, 16, 4  # blocks, tokens a block, blocks a chunk
 CASES = {  # name: block ids of one chunk (-1: left out, a load's HBM block)
@@ -33,6 +33,37 @@ def _codec(layout: str, specs=None):  # type: ignore[no-untyped-def]
     return raw, codec_for(pages, K, CpuOps())
 
 
+def _toward_host(codec, ids):  # type: ignore[no-untyped-def]
+    """What the codec gathers for `ids`, an empty buffer, and the spans into that buffer."""
+    want = torch.zeros(codec.chunk_bytes, dtype=torch.uint8)
+    codec.gather(ids, want)
+    got = torch.zeros_like(want)
+    spans = codec.regions(ids, got)
+    assert spans is not None
+    return want, got, spans
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.cuda's stream (handle 0x5EED) and event classes replaced by inert ones."""
+
+    class _Stream:
+        cuda_stream = 0x5EED
+
+        def __init__(self, device: object = None) -> None:
+            pass
+
+    class _Event:
+        def __init__(self, blocking: bool = False) -> None:
+            pass
+
+        def record(self, stream: object = None) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+
+
 @pytest.mark.parametrize("specs", ["gqa", "mla"])
 @pytest.mark.parametrize("layout", SUPPORTED)
 @pytest.mark.parametrize("case", list(CASES))
@@ -42,12 +73,8 @@ def test_spans_move_the_bytes_the_codec_gathers_and_scatters(
     raw, codec = _codec(layout, gqa(block_size=BS) if specs == "gqa" else mla(block_size=BS))
     ids = CASES[case]
     skips = -1 in ids
-    want = torch.zeros(codec.chunk_bytes, dtype=torch.uint8)
     if not skips:
-        codec.gather(ids, want)
-        got = torch.zeros_like(want)
-        spans = codec.regions(ids, got)
-        assert spans is not None
+        want, got, spans = _toward_host(codec, ids)
         dma.issue(spans, True, dma.host_memcpy2d)
         assert torch.equal(got, want)
     # toward the KV cache: only the named blocks change, to the scatter's bytes
@@ -68,19 +95,14 @@ def test_a_pitch_over_the_cap_goes_row_by_row_with_the_same_bytes(
 ) -> None:
     _, codec = _codec("LBNHC")
     ids = CASES["two runs"]
-    want = torch.zeros(codec.chunk_bytes, dtype=torch.uint8)
-    codec.gather(ids, want)
-    spans = codec.regions(ids, torch.zeros_like(want))
-    assert spans is not None and all(s.height > 1 for s in spans)
+    want, got, spans = _toward_host(codec, ids)
+    assert all(s.height > 1 for s in spans)
     calls: list[tuple[int, ...]] = []
 
     def record(*args: int) -> None:
         calls.append(args)
         dma.host_memcpy2d(*args)
 
-    got = torch.zeros_like(want)
-    spans = codec.regions(ids, got)
-    assert spans is not None
     monkeypatch.setattr(dma, "MAX_PITCH", spans[0].kv_pitch - 1)
     dma.issue(spans, True, record)
     assert torch.equal(got, want)
@@ -91,27 +113,11 @@ def test_a_pitch_over_the_cap_goes_row_by_row_with_the_same_bytes(
 def test_a_span_split_by_rows_moves_the_same_bytes_as_the_whole() -> None:
     _, codec = _codec("LBHNC", gqa(num_layers=8, block_size=BS))
     ids = CASES["one run"]
-    want = torch.zeros(codec.chunk_bytes, dtype=torch.uint8)
-    codec.gather(ids, want)
-    got = torch.zeros_like(want)
-    spans = codec.regions(ids, got)
-    assert spans is not None
+    want, got, spans = _toward_host(codec, ids)
     parts = [s.rows(r, r + 1) for s in spans for r in range(s.height)]
     assert sum(p.nbytes for p in parts) == sum(s.nbytes for s in spans)
     dma.issue(parts, True, dma.host_memcpy2d)
     assert torch.equal(got, want)
-
-
-class _Ops(TorchDispatchMode):
-    """Records every aten op dispatched inside it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("layout", SUPPORTED)
@@ -120,7 +126,7 @@ def test_a_chunks_spans_are_made_without_a_torch_op(layout: str) -> None:
     a forward running Python each cost the lane up to a switch interval (3 ms measured at 5)."""
     _, codec = _codec(layout)
     buf = torch.zeros(codec.chunk_bytes, dtype=torch.uint8)
-    with _Ops() as seen:
+    with TorchOps() as seen:
         spans = codec.regions(CASES["two runs"], buf)
         skipped = codec.regions(CASES["skips"], buf, skips=True)
     assert spans and skipped
@@ -137,7 +143,7 @@ def test_a_buffer_of_the_wrong_shape_is_refused_naming_its_size() -> None:
 
 
 def test_the_cuda_lane_issues_each_span_as_cudamemcpy2dasync_on_its_copy_stream(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, fake_cuda: None
 ) -> None:
     """The CUDA lane's own code with the runtime's function replaced by one that copies host
     memory: the arguments in `cudaMemcpy2DAsync`'s order, the copy stream's handle, the right
@@ -145,20 +151,6 @@ def test_the_cuda_lane_issues_each_span_as_cudamemcpy2dasync_on_its_copy_stream(
     from kvtier.offload.device import CudaOps
 
     calls: list[tuple[int, ...]] = []
-
-    class _Stream:
-        cuda_stream = 0x5EED
-
-        def __init__(self, device: object = None) -> None:
-            pass
-
-    class _Event:
-        def __init__(self, blocking: bool = False) -> None:
-            pass
-
-        def record(self, stream: object = None) -> None:
-            pass
-
     failing = [False]
 
     def memcpy2d(d, dp, s, sp, w, h, kind, handle):  # type: ignore[no-untyped-def]
@@ -171,18 +163,12 @@ def test_the_cuda_lane_issues_each_span_as_cudamemcpy2dasync_on_its_copy_stream(
     monkeypatch.setattr(dma, "_memcpy2d", memcpy2d)
     monkeypatch.setattr(dma, "_memcpy2d_held", None)  # pageable host memory: never used
     monkeypatch.setattr(dma, "_error_string", lambda code: b"invalid argument")
-    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
     ops = CudaOps(torch.device("cuda", 0))
     assert ops.dma
     lane = ops.lane()
     _, codec = _codec("LBNHC")
     ids = CASES["two runs"]
-    want = torch.zeros(codec.chunk_bytes, dtype=torch.uint8)
-    codec.gather(ids, want)
-    got = torch.zeros_like(want)
-    spans = codec.regions(ids, got)
-    assert spans is not None
+    want, got, spans = _toward_host(codec, ids)
     lane.copy_regions(spans, to_host=True)
     assert torch.equal(got, want)
     assert calls == [(dma.CUDA_MEMCPY_DEFAULT, 0x5EED)] * len(spans)
@@ -194,7 +180,7 @@ def test_the_cuda_lane_issues_each_span_as_cudamemcpy2dasync_on_its_copy_stream(
 
 @pytest.mark.parametrize("locked", [False, True])
 def test_the_cuda_lane_issues_holding_the_gil_only_when_the_arena_is_page_locked(
-    monkeypatch: pytest.MonkeyPatch, locked: bool
+    monkeypatch: pytest.MonkeyPatch, fake_cuda: None, locked: bool
 ) -> None:
     """From page-locked memory `cudaMemcpy2DAsync` only queues the copy, so the lane makes the
     call without releasing the GIL (ctypes.PyDLL's binding); from pageable memory the call
@@ -213,18 +199,9 @@ def test_the_cuda_lane_issues_holding_the_gil_only_when_the_arena_is_page_locked
 
         return call
 
-    class _Stream:
-        cuda_stream = 1
-
-        def __init__(self, device: object = None) -> None:
-            pass
-
     monkeypatch.setattr(dma, "_memcpy2d", binding("released"))
     monkeypatch.setattr(dma, "_memcpy2d_held", binding("held"))
     monkeypatch.setattr(dma, "_error_string", lambda code: b"")
-    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
-    monkeypatch.setattr(torch.cuda, "Event", lambda blocking=False: type(
-        "E", (), {"record": lambda self, stream=None: None})())  # fmt: skip
 
     # what the worker tells the ops: its memory tier's arena, page-locked or not
     told: list[bool] = []
@@ -246,11 +223,7 @@ def test_the_cuda_lane_issues_holding_the_gil_only_when_the_arena_is_page_locked
     ops.host_locked(told[0])
     lane = ops.lane()
     _, codec = _codec("BLHNC")
-    got = torch.zeros(codec.chunk_bytes, dtype=torch.uint8)
-    spans = codec.regions(CASES["one run"], got)
-    assert spans is not None
+    want, got, spans = _toward_host(codec, CASES["one run"])
     lane.copy_regions(spans, to_host=True)
-    want = torch.zeros_like(got)
-    codec.gather(CASES["one run"], want)
     assert torch.equal(got, want)
     assert used == ["held" if locked else "released"] * len(spans)

@@ -350,18 +350,8 @@ def test_a_reused_slots_view_is_made_without_a_torch_op(
     """A slot's view is sliced once and kept (each slice is a torch op, where a thread running
     Python beside the copy lanes takes the GIL); past `_VIEWS` slots it is sliced each time.
     Either way the view is the slot's bytes."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     import kvtier.store.memory as memory
-
-    class _Ops(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
+    from tests.torch_ops import TorchOps
 
     monkeypatch.setattr(memory, "_VIEWS", cached)
     tier = _tier(metrics, 2)
@@ -372,7 +362,7 @@ def test_a_reused_slots_view_is_made_without_a_torch_op(
         slot.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         tier.commit(k)
         tier.delete(k)
-        with _Ops() as seen:
+        with TorchOps() as seen:
             again = tier.reserve(k)  # the same slot, handed out again
         assert again is not None and again.data_ptr() == slot.data_ptr()
         assert bytes(again.numpy()) == data  # forget does not clear the bytes
