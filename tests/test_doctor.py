@@ -297,6 +297,7 @@ def test_external_hits_pass_and_a_tier_written_and_never_read_fails():
         "stored_tokens": 2560,
         "hbm_hits": 0,
         "skipped_hbm_satisfies": 0,
+        "lookups": 8,
     }
     idle = Fake(external_prefix_cache_hits=0, external_prefix_cache_queries=0).diagnose()
     assert idle[EXTERNAL].status is Status.UNDETERMINED
@@ -349,8 +350,8 @@ def test_store_failures_warn_and_a_tier_refusing_writes_without_evicting_fails()
     # the disk filled up and nothing is evicted: every write fails, the tier is frozen
     fake.rank[1].store_failure("disk", "enospc").inc(40)
     check = fake.diagnose()[STORE_FAILURES]
-    assert check.status is Status.FAIL and check.numbers["frozen_tiers"] == ["disk"]
-    assert "the disk tier refuses writes" in check.detail
+    assert check.status is Status.FAIL and check.numbers["frozen_tiers"] == ["rank 1 disk"]
+    assert "the rank 1 disk tier refuses writes" in check.detail
     fake.rank[1].eviction("disk").inc(12)  # it evicts to make room: a warning only
     assert fake.diagnose()[STORE_FAILURES].status is Status.WARN
 
@@ -434,7 +435,7 @@ def test_lookup_timeouts_warn_and_fail_when_a_rank_misses_most_lookups():
     assert check.numbers == {"lookups": 8, "timeouts_by_target": {"1": 2}}
     fake.sched.lookup_timeout(1).inc(2)  # 4 of 8: half the lookups
     check = fake.diagnose()[TIMEOUTS]
-    assert check.status is Status.FAIL and "ranks ['1'] missed at least 50%" in check.detail
+    assert check.status is Status.FAIL and "ranks [1] missed at least 50%" in check.detail
 
 
 def test_dropped_writes_load_and_save_failures_warn_by_reason():

@@ -93,6 +93,20 @@ class MetricSet:
         """Whether any sample is named `name`."""
         return any(n == name for n, _ in self.samples)
 
+    def engines(self) -> dict[str, MetricSet]:
+        """The scrape split per `engine` label (vLLM's data-parallel engines on one /metrics,
+        each with its own scheduler and ranks 0..world-1): each engine's samples, with the
+        ones no engine labels shared by all. One entry ("") when at most one engine reports."""
+        names = sorted({dict(key)["engine"] for _, key in self.samples if "engine" in dict(key)})
+        if len(names) <= 1:
+            return {"": self}
+        out: dict[str, dict[tuple[str, LabelKey], float]] = {e: {} for e in names}
+        for (n, key), v in self.samples.items():
+            engine = dict(key).get("engine")
+            for e in names if engine is None else (engine,):
+                out[e][(n, key)] = v
+        return {e: MetricSet(samples) for e, samples in out.items()}
+
     def delta(self, before: MetricSet) -> MetricSet:
         """`self - before`, sample by sample (a sample new in `self` counts from 0)."""
         return MetricSet({k: v - before.samples.get(k, 0.0) for k, v in self.samples.items()})

@@ -10,6 +10,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from kvtier.doctor import Status, diagnose
 from tests.vllm.conftest import CHUNK, TIER, DriverRun, loadable_tokens, retrieved_lines
 
 
@@ -38,3 +39,10 @@ def test_dp2_serves_restores_from_two_engines(
     assert [x["text"] for x in r["pass2"]] == [x["text"] for x in r["pass1"]]
     lines = retrieved_lines(log)
     assert len(lines) == len(r["prompt_lens"]) and not [x for x in lines if x.failed]
+    # `kvtier doctor` judges each engine on its own (each has its own scheduler and rank 0):
+    # nothing fails, and every check's numbers are per engine
+    checks = diagnose(r["metrics_text"], log, 1)
+    failed = {c.name: c.detail for c in checks if c.status is Status.FAIL}
+    assert not failed, failed
+    scope = next(c for c in checks if c.name == "lookup client on every rank")
+    assert scope.status is Status.PASS and set(scope.numbers["engines"]) == {"0", "1"}, scope

@@ -4,6 +4,7 @@ it, the table or JSON shows it, and `doctor_command` exits 1 on any FAIL (2 when
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import httpx
@@ -12,18 +13,25 @@ import typer
 from kvtier.doctor import coverage, health
 from kvtier.doctor.result import DROPPED, HOOK_ERRORS, SAVE_FAILURES, VERIFY, Check, Status
 from kvtier.doctor.samples import Samples, declared
-from kvtier.scrape import WORLD_SIZE, MetricSet
+from kvtier.scrape import SCHEDULER, WORLD_SIZE, MetricSet
 
 
 class DoctorError(Exception):
     """The server or the log could not be read (unreachable, not HTTP 200); exit code 2."""
 
 
+# the most ranks an engine can have that doctor will walk (a larger value is not a kvtier
+# server's: doctor would loop over it)
+MAX_RANKS = 65536
+
+
 def diagnose(metrics_text: str, log_text: str | None, tp: int | None) -> list[Check]:
-    """Every check on one /metrics scrape (and the startup log, when given).
+    """Every check on one /metrics scrape (and the startup log, when given), per engine when
+    several report (vLLM data parallelism), each check's worst verdict naming the engine.
 
     `tp` is the tensor-parallel size the deployment intends; None takes the server's world.
-    Raises ValueError for a `tp` below 1 or text that is not Prometheus exposition.
+    Raises ValueError for a `tp` below 1, text that is not Prometheus exposition, or a rank
+    count or rank label that is not one.
     """
     if tp is not None and tp < 1:
         raise ValueError(f"--tp {tp} must be >= 1 (the engine's tensor-parallel size)")
@@ -31,12 +39,71 @@ def diagnose(metrics_text: str, log_text: str | None, tp: int | None) -> list[Ch
         ms = MetricSet.parse(metrics_text)
     except ValueError as exc:
         raise ValueError(f"the /metrics body is not Prometheus text ({exc})") from None
-    s = Samples(ms, declared(metrics_text))
+    _check_ranks(ms)
+    names = declared(metrics_text)
+    per_engine = {e: _diagnose_engine(m, names, log_text, tp) for e, m in ms.engines().items()}
+    if len(per_engine) == 1:
+        return next(iter(per_engine.values()))
+    return _merge(per_engine)
+
+
+def _world(value: float) -> int:
+    """The scheduler's `kvtier_world_size`, checked: a whole number of ranks."""
+    if not (math.isfinite(value) and value.is_integer() and 1 <= value <= MAX_RANKS):
+        raise ValueError(
+            f'{WORLD_SIZE}{{rank="scheduler"}} is {value}, not a rank count (a whole number '
+            f"from 1 to {MAX_RANKS}): this /metrics is not a kvtier server's, or it is damaged"
+        )
+    return int(value)
+
+
+def _check_ranks(ms: MetricSet) -> None:
+    """Every `rank` label of a kvtier sample is "scheduler" or a rank number doctor can walk."""
+    for name, key in ms.samples:
+        rank = dict(key).get("rank")
+        if rank is None or rank == SCHEDULER or not name.startswith("kvtier_"):
+            continue
+        if not (rank.isascii() and rank.isdigit() and int(rank) < MAX_RANKS):
+            raise ValueError(
+                f"{name} has rank={rank!r}, not a rank number below {MAX_RANKS}: this /metrics "
+                "is not a kvtier server's, or it is damaged"
+            )
+
+
+_WORST = (Status.FAIL, Status.WARN, Status.UNDETERMINED, Status.PASS)
+
+
+def _merge(per_engine: dict[str, list[Check]]) -> list[Check]:
+    """One check per name: the worst engine's verdict; the detail names each engine's when
+    they differ, and the numbers are per engine."""
+    out = []
+    by_name: dict[str, dict[str, Check]] = {}
+    for engine, checks in per_engine.items():
+        for ch in checks:
+            by_name.setdefault(ch.name, {})[engine] = ch
+    for name, checks in by_name.items():
+        status = min((ch.status for ch in checks.values()), key=_WORST.index)
+        details = {ch.detail for ch in checks.values()}
+        if len(details) == 1:
+            detail = details.pop()
+        else:
+            order = sorted(checks, key=lambda e: (_WORST.index(checks[e].status), e))
+            detail = "; ".join(f"engine {e}: {checks[e].detail}" for e in order)
+        numbers = {"engines": {e: ch.numbers for e, ch in sorted(checks.items())}}
+        out.append(Check(name, status, detail, numbers))
+    return out
+
+
+def _diagnose_engine(
+    ms: MetricSet, names: frozenset[str], log_text: str | None, tp: int | None
+) -> list[Check]:
+    """Every check on one engine's samples."""
+    s = Samples(ms, names)
     present = coverage.present(s)
     if present.status is Status.FAIL:
         return [present]
     world_value = s.scheduler_value(WORLD_SIZE)
-    world_metric = int(world_value) if world_value is not None else None
+    world_metric = _world(world_value) if world_value is not None else None
     workers = s.worker_ranks()
     world = tp if tp is not None else world_metric
     if world is None and workers:

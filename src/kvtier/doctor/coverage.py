@@ -40,6 +40,10 @@ from kvtier.scrape import (
     Counters,
 )
 
+# lookups asked before "written and never read" is judged with a disk or remote tier, where
+# every prompt is looked up: a young server's first prompts have had nothing to repeat
+NEVER_READ_MIN = 8
+
 
 @dataclass(frozen=True)
 class Context:
@@ -328,12 +332,26 @@ def external(s: Samples) -> Check:
             "nothing could hit; the tier pays once prompts share a first chunk",
             numbers,
         )
+    # below memory, every lookup asks the ranks, a first prompt too; with memory alone only a
+    # prompt whose first chunk this engine saved does (the rest are cold): a repeat already
+    lower = any(v > 0 for (t,), v in s.group(CAPACITY, "tier").items() if t != "memory")
+    if queries > 0 and stored > 0 and lower and asked < NEVER_READ_MIN:
+        numbers.update(lookups=num(asked))
+        return Check(
+            EXTERNAL,
+            Status.UNDETERMINED,
+            f"{said}, after {num(asked)} lookups: too few to tell a tier never read from "
+            f"traffic that has not repeated a prefix yet (judged from {NEVER_READ_MIN}); "
+            "rerun after traffic with repeated prefixes",
+            numbers,
+        )
     if queries > 0 and stored > 0:
+        numbers.update(lookups=num(asked))
         return Check(
             EXTERNAL,
             Status.FAIL,
-            f"tier written and never read: {said}; check the lookup scope, or, if the traffic "
-            "so far repeated no prefix, rerun after traffic that does",
+            f"tier written and never read: {said}, in {num(asked)} lookups; check the lookup "
+            "scope, or, if the traffic so far repeated no prefix, rerun after traffic that does",
             numbers,
         )
     if queries == 0:

@@ -4,6 +4,7 @@ policy and the engine's progress."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from kvtier.doctor.result import (
@@ -37,6 +38,9 @@ from kvtier.scrape import (
 # A target that missed at least this share of the scheduler's lookups is as good as gone: most
 # lookups come back as misses because of it, so it fails the gate instead of warning.
 LOOKUP_TIMEOUT_FAIL_SHARE = 0.5
+# a target fails only from this many timeouts: one timeout in a young server's first two
+# lookups is half of them, and says nothing of a server that is down
+LOOKUP_TIMEOUT_FAIL_MIN = 4
 # store-failure reasons after which a tier takes no write until space or rights come back
 WRITE_REFUSED = ("enospc", "read_only", "no_permission")
 WRITES_REFUSED = "kvtier_tier_writes_refused_seconds"
@@ -177,7 +181,9 @@ def timeouts(s: Samples) -> Check:
     if not per_target:
         return Check(TIMEOUTS, Status.PASS, f"no timeout in {num(lookups)} lookups", numbers)
     gone = sorted(
-        t for t, v in per_target.items() if lookups > 0 and v >= LOOKUP_TIMEOUT_FAIL_SHARE * lookups
+        int(t) if t.isdigit() else t
+        for t, v in per_target.items()
+        if v >= LOOKUP_TIMEOUT_FAIL_MIN and v >= LOOKUP_TIMEOUT_FAIL_SHARE * lookups
     )
     said = f"timeouts per target rank: {fmt(per_target)} in {num(lookups)} lookups"
     if gone:
@@ -207,9 +213,12 @@ def store_failures(s: Samples) -> Check:
         return absent(STORE_FAILURES, STORE_FAILED)
     by = {f"{t}/{r}": v for (t, r), v in s.group(STORE_FAILED, "tier", "reason").items() if v}
     evicted = {t: v for (t,), v in s.group("kvtier_evictions_total", "tier").items()}
+    # per rank: each rank's tier has its own budget, so another rank's evictions make no room
+    refused = s.group(STORE_FAILED, "rank", "tier", "reason")
+    evicting = s.group("kvtier_evictions_total", "rank", "tier")
     frozen = sorted(
-        {k.split("/")[0] for k in by if k.split("/")[1] in WRITE_REFUSED}
-        - {t for t, v in evicted.items() if v > 0}
+        {f"rank {r} {t}" for (r, t, why), v in refused.items() if v and why in WRITE_REFUSED}
+        - {f"rank {r} {t}" for (r, t), v in evicting.items() if v > 0}
     )
     # how long each tier has refused every write, as of its last refusal (0: it accepts)
     refusing: dict[str, float] = {}
@@ -241,8 +250,8 @@ def store_failures(s: Samples) -> Check:
             STORE_FAILURES,
             Status.FAIL,
             f"{said}; the {', '.join(frozen)} tier refuses writes ({', '.join(WRITE_REFUSED)}) "
-            "and evicted nothing: it is frozen, every new chunk is lost to it (free space or "
-            "fix its permissions, or lower its budget)",
+            "and evicted nothing there: it is frozen, every new chunk is lost to it (free "
+            "space or fix its permissions, or lower its budget)",
             numbers,
         )
     return Check(
@@ -262,6 +271,14 @@ def progress(s: Samples) -> Check:
     if s.exported(STALLED):
         stalled_s = s.total(STALL_SECONDS)
         numbers.update(stalled=num(s.total(STALLED)), stall_seconds=num(stalled_s))
+        if not math.isfinite(s.total(STALLED)):
+            return Check(
+                PROGRESS,
+                Status.UNDETERMINED,
+                f"{STALLED} reads {s.total(STALLED)}, not a count of stalled engines: the "
+                "exporter is broken; check /health instead",
+                numbers,
+            )
         if s.total(STALLED) >= 1:
             return Check(
                 PROGRESS,
@@ -418,12 +435,27 @@ def load_cost(s: Samples) -> Check:
             "tier) or set load_policy: always",
             numbers,
         )
-    return Check(LOAD_COST, Status.PASS, f"{said}; predictions within 2x", numbers)
+    if loads < MISPREDICTED_WARN_MIN:
+        return Check(
+            LOAD_COST,
+            Status.PASS,
+            f"{said}; {num(loads)} predicted loads, too few to judge the predictions (below "
+            f"{MISPREDICTED_WARN_MIN}; {share:.0%} of them missed by over 2x)",
+            numbers,
+        )
+    return Check(
+        LOAD_COST,
+        Status.PASS,
+        f"{said}; predictions within 2x ({share:.0%} of recent loads missed by more)",
+        numbers,
+    )
 
 
 def states(s: Samples) -> Check:
     """A model with state groups: the tier holds boundary states beside its chunks. Chunks and
     no state at all is a tier written and never read: a hit ends only where a state is held."""
+    if not s.exported(STATE_GROUPS):
+        return absent(STATES, STATE_GROUPS)
     groups = s.scheduler_value(STATE_GROUPS) or 0.0
     if not groups:
         return Check(STATES, Status.PASS, "no state groups (attention KV only)", {"groups": 0})
