@@ -383,6 +383,8 @@ class OpenAIServing:
         choices = {s.index: _Choice(s) for s in seqs}
         done = False
         rid = sub.rid
+        # echo with max_tokens 0 runs one token (the engine needs one): it is not the client's
+        echo_only = bool(req.echo) and req.max_tokens == 0
 
         def chunk(choice: CompletionResponseChoice, usage: UsageInfo | None = None) -> str:
             return _sse(CompletionStreamResponse(
@@ -401,6 +403,13 @@ class OpenAIServing:
                     c = choices[index]
                     before, start = len(c.logprobs), len(c.offsets)
                     c.add(u)
+                    if echo_only:
+                        if u.finish_reason is not None:
+                            yield chunk(CompletionResponseChoice(
+                                index=index, text="", finish_reason=u.finish_reason,
+                                stop_reason=u.stop_reason,
+                            ))  # fmt: skip
+                        continue
                     out = CompletionResponseChoice(
                         index=index, text=u.text, finish_reason=u.finish_reason,
                         stop_reason=u.stop_reason,
@@ -417,7 +426,7 @@ class OpenAIServing:
                     yield chunk(out, usage)
             done = True
             if req.include_usage:
-                usage = self._usage(prompts, list(choices.values()), False)
+                usage = self._usage(prompts, list(choices.values()), echo_only)
                 yield _sse(CompletionStreamResponse(
                     id=rid, created=created, model=self.model.name, choices=[], usage=usage
                 ))  # fmt: skip

@@ -13,9 +13,8 @@ from typing import Annotated, Any, ClassVar
 from pydantic import Field, model_validator
 
 from kvtier.native.protocol import APIError, OpenAIBaseModel
-from kvtier.native.sampling import MAX_LOGPROBS, SamplingParams
+from kvtier.native.sampling import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 128  # vLLM's VLLM_MAX_N_SEQUENCES default
 MAX_PROMPTS = 1024  # vLLM's VLLM_MAX_COMPLETION_PROMPTS default
 
@@ -103,7 +102,7 @@ class _SamplingRequest(OpenAIBaseModel):
     temperature: float | None = None
     top_p: float | None = None
     user: str | None = None
-    top_k: int | None = None
+    top_k: int | None = Field(None, le=INT64_MAX)
     min_p: float | None = None
     repetition_penalty: float | None = None
     length_penalty: float = 1.0

@@ -94,6 +94,8 @@ def _target(body: bytes, requests: RequestBuilder) -> dict[str, Any]:
         doc = json.loads(body or b"{}")
     except ValueError as exc:
         raise APIError(400, f"the body is not JSON: {exc}") from None
+    except RecursionError:
+        raise APIError(400, "the body nests too deep; send a flat JSON object") from None
     if not isinstance(doc, dict):
         raise APIError(400, "the body must be a JSON object")
     user = doc.get("user") or ""

@@ -25,6 +25,9 @@ MIN_TEMPERATURE = 1e-2
 MAX_TEMPERATURE = 2.0
 MAX_LOGPROBS = 20
 LOGIT_BIAS_LIMIT = 100.0
+# what a step carries per request is encoded as 64-bit integers: a client's larger one would
+# fail the whole step's encoding, every request of it and the engine with them
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class SamplingParamError(ConfigError):
@@ -59,7 +62,7 @@ class SamplingParams:
             (math.isfinite(self.temperature), "must be a finite number", "temperature"),
             (0.0 <= self.temperature <= MAX_TEMPERATURE, "must be in [0, 2]", "temperature"),
             (0.0 < self.top_p <= 1.0, "must be in (0, 1]", "top_p"),
-            (self.top_k >= -1, "must be 0 (disable), or at least 1", "top_k"),
+            (-1 <= self.top_k <= INT64_MAX, "must be 0 (disable), or at least 1", "top_k"),
             (0.0 <= self.min_p <= 1.0, "must be in [0, 1]", "min_p"),
             (-2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]", "presence_penalty"),
             (-2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]", "frequency_penalty"),
