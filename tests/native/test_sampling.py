@@ -136,3 +136,11 @@ def test_the_wire_spec_carries_history_only_when_a_penalty_needs_it():
     assert spec_of(SamplingParams(), [1, 2, 3], 2).history == []
     spec = spec_of(SamplingParams(presence_penalty=0.5), [1, 2, 3], 2)
     assert spec.history == [1, 2, 3] and spec.prompt_len == 2
+
+
+@pytest.mark.parametrize("bias", [float("nan"), float("inf"), -float("inf")])
+def test_a_logit_bias_that_is_no_number_is_refused_naming_the_token(bias: float) -> None:
+    """NaN was clamped to -100 (`max(-100, nan)` is -100): a client's NaN banned a token with
+    a 200 answer, where a NaN temperature is a 400."""
+    with pytest.raises(SamplingParamError, match="logit_bias of token 7 must be a finite number"):
+        SamplingParams(logit_bias={7: bias})

@@ -82,6 +82,11 @@ class SamplingParams:
         for ok, rule, name in checks:
             if not ok:
                 raise SamplingParamError(name, f"{name}={getattr(self, name)!r} {rule}")
+        bad = [t for t, b in self.logit_bias.items() if not math.isfinite(float(b))]
+        if bad:
+            raise SamplingParamError(
+                "logit_bias", f"logit_bias of token {bad[0]} must be a finite number"
+            )
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         bias = {int(t): min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(b)))
                 for t, b in self.logit_bias.items()}  # fmt: skip
