@@ -20,6 +20,7 @@ load fails, and the request recomputes the prefix.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import re
@@ -44,6 +45,8 @@ from kvtier.store.remote_transport import CredentialsRefused, StoreError, Timeou
 from kvtier.store.secret import codec_for
 
 _TENANT = re.compile(r"[A-Za-z0-9._-]{0,64}")
+# verification failures that say the bytes are another chunk's record, not this one damaged
+_ANOTHER_KEYS = ("key_mismatch", "namespace_mismatch")
 
 if TYPE_CHECKING:
     from kvtier.config import KVTierConfig
@@ -528,15 +531,24 @@ class RemoteTier(TierBase):
             return memoryview(self._codec.open(data, key, expected_length))
         except record.RecordError as e:
             self._m.verify_failure(self.name, e.reason).inc()
+            if e.reason in _ANOTHER_KEYS:
+                # another chunk's record: a planted copy, or a reply to another request (a
+                # connection out of step after a lost reply, which every later read would
+                # repeat): the next calls go over new connections
+                self._transport.reconnect()
             log.warning(
-                "kvtier: remote record %s failed verification (%s); deleting it",
+                "kvtier: remote record %s failed verification (%s); deleting it if the store "
+                "still holds those bytes",
                 rkey.decode("ascii"),
                 e.reason,
             )
-            # best effort: content-addressed chunks make a racing rewrite harmless (it is
-            # simply written again later)
+            # only the bytes found bad: a valid record rewritten since, or one whose reply
+            # went to another request, stays
             n = len(data)
-            if self._guard.call(rkey, lambda: self._transport.delete(rkey), write=True):
+            digest = hashlib.sha1(data, usedforsecurity=False).hexdigest().encode("ascii")
+            if self._guard.call(
+                rkey, lambda: self._transport.delete_if(rkey, digest), write=True
+            ):
                 with self._lock:
                     self._resident = max(0, self._resident - n)
                     self._publish_locked()

@@ -39,12 +39,14 @@ from glide_sync import (
     LogLevel,
     NodeAddress,
     ReadFrom,
+    Script,
     ServerCredentials,
 )
 from redis.crc import key_slot
 
 from kvtier.remote_endpoint import RemoteEndpoint
 from kvtier.store.remote_transport import (
+    DELETE_IF_SCRIPT,
     CredentialsRefused,
     StoreError,
     Timeouts,
@@ -52,6 +54,7 @@ from kvtier.store.remote_transport import (
 )
 
 log = logging.getLogger(__name__)
+_DELETE_IF = Script(DELETE_IF_SCRIPT)
 
 _Client = GlideClient | GlideClusterClient
 _RECONNECT = BackoffStrategy(num_of_retries=4, factor=5, exponent_base=2)
@@ -174,9 +177,12 @@ class GlideTransport:
                 )
             )
 
-        self._presence = make(timeouts.presence_s, read_from_replica)
-        self._reader = make(timeouts.read_s, read_from_replica)
-        self._writer = make(timeouts.write_s, False)
+        self._make = lambda: (
+            make(timeouts.presence_s, read_from_replica),
+            make(timeouts.read_s, read_from_replica),
+            make(timeouts.write_s, False),
+        )
+        self._presence, self._reader, self._writer = self._make()
         self._lock = threading.Lock()
         self._starts: list[int] = []
         self._ranges: list[tuple[int, int, str]] = []
@@ -331,12 +337,24 @@ class GlideTransport:
         except GlideError as e:
             raise self._error(e, self.shard_of(rkey)) from None
 
+    def delete_if(self, rkey: bytes, sha1_hex: bytes) -> bool:
+        try:
+            return bool(self._writer.invoke_script(_DELETE_IF, keys=[rkey], args=[sha1_hex]))
+        except GlideError as e:
+            raise self._error(e, self.shard_of(rkey)) from None
+
+    def reconnect(self) -> None:
+        # glide keeps a connection whose request timed out; if its reply never comes (dropped
+        # by a middlebox), every later reply on it answers the request before: new clients
+        # (connecting lazily) for the next calls, and the old ones closed
+        fresh = self._make()
+        with self._lock:
+            old = (self._presence, self._reader, self._writer)
+            self._presence, self._reader, self._writer = fresh
+        _close(old)
+
     def close(self) -> None:
-        for client in (self._presence, self._reader, self._writer):
-            try:
-                client.close()
-            except ClosingError:
-                pass  # already closed by the library after a fatal error
+        _close((self._presence, self._reader, self._writer))
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -389,6 +407,14 @@ class GlideTransport:
             # the owner may have changed (failover, migration): name shards by the new map
             self.refresh()
         return error
+
+
+def _close(clients: Sequence[_Client]) -> None:
+    for client in clients:
+        try:
+            client.close()
+        except ClosingError:
+            pass  # already closed by the library after a fatal error
 
 
 def _is_error(reply: object) -> bool:

@@ -208,6 +208,10 @@ class ShardGuard:
         if transition is None:
             return
         self.publish()
+        if transition in (Transition.OPENED, Transition.REOPENED) and not at_startup:
+            # the next probe goes over new connections: an old one that lost a reply (a
+            # middlebox dropping it) would answer every later request with the one before's
+            self.transport.reconnect()
         if transition is Transition.OPENED:
             why = (
                 "is unreachable at startup"

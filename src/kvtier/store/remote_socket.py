@@ -15,7 +15,12 @@ from redis.maint_notifications import MaintNotificationsConfig
 from redis.retry import Retry
 
 from kvtier.remote_endpoint import RemoteEndpoint
-from kvtier.store.remote_transport import CredentialsRefused, StoreError, Timeouts
+from kvtier.store.remote_transport import (
+    DELETE_IF_SCRIPT,
+    CredentialsRefused,
+    StoreError,
+    Timeouts,
+)
 
 # The store did not answer in time or the connection broke. AuthenticationError is a
 # ConnectionError in redis-py: after startup a credential change is one more outage.
@@ -55,6 +60,7 @@ class SocketTransport:
         # named by its path alone: a shard name reaches logs and errors, the URL's userinfo
         # and query may hold a password
         self._shard = f"unix:{endpoint.socket_path}"
+        self._closed = False
         self._timeouts = timeouts
         self._redis = redis.Redis(
             connection_pool=_pool(endpoint, username, password, max_connections, timeouts, False)
@@ -146,7 +152,17 @@ class SocketTransport:
     def delete(self, rkey: bytes) -> bool:
         return bool(self._call(lambda: self._writer.delete(rkey)))
 
+    def delete_if(self, rkey: bytes, sha1_hex: bytes) -> bool:
+        return bool(self._call(lambda: self._writer.eval(DELETE_IF_SCRIPT, 1, rkey, sha1_hex)))
+
+    def reconnect(self) -> None:
+        # redis-py drops a connection whose call failed itself; the idle pooled ones go too
+        # (those in use are left to their calls: closing them under a read breaks it)
+        for client in (self._redis, self._writer):
+            client.connection_pool.disconnect(inuse_connections=False)
+
     def close(self) -> None:
+        self._closed = True
         for client in (self._redis, self._writer):
             client.close()
             client.connection_pool.disconnect()
@@ -156,12 +172,17 @@ class SocketTransport:
             return fn()
         except (*_NET_ERRORS, redis.exceptions.ResponseError) as e:
             raise self._error(e) from None
+        except (ValueError, AttributeError) as e:
+            # close() disconnects sockets other threads are reading: redis-py then raises
+            # these, which are a closed store's misses, not errors of kvtier's
+            if not self._closed:
+                raise
+            raise StoreError("connection", True, self._shard, f"closed ({e})") from None
 
     def _batch(self, fn: Callable[[], Sequence[object]], n: int) -> list[object]:
         try:
-            return list(fn())
-        except (*_NET_ERRORS, redis.exceptions.ResponseError) as e:
-            error = self._error(e)
+            return list(self._call(fn))
+        except StoreError as error:
             return [error] * n
 
     def _error(self, e: BaseException) -> StoreError:

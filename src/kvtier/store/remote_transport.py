@@ -95,8 +95,18 @@ class Transport(Protocol):
         """DEL `rkey`; whether it existed. Raises StoreError."""
         ...
 
+    def delete_if(self, rkey: bytes, sha1_hex: bytes) -> bool:
+        """DEL `rkey` only while it holds the value whose SHA-1 is `sha1_hex` (one script, so
+        atomic on the server); whether it deleted. Raises StoreError."""
+        ...
+
     def refresh(self) -> None:
         """Re-read the topology (after an outage or a redirect); a no-op on one server."""
+        ...
+
+    def reconnect(self) -> None:
+        """Drop every connection and open new ones lazily (when a breaker opens or a probe
+        fails): a connection that lost a reply would hand each later request the one before's."""
         ...
 
     def close(self) -> None:
@@ -113,3 +123,11 @@ def parse_info_memory(text: bytes | str) -> tuple[int, str] | None:
         return int(fields["maxmemory"].strip()), fields["maxmemory_policy"].strip()
     except (KeyError, ValueError):
         return None
+
+
+# DEL a key only while it holds the value a read found bad: a reply that answered another
+# request (a connection out of step) or a record rewritten since is never deleted with it
+DELETE_IF_SCRIPT = (
+    "if redis.sha1hex(redis.call('GET', KEYS[1]) or '') == ARGV[1] then "
+    "return redis.call('DEL', KEYS[1]) end return 0"
+)
