@@ -107,8 +107,8 @@ def test_reads_go_to_replicas_when_configured(
         assert reader.read_into(key, dst)
         assert bytes(dst.numpy()) == payload_of(i, SIZE)
     replicas = [r for m in cluster.masters() for r in cluster.replicas_of(m)]
-    assert sum(command_calls(cluster, r, "get") for r in replicas) == len(keys)
-    assert sum(command_calls(cluster, m, "get") for m in cluster.masters()) == 0
+    assert sum(command_calls(cluster, r, "getrange") for r in replicas) == len(keys)
+    assert sum(command_calls(cluster, m, "getrange") for m in cluster.masters()) == 0
     # writes still go to the masters
     assert reader.put(key_of(500), payload_of(500, SIZE))
     assert sum(command_calls(cluster, m, "set") for m in cluster.masters()) == 1

@@ -66,7 +66,10 @@ class FaultProxy:
                 mode = self.mode
                 if not down:
                     if mode == "blackhole":
-                        self.gets_dropped += data.count(b"$3\r\nGET\r\n")
+                        # reads: GET, or GETRANGE (read_into's bounded read)
+                        self.gets_dropped += data.count(b"$3\r\nGET\r\n") + data.count(
+                            b"$8\r\nGETRANGE\r\n"
+                        )
                     dst.sendall(data)
                 elif mode == "forward":
                     dst.sendall(data)

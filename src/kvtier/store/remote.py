@@ -227,7 +227,9 @@ class RemoteTier(TierBase):
             raise ValueError(f"read_into needs a uint8 dst tensor, got {dst.dtype}")
         rkey = self._rkey(key)
         n = dst.numel()
-        buf = self._buffer("read", record.HEADER_BYTES + n)
+        # one byte past the record: a longer value fills it, and fails verification by length
+        # (what else the store holds under the key never crosses the wire)
+        buf = self._buffer("read", record.HEADER_BYTES + n + 1)
         got = self._guard.call(rkey, lambda: self._transport.get_into(rkey, buf), write=False)
         if got is None:
             return False

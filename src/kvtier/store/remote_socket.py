@@ -6,8 +6,10 @@ for reads and presence, one for writes, each with its own socket timeout.
 
 from __future__ import annotations
 
+import socket
+import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
@@ -123,13 +125,10 @@ class SocketTransport:
         return None if data is None else bytes(data)
 
     def get_into(self, rkey: bytes, buf: memoryview) -> int | None:
-        data = self.get(rkey)
-        if data is None:
-            return None
-        if len(data) > buf.nbytes:
-            raise StoreError(
-                "too_large", False, self._shard, f"{len(data)} bytes, room for {buf.nbytes}"
-            )
+        # at most the buffer's bytes, whatever the store holds under the key
+        data = self._call(lambda: self._redis.getrange(rkey, 0, buf.nbytes - 1))
+        if not data:
+            return None  # a missing key reads as an empty range (an empty record is none)
         buf[: len(data)] = data
         return len(data)
 
@@ -193,6 +192,59 @@ class SocketTransport:
         return StoreError(reason, True, self._shard, f"{type(e).__name__}: {e}")
 
 
+class _DeadlineSocket:
+    """A connection's socket whose reads of one reply share one deadline. redis-py bounds each
+    `recv` by the socket timeout, so a store that drips its reply a few bytes at a time could
+    hold a read for as long as it likes; here the whole reply gets the read timeout."""
+
+    def __init__(self, sock: socket.socket, timeout_s: float | None) -> None:
+        self._sock = sock
+        self._timeout_s = timeout_s
+        self.deadline: float | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+    def _bound(self) -> None:
+        if self.deadline is None:
+            return
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the reply took longer than the read timeout")
+        self._sock.settimeout(left if self._timeout_s is None else min(left, self._timeout_s))
+
+    def recv(self, *args: Any) -> bytes:
+        self._bound()
+        return self._sock.recv(*args)
+
+    def recv_into(self, *args: Any) -> int:
+        self._bound()
+        return self._sock.recv_into(*args)
+
+    def settimeout(self, value: float | None) -> None:
+        self._timeout_s = value  # redis-py's own per-read timeouts, still capped by the deadline
+        self._sock.settimeout(value)
+
+
+class _Connection(redis.UnixDomainSocketConnection):
+    """redis-py's unix-socket connection, one deadline per reply (`_DeadlineSocket`)."""
+
+    def _connect(self) -> Any:
+        return _DeadlineSocket(super()._connect(), self.socket_timeout)
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        sock = self._sock
+        if not isinstance(sock, _DeadlineSocket) or self.socket_timeout is None:
+            return super().read_response(*args, **kwargs)
+        sock.deadline = time.monotonic() + self.socket_timeout
+        try:
+            return super().read_response(*args, **kwargs)
+        finally:
+            sock.deadline = None
+            if self._sock is sock:  # still connected: writes get their own timeout back
+                sock.settimeout(self.socket_timeout)
+
+
 def _pool(
     ep: RemoteEndpoint,
     username: str | None,
@@ -206,7 +258,7 @@ def _pool(
     username = username if username is not None else ep.username
     password = password if password is not None else ep.password
     pool = redis.BlockingConnectionPool(
-        connection_class=redis.UnixDomainSocketConnection,
+        connection_class=_Connection,
         path=ep.socket_path,
         db=ep.db,
         max_connections=max_connections,

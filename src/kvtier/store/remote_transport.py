@@ -75,8 +75,9 @@ class Transport(Protocol):
         ...
 
     def get_into(self, rkey: bytes, buf: memoryview) -> int | None:
-        """Read the value of `rkey` into `buf`; its length, or None on a miss. A value longer
-        than `buf` raises StoreError(reason='too_large', outage=False)."""
+        """Read at most `buf.nbytes` bytes of `rkey`'s value into `buf` (no more crosses the
+        wire); how many, or None on a miss. A value that fills `buf` may be longer: size `buf`
+        one byte past any valid value to tell."""
         ...
 
     def get_many(self, rkeys: Sequence[bytes]) -> list[bytes | None | StoreError]:
