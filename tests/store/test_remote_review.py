@@ -357,3 +357,18 @@ def test_a_bad_record_is_deleted_only_while_the_store_still_holds_those_bytes(
     # the store's value changed between the read and the delete: it is not the one found bad
     assert not tier._transport.delete_if(good, b"0" * 40)
     assert admin.exists(good) == 1
+
+
+def test_a_unix_socket_stores_timeout_warning_names_no_line_its_library_never_prints(
+    store: RedisServer, closing: Callable, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The timeout warning told of glide's raw stderr line for a unix-socket store too, whose
+    client (redis-py) prints none."""
+    proxy = closing(FaultProxy(store.port, unix=True))
+    tier = closing(_tier(proxy.url, Metrics(rank=0), timeout_ms=100))
+    _fill(tier, 1)
+    proxy.mode = "blackhole"
+    caplog.set_level("WARNING", logger="kvtier")
+    assert not tier.read_into(key_of(0), torch.zeros(SIZE, dtype=torch.uint8))
+    said = [r.getMessage() for r in caplog.records if "read timed out" in r.getMessage()]
+    assert len(said) == 1 and "on stderr" not in said[0], said

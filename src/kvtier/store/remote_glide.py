@@ -117,6 +117,9 @@ class GlideTransport:
     `tls_files` are PEM paths (ca, cert, key; any may be None), read once here.
     """
 
+    # glide's FFI prints this on stderr for every timed-out call, whatever its log level
+    timeout_stderr = "Error executing command: timed out"
+
     def __init__(
         self,
         endpoint: RemoteEndpoint,

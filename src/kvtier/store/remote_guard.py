@@ -120,21 +120,27 @@ class ShardGuard:
         reason = e.reason if write else f"read_{e.reason}"
         self._m.store_failure(self._name, reason).inc()
         if e.reason == "timeout":
-            # valkey-glide's FFI prints "Error executing command: timed out" to stderr on every
-            # timeout whatever its log level: one line of ours says what those lines are
+            # a client library that prints its own line on stderr for every timeout (glide,
+            # whatever its log level): one line of ours says what those lines are
+            printed = self.transport.timeout_stderr
+            said = (
+                f" The client library prints '{printed}' on stderr for each such call (its "
+                "log level does not silence it)."
+                if printed
+                else ""
+            )
             self.log_once(
                 reason,
                 "kvtier: remote tier %s shard %s: a %s timed out (%s); counted as "
-                "store_failures{reason=%s}, a read's chunks are recomputed. valkey-glide prints "
-                "'Error executing command: timed out' on stderr for each such call (its log "
-                "level does not silence it). A store this slow is read no more once the load "
-                "cost model has measured it (load_policy: cost); raise remote_timeout_ms if it "
-                "should be waited for",
+                "store_failures{reason=%s}, a read's chunks are recomputed.%s A store this slow "
+                "is read no more once the load cost model has measured it (load_policy: cost); "
+                "raise remote_timeout_ms if it should be waited for",
                 self._url,
                 e.shard,
                 "write" if write else "read",
                 e,
                 reason,
+                said,
             )
         else:
             log.debug("kvtier: remote tier %s call failed: %s", self._url, e)

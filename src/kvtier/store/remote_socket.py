@@ -50,6 +50,8 @@ _AUTH_ERRORS: tuple[type[BaseException], ...] = (
 class SocketTransport:
     """A Valkey/Redis server on a unix socket; one shard, named by the socket path."""
 
+    timeout_stderr = ""  # redis-py prints nothing of its own
+
     def __init__(
         self,
         endpoint: RemoteEndpoint,

@@ -39,6 +39,9 @@ class Timeouts:
 class Transport(Protocol):
     """One server or cluster, addressed by full server-side keys."""
 
+    # what the client library prints on stderr itself for each timed-out call ("": nothing)
+    timeout_stderr: str
+
     @property
     def epoch(self) -> int:
         """A number that changes whenever the known topology (shard owners) does."""
