@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import stat
 import threading
 import time
@@ -18,6 +17,7 @@ import msgspec
 import pytest
 import zmq
 
+from kvtier.bench.ports import free_port
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
 from kvtier.lookup import (
@@ -52,25 +52,6 @@ DEADLINE_S = 10.0
 NO_REPLY_MS = 300
 
 TIER_ORDER = order()  # the registry's tier names, accelerator outwards
-
-
-def _free_port(n: int = 1) -> int:
-    """A port p with p .. p + n - 1 free on loopback now (rank r listens on p + r)."""
-    for _ in range(100):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            base = int(first.getsockname()[1])
-            others = [socket.socket() for _ in range(n - 1)]
-            try:
-                for i, s in enumerate(others, start=1):
-                    s.bind(("127.0.0.1", base + i))
-            except (OSError, OverflowError):  # taken, or past port 65535
-                continue
-            finally:
-                for s in others:
-                    s.close()
-            return base
-    raise AssertionError(f"no {n} consecutive free ports on 127.0.0.1")
 
 
 def _wait(cond: Callable[[], bool], what: str) -> None:
@@ -112,7 +93,7 @@ def rank(request: pytest.FixtureRequest) -> Iterator[Rank]:
     for key in KEYS[:HELD]:
         assert memory.put(key, bytes(64))
     stack = TierStack(memory, (), metrics)
-    ep = endpoint_for(0, transport=request.param, run_dir=run_dir, base_port=_free_port())
+    ep = endpoint_for(0, transport=request.param, run_dir=run_dir, base_port=free_port())
     server = LookupServer(0, stack, ep, metrics).start()
     client = LookupClient(
         {0: ep},
@@ -274,7 +255,7 @@ def test_both_halves_of_a_tcp_engine_share_the_run_dirs_key(tmp_path: Path) -> N
     """As the hosts wire it: each half derives the spec; the worker builds its server from its
     endpoint alone (OffloadWorker), the scheduler its client from every endpoint."""
     run = make_run_dir(base=tmp_path)
-    port = _free_port(2)
+    port = free_port(count=2)
     cfg = KVTierConfig(lookup_transport="tcp", lookup_base_port=port)
     halves = [
         OffloadSpec.derive(
@@ -306,7 +287,7 @@ def test_both_halves_of_a_tcp_engine_share_the_run_dirs_key(tmp_path: Path) -> N
 def test_a_reply_without_the_engines_mac_is_dropped_and_counted(run_dir: Path) -> None:
     """Whoever took a rank's port (the rank died, another process bound it) cannot answer for
     it: its replies, however well-formed, count as a timeout, never as hits."""
-    ep = endpoint_for(0, transport="tcp", run_dir=run_dir, base_port=_free_port())
+    ep = endpoint_for(0, transport="tcp", run_dir=run_dir, base_port=free_port())
     squatter = zmq.Context.instance().socket(zmq.ROUTER)
     squatter.setsockopt(zmq.LINGER, 0)
     # a squatter that passes the handshake (it holds the engine's CURVE keys, not its MAC key)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from kvtier.bench.ports import free_port
 from kvtier.lookup import LookupClient, LookupServer, endpoint_for, make_run_dir
 from kvtier.lookup.keyfile import engine_key
 from kvtier.metrics import Metrics
@@ -35,12 +36,6 @@ def _wait(cond: Callable[[], bool], what: str, limit_s: float = DEADLINE_S) -> N
         if time.monotonic() >= deadline:
             raise AssertionError(f"{what} not within {limit_s}s")
         time.sleep(0.005)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -147,7 +142,7 @@ def _hung_up(s: socket.socket) -> bool:
 @pytest.fixture
 def tcp_rank(run_dir: Path) -> Iterator[tuple[LookupServer, Metrics, LookupClient, int]]:
     """Rank 0 serving on loopback TCP, and the engine's own client of it."""
-    port = _free_port()
+    port = free_port()
     ep = endpoint_for(0, transport="tcp", run_dir=run_dir, base_port=port)
     metrics = Metrics(0)
     server = LookupServer(0, FakeBackend(0, KEYS), ep, metrics).start()

@@ -253,14 +253,10 @@ def test_chunk_larger_than_the_engines_max_model_len_is_a_startup_error(tiny_mod
 
 
 def test_tcp_lookups_listen_on_lookup_base_port(tiny_model, tmp_path, prompts, baseline):
-    import socket
+    from kvtier.bench.ports import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with kvtier_engine(
-        tiny_model, tmp_path, lookup_transport="tcp", lookup_base_port=port
-    ) as eng:
+    port = free_port()
+    with kvtier_engine(tiny_model, tmp_path, lookup_transport="tcp", lookup_base_port=port) as eng:
         assert _worker(eng).lookup_endpoint == f"tcp://127.0.0.1:{port}"
         eng.generate(prompts[:2], GREEDY)
         eng.reset_prefix_cache()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 from typing import Any
 
 import pytest
@@ -23,12 +22,6 @@ KERNELS = ("default", "avx2")
 PAGE_FORMAT_RE = re.compile(r"page format CPU_ATTN:(\w+)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _lifecycle(vllm_python, env: dict[str, str], model, tmp) -> dict[str, Any]:
     # ~3 chunks of this model fit the memory tier: the disk tier holds the rest
     extra = {**TIER, "memory_bytes": "2MiB"}
@@ -36,7 +29,8 @@ def _lifecycle(vllm_python, env: dict[str, str], model, tmp) -> dict[str, Any]:
         "model": str(model),
         "extra": extra,
         "disk_dir": str(tmp / "disk"),
-        "events_endpoint": f"tcp://127.0.0.1:{_free_port()}",
+        # a unix socket: a TCP port picked here could be taken before vLLM binds it (CI once)
+        "events_endpoint": f"ipc://{tmp / 'events.sock'}",
     }
     code, out, err = _run(
         [str(vllm_python), str(DRIVERS / "lifecycle.py"), json.dumps(args)], env, 300

@@ -17,7 +17,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from rich.console import Console
 
 from kvtier.bench.analysis import sample
 from kvtier.bench.client import Clock, LoadOptions, LoadResult, run_load, write_jsonl
+from kvtier.bench.ports import free_port
 from kvtier.bench.workload import RequestSpec
 from kvtier.errors import ConfigError, StartupError
 from kvtier.scrape import (
@@ -103,13 +103,6 @@ class ServerConfig:
             startup_timeout_s=self.startup_timeout_s,
             stop_timeout_s=self.stop_timeout_s,
         )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class ServerProcess:
@@ -462,7 +455,6 @@ class Drive:
                 "pass a larger --requests (or more conversations) to fill it"
             )
         return Window(wl.name, load, before, after, None, samples, errors)
-
 
     async def _send(
         self,

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvtier.bench.arms import free_port
+from kvtier.bench.ports import free_port
 from kvtier.bench.table import Report, Row
 from kvtier.bench.tier_common import Plan, Progress, interleave
 from kvtier.keys import digest16

@@ -25,8 +25,9 @@ from typing import Any
 
 import httpx
 
-from kvtier.bench.arms import ArmRun, Drive, Say, ServerProcess, free_port
+from kvtier.bench.arms import ArmRun, Drive, Say, ServerProcess
 from kvtier.bench.client import Clock
+from kvtier.bench.ports import free_port
 from kvtier.errors import ConfigError, StartupError
 from kvtier.scrape import cache_config
 

@@ -12,20 +12,14 @@ small block pool makes vLLM preempt. Args (JSON): model, extra, num_blocks.
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import Any
 
+from kvtier.bench.ports import free_port
 from tests.vllm.drivers.common import args, emit, make_prompts
 
 LAYERS = 2
 SAMPLED = 7
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def kv_value(token: int, pos: int) -> int:

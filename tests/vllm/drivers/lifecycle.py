@@ -104,7 +104,7 @@ def main() -> None:
         kv_events_config={
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": a["events_endpoint"].replace("tcp://127.0.0.1", "tcp://*"),
+            "endpoint": a["events_endpoint"],
         },
     )
     subscriber.start()

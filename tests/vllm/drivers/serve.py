@@ -18,7 +18,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.ports import free_port
 from tests.vllm.drivers.common import args, emit, kv_transfer_config, make_prompts
 
 _STARTED = "Application startup complete"
@@ -40,13 +40,6 @@ _COUNTERS = (
     "vllm:external_prefix_cache_hits_total",
     "vllm:prompt_tokens_cached_total",
 )
-
-
-def free_port() -> int:
-    """A port nobody listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerLog:
