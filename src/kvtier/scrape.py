@@ -36,6 +36,7 @@ CAPACITY = "kvtier_tier_capacity_bytes"
 SCOPE = "kvtier_lookup_scope"
 STALLED = "kvtier_engine_stalled"
 STALL_SECONDS = "kvtier_engine_stall_seconds"
+LOAD_DECISION_TOKENS = "kvtier_load_decision_tokens_total"
 
 # The `rank` label of the scheduler's own samples (workers carry their rank number).
 SCHEDULER = "scheduler"
@@ -49,7 +50,15 @@ SAMPLED = {
     "ext_hits": EXT_HITS,
     "retrieved": RETRIEVED,
     "readmitted": READMITTED,
+    "policy_recomputed": LOAD_DECISION_TOKENS,
 }
+# a sampled counter split by a label is summed over the values named here only
+SAMPLED_LABELS: dict[str, dict[str, str]] = {"policy_recomputed": {"decision": "recompute"}}
+
+
+def sampled_totals(ms: MetricSet) -> dict[str, float]:
+    """The `SAMPLED` counter totals `ms` exports, by short key."""
+    return {k: ms.total(n, **SAMPLED_LABELS.get(k, {})) for k, n in SAMPLED.items() if ms.has(n)}
 
 LabelKey = tuple[tuple[str, str], ...]
 
@@ -137,6 +146,8 @@ class Counters:
     # of the retrieved tokens, those loaded for admissions after a preemption: the hosts
     # count such admissions apart from their external hits (vLLM's PrefixCacheStats)
     readmitted_by_rank: dict[str, float] = field(default_factory=dict)
+    # tier hits the load policy chose to recompute (`load_policy: cost`): found, not read
+    policy_recomputed: float = 0.0
 
     @classmethod
     def of_samples(cls, first: Mapping[str, float], last: Mapping[str, float]) -> Counters:
@@ -155,6 +166,7 @@ class Counters:
             retrieved_by_rank={"all": d("retrieved")},
             has_external="ext_queries" in last or "ext_hits" in last,
             readmitted_by_rank={"all": d("readmitted")},
+            policy_recomputed=d("policy_recomputed"),
         )
 
     @classmethod
@@ -171,6 +183,7 @@ class Counters:
             retrieved_by_rank=dict(sorted(ranks.items())),
             has_external=delta.has(EXT_QUERIES) or delta.has(EXT_HITS),
             readmitted_by_rank=dict(sorted(again.items())),
+            policy_recomputed=delta.total(LOAD_DECISION_TOKENS, decision="recompute"),
         )
 
     @property

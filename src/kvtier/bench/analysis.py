@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvtier.bench.client import Record
-from kvtier.scrape import RESIDENCY, SAMPLED, Counters, Identity, MetricSet
+from kvtier.scrape import RESIDENCY, Counters, Identity, MetricSet, sampled_totals
 
 
 def client_server_checks(records: Sequence[Record], c: Counters) -> list[Identity]:
@@ -199,7 +199,7 @@ def sample(ms: MetricSet, t: float) -> dict[str, Any]:
     return {
         "t": t,
         "residency": ms.by_label(RESIDENCY, "tier"),
-        "counters": {k: ms.total(name) for k, name in SAMPLED.items() if ms.has(name)},
+        "counters": sampled_totals(ms),
     }
 
 
@@ -241,8 +241,7 @@ def counters_since(
             first = smp
     if first is None:
         return None
-    last = {k: after.total(name) for k, name in SAMPLED.items() if after.has(name)}
-    return Counters.of_samples(first.get("counters") or {}, last)
+    return Counters.of_samples(first.get("counters") or {}, sampled_totals(after))
 
 
 @dataclass(frozen=True, slots=True)
