@@ -39,6 +39,12 @@ _KEYS_PER_SESSION = 1 << 16
 _SESSIONS_PER_TENANT = 4096
 # conversations retaining one chunk at once (a shared system prompt): the soonest due go first
 _HOLDERS_PER_KEY = 256
+# chunk keys remembered over every conversation at once (~100 bytes each); past it the least
+# recently noted conversations go first (the two caps above alone allow 2^32 keys)
+_KEYS_TOTAL = 1 << 22
+# chunks the ledger retains at once whatever the budget: a budget it cannot size (chunk bytes
+# unknown) is left to the ranks' bound, and must not let hints grow the ledger without end
+_MAX_RETAINED = 1 << 22
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +62,8 @@ class RetentionHint:
 @dataclass(frozen=True, slots=True)
 class RetentionDecision:
     """What the ledger granted: `status`, the prompt tokens retained, for how long, and why it
-    granted less than asked (`budget`, `tenant_budget`, `ttl`, `disabled`; "" when all)."""
+    granted less than asked (`budget`, `tenant_budget`, `ttl`, `disabled`, `unknown`: an admin
+    retain of a conversation the ledger does not know; "" when all)."""
 
     status: str
     tokens: int
@@ -142,8 +149,8 @@ class RetentionLedger:
             raise ValueError(
                 f"retention budget={budget} must be >= 0 and tenant_share={tenant_share} in [0, 1]"
             )
-        self.budget = budget
-        self.tenant_cap = int(budget * tenant_share)
+        self.budget = min(budget, _MAX_RETAINED)
+        self.tenant_cap = int(self.budget * tenant_share)
         self.default_ttl_s = default_ttl_s
         self.max_ttl_s = max_ttl_s
         self.full = full
@@ -165,6 +172,7 @@ class RetentionLedger:
         self._sessions: OrderedDict[tuple[str, str], dict[bytes, None]] = OrderedDict()
         # tenant -> its sessions, least recently noted first (the per-tenant cap)
         self._tenant_sessions: dict[str, OrderedDict[str, None]] = {}
+        self._noted = 0  # keys over every conversation in `_sessions` (the `_KEYS_TOTAL` cap)
         # keys whose deadline a holder's release made earlier, and the new deadline (the
         # ranks keep the later of two deadlines: they are told by a release, then a retain)
         self._shortened: dict[bytes, float] = {}
@@ -193,7 +201,7 @@ class RetentionLedger:
             room = self.budget - len(self._until)
             if self.full == SOONEST:
                 need = sum(1 for k in keys[:want] if k not in self._until)
-                room += self._displace(need - room, until, set(keys[:want]))
+                room += self._displace(need, room, until, set(keys[:want]), hint.tenant)
             tenant_room = self.tenant_cap - self._per_tenant.get(hint.tenant, 0)
             granted = 0
             for key in keys[:want]:
@@ -273,12 +281,19 @@ class RetentionLedger:
             out, self._displaced = self._displaced, []
             return out
 
-    def _displace(self, need: int, until: float, keep: set[bytes]) -> int:
-        """Drop up to `need` retained keys due later than `until`, latest first (never one of
-        `keep`); how many went."""
-        gone = 0
+    def _displace(self, need: int, room: int, until: float, keep: set[bytes], tenant: str) -> int:
+        """Drop retained keys due later than `until`, latest first (never one of `keep`), while
+        the budget (`room` free now) keeps `tenant`'s hint from taking its `need` new keys; how
+        many went. Another tenant's key is taken only while the budget, not `tenant`'s share,
+        is what limits the hint: room the share refuses would be lost to its holder for
+        nothing."""
+        gone = own = 0
+        tenant_room = self.tenant_cap - self._per_tenant.get(tenant, 0)
         skipped: list[tuple[float, int, bytes]] = []
-        while gone < need and self._latest:
+        while self._latest:
+            free, share = room + gone, tenant_room + own
+            if free >= need:
+                break  # the budget no longer limits the hint
             neg, depth, key = self._latest[0]
             entry = self._until.get(key)
             if entry is None or entry[0] != -neg:
@@ -287,12 +302,14 @@ class RetentionLedger:
             if -neg <= until:
                 break  # nothing left is due later than this hint
             heapq.heappop(self._latest)
-            if key in keep:
+            mine = entry[1] == tenant
+            if key in keep or (not mine and free >= share):
                 skipped.append((neg, depth, key))
                 continue
             self._drop(key)
             self._displaced.append(key)
             gone += 1
+            own += mine
         for entry in skipped:
             heapq.heappush(self._latest, entry)
         return gone
@@ -359,8 +376,7 @@ class RetentionLedger:
         with self._lock:
             for sk in [sk for sk in self._sessions if sk[0] == tenant]:
                 if session is None or sk[1] == session:
-                    self._unname(sk)
-                    for k in self._sessions.pop(sk):
+                    for k in self._pop_session(sk):
                         self._drop(k)
 
     def known(self, session: str, tenant: str) -> bool:
@@ -382,6 +398,7 @@ class RetentionLedger:
             self._shortened.clear()
             self._sessions.clear()
             self._tenant_sessions.clear()
+            self._noted = 0
             return gone
 
     def stats(self) -> dict[str, object]:
@@ -407,23 +424,33 @@ class RetentionLedger:
             return
         sk = (tenant, session)
         owned = self._sessions.pop(sk, None) or {}
+        before = len(owned)
         for k in keys:
             if len(owned) >= _KEYS_PER_SESSION:
                 break
             owned[k] = None
+        self._noted += len(owned) - before
         self._sessions[sk] = owned
         mine = self._tenant_sessions.setdefault(tenant, OrderedDict())
         mine.pop(session, None)
         mine[session] = None
         while len(mine) > _SESSIONS_PER_TENANT:
-            oldest = (tenant, next(iter(mine)))
-            self._unname(oldest)
-            del self._sessions[oldest]
-        while len(self._sessions) > _SESSIONS:
-            self._unname(self._sessions.popitem(last=False)[0])
+            self._pop_session((tenant, next(iter(mine))))
+        # the one just noted is the most recent, and alone within the total (a session's cap)
+        while len(self._sessions) > _SESSIONS or (
+            self._noted > _KEYS_TOTAL and len(self._sessions) > 1
+        ):
+            self._pop_session(next(iter(self._sessions)))
+
+    def _pop_session(self, sk: tuple[str, str]) -> dict[bytes, None]:
+        """Stop remembering conversation `sk`; the keys it owned."""
+        self._unname(sk)
+        owned = self._sessions.pop(sk)
+        self._noted -= len(owned)
+        return owned
 
     def _unname(self, sk: tuple[str, str]) -> None:
-        """Take conversation `sk` out of its tenant's list (the caller drops it from
+        """Take conversation `sk` out of its tenant's list (`_pop_session` drops it from
         `_sessions`)."""
         mine = self._tenant_sessions.get(sk[0])
         if mine is not None:

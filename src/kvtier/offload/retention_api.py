@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from kvtier.offload.retention import RetentionDecision, RetentionHint, RetentionLedger
+from kvtier.offload.retention import REJECTED, RetentionDecision, RetentionHint, RetentionLedger
 
 OPS = ("retain", "release", "prefetch", "forget", "stats")
 
@@ -60,12 +60,17 @@ def run_admin(
         raise ValueError("retain needs a prompt or a prompt_cache_key, not a whole user")
     keys = core.keys_for(prompt, None if whole_tenant else session, tenant)
     out: dict[str, Any] = {"op": op, "keys": len(keys)}
-    if session is not None and op != "retain" and not core.retention.known(session, tenant):
+    if session is not None and not core.retention.known(session, tenant):
         # never seen, or evicted from the ledger's memory: nothing done must not look done
         out["error"] = (
             f"conversation {session!r} of user {tenant!r} is not known (never seen, or no "
             "longer remembered): name its prompt instead"
         )
+        if op == "retain":
+            # a grant of no keys would read "retained" (and the ledger would start an empty
+            # conversation under a name the caller made up)
+            out["retention"] = RetentionDecision(REJECTED, 0, 0.0, "unknown").as_dict()
+            return out
     if op == "retain":
         hint = RetentionHint(ttl_s=ttl_s, session=session or "", tenant=tenant)
         decision = core.retain_keys(keys, hint)
@@ -84,6 +89,8 @@ def run_admin(
         out["unanswered"] = missing
     if errors:
         out["errors"] = errors
-    if op == "forget" and prompt is None:
+    if op == "forget" and prompt is None and not missing:
+        # only once every rank deleted: a rank that did not answer may still hold the chunks,
+        # and the caller's retry by the same prompt_cache_key must still find them
         core.retention.forget(None if whole_tenant else session, tenant)
     return out

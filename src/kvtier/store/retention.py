@@ -48,7 +48,14 @@ class RetentionTable:
 
     def retain(self, keys: Sequence[bytes], until: float) -> int:
         """Keep `keys` until `until` (a later deadline already held stays); how many of them are
-        retained now. Keys past `limit` are refused, deepest last, so a prefix stays whole."""
+        retained now. Keys past `limit` are refused, deepest last, so a prefix stays whole.
+        Raises ValueError for a deadline that is not a finite number (Infinity would never
+        expire; NaN would never compare, neither held nor dropped)."""
+        if finite_number(until) is None:
+            raise ValueError(
+                f"retention deadline until={until!r} is not a finite number of seconds; send "
+                "the wall-clock time the retention ends"
+            )
         now = self._clock()
         kept = 0
         with self._lock:
