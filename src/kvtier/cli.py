@@ -113,6 +113,8 @@ def demo(
     tp: int = typer.Option(2, "--tp", help="tensor-parallel ranks of the native engine"),
 ) -> None:
     """The main job: TP=2 native engine with the memory tier, restore check, ON/OFF run."""
+    if tp < 1:
+        raise _fail(f"--tp {tp} must be >= 1 (tensor-parallel ranks)")
     from kvtier.bench.demo import run
 
     raise typer.Exit(run(tp=tp))
@@ -163,6 +165,9 @@ def bench_tier(
     from kvtier.bench import table, tier
     from kvtier.errors import KVTierError
 
+    if json_path is not None and json_path.is_dir():
+        raise _fail(f"--json {str(json_path)!r} is a directory; pass a file such as "
+                    f"{json_path / 'bench-tier.json'}")  # fmt: skip
     progress = Console(stderr=True)
     try:
         doc = tier.run(
@@ -251,10 +256,10 @@ def bench_load_cost(
     from rich.markup import escape
 
     from kvtier.bench import loadcost, loadcost_disk, table
-    from kvtier.errors import ConfigError
+    from kvtier.errors import KVTierError
 
     if (remote_url is None) == (disk is None):
-        raise ConfigError(
+        raise _fail(
             "bench load-cost needs exactly one slow tier: --remote-url redis://HOST:PORT (a "
             "store behind a throttling proxy) or --disk DIR (a disk tier on a throttled device)"
         )
@@ -263,15 +268,19 @@ def bench_load_cost(
     def progress(msg: str) -> None:
         console.print(f"[dim]{escape(msg)}[/dim]")
 
-    if disk is not None:
-        doc = loadcost_disk.run(
-            disk, quick=quick, model_dir=model_dir, json_path=json_path, progress=progress
-        )
-    else:
-        assert remote_url is not None
-        doc = loadcost.run(
-            remote_url, quick=quick, model_dir=model_dir, json_path=json_path, progress=progress
-        )
+    try:
+        if disk is not None:
+            doc = loadcost_disk.run(
+                disk, quick=quick, model_dir=model_dir, json_path=json_path, progress=progress
+            )
+        else:
+            assert remote_url is not None
+            doc = loadcost.run(
+                remote_url, quick=quick, model_dir=model_dir, json_path=json_path,
+                progress=progress,
+            )  # fmt: skip
+    except KVTierError as e:
+        raise _fail(str(e)) from None
     table.print_report(doc)
 
 
@@ -291,14 +300,18 @@ def bench_retention(
     from rich.markup import escape
 
     from kvtier.bench import retention, table
+    from kvtier.errors import KVTierError
 
     progress = Console(stderr=True)
-    doc = retention.run(
-        quick=quick,
-        model_dir=model_dir,
-        json_path=json_path,
-        progress=lambda msg: progress.print(f"[dim]{escape(msg)}[/dim]"),
-    )
+    try:
+        doc = retention.run(
+            quick=quick,
+            model_dir=model_dir,
+            json_path=json_path,
+            progress=lambda msg: progress.print(f"[dim]{escape(msg)}[/dim]"),
+        )
+    except KVTierError as e:
+        raise _fail(str(e)) from None
     table.print_report(doc)
 
 
@@ -355,25 +368,31 @@ def bench_e2e(
     from rich.markup import escape
 
     from kvtier.bench import e2e, table
+    from kvtier.errors import KVTierError
 
+    if repeat < 1:
+        raise _fail(f"--repeat {repeat} must be >= 1")
     progress = Console(stderr=True)
-    doc = e2e.run(
-        model_dir=model_dir,
-        tp=tp,
-        hbm_blocks=hbm_blocks,
-        chunk_size=chunk_size,
-        requests=requests,
-        concurrency=concurrency,
-        repeat=repeat,
-        quick=quick,
-        seed=seed,
-        json_path=json_path,
-        progress=lambda msg: progress.print(f"[dim]{escape(msg)}[/dim]"),
-        console=progress,
-        host=host,
-        noise_floor=noise_floor,
-        load=load,
-    )
+    try:
+        doc = e2e.run(
+            model_dir=model_dir,
+            tp=tp,
+            hbm_blocks=hbm_blocks,
+            chunk_size=chunk_size,
+            requests=requests,
+            concurrency=concurrency,
+            repeat=repeat,
+            quick=quick,
+            seed=seed,
+            json_path=json_path,
+            progress=lambda msg: progress.print(f"[dim]{escape(msg)}[/dim]"),
+            console=progress,
+            host=host,
+            noise_floor=noise_floor,
+            load=load,
+        )
+    except KVTierError as e:
+        raise _fail(str(e)) from None
     table.print_report(doc)
 
 
@@ -467,6 +486,8 @@ def serve(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        if not 0 <= port <= 65535:
+            raise _fail(f"--port {port} is outside 0..65535; pick a free port (0: any free one)")
         kv_config = _offload_config(config) if offload else None
         engine_config = EngineConfig(
             block_size=block_size,
@@ -505,12 +526,9 @@ def _offload_config(config: Path | None) -> KVTierConfig | None:
     KVTIER_* variables; None when it says `enabled: false` (the same as --no-offload)."""
     import os
 
-    from kvtier.config import ENV_CONFIG_FILE, KVTierConfig
+    from kvtier.config import KVTierConfig
 
-    env = dict(os.environ)
-    if config is not None:
-        env[ENV_CONFIG_FILE] = str(config)
-    kv_config = KVTierConfig.load(environ=env)
+    kv_config = KVTierConfig.load(environ=os.environ, config_file=config, config_flag="--config")
     return kv_config if kv_config.enabled else None
 
 

@@ -44,6 +44,13 @@ ENV_CONFIG_FILE = "KVTIER_CONFIG"
 ENV_NOT_CONFIG = frozenset({"KVTIER_BENCH_API_KEY", "KVTIER_TEST_DEVICE", "KVTIER_ADMIN_KEY"})
 _MASK = "***"
 _GiB = 1 << 30
+# the largest size or integer a key takes: what a signed 64-bit counter, offset or C argument
+# holds (larger ones break later, far from the config: in repr, format_size, ports, timeouts)
+_MAX_INT = (1 << 63) - 1
+# a size string with more characters in its number, or more than 2 digits in its exponent, is
+# out of range: checked before the number is built (1e100000000 would build a 100-million-digit
+# integer, and a 5000-digit one trips the interpreter's int-conversion limit)
+_MAX_SIZE_DIGITS = 40
 
 _UNITS: dict[str, int] = {
     "": 1,
@@ -105,16 +112,26 @@ def mask_url(url: str) -> str:
     m = _QUERY_PASSWORD_RE.search(url)
     if m:
         url = url[: m.end()] + _MASK
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    at = rest.rfind("@")
+    at = url.rfind("@")
     if at == -1:
         return url
-    user, colon, _secret = rest[:at].partition(":")
+    sep = url.find("://")
+    # a URL without its '://' (`user:pw@host:6379`, `redis:/user:pw@host`) still has userinfo
+    # before its last '@': everything from the start (or after '://') up to it is masked
+    start = sep + 3 if -1 < sep < at else 0
+    user, colon, _secret = url[start:at].partition(":")
     # a lone userinfo (redis://TOKEN@host) is a user name to redis-py, but it is often a token
     shown = f"{user}:{_MASK}" if colon else _MASK
-    return f"{scheme}://{shown}{rest[at:]}"
+    return f"{url[:start]}{shown}{url[at:]}"
+
+
+def _brief(value: Any) -> str:
+    """`repr(value)` cut to a readable length (a 5000-digit integer has no repr at all)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past sys.get_int_max_str_digits()
+        return f"<an integer of {value.bit_length()} bits>"
+    return text if len(text) <= 200 else f"{text[:120]}...({len(text)} characters)"
 
 
 def _show(key: str, value: Any) -> str:
@@ -123,7 +140,7 @@ def _show(key: str, value: Any) -> str:
         return f"{key}={_MASK}"
     if key == "remote_url" and isinstance(value, str):
         return f"{key}={mask_url(value)!r}"
-    return f"{key}={value!r}"
+    return f"{key}={_brief(value)}"
 
 
 # --------------------------------------------------------------------------------------- sizes
@@ -153,6 +170,9 @@ def parse_size(value: Any, key: str) -> int:
                 f"{_show(key, value)} has unknown unit {unit!r}; use one of B, KB, MB, GB, TB "
                 "(decimal) or KiB, MiB, GiB, TiB (binary)",
             )
+        exp_digits = (exponent or "").lstrip("+-").lstrip("0")
+        if len(number) > _MAX_SIZE_DIGITS or len(exp_digits) > 2:
+            raise _error(key, _too_large(key, value))
         amount = Fraction(number) * Fraction(10) ** int(exponent or 0) * _UNITS[unit.lower()]
         if sign == "-":
             amount = -amount
@@ -162,6 +182,8 @@ def parse_size(value: Any, key: str) -> int:
         )
     if amount < 0:
         raise _error(key, f"{_show(key, value)} is negative; sizes are >= 0 bytes; {_SIZE_FIX}")
+    if amount > _MAX_INT:
+        raise _error(key, _too_large(key, value))
     if amount.denominator != 1:
         raise _error(
             key,
@@ -169,6 +191,13 @@ def parse_size(value: Any, key: str) -> int:
             "use a larger unit or a whole byte count",
         )
     return int(amount)
+
+
+def _too_large(key: str, value: Any) -> str:
+    return (
+        f"{_show(key, value)} is out of range: sizes are at most {_MAX_INT} bytes (8 EiB); "
+        f"{_SIZE_FIX}"
+    )
 
 
 def format_size(n: int) -> str:
@@ -201,14 +230,28 @@ def _to_bool(key: str, value: Any) -> bool:
 def _to_int(key: str, value: Any) -> int:
     if isinstance(value, bool):
         raise _error(key, f"{_show(key, value)} is a boolean; {key} takes an integer")
+    number: int | None = None
     if isinstance(value, int):
-        return value
-    if isinstance(value, str):
-        try:
-            return int(value.strip(), 10)
-        except ValueError:
-            pass
-    raise _error(key, f"{_show(key, value)} is not an integer; give a whole number")
+        number = value
+    elif isinstance(value, str):
+        text = value.strip()
+        unsigned = text.lstrip("+-")
+        if unsigned.isdecimal() and len(unsigned.lstrip("0")) > 19:
+            number = _MAX_INT + 1  # past the range, and past what int() converts (4300 digits)
+        else:
+            try:
+                number = int(text, 10)
+            except ValueError:
+                number = None
+    if number is None:
+        raise _error(key, f"{_show(key, value)} is not an integer; give a whole number")
+    if abs(number) > _MAX_INT:
+        raise _error(
+            key,
+            f"{_show(key, value)} is out of range; {key} takes a whole number of at most "
+            f"{_MAX_INT} (64 bits)",
+        )
+    return number
 
 
 def _to_float(key: str, value: Any) -> float:
@@ -216,7 +259,10 @@ def _to_float(key: str, value: Any) -> float:
         raise _error(key, f"{_show(key, value)} is a boolean; {key} takes a number")
     number: float | None = None
     if isinstance(value, int | float):
-        number = float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an int past float's range (a JSON 1 followed by 400 zeros)
+            number = None
     elif isinstance(value, str):
         try:
             number = float(value.strip())
@@ -275,9 +321,14 @@ def _to_scope(key: str, value: Any) -> tuple[int, ...] | None:
     for item in items:
         try:
             rank = _to_int(key, item)
-        except ConfigError:
+        except ConfigError as e:
+            if "out of range" in str(e):
+                raise _error(
+                    key, f"{_show(key, value)} has a rank out of range; ranks are < 2**63"
+                ) from None
             raise _error(
-                key, f"{_show(key, value)} has a non-integer rank {item!r}; give e.g. '0,1,2,3'"
+                key,
+                f"{_show(key, value)} has a non-integer rank {_brief(item)}; give e.g. '0,1,2,3'",
             ) from None
         if rank < 0:
             raise _error(key, f"{_show(key, value)} has a negative rank {rank}; ranks are >= 0")
@@ -652,12 +703,21 @@ class KVTierConfig:
         for name in ("retention_budget", "retention_tenant_share"):
             share = getattr(self, name)
             if not 0.0 <= share <= 1.0:
-                raise _error(name, f"{name}={share} must lie in [0, 1]; 0.5 is the default")
-        if not 0 < self.retention_ttl_s <= self.retention_max_ttl_s:
+                raise _error(
+                    name, f"{name}={share:g} must lie in [0, 1]; {_DEFAULTS[name]:g} is the default"
+                )
+        if not self.retention_ttl_s > 0:
             raise _error(
                 "retention_ttl_s",
-                f"retention_ttl_s={self.retention_ttl_s} must be > 0 and <= "
-                f"retention_max_ttl_s={self.retention_max_ttl_s}",
+                f"retention_ttl_s={self.retention_ttl_s:g} must be > 0; use seconds such as "
+                f"{_DEFAULTS['retention_ttl_s']:g} (the default)",
+            )
+        if self.retention_ttl_s > self.retention_max_ttl_s:
+            raise _error(
+                ("retention_ttl_s", "retention_max_ttl_s"),
+                f"retention_ttl_s={self.retention_ttl_s:g} (the TTL of a hint that names none) "
+                f"is above retention_max_ttl_s={self.retention_max_ttl_s:g}; lower "
+                "retention_ttl_s or raise retention_max_ttl_s",
             )
         if self.remote_full not in _REMOTE_FULL:
             raise _error(
@@ -701,7 +761,14 @@ class KVTierConfig:
             endpoint = remote_endpoint.parse(url)
         except ValueError as e:
             if "scheme" in str(e):
-                raise _error("remote_url", f"{shown} has {e}; {fix}") from None
+                # the parser's message quotes everything before '://', which is the whole URL
+                # (password included) when '://' is missing: name the scheme from the masked URL
+                scheme, sep, _ = mask_url(url).partition("://")
+                what = f"scheme {scheme.lower()!r}" if sep else "no scheme ('://' is missing)"
+                raise _error(
+                    "remote_url",
+                    f"{shown} has {what}, not one of {', '.join(remote_endpoint.SCHEMES)}; {fix}",
+                ) from None
             raise _error("remote_url", f"{shown} is not a valid remote URL: {e}; {fix}") from None
         if self.remote_read_from not in _READ_FROM:
             raise _error(
@@ -838,7 +905,7 @@ class KVTierConfig:
             raise _error(
                 "min_load_tokens",
                 f"{_show('min_load_tokens', self.min_load_tokens)} is negative; use 0 for no "
-                "minimum or leave it unset for one chunk",
+                "minimum or leave it unset for one host block",
             )
 
     # -------------------------------------------------------------------------- derived
@@ -946,13 +1013,21 @@ class KVTierConfig:
 
     @classmethod
     def load(
-        cls, extra: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+        cls,
+        extra: Mapping[str, Any] | None = None,
+        environ: Mapping[str, str] | None = None,
+        *,
+        config_file: str | os.PathLike[str] | None = None,
+        config_flag: str = "--config",
     ) -> KVTierConfig:
-        """Merge YAML file (`KVTIER_CONFIG`) < `KVTIER_*` variables < `extra`, then validate."""
+        """Merge YAML file (`KVTIER_CONFIG`) < `KVTIER_*` variables < `extra`, then validate.
+        `config_file` (a command line's `config_flag`) is read instead of `KVTIER_CONFIG`'s
+        file, and a message about it names the flag."""
         env = os.environ if environ is None else environ
         merged: dict[str, tuple[Any, str]] = {}
-        yaml_path = env.get(ENV_CONFIG_FILE)
-        if yaml_path:
+        if config_file is not None:
+            merged.update(_from_yaml(config_file, config_flag))
+        elif yaml_path := env.get(ENV_CONFIG_FILE):
             merged.update(_from_yaml(yaml_path, ENV_CONFIG_FILE))
         merged.update(_from_env(env))
         if extra is not None:

@@ -26,11 +26,12 @@ DEFAULT_PATH = Path("docs/configuration.md")
 # What each coercion kind of `kvtier.config` accepts, in a reader's words.
 KIND_DOCS: dict[str, str] = {
     "bool": "`true`/`false`, `1`/`0`, `yes`/`no`, `on`/`off`",
-    "int": 'a whole number (`256`, or `"256"` from an environment variable)',
-    "opt_int": "a whole number, or unset (`''` or `none`)",
+    "int": 'a whole number (`256`, or `"256"` from an environment variable) within 64 bits '
+    "(magnitude at most 2^63-1)",
+    "opt_int": "a whole number within 64 bits, or unset (`''` or `none`)",
     "float": "a finite number (`0.5`, `1e-3`)",
     "size": "bytes, or a number with a unit: B, KB, MB, GB, TB (decimal) or KiB, MiB, GiB, "
-    "TiB (binary), case-insensitive (`4096`, `512MiB`, `1.5GB`)",
+    "TiB (binary), case-insensitive (`4096`, `512MiB`, `1.5GB`); at most 2^63-1 bytes (8 EiB)",
     "str": "a string",
     "opt_str": "a string, or unset (`''` is unset)",
     "scope": 'a list of ranks (`[0, 1, 2, 3]` or `"0,1,2,3"`), or unset / `all` for every rank',
@@ -101,7 +102,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("usage: python -m kvtier.config_docs [--check] [PATH]", file=sys.stderr)
         return 2
     path = Path(paths[0]) if paths else DEFAULT_PATH
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        print(f"{path}: cannot read ({e.strerror}); pass the page's path", file=sys.stderr)
+        return 2
     fresh = splice(text, render())
     if fresh == text:
         return 0
