@@ -90,3 +90,20 @@ def test_a_password_with_a_slash_is_parsed_as_a_password() -> None:
 )
 def test_mask_url_shapes(url: str, masked: str) -> None:
     assert mask_url(url) == masked
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "admin:hunter2-s3cr3t@127.0.0.1:6379",
+        "redis:/admin:hunter2-s3cr3t@h:1",
+        "hunter2-s3cr3t@h",
+        "admin:hunter2-s3cr3t@h:1/x://y",
+    ],
+)
+def test_a_url_without_its_scheme_separator_is_refused_without_quoting_it(url: str) -> None:
+    """The parser quoted everything before '://', the whole URL when it was missing, and
+    `kvtier bench tier --remote-url` printed it (a review found the password on screen)."""
+    with pytest.raises(ValueError) as e:
+        remote_endpoint.parse(url)
+    assert "hunter2" not in str(e.value) and "'://' is missing" in str(e.value)

@@ -7,6 +7,7 @@ Redis Cluster through one or more comma-separated seed nodes (the client discove
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from urllib.parse import parse_qs, unquote
 
@@ -50,8 +51,13 @@ def parse(url: str) -> RemoteEndpoint:
     (never the URL itself, which may hold a password)."""
     scheme, sep, rest = url.partition("://")
     scheme = scheme.lower()
-    if not sep or scheme not in SCHEMES:
-        raise ValueError(f"scheme {scheme or '(none)'!r} is not one of {', '.join(SCHEMES)}")
+    forms = ", ".join(SCHEMES)
+    # what precedes '://' is quoted only when it has a scheme's shape: a URL missing it (or
+    # holding '://' later) would be quoted whole, password and all
+    if not sep or not re.fullmatch(r"[a-z][a-z0-9+.-]{0,15}", scheme):
+        raise ValueError(f"has no scheme ('://' is missing); start it with one of {forms}")
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme {scheme!r} is not one of {forms}")
     if scheme == "unix":
         return _parse_unix(url)
     # the userinfo ends at the URL's last '@' (no host, path or query holds one), so a password
