@@ -243,3 +243,38 @@ def test_prefetch_and_forget_of_a_hybrid_rank_carry_each_boundary_state_whole(
         assert not any(t.contains(k) for t in (s.memory, disk) for k in [*keys, *whole, torn])
     finally:
         s.close()
+
+
+def test_retained_chunks_past_memorys_share_leave_room_for_unretained_saves(
+    tmp_path: Path, namespace: bytes, metrics: Metrics
+):
+    """The rank's limit is the budget's share of its largest tier (disk here, 50 chunks), so
+    retained chunks could fill a 4-slot memory tier, and every save failed, unretained and
+    retained alike (writes go through memory first), until their deadlines (a review found
+    it). Memory keeps retained chunks within the budget's share of its own slots; past it they
+    are evicted as ordinary chunks, and the disk tier still keeps them."""
+    clock = FakeClock(start=2_000_000_000.0)
+    keys = [key_of(i) for i in range(8)]
+    disk = _disk(tmp_path, namespace, metrics, 100)
+    s = TierStack(
+        _memory(namespace, metrics, 4), [disk], metrics,
+        retention_limit=50, retention_share=0.5, clock=clock,
+    )  # fmt: skip
+    try:
+        for i, k in enumerate(keys[:4]):
+            assert s.put(k, payload_of(i, SIZE))
+        assert s.flush(10.0)
+        assert s.admin("retain", keys[:4], clock() + 3600) == 4
+        assert s.put(keys[4], payload_of(4, SIZE))  # failed: every slot held a retained chunk
+        assert s.flush(10.0)
+        resident = [k for k in keys[:5] if s.memory.contains(k)]
+        assert keys[4] in resident and len(resident) == 4
+        # within its share (2 of 4 slots) memory keeps retained chunks as before
+        for i, k in enumerate(keys[5:8], start=5):
+            assert s.put(k, payload_of(i, SIZE))
+            assert s.flush(10.0)  # a chunk the write-behind is copying down is not a victim
+        assert sum(s.memory.contains(k) for k in keys[:4]) == 2
+        # and every retained chunk is still held whole below
+        assert all(disk.get(k) == payload_of(i, SIZE) for i, k in enumerate(keys[:4]))
+    finally:
+        s.close()

@@ -58,6 +58,7 @@ def build_stack(
         writes_lower=writes_lower,
         retention_limit=retention_limit(config, slot_bytes),
         state_parts=state_parts,
+        retention_share=config.retention_budget,
     )
 
 

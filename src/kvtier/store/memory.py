@@ -127,6 +127,7 @@ class MemoryTier(TierBase):
         self._writing: Counter[bytes] = Counter()
         # chunks a client asked to keep (`protect`): never victims while retained
         self._retained: Callable[[bytes], bool] = _never
+        self._retained_cap = num_slots  # of them, how many slots they may hold (`protect`)
         # slots of entries dropped as corrupt while a lease or a reader could still see them
         self._quarantine: dict[int, bytes] = {}
         self._closed = False
@@ -382,9 +383,12 @@ class MemoryTier(TierBase):
             self._reclaim()
             return True
 
-    def protect(self, retained: Callable[[bytes], bool]) -> None:
-        """Never evict a chunk while `retained(key)` is true (a client's retention hint)."""
+    def protect(self, retained: Callable[[bytes], bool], share: float = 1.0) -> None:
+        """Never evict a chunk while `retained(key)` is true (a client's retention hint), as
+        long as retained chunks hold at most `share` of the slots: past it the least recently
+        used of them goes first, so saves never all fail for retention."""
         self._retained = retained
+        self._retained_cap = int(share * self.num_slots)
 
     # ---- leases --------------------------------------------------------------------------------
 
@@ -520,13 +524,29 @@ class MemoryTier(TierBase):
             n += 1
         return n
 
-    def _evictable(self, key: bytes) -> bool:
+    def _unpinned(self, key: bytes) -> bool:
         return (
             not self._leases.is_pinned(key)
             and self._readers[self._index[key]] == 0
             and key not in self._writing
-            and not self._retained(key)
         )
+
+    def _victim(self) -> bytes | None:
+        """The least recently used unpinned leaf that is not retained; a retained one instead
+        when more retained leaves than memory's share came before it."""
+        skipped: list[bytes] = []
+
+        def evictable(key: bytes) -> bool:
+            if not self._unpinned(key):
+                return False
+            if self._retained(key):
+                skipped.append(key)
+                return False
+            return True
+
+        key = self._policy.victim(evictable)
+        # the rank's limit follows its largest tier (a disk tier keeps them too)
+        return skipped[0] if len(skipped) > self._retained_cap else key
 
     def _done_writing(self, parent: bytes) -> None:
         left = self._writing[parent] - 1
@@ -541,7 +561,7 @@ class MemoryTier(TierBase):
             self._reclaim()
         if self._free:
             return self._free.pop()
-        key = self._policy.victim(self._evictable)
+        key = self._victim()
         if key is None:
             self._all_pinned.inc()
             return -1

@@ -66,10 +66,14 @@ class TierStack:
         retention_limit: int = 0,
         clock: Callable[[], float] | None = None,
         state_parts: int = 0,
+        retention_share: float = 1.0,
     ) -> None:
         """`writes_lower=False`: the lower tiers are read only (another rank writes the records
         of a replicated layout there). `retention_limit`: chunks clients may retain on this rank
-        (0: none); `clock`: wall-clock seconds of retention deadlines (tests pass their own).
+        (0: none); `retention_share`: of the memory tier's slots, the share retained chunks may
+        hold (the limit follows the largest tier: past the share memory evicts them too, and a
+        lower tier keeps them); `clock`: wall-clock seconds of retention deadlines (tests pass
+        their own).
         `state_parts`: the parts of a hybrid model's boundary state record (0: no state groups),
         which the admin ops carry out on along with the chunk it ends."""
         if metrics is None:
@@ -114,8 +118,10 @@ class TierStack:
                 log.info(
                     "kvtier: %d retained chunks carried over from %s", kept, self._retention_file
                 )
+        memory.protect(self.retention.holds, retention_share)
         for t in (memory, *self._lower):
-            t.protect(self.retention.holds)
+            if t is not memory:
+                t.protect(self.retention.holds)
             t.protect_until(self.retention.until)
         self._thread: threading.Thread | None = None
         if self._lower:
