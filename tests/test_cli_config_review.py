@@ -391,3 +391,12 @@ def test_serve_engine_config_errors_exit_2_naming_the_value(tmp_path: Path) -> N
 def test_serve_stall_timeout_nan_is_refused(tmp_path: Path) -> None:
     result = invoke("serve", str(tmp_path / "model"), "--no-offload", "--stall-timeout", "nan")
     assert_clean_failure(result, "--stall-timeout nan must be > 0 seconds")
+
+
+def test_admission_history_past_its_documented_cap_is_refused_naming_it() -> None:
+    """The docs say at most 1048576, but only the automatic size was capped: an explicit
+    value was used as given (each key ~100 bytes on the scheduler; a review found it)."""
+    assert KVTierConfig.from_dict({"admission_history": 1 << 20}).admission_history == 1 << 20
+    with pytest.raises(ConfigError) as e:
+        KVTierConfig.from_dict({"admission_history": (1 << 20) + 1})
+    assert "admission_history=1048577 is outside 0..1048576" in str(e.value)

@@ -37,6 +37,8 @@ __all__ = [
     "parse_size",
 ]
 
+# the most chunk keys the admission policy remembers (sized from the tiers or set)
+MAX_ADMISSION_HISTORY = 1 << 20
 ENV_PREFIX = "KVTIER_"
 ENV_CONFIG_FILE = "KVTIER_CONFIG"
 # KVTIER_* variables that are not config fields: the bench's bearer token and the GPU check's
@@ -688,11 +690,13 @@ class KVTierConfig:
                 f"{_show('load_margin', self.load_margin)} is outside 0..10; use a share such "
                 "as 0.1 (a load must be predicted 10% faster than recompute)",
             )
-        if self.admission_history < 0:
+        if not 0 <= self.admission_history <= MAX_ADMISSION_HISTORY:
+            # each remembered key costs ~100 bytes of host memory on the scheduler
             raise _error(
                 "admission_history",
-                f"admission_history={self.admission_history} is negative; use 0 (sized from "
-                "the tiers) or a number of chunk keys",
+                f"admission_history={self.admission_history} is outside "
+                f"0..{MAX_ADMISSION_HISTORY}; use 0 (sized from the tiers) or a number of "
+                "chunk keys up to that",
             )
         if self.retention_full not in RETENTION_FULL_MODES:
             raise _error(

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.config import KVTierConfig
+from kvtier.config import MAX_ADMISSION_HISTORY, KVTierConfig
 from kvtier.keys import KeySpace
 from kvtier.metrics import Metrics
 from kvtier.offload.admission import DECISIONS, AdmissionPolicy
@@ -319,4 +319,4 @@ def _admission_history(config: KVTierConfig, bytes_per_token: int | None) -> int
     if config.admission_history:
         return config.admission_history
     chunks = _tier_chunks(config, bytes_per_token)
-    return 65536 if chunks is None else min(max(16 * chunks, 4096), 1 << 20)
+    return 65536 if chunks is None else min(max(16 * chunks, 4096), MAX_ADMISSION_HISTORY)
