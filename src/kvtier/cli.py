@@ -8,6 +8,7 @@ one-line help), so `kvtier --help` imports typer and nothing of kvtier's stack.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
@@ -159,29 +160,20 @@ def bench_tier(
 ) -> None:
     """Tier GB/s against raw copies (memory, disk, remote), all-rank lookup latency, save/load
     on the KV device."""
-    from rich.console import Console
-    from rich.markup import escape
-
-    from kvtier.bench import table, tier
-    from kvtier.errors import KVTierError
+    from kvtier.bench import tier
 
     if json_path is not None and json_path.is_dir():
         raise _fail(f"--json {str(json_path)!r} is a directory; pass a file such as "
                     f"{json_path / 'bench-tier.json'}")  # fmt: skip
-    progress = Console(stderr=True)
-    try:
-        doc = tier.run(
-            quick=quick,
-            json_path=json_path,
-            disk_dir=disk_dir,
-            progress=lambda msg: progress.print(f"[dim]{escape(msg)}[/dim]"),
-            device=device,
-            server_url=remote_url,
-            cluster_url=remote_cluster_url,
-        )
-    except KVTierError as e:
-        raise _fail(str(e)) from None
-    table.print_report(doc)
+    _run_bench(
+        tier.run,
+        quick=quick,
+        json_path=json_path,
+        disk_dir=disk_dir,
+        device=device,
+        server_url=remote_url,
+        cluster_url=remote_cluster_url,
+    )
 
 
 @bench_app.command("cache")
@@ -209,25 +201,17 @@ def bench_cache(
 ) -> None:
     """Tier hits of kvtier's policy, the previous policy, the offline optimum and the
     infinite tier, per workload, tier size and HBM in front: ratios to the optimum."""
-    from rich.console import Console
-    from rich.markup import escape
-
     from kvtier.bench import cache
-    from kvtier.errors import KVTierError
 
-    progress = Console(stderr=True)
-    try:
-        doc = cache.run(
-            quick=quick,
-            trace=None if no_trace else Path(trace),
-            json_path=json_path,
-            only=workload,
-            retention=not no_retention,
-            progress=lambda msg: progress.print(f"[dim]{escape(msg)}[/dim]"),
-        )
-    except KVTierError as e:
-        raise _fail(str(e)) from None
-    cache.print_table(doc)
+    _run_bench(
+        cache.run,
+        quick=quick,
+        trace=None if no_trace else Path(trace),
+        json_path=json_path,
+        only=workload,
+        retention=not no_retention,
+        show=cache.print_table,
+    )
 
 
 @bench_app.command("load-cost")
@@ -252,36 +236,17 @@ def bench_load_cost(
     """Load or recompute: restores from a shared store (or, with --disk, a disk tier) throttled
     below the prefill's speed, under load_policy cost and always, against no offload; a head in
     memory with its tail only in the store; and the store's rate stepped across the break-even."""
-    from rich.console import Console
-    from rich.markup import escape
-
-    from kvtier.bench import loadcost, loadcost_disk, table
-    from kvtier.errors import KVTierError
+    from kvtier.bench import loadcost, loadcost_disk
 
     if (remote_url is None) == (disk is None):
         raise _fail(
             "bench load-cost needs exactly one slow tier: --remote-url redis://HOST:PORT (a "
             "store behind a throttling proxy) or --disk DIR (a disk tier on a throttled device)"
         )
-    console = Console(stderr=True)
-
-    def progress(msg: str) -> None:
-        console.print(f"[dim]{escape(msg)}[/dim]")
-
-    try:
-        if disk is not None:
-            doc = loadcost_disk.run(
-                disk, quick=quick, model_dir=model_dir, json_path=json_path, progress=progress
-            )
-        else:
-            assert remote_url is not None
-            doc = loadcost.run(
-                remote_url, quick=quick, model_dir=model_dir, json_path=json_path,
-                progress=progress,
-            )  # fmt: skip
-    except KVTierError as e:
-        raise _fail(str(e)) from None
-    table.print_report(doc)
+    if disk is not None:
+        _run_bench(loadcost_disk.run, disk, quick=quick, model_dir=model_dir, json_path=json_path)
+    else:
+        _run_bench(loadcost.run, remote_url, quick=quick, model_dir=model_dir, json_path=json_path)
 
 
 @bench_app.command("retention")
@@ -296,23 +261,9 @@ def bench_retention(
 ) -> None:
     """Conversations that come back: TTFT of an agent's returning turns with retention hints
     (OpenAI's prompt_cache_key + prompt_cache_retention) vs without, same capacity."""
-    from rich.console import Console
-    from rich.markup import escape
+    from kvtier.bench import retention
 
-    from kvtier.bench import retention, table
-    from kvtier.errors import KVTierError
-
-    progress = Console(stderr=True)
-    try:
-        doc = retention.run(
-            quick=quick,
-            model_dir=model_dir,
-            json_path=json_path,
-            progress=lambda msg: progress.print(f"[dim]{escape(msg)}[/dim]"),
-        )
-    except KVTierError as e:
-        raise _fail(str(e)) from None
-    table.print_report(doc)
+    _run_bench(retention.run, quick=quick, model_dir=model_dir, json_path=json_path)
 
 
 @bench_app.command("e2e")
@@ -364,36 +315,27 @@ def bench_e2e(
     ),
 ) -> None:
     """kvtier serve with the tier ON vs OFF: throughput, TTFT, hits vs ceilings, identities."""
-    from rich.console import Console
-    from rich.markup import escape
-
-    from kvtier.bench import e2e, table
-    from kvtier.errors import KVTierError
+    from kvtier.bench import e2e
 
     if repeat < 1:
         raise _fail(f"--repeat {repeat} must be >= 1")
-    progress = Console(stderr=True)
-    try:
-        doc = e2e.run(
-            model_dir=model_dir,
-            tp=tp,
-            hbm_blocks=hbm_blocks,
-            chunk_size=chunk_size,
-            requests=requests,
-            concurrency=concurrency,
-            repeat=repeat,
-            quick=quick,
-            seed=seed,
-            json_path=json_path,
-            progress=lambda msg: progress.print(f"[dim]{escape(msg)}[/dim]"),
-            console=progress,
-            host=host,
-            noise_floor=noise_floor,
-            load=load,
-        )
-    except KVTierError as e:
-        raise _fail(str(e)) from None
-    table.print_report(doc)
+    _run_bench(
+        e2e.run,
+        model_dir=model_dir,
+        tp=tp,
+        hbm_blocks=hbm_blocks,
+        chunk_size=chunk_size,
+        requests=requests,
+        concurrency=concurrency,
+        repeat=repeat,
+        quick=quick,
+        seed=seed,
+        json_path=json_path,
+        host=host,
+        noise_floor=noise_floor,
+        load=load,
+        with_console=True,
+    )
 
 
 # ---- the native server and the model generator (serve, model init) ---------------------------
@@ -405,6 +347,31 @@ app.add_typer(model_app, name="model")
 def _fail(message: str) -> typer.Exit:
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(code=2)
+
+
+def _run_bench(
+    run: Callable[..., dict[str, Any]],
+    *args: Any,
+    show: Callable[[dict[str, Any]], None] | None = None,
+    with_console: bool = False,
+    **kwargs: Any,
+) -> None:
+    """Run a bench with its progress dimmed on stderr (and that console, `with_console`), then
+    print its table (`show`, else the report's); kvtier's own errors exit 2 in one line."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from kvtier.bench import table
+    from kvtier.errors import KVTierError
+
+    console = Console(stderr=True)
+    if with_console:
+        kwargs["console"] = console
+    try:
+        doc = run(*args, progress=lambda msg: console.print(f"[dim]{escape(msg)}[/dim]"), **kwargs)
+    except KVTierError as e:
+        raise _fail(str(e)) from None
+    (show or table.print_report)(doc)
 
 
 # `serve`'s request limits: each bounds what one client may make the server hold or compute

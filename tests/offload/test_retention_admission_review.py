@@ -50,6 +50,13 @@ def ledger(budget: int, share: float = 1.0, **kw: object) -> tuple[RetentionLedg
 # ---- defects -------------------------------------------------------------------------------
 
 
+def _memory_stack(slots: int, clock: FakeClock) -> TierStack:
+    """A memory-only rank stack of `slots` chunks, retention on (8 chunks) on `clock`."""
+    metrics = Metrics(rank=0)
+    memory = MemoryTier(SIZE, slots * SIZE, bytes(range(16)), metrics, pin_memory=False)
+    return TierStack(memory, [], metrics, retention_limit=8, clock=clock)
+
+
 def test_soonest_never_displaces_other_grants_for_room_the_tenants_share_refuses() -> None:
     # budget 10, each tenant at most 5: both tenants hold their whole share, the budget is full
     led, _ = ledger(10, 0.5, full=SOONEST)
@@ -185,12 +192,7 @@ def test_a_rank_refuses_a_deadline_that_is_not_a_finite_number(until: float) -> 
     assert len(table) == 0 and not table.holds(a)
     # through the rank's admin entry (the lookup server answers the error to the sender), the
     # memory tier still evicts the chunk as an ordinary one
-    metrics = Metrics(rank=0)
-    ns = bytes(range(16))
-    stack = TierStack(
-        MemoryTier(SIZE, 1 * SIZE, ns, metrics, pin_memory=False), [], metrics,
-        retention_limit=8, clock=clock,
-    )  # fmt: skip
+    stack = _memory_stack(1, clock)
     try:
         assert stack.put(a, payload_of(1, SIZE))
         with pytest.raises(ValueError, match="not a finite number"):
@@ -226,12 +228,7 @@ def test_a_release_that_shortens_a_shared_chunks_deadline_is_sent_as_release_the
 
 def test_retaining_a_chains_tail_keeps_its_whole_prefix_in_memory() -> None:
     clock = FakeClock()
-    metrics = Metrics(rank=0)
-    ns = bytes(range(16))
-    stack = TierStack(
-        MemoryTier(SIZE, 4 * SIZE, ns, metrics, pin_memory=False), [], metrics,
-        retention_limit=8, clock=clock,
-    )  # fmt: skip
+    stack = _memory_stack(4, clock)
     try:
         head, tail = key_of(1), key_of(2)
         assert stack.put(head, payload_of(1, SIZE))
