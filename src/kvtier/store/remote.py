@@ -118,6 +118,9 @@ class RemoteTier(TierBase):
             ) from None
         record_bytes = record.HEADER_BYTES + (payload_bytes or 0)
         transfer_s = record_bytes / (timeout_gbps * 1e9) if payload_bytes else 0.0
+        # the longest record any writer of the namespace stores (its layout fixes the chunk's
+        # bytes); None: unknown, reads take whole values
+        self._max_record = record_bytes if payload_bytes else None
         self.timeouts = Timeouts(
             presence_s=timeout_ms / 1000.0,
             read_s=timeout_ms / 1000.0 + transfer_s,
@@ -211,10 +214,13 @@ class RemoteTier(TierBase):
 
     def get(self, key: bytes) -> memoryview | None:
         """The verified payload of `key` (a fresh buffer), or None on a miss, a failure or an
-        open breaker."""
+        open breaker. With `payload_bytes` known, at most one byte past the longest record
+        crosses the wire (GETRANGE): a longer value under the key fails verification by length
+        without being read whole."""
         self._check_open()
         rkey = self._rkey(key)
-        data = self._guard.call(rkey, lambda: self._transport.get(rkey), write=False)
+        limit = self._read_limit()
+        data = self._guard.call(rkey, lambda: self._transport.get(rkey, limit), write=False)
         if data is None:
             return None
         return self._verified(key, rkey, data)
@@ -263,6 +269,19 @@ class RemoteTier(TierBase):
                 self._url,
                 total,
                 self.max_value_bytes,
+            )
+            return False
+        if self._max_record is not None and total > self._max_record:
+            # reads stop one byte past the longest record and delete what is longer: such a
+            # record would be written only to be thrown away by every reader
+            self._m.dropped_write(self.name, "too_large").inc()
+            self._guard.log_once(
+                "over_payload",
+                "kvtier: remote tier %s refuses a %d-byte record: over its %d-byte records "
+                "(payload_bytes); counted as dropped_writes{reason=too_large}",
+                self._url,
+                total,
+                self._max_record,
             )
             return False
         shard = self._guard.shard(rkey)
@@ -363,13 +382,16 @@ class RemoteTier(TierBase):
         return n
 
     def get_many(self, keys: Sequence[bytes]) -> list[memoryview | None]:
-        """Verified payloads of `keys` (None per miss), one batch of GETs: one round trip per
-        shard, shards at once."""
+        """Verified payloads of `keys` (None per miss), one batch of reads (GETRANGE bounded
+        as `get`'s): one round trip per shard, shards at once."""
         self._check_open()
         if not keys:
             return []
         rkeys = [self._rkey(k) for k in keys]
-        replies = self._guard.batch(rkeys, self._transport.get_many, write=False)
+        limit = self._read_limit()
+        replies = self._guard.batch(
+            rkeys, lambda rks: self._transport.get_many(rks, limit), write=False
+        )
         out: list[memoryview | None] = []
         for key, rkey, data in zip(keys, rkeys, replies, strict=True):
             ok = isinstance(data, bytes | bytearray | memoryview)
@@ -545,16 +567,27 @@ class RemoteTier(TierBase):
                 e.reason,
             )
             # only the bytes found bad: a valid record rewritten since, or one whose reply
-            # went to another request, stays
+            # went to another request, stays. A bounded read of a longer value got only its
+            # first bytes, whose SHA-1 is not the value's: that value is deleted only while the
+            # store holds more than the longest record under the key (STRLEN in the same
+            # script), which no writer of this namespace stores, so it is bad whatever the
+            # bytes we did not read; a valid record written since is no longer and stays
             n = len(data)
             digest = hashlib.sha1(data, usedforsecurity=False).hexdigest().encode("ascii")
+            longer = self._max_record
             if self._guard.call(
-                rkey, lambda: self._transport.delete_if(rkey, digest), write=True
+                rkey, lambda: self._transport.delete_if(rkey, digest, longer), write=True
             ):
                 with self._lock:
                     self._resident = max(0, self._resident - n)
                     self._publish_locked()
             return None
+
+    def _read_limit(self) -> int | None:
+        """Bytes a record read asks for: one past the longest record, so a longer value fills
+        it and fails verification by length (the rest never crosses the wire); None (whole
+        values) when `payload_bytes` is unknown."""
+        return None if self._max_record is None else self._max_record + 1
 
     def _buffer(self, kind: str, size: int) -> memoryview:
         """This thread's reusable `kind` buffer, at least `size` bytes, viewed at `size`."""

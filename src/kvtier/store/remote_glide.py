@@ -294,11 +294,15 @@ class GlideTransport:
         replies = self._exec(self._presence, batch, rkeys, self._timeouts.presence_s)
         return [r if isinstance(r, StoreError) else bool(r) for r in replies]
 
-    def get(self, rkey: bytes) -> bytes | None:
+    def get(self, rkey: bytes, limit: int | None = None) -> bytes | None:
         try:
-            return self._reader.get(rkey)
+            if limit is None:
+                return self._reader.get(rkey)
+            # GETRANGE: at most `limit` bytes cross the wire, whatever the store holds
+            data = self._reader.getrange(rkey, 0, limit - 1)
         except GlideError as e:
             raise self._error(e, self.shard_of(rkey)) from None
+        return data or None  # a missing key reads as an empty range: a miss
 
     def get_into(self, rkey: bytes, buf: memoryview) -> int | None:
         # GETRANGE, not GET: at most the buffer's bytes cross the wire, whatever the store holds
@@ -314,15 +318,24 @@ class GlideTransport:
         # a missing key reads as an empty range: a miss (an empty record is none anyway)
         return int(n) or None  # type: ignore[arg-type]
 
-    def get_many(self, rkeys: Sequence[bytes]) -> list[bytes | None | StoreError]:
+    def get_many(
+        self, rkeys: Sequence[bytes], limit: int | None = None
+    ) -> list[bytes | None | StoreError]:
         batch = self._batch()
         for rkey in rkeys:
-            batch.get(rkey)
+            if limit is None:
+                batch.get(rkey)
+            else:
+                batch.getrange(rkey, 0, limit - 1)  # at most `limit` bytes of each value
         # a batch of n records may take n reads' time on one shard
         timeout_s = self._timeouts.presence_s + len(rkeys) * (
             self._timeouts.read_s - self._timeouts.presence_s
         )
-        return self._exec(self._reader, batch, rkeys, timeout_s)  # type: ignore[return-value]
+        replies = self._exec(self._reader, batch, rkeys, timeout_s)
+        if limit is not None:
+            # a missing key reads as an empty range: a miss
+            replies = [None if r == b"" else r for r in replies]
+        return replies  # type: ignore[return-value]
 
     def put(self, rkey: bytes, value: memoryview, ttl_s: int) -> bool:
         batch = self._batch()
@@ -348,9 +361,10 @@ class GlideTransport:
         except GlideError as e:
             raise self._error(e, self.shard_of(rkey)) from None
 
-    def delete_if(self, rkey: bytes, sha1_hex: bytes) -> bool:
+    def delete_if(self, rkey: bytes, sha1_hex: bytes, longer_than: int | None = None) -> bool:
+        args = [sha1_hex] if longer_than is None else [sha1_hex, str(longer_than).encode()]
         try:
-            return bool(self._writer.invoke_script(_DELETE_IF, keys=[rkey], args=[sha1_hex]))
+            return bool(self._writer.invoke_script(_DELETE_IF, keys=[rkey], args=args))
         except GlideError as e:
             raise self._error(e, self.shard_of(rkey)) from None
 

@@ -7,6 +7,7 @@ for reads and presence, one for writes, each with its own socket timeout.
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -45,6 +46,15 @@ _AUTH_ERRORS: tuple[type[BaseException], ...] = (
     redis.exceptions.AuthorizationError,
     redis.exceptions.NoPermissionError,
 )
+
+
+class _Batch(threading.local):
+    # this thread's deadline for every reply of the pipeline it runs now (None: each reply
+    # gets the read timeout of its own)
+    deadline: float | None = None
+
+
+_BATCH = _Batch()
 
 
 class SocketTransport:
@@ -122,9 +132,14 @@ class SocketTransport:
         replies = self._batch(call, len(rkeys))
         return [r if isinstance(r, StoreError) else bool(r) for r in replies]
 
-    def get(self, rkey: bytes) -> bytes | None:
-        data = self._call(lambda: self._redis.get(rkey))
-        return None if data is None else bytes(data)
+    def get(self, rkey: bytes, limit: int | None = None) -> bytes | None:
+        if limit is None:
+            data = self._call(lambda: self._redis.get(rkey))
+            return None if data is None else bytes(data)
+        # GETRANGE: at most `limit` bytes, whatever the store holds under the key; a missing
+        # key reads as an empty range: a miss
+        data = self._call(lambda: self._redis.getrange(rkey, 0, limit - 1))
+        return bytes(data) or None
 
     def get_into(self, rkey: bytes, buf: memoryview) -> int | None:
         # at most the buffer's bytes, whatever the store holds under the key
@@ -134,8 +149,32 @@ class SocketTransport:
         buf[: len(data)] = data
         return len(data)
 
-    def get_many(self, rkeys: Sequence[bytes]) -> list[bytes | None | StoreError]:
-        return self._batch(lambda: self._redis.mget(rkeys), len(rkeys))  # type: ignore[return-value]
+    def get_many(
+        self, rkeys: Sequence[bytes], limit: int | None = None
+    ) -> list[bytes | None | StoreError]:
+        if limit is None:
+            return self._batch(lambda: self._redis.mget(rkeys), len(rkeys))  # type: ignore[return-value]
+
+        def call() -> list[object]:
+            # one pipeline of GETRANGE (one round trip): at most `limit` bytes of each value
+            pipe = self._redis.pipeline(transaction=False)
+            for rkey in rkeys:
+                pipe.getrange(rkey, 0, limit - 1)
+            # every reply under one deadline, the read timeout, as MGET's single reply had
+            _BATCH.deadline = time.monotonic() + self._timeouts.read_s
+            try:
+                return pipe.execute(raise_on_error=False)
+            finally:
+                _BATCH.deadline = None
+
+        out: list[bytes | None | StoreError] = []
+        for reply in self._batch(call, len(rkeys)):
+            if isinstance(reply, redis.exceptions.ResponseError):
+                out.append(self._error(reply))  # refused for this key alone (e.g. WRONGTYPE)
+            else:
+                # a missing key reads as an empty range: a miss
+                out.append(reply or None)  # type: ignore[arg-type]
+        return out
 
     def put(self, rkey: bytes, value: memoryview, ttl_s: int) -> bool:
         def call() -> list[object]:
@@ -153,8 +192,9 @@ class SocketTransport:
     def delete(self, rkey: bytes) -> bool:
         return bool(self._call(lambda: self._writer.delete(rkey)))
 
-    def delete_if(self, rkey: bytes, sha1_hex: bytes) -> bool:
-        return bool(self._call(lambda: self._writer.eval(DELETE_IF_SCRIPT, 1, rkey, sha1_hex)))
+    def delete_if(self, rkey: bytes, sha1_hex: bytes, longer_than: int | None = None) -> bool:
+        args = (sha1_hex,) if longer_than is None else (sha1_hex, longer_than)
+        return bool(self._call(lambda: self._writer.eval(DELETE_IF_SCRIPT, 1, rkey, *args)))
 
     def reconnect(self) -> None:
         # redis-py drops a connection whose call failed itself; the idle pooled ones go too
@@ -238,7 +278,8 @@ class _Connection(redis.UnixDomainSocketConnection):
         sock = self._sock
         if not isinstance(sock, _DeadlineSocket) or self.socket_timeout is None:
             return super().read_response(*args, **kwargs)
-        sock.deadline = time.monotonic() + self.socket_timeout
+        batch = _BATCH.deadline
+        sock.deadline = time.monotonic() + self.socket_timeout if batch is None else batch
         try:
             return super().read_response(*args, **kwargs)
         finally:

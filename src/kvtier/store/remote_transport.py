@@ -73,8 +73,10 @@ class Transport(Protocol):
         """Presence of each key, one batch (one round trip per shard)."""
         ...
 
-    def get(self, rkey: bytes) -> bytes | None:
-        """The value of `rkey` or None; raises StoreError."""
+    def get(self, rkey: bytes, limit: int | None = None) -> bytes | None:
+        """The value of `rkey` or None; raises StoreError. With `limit`, at most its first
+        `limit` bytes (GETRANGE: no more crosses the wire); size it one byte past any valid
+        value to tell a longer one."""
         ...
 
     def get_into(self, rkey: bytes, buf: memoryview) -> int | None:
@@ -83,8 +85,11 @@ class Transport(Protocol):
         one byte past any valid value to tell."""
         ...
 
-    def get_many(self, rkeys: Sequence[bytes]) -> list[bytes | None | StoreError]:
-        """Values of `rkeys`, one batch (one round trip per shard, shards in parallel)."""
+    def get_many(
+        self, rkeys: Sequence[bytes], limit: int | None = None
+    ) -> list[bytes | None | StoreError]:
+        """Values of `rkeys`, one batch (one round trip per shard, shards in parallel); with
+        `limit`, at most the first `limit` bytes of each (a batch of GETRANGE), as `get`."""
         ...
 
     def put(self, rkey: bytes, value: memoryview, ttl_s: int) -> bool:
@@ -99,9 +104,10 @@ class Transport(Protocol):
         """DEL `rkey`; whether it existed. Raises StoreError."""
         ...
 
-    def delete_if(self, rkey: bytes, sha1_hex: bytes) -> bool:
-        """DEL `rkey` only while it holds the value whose SHA-1 is `sha1_hex` (one script, so
-        atomic on the server); whether it deleted. Raises StoreError."""
+    def delete_if(self, rkey: bytes, sha1_hex: bytes, longer_than: int | None = None) -> bool:
+        """DEL `rkey` only while it holds the value whose SHA-1 is `sha1_hex`, or (with
+        `longer_than`) a value of more than `longer_than` bytes (one script, so atomic on the
+        server); whether it deleted. Raises StoreError."""
         ...
 
     def refresh(self) -> None:
@@ -130,8 +136,15 @@ def parse_info_memory(text: bytes | str) -> tuple[int, str] | None:
 
 
 # DEL a key only while it holds the value a read found bad: a reply that answered another
-# request (a connection out of step) or a record rewritten since is never deleted with it
+# request (a connection out of step) or a record rewritten since is never deleted with it.
+# A bounded read (GETRANGE) of a longer value hashes only its first bytes, never the value's
+# SHA-1: such a value goes only while the store holds more than ARGV[2] bytes under the key
+# (STRLEN, checked first, so a huge value is not copied into the script to be hashed either),
+# longer than any valid record and so bad whatever its bytes; a valid record written since is
+# not that long and stays. Without ARGV[2], the SHA-1 alone decides.
 DELETE_IF_SCRIPT = (
+    "if ARGV[2] and redis.call('STRLEN', KEYS[1]) > tonumber(ARGV[2]) then "
+    "return redis.call('DEL', KEYS[1]) end "
     "if redis.sha1hex(redis.call('GET', KEYS[1]) or '') == ARGV[1] then "
     "return redis.call('DEL', KEYS[1]) end return 0"
 )
