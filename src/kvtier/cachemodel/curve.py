@@ -70,7 +70,11 @@ def plot_curve(
     from matplotlib import pyplot as plt
 
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_dir():
+        raise ConfigError(
+            f"the hit curve's PNG path {str(out)!r} is a directory; give a file path such as "
+            f"{str(out / 'hit-curve.png')!r}"
+        )
     xs = [100 * p.fraction for p in points]
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     try:
@@ -89,7 +93,16 @@ def plot_curve(
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(out)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            # the format named, so the file is `out` itself (matplotlib would append .png to a
+            # path without an extension, and the report would name a file that is not there)
+            fig.savefig(out, format="png")
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot write the hit curve's PNG at {str(out)!r} ({exc.strerror or exc}); "
+                "give a writable file path"
+            ) from None
     finally:
         plt.close(fig)
     return out

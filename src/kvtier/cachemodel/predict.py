@@ -15,6 +15,7 @@ after the saves.
 
 from __future__ import annotations
 
+import hashlib
 import tempfile
 from collections import deque
 from collections.abc import Sequence
@@ -112,8 +113,11 @@ def tally(
 
 
 def key_of(chunk: int) -> bytes:
-    """The 16-byte key a modelled chunk id is stored under."""
-    return chunk.to_bytes(16, "little")
+    """The 16-byte key a modelled chunk id is stored under: the id itself when it fits in 128
+    bits, else its 16-byte blake2b digest (a trace's hash ids may be any integers >= 0)."""
+    if 0 <= chunk < 1 << 128:
+        return chunk.to_bytes(16, "little")
+    return hashlib.blake2b(str(chunk).encode(), digest_size=16).digest()
 
 
 class _Port(Protocol):

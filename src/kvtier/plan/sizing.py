@@ -106,10 +106,11 @@ class PlanResult:
 
     @property
     def break_even_gbps(self) -> float | None:
-        """Per-rank read GB/s at which loading a token costs as much as recomputing it."""
+        """Per-rank read GB/s at which loading a token costs as much as recomputing it: the
+        bytes a load reads per token (what the tier stores of it) times the prefill rate."""
         if self.prefill_tokens_per_s is None:
             return None
-        return self.bytes_per_token * self.prefill_tokens_per_s / GB
+        return self.tier_token_bytes * self.prefill_tokens_per_s / GB
 
     def to_json(self) -> dict[str, Any]:
         """Every quantity as plain JSON (bytes in B, bandwidths in GB/s, times in s)."""
@@ -174,6 +175,7 @@ def plan(
     `block_size` blocks); `tier_bytes` is per rank. Raises ConfigError/LayoutError naming the flag.
     """
     _check_flags(tp, block_size, tier_bytes, store_gbps, prefill_tokens_per_s)
+    check_int("--chunk-size", chunk_size, 1)
     geometry = _geometry(config, model, tp, kv_dtype, index_dtype, include_mtp)
     bpt = geometry.bytes_per_token
     hbm_pool, hbm_from = _hbm_pool_tokens(hbm_tokens, hbm_bytes, bpt, block_size)
@@ -182,11 +184,12 @@ def plan(
     tier_tokens = tier_bytes // tier_bpt
     if tier_tokens == 0:
         raise ConfigError(
-            f"--tier-bytes {tier_bytes} holds no token of {bpt:,} bytes per rank; give at least "
-            f"{bpt} bytes, e.g. 64GiB"
+            f"--tier-bytes {tier_bytes} holds no token of {tier_bpt:,} bytes per rank; give at "
+            f"least {tier_bpt} bytes, e.g. 64GiB"
         )
     reuse = _reuse(workload, hbm_pool, tier_tokens)
-    verdict = window_verdict(reuse.distance, hbm_pool, tier_tokens, bpt)
+    # the bytes a tier needs for a reuse are those it stores per token (a hybrid's are fewer)
+    verdict = window_verdict(reuse.distance, hbm_pool, tier_tokens, tier_bpt)
     return PlanResult(
         model=model,
         geometry=geometry,

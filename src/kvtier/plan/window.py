@@ -12,12 +12,12 @@ from kvtier.cachemodel.optimum import infinite_leading, optimal_leading
 from kvtier.cachemodel.predict import TierHits, predict, tally
 from kvtier.cachemodel.stream import hbm_floors, working_set
 from kvtier.errors import ConfigError
-from kvtier.plan.workload import Trace
+from kvtier.plan.workload import MAX_TRACE_BLOCKS, Trace
 
 GiB = 1 << 30
 
 # Above this many trace blocks the pure-Python ceiling replay takes minutes; say so instead.
-MAX_SIM_BLOCKS = 2_000_000
+MAX_SIM_BLOCKS = MAX_TRACE_BLOCKS
 
 BELOW_POOL = "below_pool"
 INSIDE = "inside"
@@ -127,11 +127,14 @@ def trace_ceilings(
     hbm_blocks = hbm_pool_tokens // trace.block_tokens
     tier_blocks = tier_tokens // trace.block_tokens
     floors = hbm_floors(requests, hbm_blocks)
+    # a tier that holds every distinct block never evicts: replay it at the working set, whose
+    # hits are the same, rather than build (and allocate) the tier the flags name
+    replayed = min(tier_blocks, working_set(requests))
     result = TraceCeilings(
         usable_blocks=sum(r.usable for r in requests),
         hbm_hit_blocks=sum(floors),
-        kvtier=predict(requests, tier_blocks, floors),
-        optimum=tally(requests, floors, optimal_leading(requests, tier_blocks)),
+        kvtier=predict(requests, replayed, floors),
+        optimum=tally(requests, floors, optimal_leading(requests, replayed)),
         infinite=tally(requests, floors, infinite_leading(requests)),
         hbm_blocks=hbm_blocks,
         tier_blocks=tier_blocks,

@@ -13,6 +13,10 @@ from kvtier.cachemodel.stream import Request, from_trace
 from kvtier.cachemodel.trace import TraceRow, parse_trace_rows, read_trace_rows
 from kvtier.errors import ConfigError
 
+# Above this many trace blocks the pure-Python ceiling replay and hit curve take minutes; a trace
+# file is read only up to the line that passes it (a 10 GB file costs one line, not 10 GB).
+MAX_TRACE_BLOCKS = 2_000_000
+
 
 def check_int(flag: str, value: object, low: int) -> None:
     """ConfigError naming `flag` unless `value` is an integer >= `low`."""
@@ -141,10 +145,13 @@ def parse_trace(lines: Iterable[str], block_tokens: int = 512, source: str = "")
     return Trace(tuple(rows), block_tokens, source)
 
 
-def read_trace(path: str | Path, block_tokens: int = 512) -> Trace:
-    """Read a Mooncake JSONL trace file; ConfigError names the line and the fix."""
+def read_trace(
+    path: str | Path, block_tokens: int = 512, *, max_blocks: int | None = MAX_TRACE_BLOCKS
+) -> Trace:
+    """Read a Mooncake JSONL trace file; ConfigError names the line and the fix, and the line
+    where the trace passes `max_blocks` blocks (None: no limit), without reading further."""
     check_int("--trace-block", block_tokens, 1)
-    rows = read_trace_rows(path, block_tokens=block_tokens)
+    rows = read_trace_rows(path, block_tokens=block_tokens, max_blocks=max_blocks)
     return Trace(tuple(rows), block_tokens, str(path))
 
 
