@@ -101,9 +101,10 @@ def test_bench_load_cost_recomputes_what_a_throttled_disk_holds(
 
 def test_bench_load_cost_needs_exactly_one_slow_tier() -> None:
     result = CliRunner().invoke(app, ["bench", "load-cost", "--quick"])
-    assert result.exit_code != 0
-    message = str(result.exception)
-    assert "--remote-url" in message and "--disk" in message
+    # a usage error: exit 2 with one line naming both flags, no traceback
+    assert result.exit_code == 2
+    assert "--remote-url" in result.output and "--disk" in result.output
+    assert "Traceback" not in result.output
 
 
 def test_a_disk_on_a_virtual_filesystem_is_refused_by_name() -> None:
