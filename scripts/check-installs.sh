@@ -54,6 +54,13 @@ say "plain: pip install kvtier"
 "$KV" doctor --help >/dev/null
 "$KV" plan --model llama-3.1-8b --tier-bytes 1GiB --hbm-tokens 4096 --prefixes 4 \
     --prefix-len 2048 --json >"$WORK/plan.json"
+# a trace plan without matplotlib: its numbers, and a note instead of the PNG
+printf '%s\n' '{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}' \
+    '{"timestamp": 1, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}' \
+    >"$WORK/trace.jsonl"
+"$KV" plan --model llama-3.1-8b --tier-bytes 1GiB --hbm-tokens 512 --trace "$WORK/trace.jsonl" \
+    --json >"$WORK/plan-trace.json" 2>"$WORK/plan-trace.err"
+grep -q "pip install 'kvtier\[bench\]'" "$WORK/plan-trace.err"
 "$VENV/bin/python" - <<'PY'
 import importlib, json, pkgutil, sys
 import kvtier
@@ -70,6 +77,7 @@ for mod in pkgutil.walk_packages(kvtier.__path__, "kvtier."):
         if not (mod.name.startswith("kvtier.vllm.") and (e.name or "").startswith("vllm")):
             failed.append(f"{mod.name}: {e}")
 json.load(open("plan.json"))
+assert json.load(open("plan-trace.json"))["hit_curve"], "the trace plan drew no hit curve"
 if failed:
     sys.exit("the plain install cannot import:\n  " + "\n  ".join(failed))
 print("plain install: every module of the tier, tools and connector imports")

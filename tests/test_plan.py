@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -469,6 +470,7 @@ def test_cli_json_trace_and_config_path(tmp_path: Path) -> None:
     assert doc["workload"]["requests"] == 4
     assert doc["workload"]["prompt_tokens"] == 1030
 
+
     table = invoke(
         "--model", str(model_dir / "config.json"), "--hbm-tokens", "200",
         "--tier-bytes", str(400 * LLAMA_BPT), "--trace", str(trace), "--trace-block", "100",
@@ -479,6 +481,30 @@ def test_cli_json_trace_and_config_path(tmp_path: Path) -> None:
     assert "reuses in HBM / window / above tier" in table.stdout
     assert "3 / 1 / 1" in table.stdout
     assert "WARNING: HBM already hits" in table.stdout
+
+
+def test_a_trace_plan_without_matplotlib_gives_its_numbers_and_says_why_no_png(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`pip install kvtier` alone has no matplotlib, yet the README promises `plan` there: the
+    trace plan stopped at its PNG with an error (a review found it); now the numbers come,
+    and one line says how to get the picture."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    trace = write_trace(tmp_path, HAND_TRACE)
+    png = tmp_path / "curve.png"
+    args = (
+        "--model", "llama-3.1-8b", "--hbm-tokens", "100", "--tier-bytes", str(400 * LLAMA_BPT),
+        "--trace", str(trace), "--trace-block", "100", "--png", str(png),
+    )  # fmt: skip
+    result = invoke(*args, "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["ceilings"]["kvtier"]["served_chunks"] == 3 and doc["hit_curve"]
+    assert doc["hit_curve_png"] is None and not png.exists()
+    assert "pip install 'kvtier[bench]'" in result.stderr
+    table = invoke(*args)
+    assert table.exit_code == 0 and "hit curve:" not in table.stdout
+    assert "no hit-curve PNG" in table.stderr
 
 
 # ------------------------------------------------------------------------------------- errors

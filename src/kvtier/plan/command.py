@@ -117,8 +117,18 @@ def plan_command(
         )
         curve: list[CurvePoint] = []
         drawn = None
+        unplotted = None
         if isinstance(workload, Trace):
-            curve, drawn = trace_curve(workload, result.hbm_pool_tokens, result.tier_tokens, png)
+            if not _can_plot():
+                # the plain install has no matplotlib: the numbers, without their picture
+                unplotted = (
+                    "no hit-curve PNG: matplotlib is not installed (pip install 'kvtier[bench]' "
+                    "draws it); the hit curve's numbers are in --json"
+                )
+            target = None if unplotted else png
+            curve, drawn = trace_curve(
+                workload, result.hbm_pool_tokens, result.tier_tokens, target
+            )
     except KVTierError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(code=2) from exc
@@ -126,7 +136,7 @@ def plan_command(
         doc = result.to_json()
         if curve:
             doc["hit_curve"] = [p.to_json() for p in curve]
-            doc["hit_curve_png"] = str(drawn)
+            doc["hit_curve_png"] = None if drawn is None else str(drawn)
         typer.echo(json.dumps(doc, indent=2))
         for w in result.warnings:
             typer.echo(f"WARNING: {w}", err=True)
@@ -134,6 +144,17 @@ def plan_command(
         print_report(result)
         if drawn is not None:
             typer.echo(f"hit curve: {drawn}")
+    if unplotted is not None:
+        typer.echo(f"note: {unplotted}", err=True)
+
+
+def _can_plot() -> bool:
+    """Whether matplotlib (the bench extra) is importable here."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _workload(
