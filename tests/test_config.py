@@ -589,3 +589,19 @@ def test_the_default_chunk_is_raised_to_a_block_that_does_not_divide_it() -> Non
     assert cfg.fitted_to_block(128, states=True).chunk_size == 128
     assert cfg.fitted_to_block(640, states=True).chunk_size == 640
     assert chosen.fitted_to_block(128, states=True) is chosen
+
+
+def test_a_chunk_size_chosen_equal_to_the_default_is_still_the_users(tmp_path: Path) -> None:
+    """`chunk_size: 256` set by the user could not be told from the default, so a 640-token
+    block raised it silently to 640 while the startup line called 256 "the default" (a
+    review found it). `given` says which keys the user set, wherever they came from."""
+    yaml_file = tmp_path / "kv.yaml"
+    yaml_file.write_text("chunk_size: 256\n", encoding="utf-8")
+    env = {"KVTIER_CONFIG": str(yaml_file)}
+    assert KVTierConfig.given({"chunk_size": 256}, {}) == {"chunk_size"}
+    assert KVTierConfig.given({}, env) == {"chunk_size"}
+    assert KVTierConfig.given({}, {"KVTIER_CHUNK_SIZE": "256"}) == {"chunk_size"}
+    assert KVTierConfig.given({"memory_bytes": "1GiB"}, {}) == {"memory_bytes"}
+    cfg = KVTierConfig.load({"chunk_size": 256}, {})
+    assert cfg.fitted_to_block(640, chosen=True) is cfg
+    assert cfg.fitted_to_block(640).chunk_size == 640  # the default, not chosen: fitted

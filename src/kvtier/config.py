@@ -929,15 +929,18 @@ class KVTierConfig:
         """True when the ranks keep chunks in host memory alone (no disk, no remote tier)."""
         return not self.disk_bytes and not self.remote_url
 
-    def fitted_to_block(self, block_size: int, states: bool = False) -> KVTierConfig:
+    def fitted_to_block(
+        self, block_size: int, states: bool = False, chosen: bool = False
+    ) -> KVTierConfig:
         """This config with the default chunk size fitted to the host's KV block size: raised
         to a multiple of a block that does not divide it (vLLM raises a state hybrid's block
         until an attention page holds a state page: 640 tokens, say), and one block for a model
         with state layers (`states`: vLLM keeps a state at block boundaries, and kvtier stores
-        one only at a chunk boundary). An explicitly chosen chunk size is kept, and a host
-        whose block does not divide it is told so at startup."""
+        one only at a chunk boundary). An explicitly chosen chunk size is kept (`chosen`: the
+        user set it, even to the default's value), and a host whose block does not divide it is
+        told so at startup."""
         default = int(_DEFAULTS["chunk_size"])
-        if block_size <= 0 or self.chunk_size != default:
+        if block_size <= 0 or chosen or self.chunk_size != default:
             return self
         if states:
             chunk = block_size
@@ -1027,16 +1030,15 @@ class KVTierConfig:
         """Merge YAML file (`KVTIER_CONFIG`) < `KVTIER_*` variables < `extra`, then validate.
         `config_file` (a command line's `config_flag`) is read instead of `KVTIER_CONFIG`'s
         file, and a message about it names the flag."""
-        env = os.environ if environ is None else environ
-        merged: dict[str, tuple[Any, str]] = {}
-        if config_file is not None:
-            merged.update(_from_yaml(config_file, config_flag))
-        elif yaml_path := env.get(ENV_CONFIG_FILE):
-            merged.update(_from_yaml(yaml_path, ENV_CONFIG_FILE))
-        merged.update(_from_env(env))
-        if extra is not None:
-            merged.update(_from_mapping(extra, "extra config"))
-        return cls._build(merged)
+        return cls._build(_merged(extra, environ, config_file, config_flag))
+
+    @staticmethod
+    def given(
+        extra: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+    ) -> frozenset[str]:
+        """The keys `load(extra, environ)` takes from the user (file, variables, `extra`), not
+        from the defaults: a value equal to its default may still be a choice."""
+        return frozenset(_merged(extra, environ, None, "--config"))
 
     @classmethod
     def _build(cls, values: Mapping[str, tuple[Any, str]]) -> KVTierConfig:
@@ -1049,6 +1051,26 @@ class KVTierConfig:
             # the original message is already secret-free; add where each value came from
             raise _error(exc.keys, f"{exc} [{'; '.join(sources)}]") from None
 
+
+
+def _merged(
+    extra: Mapping[str, Any] | None,
+    environ: Mapping[str, str] | None,
+    config_file: str | os.PathLike[str] | None,
+    config_flag: str,
+) -> dict[str, tuple[Any, str]]:
+    """YAML file (`config_file`, else `KVTIER_CONFIG`'s) < `KVTIER_*` variables < `extra`:
+    each key's value and where it came from."""
+    env = os.environ if environ is None else environ
+    merged: dict[str, tuple[Any, str]] = {}
+    if config_file is not None:
+        merged.update(_from_yaml(config_file, config_flag))
+    elif yaml_path := env.get(ENV_CONFIG_FILE):
+        merged.update(_from_yaml(yaml_path, ENV_CONFIG_FILE))
+    merged.update(_from_env(env))
+    if extra is not None:
+        merged.update(_from_mapping(extra, "extra config"))
+    return merged
 
 _FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(KVTierConfig))
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(KVTierConfig)}

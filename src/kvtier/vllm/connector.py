@@ -148,12 +148,16 @@ def _hub_snapshot(repo_id: str, revision: str | None) -> Path:
 
 
 def _fitted_chunk(
-    config: KVTierConfig, vllm_config: VllmConfig, groups: tuple[GroupSpec, ...] | None
+    config: KVTierConfig,
+    vllm_config: VllmConfig,
+    groups: tuple[GroupSpec, ...] | None,
+    chosen: bool = False,
 ) -> KVTierConfig:
-    """The config with its default chunk fitted to vLLM's block (`fitted_to_block`), said once."""
+    """The config with its default chunk fitted to vLLM's block (`fitted_to_block`; a chunk
+    size the user `chosen` is kept), said once."""
     block = int(vllm_config.cache_config.block_size)
     states = any(g.kind == STATE for g in groups or ())
-    fitted = config.fitted_to_block(block, states=states)
+    fitted = config.fitted_to_block(block, states=states, chosen=chosen)
     if fitted is not config:
         why = (
             "a model with state layers keeps a state per block boundary, and kvtier stores one "
@@ -269,7 +273,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         # a hybrid model's groups (None: one group, stored as before); what kvtier cannot
         # store yet stops startup here, by group, spec class, layers and reason
         self.groups = group_specs(kv_cache_config)
-        self.config = _fitted_chunk(config, vllm_config, self.groups)
+        chosen = "chunk_size" in KVTierConfig.given(ktc.kv_connector_extra_config or {})
+        self.config = _fitted_chunk(config, vllm_config, self.groups, chosen)
         self.block_size = _block_size(vllm_config, self.config)
         dp_rank = int(vllm_config.parallel_config.data_parallel_rank or 0)
         self.run_dir = run_dir_for(str(ktc.engine_id), dp_rank, self.config.lookup_dir)
