@@ -98,6 +98,11 @@ class OpLedger:
         """Saves reading a window block the host handed out again: cancelled next step."""
         self._cancelled.update(op_ids)
 
+    def cancel_every_save(self) -> None:
+        """Every save in flight cancelled next step (a cancelled save commits nothing): when
+        the host cannot tell which of them read a block it handed out again."""
+        self._cancelled.update(op_id for op_id, (_, kind) in self._ops.items() if kind == "save")
+
     def begin_step(self, busy: bool, preempted: Iterable[str]) -> OffloadMeta:
         """The next step's meta, holding what the ranks must cancel before its forward."""
         self.step += 1

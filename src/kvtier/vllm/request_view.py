@@ -71,7 +71,9 @@ class VLLMRequestView:
         try:
             return hint_from_params(params)
         except ValueError as e:
-            log.warning("kvtier: request %.64s: retention hint ignored: %s", self.request_id, e)
+            # the message quotes the client's value: bounded, whatever its size
+            log.warning("kvtier: request %.64s: retention hint ignored: %.200s",
+                        self.request_id, str(e))  # fmt: skip
             return None
 
     def set_block_ids(self, block_ids: Iterable[int]) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -231,16 +231,22 @@ class SchedulerSide:
         tables: list[list[list[int]]] = []
 
         def learn() -> None:
+            # vLLM's table is noted before anything else may fail: a load vLLM already counts
+            # must reach the ranks over these blocks even then (to fail there), or its parked
+            # request waits for a finished_recving nobody sends
             if hybrid:
                 groups = [_held(ids) for ids in blocks.get_block_ids()]
                 tables.append(groups)
-                view.set_group_block_ids(groups)
-                self.core.blocks_allocated(self._handed_out(request.request_id, groups))
                 block_ids = max(groups, key=len)
+                got.append(list(block_ids))
+                view.set_group_block_ids(groups)
+                self._allocated(
+                    "update_state_after_alloc", self._handed_out(request.request_id, groups)
+                )
             else:
                 (block_ids,) = blocks.get_block_ids()
+                got.append(list(block_ids))
                 view.set_block_ids(block_ids)
-            got.append(list(block_ids))
             self.core.update_state_after_alloc(view, block_ids, num_external_tokens)
 
         # vLLM counts the promised tokens as coming: a failure sends a load the ranks fail, so
@@ -269,7 +275,7 @@ class SchedulerSide:
         if self.hybrid is not None:
             # copy-on-write targets are written this step too
             copies = getattr(out, "kv_cache_block_copies", None) or ()
-            self.core.blocks_allocated(int(c.dst_block_id) for c in copies)
+            self._allocated("build_connector_meta", (int(c.dst_block_id) for c in copies))
             if self.hybrid.states:
                 self._learn_states(out)
         for new in out.scheduled_new_reqs:
@@ -357,11 +363,20 @@ class SchedulerSide:
         if self.hybrid is not None:
             groups = [_held(ids) for ids in new.block_ids]
             view.set_group_block_ids(groups)
-            self.core.blocks_allocated(self._handed_out(new.req_id, groups))
+            self._allocated("build_connector_meta", self._handed_out(new.req_id, groups))
         else:
             view.set_block_ids(new.block_ids[0])
         n = out.num_scheduled_tokens.get(new.req_id, 0)
         return StepRequest(view, new.num_computed_tokens + n, new.num_computed_tokens)
+
+    def _allocated(self, hook: str, block_ids: Iterable[int]) -> None:
+        """Blocks vLLM handed out this step, for the core to cancel the saves reading them as
+        window or state blocks. Never raises (an exception out of a step hook ends
+        EngineCore): when the check fails, every save in flight is cancelled instead (a
+        cancelled save commits nothing), since any of them may read a reused block."""
+        self.guard.run(hook, None,
+                       lambda: self.core.blocks_allocated(block_ids),
+                       self.core.ops.cancel_every_save)  # fmt: skip
 
     def _handed_out(self, req_id: str, groups: list[list[int]]) -> list[int]:
         """The blocks a new request's allocation may write: past its own prefix-cache hit
@@ -378,7 +393,7 @@ class SchedulerSide:
         new_ids = cached.new_block_ids[i]
         if self.hybrid is not None:
             groups = [_held(ids) for ids in new_ids] if new_ids is not None else []
-            self.core.blocks_allocated(b for ids in groups for b in ids if b >= 0)
+            self._allocated("build_connector_meta", (b for ids in groups for b in ids if b >= 0))
             if req_id in cached.resumed_req_ids:
                 view.set_group_block_ids(groups)
             elif groups:
