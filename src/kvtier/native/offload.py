@@ -145,7 +145,18 @@ class SchedulerHalf:
         return self.core.request_finished(request)
 
     def request_preempted(self, request: ConnectorRequest) -> None:
-        self.core.request_preempted(request)
+        # the core runs every other scheduler hook under its guard, not this one: an exception
+        # here (a lease release, or a load the core still counts open because its rank's report
+        # was lost) would end the engine loop. It costs the request its tier instead: no
+        # lookup, load or save again (its saves in flight are cancelled by the ranks, which
+        # get the preempted id in this step's meta)
+        rid = request.request_id
+        self.core.guard.run(
+            "request_preempted",
+            rid,
+            lambda: self.core.request_preempted(request),
+            lambda: self.core.quarantine(rid),
+        )
 
     def retention_decision(self, req_id: str) -> dict[str, object] | None:
         """What the request's retention hint was granted (the response's usage extension)."""

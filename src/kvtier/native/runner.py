@@ -48,6 +48,8 @@ class StepInput(msgspec.Struct, tag="step"):
     has_sync_loads: bool
     finished_req_ids: list[str]
     preempted_req_ids: list[str]
+    # requests whose latest sampled token the scheduler threw away: their generators rewind
+    resampled_req_ids: list[str] = msgspec.field(default_factory=list)
 
 
 class StepResult(msgspec.Struct, tag="result"):
@@ -116,6 +118,7 @@ def build_step_input(
         has_sync_loads=out.has_sync_loads,
         finished_req_ids=sorted(out.finished_req_ids),
         preempted_req_ids=sorted(out.preempted_req_ids),
+        resampled_req_ids=sorted(out.resampled_req_ids),
     )
 
 
@@ -189,12 +192,14 @@ class ModelRunner:
             conn.handle_preemptions(set(step.preempted_req_ids))
         if step.has_sync_loads:
             conn.start_load_kv()  # the forward reads what these loads write
+        finished = set(step.finished_req_ids)
+        # before the forward samples: an id a finished request held may be in use again
+        self.sampler.forget(finished)
+        self.sampler.rewind(step.resampled_req_ids)
         outcomes = self._forward(step) if step.seqs else []
         if not step.has_sync_loads:
             conn.start_load_kv()
         conn.wait_for_save()
-        finished = set(step.finished_req_ids)
-        self.sampler.forget(finished)
         sending, recving = conn.get_finished(finished)
         invalid = conn.get_block_ids_with_load_errors()
         worker_meta = conn.build_worker_meta()

@@ -190,11 +190,22 @@ class Sampler:
 
     def __init__(self) -> None:
         self._generators: dict[str, torch.Generator] = {}
+        self._before: dict[str, torch.Tensor] = {}  # each generator's state before its last draw
 
     def forget(self, req_ids: Iterable[str]) -> None:
         """Drop the generators of finished requests."""
         for r in req_ids:
             self._generators.pop(r, None)
+            self._before.pop(r, None)
+
+    def rewind(self, req_ids: Iterable[str]) -> None:
+        """Undo the latest draw of these requests (the scheduler threw the token away: it was
+        sampled from KV a failed synchronous load had written), so the token drawn again is the
+        one a clean run draws."""
+        for r in req_ids:
+            gen, state = self._generators.get(r), self._before.get(r)
+            if gen is not None and state is not None:
+                gen.set_state(state)
 
     def sample(self, logits: torch.Tensor, specs: Sequence[SampleSpec]) -> list[SampleOutcome]:
         """One outcome per row of `logits` (float32 `[n, vocab]`); a failing row fails alone."""
@@ -228,6 +239,7 @@ class Sampler:
         if gen is None:
             gen = torch.Generator(device=logits.device).manual_seed(spec.seed)
             self._generators[spec.req_id] = gen
+        self._before[spec.req_id] = gen.get_state()
         probs = torch.softmax(logits / spec.temperature, dim=-1)
         if spec.min_p > 0:
             probs = probs.masked_fill(probs < spec.min_p * probs.max(), 0.0)

@@ -3,7 +3,7 @@ to the model runner (vLLM keeps it apart from its scheduler likewise, in `sched/
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier.native.sequence import Sequence
 
@@ -35,6 +35,9 @@ class SchedulerOutput:
     finished_req_ids: set[str]  # finished or aborted since the previous step
     preempted_req_ids: set[str]
     has_sync_loads: bool  # some admitted request loads external tokens within this step
+    # requests whose latest sampled token was thrown away (drawn from KV a synchronous load
+    # failed to write): rank 0 rewinds their seeded generators before this step samples again
+    resampled_req_ids: set[str] = field(default_factory=set)
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:

@@ -114,6 +114,7 @@ class Scheduler:
         self.aggregator = KVOutputAggregator(world)
         self._finished_ids: set[str] = set()
         self._loaded: list[tuple[Sequence, int]] = []  # loads counted in this step: (seq, tokens)
+        self._resampled: set[str] = set()  # sampled tokens thrown away since the last step
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -186,7 +187,8 @@ class Scheduler:
         if not preempted:
             budget, has_sync_loads = self._admit(budget, scheduled)
         finished, self._finished_ids = self._finished_ids, set()
-        return SchedulerOutput(scheduled, finished, preempted, has_sync_loads)
+        resampled, self._resampled = self._resampled, set()
+        return SchedulerOutput(scheduled, finished, preempted, has_sync_loads, resampled)
 
     def _admit(self, budget: int, scheduled: list[ScheduledRequest]) -> tuple[int, bool]:
         limit = self.limits.max_num_seqs
@@ -417,6 +419,10 @@ class Scheduler:
                 # everything from the first bad block on was computed from bad KV: redo it
                 seq.num_computed_tokens = good
                 self.bm.cache_blocks(seq, good)
+                if token >= 0:
+                    # rank 0 drew a token from that KV: a clean run never drew it, so the
+                    # request's seeded generator goes back to where it stood before the draw
+                    self._resampled.add(seq.request_id)
                 return None
         self.bm.cache_blocks(seq, seq.num_computed_tokens)
         if seq.num_computed_tokens < seq.num_tokens:
