@@ -32,22 +32,12 @@ from kvtier.plan import (
 )
 from kvtier.plan.presets import preset
 from kvtier.plan.window import MAX_SIM_BLOCKS
+from tests.test_plan import GPT_OSS_LIKE
 
 app = typer.Typer()
 app.command()(plan_command)
 
 LLAMA_BPT = 131_072
-# gpt-oss-shaped: 128-token sliding windows on every other layer (as in tests/test_plan.py)
-GPT_OSS_LIKE = {
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "hidden_size": 512,
-    "torch_dtype": "bfloat16",
-    "sliding_window": 128,
-    "layer_types": ["sliding_attention", "full_attention"] * 2,
-}
 PER_LAYER = 2 * 2 * 64 * 2  # K and V, 2 heads, 64 dims, bf16
 
 

@@ -69,6 +69,17 @@ def _record(tier: RemoteTier, admin: redis.Redis, i: int) -> bytes:
     return raw
 
 
+def _missed_within_the_bound(
+    tier: RemoteTier, admin: redis.Redis, rkey: bytes, value: bytes
+) -> None:
+    """`value` planted under chunk 0's key reads as a miss that cost the wire under BOUND."""
+    admin.set(rkey, value)
+    before = _sent(admin)
+    assert tier.get(key_of(0)) is None
+    sent = _sent(admin) - before
+    assert sent < BOUND, f"get of one {SIZE}-byte record sent {sent} bytes"
+
+
 def _length_failures(m: Metrics) -> float:
     return m.value("verify_failures_total", tier="remote", reason="length_mismatch")
 
@@ -79,11 +90,7 @@ def test_get_of_a_huge_junk_value_is_a_miss_that_never_crosses_the_wire(
     m = Metrics(rank=0)
     tier = tiers(server.url, m)
     rkey = tier.redis_key(key_of(0))
-    admin.set(rkey, bytes(HUGE))
-    before = _sent(admin)
-    assert tier.get(key_of(0)) is None
-    sent = _sent(admin) - before
-    assert sent < BOUND, f"get of one {SIZE}-byte record sent {sent} bytes"
+    _missed_within_the_bound(tier, admin, rkey, bytes(HUGE))
     assert m.total("verify_failures_total") == 1 and m.total("store_failures_total") == 0
     assert tier.breaker.state is State.CLOSED
     # longer than any record of the namespace: provably bad, so deleted unread
@@ -96,11 +103,7 @@ def test_get_of_a_record_with_a_huge_tail_fails_by_length_within_the_bound(
     m = Metrics(rank=0)
     tier = tiers(server.url, m)
     rkey = tier.redis_key(key_of(0))
-    admin.set(rkey, _record(tier, admin, 0) + bytes(HUGE))
-    before = _sent(admin)
-    assert tier.get(key_of(0)) is None
-    sent = _sent(admin) - before
-    assert sent < BOUND, f"get of one {SIZE}-byte record sent {sent} bytes"
+    _missed_within_the_bound(tier, admin, rkey, _record(tier, admin, 0) + bytes(HUGE))
     assert _length_failures(m) == 1
     assert admin.exists(rkey) == 0
 

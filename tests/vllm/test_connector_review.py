@@ -117,6 +117,22 @@ def _hybrid_out(new: list[tuple[str, list[list[int]], int, int]] = (),  # type: 
 # ---- 1. a counted load whose host-side bookkeeping failed: the request must not park forever ----
 
 
+def _async_load_of_two_chunks(vllm_side: types.ModuleType) -> tuple[Any, Any, Any, int, list[int]]:
+    """A one-group core and its vLLM side with request "a" (two chunks and a token) promised
+    two chunks asynchronously: (core, side, the vLLM request, tokens promised, its block ids)."""
+    core = OffloadScheduler(
+        KVTierConfig(chunk_size=CHUNK, load_gate=False, sync_load_fraction=0), FakeLookup(2),
+        model_id="m", block_size=BS, world=1, metrics=Metrics(rank="scheduler"),
+        cold_misses=False,
+    )  # fmt: skip
+    side = _side(vllm_side, core)
+    tokens = _tokens(2 * CHUNK + 1)
+    req = _vllm_request("a", tokens)
+    n, is_async = side.get_num_new_matched_tokens(req, 0)
+    assert (n, is_async) == (2 * CHUNK, True)
+    return core, side, req, n, list(range(100, 100 + -(-len(tokens) // BS)))
+
+
 def test_a_hybrid_alloc_failure_after_vllm_counted_the_load_still_sends_it_to_fail(
     vllm_side: types.ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -160,17 +176,7 @@ def test_a_dense_alloc_failure_after_the_table_was_read_still_sends_the_load_to_
     learning it into the view) must still hand the core that table, so the ranks fail the
     counted load over exactly those blocks (vLLM recomputes them) instead of the request
     waiting for a finished_recving nobody sends."""
-    core = OffloadScheduler(
-        KVTierConfig(chunk_size=CHUNK, load_gate=False, sync_load_fraction=0), FakeLookup(2),
-        model_id="m", block_size=BS, world=1, metrics=Metrics(rank="scheduler"),
-        cold_misses=False,
-    )  # fmt: skip
-    side = _side(vllm_side, core)
-    tokens = _tokens(2 * CHUNK + 1)
-    req = _vllm_request("a", tokens)
-    n, is_async = side.get_num_new_matched_tokens(req, 0)
-    assert (n, is_async) == (2 * CHUNK, True)
-    ids = list(range(100, 100 + -(-len(tokens) // BS)))
+    core, side, req, n, ids = _async_load_of_two_chunks(vllm_side)
 
     def broken(self: VLLMRequestView, block_ids: Any) -> None:
         raise RuntimeError("injected: learning the table failed")
@@ -269,17 +275,7 @@ def test_abort_during_async_load_leaves_the_free_to_vllm_and_never_sends_finishe
     `assert req_id in self.requests` and ends the engine. So request_finished answers False
     for a request whose async load is in flight, the core's delayed free never reaches the
     ranks, and the request's state is gone once the load ends."""
-    core = OffloadScheduler(
-        KVTierConfig(chunk_size=CHUNK, load_gate=False, sync_load_fraction=0), FakeLookup(2),
-        model_id="m", block_size=BS, world=1, metrics=Metrics(rank="scheduler"),
-        cold_misses=False,
-    )  # fmt: skip
-    side = _side(vllm_side, core)
-    tokens = _tokens(2 * CHUNK + 1)
-    req = _vllm_request("a", tokens)
-    n, is_async = side.get_num_new_matched_tokens(req, 0)
-    assert (n, is_async) == (2 * CHUNK, True)
-    ids = list(range(100, 100 + -(-len(tokens) // BS)))
+    core, side, req, n, ids = _async_load_of_two_chunks(vllm_side)
     side.update_state_after_alloc(req, _Blocks(ids), n)
     (load,) = _decode(side.build_connector_meta(_out())).loads
     assert not load.sync and [b for c in load.chunks for b in c.block_ids] == ids[:32]
