@@ -64,6 +64,10 @@ class OpLedger:
             self.quorum.abandon(op_id)
         return out
 
+    def entry(self, op_id: str) -> tuple[str, Kind] | None:
+        """(request, kind) of an open operation (None when it is not open)."""
+        return self._ops.get(op_id)
+
     def owner(self, op_id: str) -> str:
         """The request an open operation belongs to ("" when it is not open)."""
         return self._ops.get(op_id, ("", "save"))[0]
@@ -78,7 +82,8 @@ class OpLedger:
         return self._ops.pop(op_id)
 
     def forget(self, op_id: str) -> tuple[str, Kind] | None:
-        """Processing its terminal failed: the operation is gone, its news unsent."""
+        """Processing its terminal failed: the operation is gone, its news unsent (the
+        scheduler tells a load's ranks its terminal again)."""
         self._terminals.pop(op_id, None)
         self._opened_at.pop(op_id, None)
         return self._ops.pop(op_id, None)

@@ -58,9 +58,7 @@ class Quorum:
         if len(votes) < self.world:
             return None
         del self._open[result.op_id]
-        self._closed[result.op_id] = None
-        while len(self._closed) > self._tombstones:
-            self._closed.popitem(last=False)
+        self._tombstone(result.op_id)
         failed = [r for r in votes.values() if not r.ok]
         first = failed[0] if failed else next(iter(votes.values()))
         return Terminal(
@@ -76,4 +74,12 @@ class Quorum:
     def abandon(self, op_id: str) -> None:
         """Forget an open operation (its host is gone); later reports for it are ignored."""
         if self._open.pop(op_id, None) is not None:
-            self._closed[op_id] = None
+            self._tombstone(op_id)
+
+    def _tombstone(self, op_id: str) -> None:
+        """Remember a closed id (a later report for it is stale), within the cap: abandoned
+        operations too, or a rank whose reports are all lost, so that no operation ever
+        completes, would grow the tombstones by one per operation for good."""
+        self._closed[op_id] = None
+        while len(self._closed) > self._tombstones:
+            self._closed.popitem(last=False)

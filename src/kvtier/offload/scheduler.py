@@ -20,7 +20,7 @@ from kvtier.offload.gate import LoadGate
 from kvtier.offload.groups import ChunkGroups
 from kvtier.offload.hooks import HOOK_ERROR, HookGuard, shown_id
 from kvtier.offload.inflight import InFlight
-from kvtier.offload.ledger import OpLedger
+from kvtier.offload.ledger import Kind, OpLedger
 from kvtier.offload.load_planner import WITHDRAWN, LoadPlanner
 from kvtier.offload.messages import LoadOp, OffloadMeta, SaveOp, WorkerReport
 from kvtier.offload.planner import SavePlanner
@@ -296,11 +296,13 @@ class OffloadScheduler:
                 for result in report.results:
                     term = self.ops.report(report.rank, result)
                     if term is not None:
+                        # read before `_terminal` closes the op: its fallback needs the owner
+                        entry = self.ops.entry(term.op_id)
                         outcome = self.guard.run(
                             "update_connector_output",
-                            self.ops.owner(term.op_id) or None,
+                            entry[0] if entry is not None else None,
                             lambda term=term: self._terminal(term),
-                            lambda term=term: self._forget_op(term.op_id),
+                            lambda term=term, entry=entry: self._forget_op(term, entry),
                         )
                         if outcome is not None:
                             outcomes.append(outcome)
@@ -321,11 +323,12 @@ class OffloadScheduler:
             log.warning("kvtier: operation %s has no report from every rank after %.0f s: ended "
                         "as failed (%s)", op_id, LOST_REPORT_TTLS * self.config.lease_ttl_s,
                         REPORT_LOST)  # fmt: skip
+            entry = self.ops.entry(op_id)
             outcome = self.guard.run(
                 "update_connector_output",
-                self.ops.owner(op_id) or None,
+                entry[0] if entry is not None else None,
                 lambda term=term: self._terminal(term),
-                lambda op_id=op_id: self._forget_op(op_id),
+                lambda term=term, entry=entry: self._forget_op(term, entry),
             )
             if outcome is not None:
                 outcomes.append(outcome)
@@ -488,12 +491,19 @@ class OffloadScheduler:
         self.quarantine(req_id, block_ids, counted)
         return answer
 
-    def _forget_op(self, op_id: str) -> None:
+    def _forget_op(self, term: Terminal, entry: tuple[str, Kind] | None = None) -> None:
         """Processing an op's terminal raised: the op is gone, its request quarantined and
-        its load forgotten (so no request waits behind its chunks), its saves rolled back."""
-        owner = self.ops.forget(op_id)
+        its load forgotten (so no request waits behind its chunks), its saves rolled back.
+        `entry` is the op's (request, kind) as read before processing began: the op may have
+        been closed before the failure, and a finished request must still go. A load's ranks
+        still hear its terminal (each keeps a load that succeeded there until it does)."""
+        op_id = term.op_id
+        owner = self.ops.forget(op_id) or entry
         self._inflight.close_save(op_id)
         st = self._reqs.get(owner[0]) if owner is not None else None
+        if owner is not None and owner[1] == "load":
+            # as `LoadPlanner.ended` words it: a load whose request finished first was unused
+            self.ops.load_ended(op_id, term.ok and (st is None or not st.finished), None)
         if st is None:
             return None
         st.quarantined = st.load_failed = True
@@ -514,6 +524,13 @@ class OffloadScheduler:
         if st is None:
             return False
         st.finished = st.quarantined = True
+        if st.lookup is not None:
+            # its state goes below: a lookup left in flight would stay in the lookup client's
+            # table for good (and its lease on every rank until the deadline)
+            lookup, st.lookup = st.lookup, None
+            self.guard.run(
+                "request_finished", req_id, lambda: self._lookup.cancel(lookup), lambda: None
+            )
         if st.load is not None and st.load.op_id is None:
             st.load = None  # its lease expires by its deadline
         if st.busy():
