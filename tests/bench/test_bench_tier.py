@@ -142,15 +142,18 @@ def test_verdicts_follow_the_targets(quick: dict[str, Any]) -> None:
         assert row["target"] == f">= {want:g}x raw"
         assert row["pass"] is (row["ratio"] >= want)
     p99 = rows["lookup.p99"]
-    assert p99["target"] == "<= 2 ms"
-    assert p99["pass"] is (p99["value"] <= 2.0)
-    for row_id in WAIT_FOR_SAVE:
-        assert rows[row_id]["target"] == "<= 1 ms"
-        assert rows[row_id]["pass"] is (rows[row_id]["value"] <= 1.0)
+    # the quick form's 100 lookups are too few for a p99 verdict (judged from 1000)
+    assert p99["detail"]["samples"] < 1000
+    assert p99["target"] is None and p99["pass"] is None
+    assert p99["detail"]["verdict"] == "undetermined"
+    for row_id in WAIT_FOR_SAVE:  # the quick form's 3 steps are too few for a p99 (100)
+        assert rows[row_id]["detail"]["samples"] < 100
+        assert rows[row_id]["target"] is None and rows[row_id]["pass"] is None
+        assert rows[row_id]["detail"]["verdict"] == "undetermined"
     for row_id in ROW_IDS - RATIO_TARGETED - WAIT_FOR_SAVE - {"lookup.p99"}:
         assert rows[row_id]["target"] is None and rows[row_id]["pass"] is None
     summary = quick["doc"]["summary"]
-    assert summary["targets"] == len(RATIO_TARGETED) + 1 + len(WAIT_FOR_SAVE)
+    assert summary["targets"] == len(RATIO_TARGETED)
     assert summary["passed"] == sum(1 for r in rows.values() if r["pass"])
 
 

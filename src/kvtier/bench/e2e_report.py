@@ -294,14 +294,22 @@ def _hit_rows(report: Report, res: _Results, cp: Mapping[str, Ceiling], ceil_not
             target=None if bound is None else Target("ratio", "<=", 1.0),
         )
     )
+    # found in the tier is live: a hit the load policy chose to recompute (`load_policy: cost`,
+    # a loaded CPU host's memory load predicted slower than a small model's prefill) was found
+    # there by design; a tier never read finds nothing either way
+    ext = sum(x.counters.ext_hits for x in res.pick(t, p))
+    turned = sum(x.counters.policy_recomputed for x in res.pick(t, p))
     report.add(
         Row(
             c.arm_id(f"{p}.external_hits", t),
-            f"prefix pool: {c.says('external hit tokens', t)} (tier is live)",
-            sum(x.counters.ext_hits for x in res.pick(t, p)),
+            f"prefix pool: {c.says('external hit tokens', t)} + tier hits the load policy "
+            "recomputed (tier is live)",
+            ext + turned,
             "tokens",
             target=Target("value", ">=", 1),
             detail={
+                "external_hits": ext,
+                "policy_recomputed": turned,
                 "retrieved_all_ranks": sum(x.counters.retrieved for x in res.pick(t, p)),
                 **{
                     f"{a}_external_hits": sum(x.counters.ext_hits for x in res.pick(a, p))
@@ -388,21 +396,21 @@ def _no_reuse_rows(report: Report, res: _Results, nr_note: str) -> None:
     """No reuse against the baseline, its targets' worst repetitions, then the tier arm
     against each other arm on the prefix pool."""
     c, q = res.cast, NO_REUSE
+    noisy = _unresolved(res)
     for name in ("output_throughput", "ttft_p50_ms"):
         what, unit = _SPEED_UNITS[name]
         for arm in c.compared:
             target = name == "output_throughput" and arm == c.tier
             label = f"no reuse: {what}, {c.labels[arm]} (raw = {c.labels[c.base]})"
-            report.add(
-                res.vs(
-                    arm, c.base, q, name, c.row_id(f"{q}.{name}", arm),
-                    label + (f" {nr_note}" if target else ""), unit,
-                    Target("ratio", ">=", NO_REUSE_TARGET) if target else None,
-                )
+            row = res.vs(
+                arm, c.base, q, name, c.row_id(f"{q}.{name}", arm),
+                label + (f" {nr_note}" if target else ""), unit,
+                Target("ratio", ">=", NO_REUSE_TARGET) if target else None,
             )  # fmt: skip
+            report.add(_undetermined(row, noisy.get(name)) if target else row)
     sep = " / " if c.named else "/"
     shown = f"{c.labels[c.tier]}{sep}{c.labels[c.base]}"
-    _no_reuse_worst(report, res.pick(c.tier, q), res.pick(c.base, q), shown)
+    _no_reuse_worst(report, res.pick(c.tier, q), res.pick(c.base, q), shown, noisy=noisy)
     if c.again is not None:
         _noise_floor_rows(report, res, c.again, sep)
     for arm in c.others:
@@ -411,13 +419,43 @@ def _no_reuse_rows(report: Report, res: _Results, nr_note: str) -> None:
             ("ttft_p50_ms", Target("ratio", "<=", 1.0)),
         ):
             what, unit = _SPEED_UNITS[name]
-            report.add(
-                res.vs(
-                    c.tier, arm, PREFIX_POOL, name, f"{PREFIX_POOL}.{name}.{c.tier}_vs_{arm}",
-                    f"prefix pool: {what}, {c.labels[c.tier]} (raw = {c.labels[arm]})", unit,
-                    target,
-                )
+            row = res.vs(
+                c.tier, arm, PREFIX_POOL, name, f"{PREFIX_POOL}.{name}.{c.tier}_vs_{arm}",
+                f"prefix pool: {what}, {c.labels[c.tier]} (raw = {c.labels[arm]})", unit,
+                target,
             )  # fmt: skip
+            report.add(_within_noise(row, _pool_noise(res, name, target)))
+
+
+def _pool_noise(res: _Results, name: str, target: Target) -> float | None:
+    """The prefix pool's A/A pair's worst repetition of `name`, folded toward `target`'s
+    side (None without an A/A arm): how far the machine alone moved that ratio in this run."""
+    c = res.cast
+    if c.again is None:
+        return None
+    a, base = res.pick(c.again, PREFIX_POOL), res.pick(c.base, PREFIX_POOL)
+    row = _worst_rep_row("aa", "aa", a, base, name, Target("value", target.op, 1.0), folded=True)
+    return None if row is None else row.value
+
+
+def _within_noise(row: Row, aa: float | None) -> Row:
+    """A row judged on a ratio bound of 1.0 (no margin) that misses it by less than the A/A
+    pair moved: UNDETERMINED, not a MISS (two arms as fast as each other read either side of
+    1.0 from run to run); a miss beyond the A/A pair's reach stays a MISS."""
+    t, r = row.target, row.ratio
+    if t is None or aa is None or r is None or row.passed is not False:
+        return row
+    if (r < aa) if t.op == ">=" else (r > aa):
+        return row
+    return Row(
+        row.id,
+        f"{row.label} (undetermined: {r:.3f}x is within the A/A pair's {aa:.3f}x)",
+        row.value,
+        row.unit,
+        raw=row.raw,
+        target=None,
+        detail={**row.detail, "verdict": "undetermined", "aa_worst_rep": aa},
+    )
 
 
 def _failed_row(results: Sequence[WindowResult]) -> Row:
@@ -519,6 +557,44 @@ def _noise_floor_rows(report: Report, res: _Results, again: str, sep: str) -> No
             report.add(row)
 
 
+_NO_REUSE_TARGETS = (
+    ("output_throughput", "output tok/s", Target("value", ">=", NO_REUSE_TARGET)),
+    ("ttft_p50_ms", "TTFT p50", Target("value", "<=", NO_REUSE_TTFT_TARGET)),
+)
+
+
+def _unresolved(res: _Results) -> dict[str, float]:
+    """Per no-reuse metric, the A/A pair's worst repetition where it misses the target
+    itself: this run's noise is wider than the target's margin, so the tier's rows on that
+    metric cannot be judged from it (a miss there would be the machine's, not the tier's)."""
+    c = res.cast
+    if c.again is None:
+        return {}
+    a, base = res.pick(c.again, NO_REUSE), res.pick(c.base, NO_REUSE)
+    out = {}
+    for name, _label, target in _NO_REUSE_TARGETS:
+        row = _worst_rep_row("aa", "aa", a, base, name, target, folded=True)
+        if row is not None and row.passed is False:
+            out[name] = row.value
+    return out
+
+
+def _undetermined(row: Row | None, aa: float | None) -> Row | None:
+    """`row` without its verdict when the A/A pair's worst repetition `aa` missed the same
+    target: UNDETERMINED, never a MISS on the machine's noise (the value stays shown)."""
+    if row is None or aa is None or row.target is None:
+        return row
+    return Row(
+        row.id,
+        f"{row.label} (undetermined: the A/A pair itself read {aa:.3f}x, outside the target)",
+        row.value,
+        row.unit,
+        raw=row.raw,
+        target=None,
+        detail={**row.detail, "verdict": "undetermined", "aa_worst_rep": aa},
+    )
+
+
 def _no_reuse_worst(
     report: Report,
     a: Sequence[WindowResult],
@@ -528,13 +604,11 @@ def _no_reuse_worst(
     key: str = "worst_rep",
     note: str = "",
     folded: bool = False,
+    noisy: Mapping[str, float] | None = None,
 ) -> None:
     """The no-reuse targets, met in every repetition: throughput and TTFT p50 ratios
-    (`folded`: see `_worst_rep_row`)."""
-    for name, label, target in (
-        ("output_throughput", "output tok/s", Target("value", ">=", NO_REUSE_TARGET)),
-        ("ttft_p50_ms", "TTFT p50", Target("value", "<=", NO_REUSE_TTFT_TARGET)),
-    ):
+    (`folded`: see `_worst_rep_row`); a metric in `noisy` is shown undetermined."""
+    for name, label, target in _NO_REUSE_TARGETS:
         row = _worst_rep_row(
             f"{NO_REUSE}.{name}.{key}",
             f"no reuse: {label} {what}, worst repetition"
@@ -545,6 +619,7 @@ def _no_reuse_worst(
             target,
             folded=folded,
         )
+        row = _undetermined(row, (noisy or {}).get(name))
         if row is not None:
             report.add(row)
 

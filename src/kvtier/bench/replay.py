@@ -773,10 +773,24 @@ def _rep_ratios(doc: Mapping[str, Any], name: str, baseline: str, key: str) -> l
     return [ratios[rep] for rep in sorted(ratios)]
 
 
+def _policy_turned(doc: Mapping[str, Any], name: str) -> tuple[float, float]:
+    """`name`'s tier tokens loaded (external hits) and recomputed by its load policy (found in
+    the tier, predicted slower to load than to prefill), over its full windows."""
+    ext = turned = 0.0
+    for x in doc["runs"]:
+        c = ((x.get("counters") or {}).get(FULL) or {}) if x["arm"] == name else {}
+        ext += float(c.get("ext_hits") or 0.0)
+        turned += float(c.get("policy_recomputed") or 0.0)
+    return ext, turned
+
+
 def _aa_rows(report: Report, doc: Mapping[str, Any]) -> None:
     """With an A/A arm (the baseline once more, right after it): each other arm's ratio to the
     baseline against the band the A/A ratios span, every repetition; PASS when the mean ratio
-    lies beyond the A/A pair's worst repetition in the better direction."""
+    lies beyond the A/A pair's worst repetition in the better direction. Inside the band, an
+    arm whose load policy recomputed at least as many tier hits as it loaded gave its speed-up
+    away by design (`load_policy: cost` on a loaded host): UNDETERMINED, not FAIL; beyond the
+    band on the worse side it fails whatever the policy did."""
     baseline = doc["baseline"]
     if baseline is None or OFF_AGAIN not in doc["arms"]:
         return
@@ -793,25 +807,43 @@ def _aa_rows(report: Report, doc: Mapping[str, Any]) -> None:
     for name in doc["arms"]:
         if name in (baseline, OFF_AGAIN):
             continue
+        loaded, turned = _policy_turned(doc, name)
+        by_policy = turned > 0 and turned >= loaded
         for i, (key, label, better) in enumerate(_AA_METRICS):
             ratios = _rep_ratios(doc, name, baseline, key)
             aa = _rep_ratios(doc, OFF_AGAIN, baseline, key)
             if not ratios or not aa:
                 continue
             bound = max(aa) if better == ">=" else min(aa)
+            mean = sum(ratios) / len(ratios)
             judged = not (open_loop and key in _SCHEDULED)
+            # inside the band: not beyond it on either side (beyond the worse side fails)
+            met = mean >= bound if better == ">=" else mean <= bound
+            inside = not met and min(aa) <= mean <= max(aa)
+            undetermined = judged and by_policy and inside
             detail: dict[str, float | int | str] = {
                 "aa_min": min(aa), "aa_max": max(aa),
                 **{f"rep{j}": r for j, r in enumerate(ratios)},
                 **{f"aa_rep{j}": r for j, r in enumerate(aa)},
             }  # fmt: skip
+            if undetermined:
+                detail.update(verdict="undetermined", loaded_tokens=loaded,
+                              policy_recomputed_tokens=turned)  # fmt: skip
+                judged = False
+            why = ""
+            if undetermined:
+                why = (
+                    " (undetermined: inside the A/A band, and the load policy recomputed "
+                    f"{turned:.0f} tier hit tokens against {loaded:.0f} loaded)"
+                )
+            elif not judged:
+                why = " (open loop: the schedule's rate, not judged)"
             report.add(
                 Row(
                     f"aa.{name}.{key}",
-                    f"{name}/{baseline} {label}, beyond the A/A band"
-                    + ("" if judged else " (open loop: the schedule's rate, not judged)")
+                    f"{name}/{baseline} {label}, beyond the A/A band{why}"
                     + (f" {note}" if i == 0 else ""),
-                    sum(ratios) / len(ratios),
+                    mean,
                     "x",
                     target=Target("value", better, bound) if judged else None,  # type: ignore[arg-type]
                     detail=detail,

@@ -83,6 +83,10 @@ LOOKUP_RANKS = 4
 
 RETRIEVE_RATIO_TARGET = 0.85
 LOOKUP_P99_TARGET_MS = 2.0
+# a p99 is judged only from this many lookups: 10 of them lie above it, so two scheduling
+# hiccups of a shared 2-core machine (5 processes on it here) cannot make the p99 alone; the
+# quick form's 100 lookups put the p99 at the second-slowest one
+LOOKUP_P99_MIN_SAMPLES = 1000
 
 _GB = 1e9
 _MIB = 1 << 20
@@ -728,7 +732,7 @@ def _bench_lookup(report: Report, plan: Plan, say: Progress) -> None:
             client.close()
 
     ms = np.asarray(lookups) * 1e3
-    p50, p99 = float(np.percentile(ms, 50)), float(np.percentile(ms, 99))
+    p50 = float(np.percentile(ms, 50))
     hash_ms = float(np.median(hashing) * 1e3)
     cores = len(os.sched_getaffinity(0))
     n = report.note(
@@ -746,16 +750,7 @@ def _bench_lookup(report: Report, plan: Plan, say: Progress) -> None:
         "errors": errors,
     }
     report.add(Row("lookup.p50", f"lookup, 4 ranks, 128 keys: p50 {n}", p50, "ms", detail=detail))
-    report.add(
-        Row(
-            "lookup.p99",
-            "lookup, 4 ranks, 128 keys: p99",
-            p99,
-            "ms",
-            target=Target("value", "<=", LOOKUP_P99_TARGET_MS),
-            detail=detail,
-        )
-    )
+    report.add(lookup_p99_row(ms, detail))
     report.add(
         Row(
             "lookup.hash",
@@ -766,6 +761,23 @@ def _bench_lookup(report: Report, plan: Plan, say: Progress) -> None:
         )
     )
     bench_transports(report, plan, keys, CHUNK_TOKENS, say)
+
+
+def lookup_p99_row(ms: np.ndarray, detail: Mapping[str, float | int | str]) -> Row:
+    """The lookups' p99 (ms) against `LOOKUP_P99_TARGET_MS`, judged only from
+    `LOOKUP_P99_MIN_SAMPLES` lookups (fewer: shown, UNDETERMINED)."""
+    p99 = float(np.percentile(ms, 99))
+    judged = len(ms) >= LOOKUP_P99_MIN_SAMPLES
+    why = "" if judged else f" (undetermined: {len(ms)} lookups, judged from "
+    why += "" if judged else f"{LOOKUP_P99_MIN_SAMPLES})"
+    return Row(
+        "lookup.p99",
+        f"lookup, 4 ranks, 128 keys: p99{why}",
+        p99,
+        "ms",
+        target=Target("value", "<=", LOOKUP_P99_TARGET_MS) if judged else None,
+        detail={**detail, **({} if judged else {"verdict": "undetermined"})},
+    )
 
 
 @contextmanager

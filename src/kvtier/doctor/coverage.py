@@ -27,6 +27,7 @@ from kvtier.scrape import (
     EXT_QUERIES,
     HBM_HITS,
     HBM_QUERIES,
+    LOAD_DECISION_TOKENS,
     LOADS,
     PROMPT_TOKENS,
     RETRIEVED,
@@ -43,6 +44,10 @@ from kvtier.scrape import (
 # lookups asked before "written and never read" is judged with a disk or remote tier, where
 # every prompt is looked up: a young server's first prompts have had nothing to repeat
 NEVER_READ_MIN = 8
+# tier hits the scheduler turned away by design, not because a path is broken: the load
+# policy predicted the load slower than the prefill it replaces (`load_policy: cost`), or the
+# hit was below `min_load_tokens`. A tier whose every hit went that way was read, not idle.
+DELIBERATE_SKIPS = ("slower_than_recompute", "too_small")
 
 
 @dataclass(frozen=True)
@@ -238,6 +243,19 @@ def retrieving(c: Context) -> Check:
         return Check(RETRIEVING, Status.UNDETERMINED, _all_zero(s, hist), numbers)
     if zero:
         busy = [r for r in tokens if r not in zero]
+        running, waiting = s.total(RUNNING), s.total(WAITING)
+        if running + waiting > 0:
+            # each rank ships its counters with its own step reports, up to a second apart
+            # while requests run: one rank's first loads can be on the page before another's
+            return Check(
+                RETRIEVING,
+                Status.WARN,
+                f"ranks {zero} show no retrieval yet while ranks {busy} do ({hist}), but the "
+                f"server is not drained ({num(running)} running, {num(waiting)} waiting): "
+                "ranks ship their counters up to a second apart while requests run; run "
+                "doctor again when it is idle",
+                numbers,
+            )
         return Check(
             RETRIEVING,
             Status.FAIL,
@@ -318,6 +336,29 @@ def external(s: Samples) -> Check:
             f"(prefix_cache_hits={num(hbm_hits)}; tier hits skipped because HBM already held "
             f"them: {num(hbm_skips)}), so the tier was never needed yet; it pays once repeats "
             "outgrow the HBM pool",
+            numbers,
+        )
+    recomputed = s.total(LOAD_DECISION_TOKENS, decision="recompute")
+    by_policy = {r: s.total(SKIPPED_LOADS, reason=r) for r in DELIBERATE_SKIPS}
+    by_policy = {r: v for r, v in by_policy.items() if v > 0}
+    if queries > 0 and stored > 0 and (recomputed > 0 or by_policy):
+        found = s.scheduler_value("kvtier_lookup_hit_tokens_total") or 0.0
+        numbers.update(
+            policy_recomputed_tokens=num(recomputed),
+            skipped_by_policy={r: num(v) for r, v in sorted(by_policy.items())},
+            lookup_hit_tokens=num(found),
+        )
+        skips = ", ".join(f"{r} {num(v)}" for r, v in sorted(by_policy.items()))
+        # not FAIL (the path works: lookups find the chunks), not PASS either: a tier whose
+        # every hit is turned away costs its writes and saves nothing here
+        return Check(
+            EXTERNAL,
+            Status.WARN,
+            f"the tier is read but none of its hits loaded, by design: {said}; lookups found "
+            f"{num(found)} tokens, the load policy recomputed {num(recomputed)} hit tokens "
+            f"(skipped loads: {skips or 'none'}): predicted slower to load than to prefill, or "
+            "below min_load_tokens. Its writes buy nothing while this holds: a faster tier, a "
+            "lower min_load_tokens, or load_policy: always (see the load-cost check)",
             numbers,
         )
     cold = s.scheduler_value("kvtier_cold_lookups_total") or 0.0
