@@ -447,15 +447,7 @@ def _within_noise(row: Row, aa: float | None) -> Row:
         return row
     if (r < aa) if t.op == ">=" else (r > aa):
         return row
-    return Row(
-        row.id,
-        f"{row.label} (undetermined: {r:.3f}x is within the A/A pair's {aa:.3f}x)",
-        row.value,
-        row.unit,
-        raw=row.raw,
-        target=None,
-        detail={**row.detail, "verdict": "undetermined", "aa_worst_rep": aa},
-    )
+    return row.undetermined(f"{r:.3f}x is within the A/A pair's {aa:.3f}x", aa_worst_rep=aa)
 
 
 def _failed_row(results: Sequence[WindowResult]) -> Row:
@@ -584,14 +576,8 @@ def _undetermined(row: Row | None, aa: float | None) -> Row | None:
     target: UNDETERMINED, never a MISS on the machine's noise (the value stays shown)."""
     if row is None or aa is None or row.target is None:
         return row
-    return Row(
-        row.id,
-        f"{row.label} (undetermined: the A/A pair itself read {aa:.3f}x, outside the target)",
-        row.value,
-        row.unit,
-        raw=row.raw,
-        target=None,
-        detail={**row.detail, "verdict": "undetermined", "aa_worst_rep": aa},
+    return row.undetermined(
+        f"the A/A pair itself read {aa:.3f}x, outside the target", aa_worst_rep=aa
     )
 
 

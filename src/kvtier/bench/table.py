@@ -94,6 +94,19 @@ class Row:
         """True/False against the target, None without one."""
         return None if self.target is None else self.target.met(self.value, self.ratio)
 
+    def undetermined(self, why: str, **detail: Any) -> Row:
+        """This row shown without its verdict (the data cannot decide it: too few samples,
+        the machine's own noise), `why` said in its label and `detail`."""
+        return Row(
+            self.id,
+            f"{self.label} (undetermined: {why})",
+            self.value,
+            self.unit,
+            raw=self.raw,
+            target=None,
+            detail={**self.detail, "verdict": "undetermined", **detail},
+        )
+
     def to_json(self) -> dict[str, Any]:
         """The row as a JSON object (target both as text and as its parts)."""
         t = self.target

@@ -766,18 +766,17 @@ def _bench_lookup(report: Report, plan: Plan, say: Progress) -> None:
 def lookup_p99_row(ms: np.ndarray, detail: Mapping[str, float | int | str]) -> Row:
     """The lookups' p99 (ms) against `LOOKUP_P99_TARGET_MS`, judged only from
     `LOOKUP_P99_MIN_SAMPLES` lookups (fewer: shown, UNDETERMINED)."""
-    p99 = float(np.percentile(ms, 99))
-    judged = len(ms) >= LOOKUP_P99_MIN_SAMPLES
-    why = "" if judged else f" (undetermined: {len(ms)} lookups, judged from "
-    why += "" if judged else f"{LOOKUP_P99_MIN_SAMPLES})"
-    return Row(
+    row = Row(
         "lookup.p99",
-        f"lookup, 4 ranks, 128 keys: p99{why}",
-        p99,
+        "lookup, 4 ranks, 128 keys: p99",
+        float(np.percentile(ms, 99)),
         "ms",
-        target=Target("value", "<=", LOOKUP_P99_TARGET_MS) if judged else None,
-        detail={**detail, **({} if judged else {"verdict": "undetermined"})},
+        target=Target("value", "<=", LOOKUP_P99_TARGET_MS),
+        detail=dict(detail),
     )
+    if len(ms) >= LOOKUP_P99_MIN_SAMPLES:
+        return row
+    return row.undetermined(f"{len(ms)} lookups, judged from {LOOKUP_P99_MIN_SAMPLES}")
 
 
 @contextmanager
