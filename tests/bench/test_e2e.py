@@ -279,8 +279,14 @@ def test_quick_run_against_real_servers(tmp_path: Path) -> None:
     for row in ("step_ms", "path_cpu_ms", "lanes_cpu_ms", "scheduler.lookup", "ranks.load",
                 "lookup_call_ms", "parked_steps"):  # fmt: skip
         assert f"steps.prefix_pool.{row}" in rows
-    assert rows["no_reuse.output_throughput.worst_rep"]["target"] == ">= 0.97 x"
-    assert rows["no_reuse.ttft_p50_ms.worst_rep"]["target"] == "<= 1.03 x"
+    for key, target in (("output_throughput", ">= 0.97 x"), ("ttft_p50_ms", "<= 1.03 x")):
+        worst, aa_row = rows[f"no_reuse.{key}.worst_rep"], rows[f"no_reuse.{key}.aa_worst_rep"]
+        assert aa_row["target"] == target
+        if aa_row["pass"] is False:
+            # the OFF / OFF again pair itself moved past the target: the tier's row has no verdict
+            assert worst["target"] is None and worst["detail"]["verdict"] == "undetermined"
+        else:
+            assert worst["target"] == target
     # the machine's own noise, under the same targets, from the OFF / OFF again pair
     aa = rows["no_reuse.output_throughput.aa_worst_rep"]
     assert aa["target"] == ">= 0.97 x" and 0 < aa["value"] <= 1.0
