@@ -259,29 +259,22 @@ class RemoteTier(TierBase):
         rkey = self._rkey(key)
         view = memoryview(payload).cast("B")
         total = record.HEADER_BYTES + view.nbytes  # a sealed body is as long as its payload
-        if total > self.max_value_bytes:
-            # the server would drop the connection mid-value; never an outage of the store
+        # over the server's limit it would drop the connection mid-value (never an outage of
+        # the store); over the longest record, every reader would delete it unread
+        limits = [(self.max_value_bytes, "the server's proto-max-bulk-len")]
+        if self._max_record is not None:
+            limits.append((self._max_record, "this tier's longest record (payload_bytes)"))
+        over = [(n, what) for n, what in limits if total > n]
+        if over:
             self._m.dropped_write(self.name, "too_large").inc()
             self._guard.log_once(
                 "too_large",
-                "kvtier: remote tier %s refuses a %d-byte record: over the server's "
-                "proto-max-bulk-len=%d; counted as dropped_writes{reason=too_large}",
+                "kvtier: remote tier %s refuses a %d-byte record: over %s=%d; counted as "
+                "dropped_writes{reason=too_large}",
                 self._url,
                 total,
-                self.max_value_bytes,
-            )
-            return False
-        if self._max_record is not None and total > self._max_record:
-            # reads stop one byte past the longest record and delete what is longer: such a
-            # record would be written only to be thrown away by every reader
-            self._m.dropped_write(self.name, "too_large").inc()
-            self._guard.log_once(
-                "over_payload",
-                "kvtier: remote tier %s refuses a %d-byte record: over its %d-byte records "
-                "(payload_bytes); counted as dropped_writes{reason=too_large}",
-                self._url,
-                total,
-                self._max_record,
+                over[0][1],
+                over[0][0],
             )
             return False
         shard = self._guard.shard(rkey)
