@@ -9,6 +9,7 @@ every node, all nodes agreeing on the slot owners), never a blind sleep.
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -22,6 +23,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kvtier.bench.ports import ephemeral_range, free_port
 from kvtier.errors import StartupError
 
 _START_S = 15.0
@@ -50,15 +52,13 @@ def _bindable(port: int) -> bool:
 
 
 def _free_port(cluster: bool) -> int:
-    """A free loopback port; for a cluster node also its bus port (port + 10000 <= 65535)."""
-    for _ in range(200):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if not cluster:
-            return port
-        # the kernel hands out high ports; fold them into the range whose bus port exists
-        port = 20000 + port % 30000
+    """A free loopback port outside the kernel's ephemeral range (an outgoing connection cannot
+    take it before the server binds it); for a cluster node also its bus port (port + 10000)."""
+    if not cluster:
+        return free_port()
+    low, high = ephemeral_range()
+    ours = [p for p in range(10000, 55536) if not (low <= p <= high or low <= p + 10000 <= high)]
+    for port in random.sample(ours, min(200, len(ours))):
         if _bindable(port) and _bindable(port + 10000):
             return port
     raise RedisServerError("no free loopback port pair (port, port + 10000) for a cluster node")

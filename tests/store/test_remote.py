@@ -171,7 +171,7 @@ def test_get_many_reads_with_one_batch(
         assert tier.put(key_of(i), payload_of(i, 512))
     admin = server.client()
     admin.config_resetstat()
-    batches = _count_batches(monkeypatch, tier._transport._reader)
+    batches = _count_batches(monkeypatch, tier._transport._reader.client)
     got = tier.get_many([key_of(i) for i in range(4)])
     assert [None if g is None else bytes(g) for g in got] == [
         payload_of(0, 512),
@@ -193,7 +193,7 @@ def test_lookup_prefix_counts_leading_run_in_one_batch(
     keys = [key_of(i) for i in range(7)]
     admin = server.client()
     admin.config_resetstat()
-    batches = _count_batches(monkeypatch, tier._transport._presence)
+    batches = _count_batches(monkeypatch, tier._transport._presence.client)
     assert tier.lookup_prefix(keys) == 4
     # one round trip carrying one EXISTS per key, nothing sent outside it
     assert batches == [7]

@@ -70,13 +70,13 @@ def test_chunks_spread_over_every_shard_and_a_lookup_is_one_batch(
 
     reset_stats(cluster)
     batches: list[int] = []
-    real = tier._transport._presence.exec
+    real = tier._transport._presence.client.exec
 
     def counting(batch: object, *a: object, **kw: object) -> object:
         batches.append(len(batch.commands))  # type: ignore[attr-defined]
         return real(batch, *a, **kw)
 
-    monkeypatch.setattr(tier._transport._presence, "exec", counting)
+    monkeypatch.setattr(tier._transport._presence.client, "exec", counting)
     assert tier.lookup_prefix([*keys, key_of(999)]) == N
     # one batch: each master answered for its own keys, nothing sent per key outside it
     assert batches == [N + 1]

@@ -372,3 +372,40 @@ def test_a_unix_socket_stores_timeout_warning_names_no_line_its_library_never_pr
     assert not tier.read_into(key_of(0), torch.zeros(SIZE, dtype=torch.uint8))
     said = [r.getMessage() for r in caplog.records if "read timed out" in r.getMessage()]
     assert len(said) == 1 and "on stderr" not in said[0], said
+
+
+@pytest.mark.parametrize("replace", ["reconnect", "close"])
+def test_clients_replaced_or_closed_mid_call_close_after_the_call_returns(
+    store: RedisServer, closing: Callable, monkeypatch: pytest.MonkeyPatch, replace: str
+) -> None:
+    """glide_sync's close() frees its native client at once: a call another thread had begun
+    then ran on freed memory (a double free aborted a pytest worker, 16 readers and a
+    reconnect). The client a call is inside closes when that call returns, not before."""
+    m = Metrics(rank=0)
+    tier = closing(_tier(store.url, m))
+    _fill(tier, 1)
+    transport = tier._transport
+    client = transport._reader.client  # type: ignore[attr-defined]
+    inside, release = threading.Event(), threading.Event()
+    closed: list[bool] = []
+    real_call, real_close = client._execute_command, client.close
+
+    def call(*a: object, **kw: object) -> object:
+        inside.set()  # the pointer is read; the native call is about to be made
+        release.wait(10.0)
+        return real_call(*a, **kw)
+
+    monkeypatch.setattr(client, "_execute_command", call)
+    monkeypatch.setattr(client, "close", lambda: closed.append(True) or real_close())
+    dst = torch.zeros(SIZE, dtype=torch.uint8)
+    got: list[bool] = []
+    reader = _run(lambda _: got.append(tier.read_into(key_of(0), dst)), 1, 0)[0]
+    assert inside.wait(10.0)
+    getattr(transport, replace)()
+    assert not closed, "the client was closed with a call inside it"
+    release.set()
+    reader.join(10.0)
+    assert got == [True] and bytes(dst.numpy()) == payload_of(0, SIZE)
+    assert closed == [True]  # closed once, by the call that left it last
+    if replace == "reconnect":
+        assert _ok(tier, 0)  # the fresh clients serve

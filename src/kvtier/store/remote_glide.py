@@ -10,10 +10,11 @@ multiplexed connection, and give each kind of call its own timeout.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -182,9 +183,9 @@ class GlideTransport:
             )
 
         self._make = lambda: (
-            make(timeouts.presence_s, read_from_replica),
-            make(timeouts.read_s, read_from_replica),
-            make(timeouts.write_s, False),
+            _Held(make(timeouts.presence_s, read_from_replica)),
+            _Held(make(timeouts.read_s, read_from_replica)),
+            _Held(make(timeouts.write_s, False)),
         )
         self._presence, self._reader, self._writer = self._make()
         self._lock = threading.Lock()
@@ -234,7 +235,8 @@ class GlideTransport:
                 return
             self._refreshed_at = now
         try:
-            reply = self._presence.custom_command(["CLUSTER", "SLOTS"])
+            with self._presence.use() as client:
+                reply = client.custom_command(["CLUSTER", "SLOTS"])
         except GlideError as e:
             log.debug("kvtier: CLUSTER SLOTS failed (%s); keeping the last slot map", e)
             return
@@ -252,9 +254,10 @@ class GlideTransport:
 
     def check(self) -> None:
         # every client connects now (they are lazy so that a dead store does not stop startup)
-        for client in (self._presence, self._reader, self._writer):
+        for held in (self._presence, self._reader, self._writer):
             try:
-                client.ping()
+                with held.use() as client:
+                    client.ping()
             except GlideError as e:
                 if any(text in str(e) for text in _AUTH):
                     raise CredentialsRefused(str(e)) from None
@@ -262,13 +265,13 @@ class GlideTransport:
         self.refresh()
 
     def max_value_bytes(self) -> int | None:
+        command = ["CONFIG", "GET", "proto-max-bulk-len"]
         try:
-            if self._cluster:
-                reply: Any = self._presence.custom_command(
-                    ["CONFIG", "GET", "proto-max-bulk-len"], AllPrimaries()
-                )
-            else:
-                reply = self._presence.custom_command(["CONFIG", "GET", "proto-max-bulk-len"])
+            with self._presence.use() as client:
+                if self._cluster:
+                    reply: Any = client.custom_command(command, AllPrimaries())
+                else:
+                    reply = client.custom_command(command)
         except GlideError as e:
             log.debug("kvtier: CONFIG GET proto-max-bulk-len refused: %s", e)
             return None
@@ -277,10 +280,11 @@ class GlideTransport:
 
     def memory_policies(self) -> list[tuple[int, str]]:
         try:
-            if self._cluster:
-                reply: Any = self._presence.custom_command(["INFO", "memory"], AllPrimaries())
-            else:
-                reply = self._presence.custom_command(["INFO", "memory"])
+            with self._presence.use() as client:
+                if self._cluster:
+                    reply: Any = client.custom_command(["INFO", "memory"], AllPrimaries())
+                else:
+                    reply = client.custom_command(["INFO", "memory"])
         except GlideError as e:
             log.debug("kvtier: INFO memory refused: %s", e)
             return []
@@ -296,10 +300,11 @@ class GlideTransport:
 
     def get(self, rkey: bytes, limit: int | None = None) -> bytes | None:
         try:
-            if limit is None:
-                return self._reader.get(rkey)
-            # GETRANGE: at most `limit` bytes cross the wire, whatever the store holds
-            data = self._reader.getrange(rkey, 0, limit - 1)
+            with self._reader.use() as client:
+                if limit is None:
+                    return client.get(rkey)
+                # GETRANGE: at most `limit` bytes cross the wire, whatever the store holds
+                data = client.getrange(rkey, 0, limit - 1)
         except GlideError as e:
             raise self._error(e, self.shard_of(rkey)) from None
         return data or None  # a missing key reads as an empty range: a miss
@@ -309,10 +314,11 @@ class GlideTransport:
         # under the key (a GET of a huge value cost its whole size in memory before it was
         # refused); glide writes the reply straight into `buf` as its `get(buffer=)` does
         try:
-            n = self._reader._execute_command(
-                RequestType.GetRange, [rkey, b"0", str(buf.nbytes - 1).encode()],
-                response_buffer=buf,
-            )  # fmt: skip
+            with self._reader.use() as client:
+                n = client._execute_command(
+                    RequestType.GetRange, [rkey, b"0", str(buf.nbytes - 1).encode()],
+                    response_buffer=buf,
+                )  # fmt: skip
         except GlideError as e:
             raise self._error(e, self.shard_of(rkey)) from None
         # a missing key reads as an empty range: a miss (an empty record is none anyway)
@@ -351,20 +357,23 @@ class GlideTransport:
 
     def expire(self, rkey: bytes, ttl_s: int) -> bool:
         try:
-            return bool(self._writer.expire(rkey, ttl_s))
+            with self._writer.use() as client:
+                return bool(client.expire(rkey, ttl_s))
         except GlideError as e:
             raise self._error(e, self.shard_of(rkey)) from None
 
     def delete(self, rkey: bytes) -> bool:
         try:
-            return bool(self._writer.delete([rkey]))
+            with self._writer.use() as client:
+                return bool(client.delete([rkey]))
         except GlideError as e:
             raise self._error(e, self.shard_of(rkey)) from None
 
     def delete_if(self, rkey: bytes, sha1_hex: bytes, longer_than: int | None = None) -> bool:
         args = [sha1_hex] if longer_than is None else [sha1_hex, str(longer_than).encode()]
         try:
-            return bool(self._writer.invoke_script(_DELETE_IF, keys=[rkey], args=args))
+            with self._writer.use() as client:
+                return bool(client.invoke_script(_DELETE_IF, keys=[rkey], args=args))
         except GlideError as e:
             raise self._error(e, self.shard_of(rkey)) from None
 
@@ -376,10 +385,12 @@ class GlideTransport:
         with self._lock:
             old = (self._presence, self._reader, self._writer)
             self._presence, self._reader, self._writer = fresh
-        _close(old)
+        for held in old:
+            held.close()
 
     def close(self) -> None:
-        _close((self._presence, self._reader, self._writer))
+        for held in (self._presence, self._reader, self._writer):
+            held.close()
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -388,7 +399,7 @@ class GlideTransport:
 
     def _exec(
         self,
-        client: _Client,
+        held: _Held,
         batch: Batch | ClusterBatch,
         rkeys: Sequence[bytes],
         timeout_s: float,
@@ -397,18 +408,19 @@ class GlideTransport:
         (a whole-batch failure is charged to every shard the batch touched)."""
         ms = max(1, round(timeout_s * 1000))
         try:
-            if isinstance(client, GlideClusterClient):
-                replies = client.exec(
-                    batch,  # type: ignore[arg-type]
-                    raise_on_error=False,
-                    options=ClusterBatchOptions(timeout=ms),
-                )
-            else:
-                replies = client.exec(
-                    batch,  # type: ignore[arg-type]
-                    raise_on_error=False,
-                    options=BatchOptions(timeout=ms),
-                )
+            with held.use() as client:
+                if isinstance(client, GlideClusterClient):
+                    replies = client.exec(
+                        batch,  # type: ignore[arg-type]
+                        raise_on_error=False,
+                        options=ClusterBatchOptions(timeout=ms),
+                    )
+                else:
+                    replies = client.exec(
+                        batch,  # type: ignore[arg-type]
+                        raise_on_error=False,
+                        options=BatchOptions(timeout=ms),
+                    )
         except GlideError as e:
             errors = {shard: self._error(e, shard) for shard in {self.shard_of(k) for k in rkeys}}
             return [errors[self.shard_of(k)] for k in rkeys]
@@ -434,10 +446,46 @@ class GlideTransport:
         return error
 
 
-def _close(clients: Sequence[_Client]) -> None:
-    for client in clients:
+class _Held:
+    """A glide client closed only once no call is inside it: glide_sync's close() frees the
+    native client at once, and a call another thread already began (it read the pointer, the
+    FFI call not yet made) then runs on freed memory (a double free, a crash of the engine)."""
+
+    def __init__(self, client: _Client) -> None:
+        self.client = client  # tests count its calls; every kvtier call goes through use()
+        self._calls = 0
+        self._closing = False
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def use(self) -> Iterator[_Client]:
+        """The client for one call; a client closed or replaced raises ClosingError (a miss)."""
+        with self._lock:
+            if self._closing:
+                raise ClosingError("the remote tier's connection was closed or replaced")
+            self._calls += 1
         try:
-            client.close()
+            yield self.client
+        finally:
+            with self._lock:
+                self._calls -= 1
+                last = self._closing and self._calls == 0
+            if last:
+                self._release()
+
+    def close(self) -> None:
+        """Closes now if idle, else when the last call in flight returns (within its timeout)."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            idle = self._calls == 0
+        if idle:
+            self._release()
+
+    def _release(self) -> None:
+        try:
+            self.client.close()
         except ClosingError:
             pass  # already closed by the library after a fatal error
 
