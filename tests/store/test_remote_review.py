@@ -409,3 +409,27 @@ def test_clients_replaced_or_closed_mid_call_close_after_the_call_returns(
     assert closed == [True]  # closed once, by the call that left it last
     if replace == "reconnect":
         assert _ok(tier, 0)  # the fresh clients serve
+
+
+def test_a_call_that_finds_its_client_replaced_takes_the_new_one_uncounted(
+    store: RedisServer, closing: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reconnect (a verify failure on another thread) swaps the clients between a call
+    picking its client and entering it: that call is no store failure (16 readers each
+    counting one would open a breaker over a store that answers)."""
+    m = Metrics(rank=0)
+    tier = closing(_tier(store.url, m, failures=1))
+    _fill(tier, 1)
+    transport = tier._transport
+    old = transport._reader  # type: ignore[attr-defined]
+    real_enter = old.enter
+
+    def enter() -> bool:
+        transport.reconnect()  # another thread's, landing in between
+        return real_enter()
+
+    monkeypatch.setattr(old, "enter", enter)
+    dst = torch.zeros(SIZE, dtype=torch.uint8)
+    assert tier.read_into(key_of(0), dst) and bytes(dst.numpy()) == payload_of(0, SIZE)
+    assert transport._reader is not old  # type: ignore[attr-defined]
+    assert m.total("store_failures_total") == 0 and tier.breaker.state is State.CLOSED

@@ -235,7 +235,7 @@ class GlideTransport:
                 return
             self._refreshed_at = now
         try:
-            with self._presence.use() as client:
+            with self._use("_presence") as client:
                 reply = client.custom_command(["CLUSTER", "SLOTS"])
         except GlideError as e:
             log.debug("kvtier: CLUSTER SLOTS failed (%s); keeping the last slot map", e)
@@ -254,9 +254,9 @@ class GlideTransport:
 
     def check(self) -> None:
         # every client connects now (they are lazy so that a dead store does not stop startup)
-        for held in (self._presence, self._reader, self._writer):
+        for which in ("_presence", "_reader", "_writer"):
             try:
-                with held.use() as client:
+                with self._use(which) as client:
                     client.ping()
             except GlideError as e:
                 if any(text in str(e) for text in _AUTH):
@@ -267,7 +267,7 @@ class GlideTransport:
     def max_value_bytes(self) -> int | None:
         command = ["CONFIG", "GET", "proto-max-bulk-len"]
         try:
-            with self._presence.use() as client:
+            with self._use("_presence") as client:
                 if self._cluster:
                     reply: Any = client.custom_command(command, AllPrimaries())
                 else:
@@ -280,7 +280,7 @@ class GlideTransport:
 
     def memory_policies(self) -> list[tuple[int, str]]:
         try:
-            with self._presence.use() as client:
+            with self._use("_presence") as client:
                 if self._cluster:
                     reply: Any = client.custom_command(["INFO", "memory"], AllPrimaries())
                 else:
@@ -295,12 +295,12 @@ class GlideTransport:
         batch = self._batch()
         for rkey in rkeys:
             batch.exists([rkey])
-        replies = self._exec(self._presence, batch, rkeys, self._timeouts.presence_s)
+        replies = self._exec("_presence", batch, rkeys, self._timeouts.presence_s)
         return [r if isinstance(r, StoreError) else bool(r) for r in replies]
 
     def get(self, rkey: bytes, limit: int | None = None) -> bytes | None:
         try:
-            with self._reader.use() as client:
+            with self._use("_reader") as client:
                 if limit is None:
                     return client.get(rkey)
                 # GETRANGE: at most `limit` bytes cross the wire, whatever the store holds
@@ -314,7 +314,7 @@ class GlideTransport:
         # under the key (a GET of a huge value cost its whole size in memory before it was
         # refused); glide writes the reply straight into `buf` as its `get(buffer=)` does
         try:
-            with self._reader.use() as client:
+            with self._use("_reader") as client:
                 n = client._execute_command(
                     RequestType.GetRange, [rkey, b"0", str(buf.nbytes - 1).encode()],
                     response_buffer=buf,
@@ -337,7 +337,7 @@ class GlideTransport:
         timeout_s = self._timeouts.presence_s + len(rkeys) * (
             self._timeouts.read_s - self._timeouts.presence_s
         )
-        replies = self._exec(self._reader, batch, rkeys, timeout_s)
+        replies = self._exec("_reader", batch, rkeys, timeout_s)
         if limit is not None:
             # a missing key reads as an empty range: a miss
             replies = [None if r == b"" else r for r in replies]
@@ -349,7 +349,7 @@ class GlideTransport:
         batch.exists([rkey])
         expiry = ExpirySet(ExpiryType.SEC, ttl_s) if ttl_s > 0 else None
         batch.set(rkey, value, expiry=expiry)
-        existed, done = self._exec(self._writer, batch, [rkey, rkey], self._timeouts.write_s)
+        existed, done = self._exec("_writer", batch, [rkey, rkey], self._timeouts.write_s)
         for reply in (done, existed):
             if isinstance(reply, StoreError):
                 raise reply
@@ -357,14 +357,14 @@ class GlideTransport:
 
     def expire(self, rkey: bytes, ttl_s: int) -> bool:
         try:
-            with self._writer.use() as client:
+            with self._use("_writer") as client:
                 return bool(client.expire(rkey, ttl_s))
         except GlideError as e:
             raise self._error(e, self.shard_of(rkey)) from None
 
     def delete(self, rkey: bytes) -> bool:
         try:
-            with self._writer.use() as client:
+            with self._use("_writer") as client:
                 return bool(client.delete([rkey]))
         except GlideError as e:
             raise self._error(e, self.shard_of(rkey)) from None
@@ -372,7 +372,7 @@ class GlideTransport:
     def delete_if(self, rkey: bytes, sha1_hex: bytes, longer_than: int | None = None) -> bool:
         args = [sha1_hex] if longer_than is None else [sha1_hex, str(longer_than).encode()]
         try:
-            with self._writer.use() as client:
+            with self._use("_writer") as client:
                 return bool(client.invoke_script(_DELETE_IF, keys=[rkey], args=args))
         except GlideError as e:
             raise self._error(e, self.shard_of(rkey)) from None
@@ -394,12 +394,26 @@ class GlideTransport:
 
     # ---- internals -----------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _use(self, which: str) -> Iterator[_Client]:
+        """The client named `which` for one call. A call that finds it replaced by `reconnect`
+        takes its successor: a connection swapped under it is no store failure to count."""
+        for _ in range(3):
+            held: _Held = getattr(self, which)
+            if held.enter():
+                try:
+                    yield held.client
+                finally:
+                    held.leave()
+                return
+        raise ClosingError("the remote tier's connection is closed")
+
     def _batch(self) -> Batch | ClusterBatch:
         return ClusterBatch(is_atomic=False) if self._cluster else Batch(is_atomic=False)
 
     def _exec(
         self,
-        held: _Held,
+        which: str,
         batch: Batch | ClusterBatch,
         rkeys: Sequence[bytes],
         timeout_s: float,
@@ -408,7 +422,7 @@ class GlideTransport:
         (a whole-batch failure is charged to every shard the batch touched)."""
         ms = max(1, round(timeout_s * 1000))
         try:
-            with held.use() as client:
+            with self._use(which) as client:
                 if isinstance(client, GlideClusterClient):
                     replies = client.exec(
                         batch,  # type: ignore[arg-type]
@@ -452,26 +466,26 @@ class _Held:
     FFI call not yet made) then runs on freed memory (a double free, a crash of the engine)."""
 
     def __init__(self, client: _Client) -> None:
-        self.client = client  # tests count its calls; every kvtier call goes through use()
+        self.client = client  # tests count its calls; every kvtier call enters and leaves
         self._calls = 0
         self._closing = False
         self._lock = threading.Lock()
 
-    @contextlib.contextmanager
-    def use(self) -> Iterator[_Client]:
-        """The client for one call; a client closed or replaced raises ClosingError (a miss)."""
+    def enter(self) -> bool:
+        """Count a call in; False once the client is closed or replaced (the call not made)."""
         with self._lock:
             if self._closing:
-                raise ClosingError("the remote tier's connection was closed or replaced")
+                return False
             self._calls += 1
-        try:
-            yield self.client
-        finally:
-            with self._lock:
-                self._calls -= 1
-                last = self._closing and self._calls == 0
-            if last:
-                self._release()
+            return True
+
+    def leave(self) -> None:
+        """Count a call out; the last one out of a closed client closes it."""
+        with self._lock:
+            self._calls -= 1
+            last = self._closing and self._calls == 0
+        if last:
+            self._release()
 
     def close(self) -> None:
         """Closes now if idle, else when the last call in flight returns (within its timeout)."""
