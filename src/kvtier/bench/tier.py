@@ -87,6 +87,9 @@ LOOKUP_P99_TARGET_MS = 2.0
 # hiccups of a shared 2-core machine (5 processes on it here) cannot make the p99 alone; the
 # quick form's 100 lookups put the p99 at the second-slowest one
 LOOKUP_P99_MIN_SAMPLES = 1000
+# every this many lookups, a bare all-rank PING to the same servers (no key work) is timed:
+# the machine's own round trip, beside the lookups, so a host too busy to judge says so
+LOOKUP_PING_EVERY = 10
 
 _GB = 1e9
 _MIB = 1 << 20
@@ -699,6 +702,7 @@ def _bench_lookup(report: Report, plan: Plan, say: Progress) -> None:
 
     say(f"lookup: starting {LOOKUP_RANKS} rank servers (spawned subprocesses)")
     lookups: list[float] = []
+    pings: list[float] = []
     timeouts = errors = 0
     with _rank_servers(keys) as endpoints:
         client = LookupClient(
@@ -728,6 +732,11 @@ def _bench_lookup(report: Report, plan: Plan, say: Progress) -> None:
                     )
                 if i >= plan.lookup_warmup:
                     lookups.append(dt)
+                    if i % LOOKUP_PING_EVERY == 0:
+                        t = time.perf_counter()
+                        answered = client.ping()
+                        if all(answered.values()):
+                            pings.append(time.perf_counter() - t)
         finally:
             client.close()
 
@@ -750,7 +759,7 @@ def _bench_lookup(report: Report, plan: Plan, say: Progress) -> None:
         "errors": errors,
     }
     report.add(Row("lookup.p50", f"lookup, 4 ranks, 128 keys: p50 {n}", p50, "ms", detail=detail))
-    report.add(lookup_p99_row(ms, detail))
+    report.add(lookup_p99_row(ms, detail, np.asarray(pings) * 1e3))
     report.add(
         Row(
             "lookup.hash",
@@ -763,20 +772,35 @@ def _bench_lookup(report: Report, plan: Plan, say: Progress) -> None:
     bench_transports(report, plan, keys, CHUNK_TOKENS, say)
 
 
-def lookup_p99_row(ms: np.ndarray, detail: Mapping[str, float | int | str]) -> Row:
+def lookup_p99_row(
+    ms: np.ndarray, detail: Mapping[str, float | int | str], ping_ms: np.ndarray | None = None
+) -> Row:
     """The lookups' p99 (ms) against `LOOKUP_P99_TARGET_MS`, judged only from
-    `LOOKUP_P99_MIN_SAMPLES` lookups (fewer: shown, UNDETERMINED)."""
+    `LOOKUP_P99_MIN_SAMPLES` lookups; a p99 over the target while the bare all-rank round
+    trip timed beside it (`ping_ms`) is over it too is the machine's, not the lookup's: both
+    UNDETERMINED, the value shown."""
+    extra = {}
+    if ping_ms is not None and len(ping_ms):
+        extra = {"ping_samples": len(ping_ms), "ping_p99_ms": float(np.percentile(ping_ms, 99))}
     row = Row(
         "lookup.p99",
         "lookup, 4 ranks, 128 keys: p99",
         float(np.percentile(ms, 99)),
         "ms",
         target=Target("value", "<=", LOOKUP_P99_TARGET_MS),
-        detail=dict(detail),
+        detail={**detail, **extra},
     )
-    if len(ms) >= LOOKUP_P99_MIN_SAMPLES:
-        return row
-    return row.undetermined(f"{len(ms)} lookups, judged from {LOOKUP_P99_MIN_SAMPLES}")
+    if len(ms) < LOOKUP_P99_MIN_SAMPLES:
+        return row.undetermined(f"{len(ms)} lookups, judged from {LOOKUP_P99_MIN_SAMPLES}")
+    ping_p99 = extra.get("ping_p99_ms", 0.0)
+    if row.passed is False and ping_p99 > LOOKUP_P99_TARGET_MS:
+        # 2 cores shared by the client, 4 rank servers and whatever else runs: every lookup
+        # waits for 4 processes to be scheduled, and a PING with no key work waits as long
+        return row.undetermined(
+            f"a bare PING of the same ranks took {ping_p99:.1f} ms at p99 beside it: "
+            "this machine's scheduling, over the target without any key work"
+        )
+    return row
 
 
 @contextmanager
