@@ -38,7 +38,6 @@ CHUNK = 256
 STEP_CHUNKS = {"cuda": (4, 16, 64), "cpu": (4, 16)}
 STEP_SAVES = 4  # chunks one step hands to wait_for_save in the wait_for_save row
 GPU_RATIO_TARGET = 0.8
-CPU_RATIO_TARGET = 0.85
 WAIT_FOR_SAVE_MS_TARGET = 1.0
 # its p99 is judged from this many steps: with fewer, the p99 is the slowest step or next to
 # it, so one scheduling hiccup of a shared machine decides it (30 steps: the max); the full
@@ -131,7 +130,11 @@ def run_datapath(
     device = resolve_device(device_name)
     cuda = device.type == "cuda"
     layout = "BLHNC" if cuda else "LBHNC"
-    ratio = Target("ratio", ">=", GPU_RATIO_TARGET if cuda else CPU_RATIO_TARGET)
+    # on the CPU the ratio is shown, not judged: a lane copies on its own thread (the forward
+    # owns the other cores) while raw copy_ takes every core, so a healthy Llama row measured
+    # 0.82-0.86 alone (the old 0.85 target missed 5 of 6 full runs) and 0.58-0.87 beside two
+    # CPU hogs; raw on one thread swung 0.73-1.23. The target is a GPU's copy engine's
+    ratio = Target("ratio", ">=", GPU_RATIO_TARGET) if cuda else None
     steps = STEP_CHUNKS[device.type]
     note = report.note(
         f"through OffloadWorker on {device} ({layout}, {BLOCK}-token blocks, {CHUNK}-token "
@@ -141,6 +144,12 @@ def run_datapath(
         "place on the CPU), scatters; raw = N chunk-sized copy_ calls between a contiguous "
         "device buffer and pinned host memory on one side stream; interleaved, median; the "
         "lanes' CPU per GB is in the detail"
+        + (
+            ""
+            if cuda
+            else "; on the CPU measured, not judged: a lane copies on one thread, raw copy_ "
+            "on every core (the target is a GPU's)"
+        )
     )
     lat = report.note(
         "one chunk loaded as its own LoadOp: from start_load_kv to the landed report "
