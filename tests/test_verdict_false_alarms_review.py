@@ -376,3 +376,39 @@ def test_a_wait_for_save_p99_over_1_ms_from_enough_steps_still_misses():
 
     assert wait_for_save_row("t", "m", _steps(100, 5)).passed is False  # 5%: a real p99
     assert wait_for_save_row("t", "m", _steps(100, 1)).passed is True
+
+
+# ---- bench load-cost: the slow store's and the mixed case's TTFT ---------------------------------
+
+
+def test_a_cost_ttft_miss_while_the_a_a_pair_moved_past_3pct_is_undetermined():
+    from kvtier.bench.loadcost import beyond_aa
+    from kvtier.bench.table import Row, Target
+
+    def row(value: float) -> Row:
+        return Row("slow.cost.ttft", "cost", value, "x", target=Target("value", "<=", 1.118))
+
+    # measured beside two CPU hogs (full load-cost, 1 of 5 runs): 1.143 against 1.118 while
+    # no offload over itself moved to 0.937
+    noisy = beyond_aa(row(1.143), 0.937)
+    assert noisy.passed is None and noisy.detail["verdict"] == "undetermined"
+    # a steady A/A: the miss stands (the policy loading a slow store's hits: 1.5-1.75x)
+    assert beyond_aa(row(1.6), 1.01).passed is False
+    assert beyond_aa(row(1.05), 0.9).passed is True  # a pass is never taken away
+
+
+def test_the_mixed_ttft_is_judged_after_the_teaching_prompt():
+    from kvtier.bench.loadcost import Arm, mixed_ttft_row
+
+    # the quick form's 2 prompts: the first loads its tail from the slow store (0.4 s); the
+    # median of 2 was half of it (1.5-2.4x, a MISS in 2 of 5 quick runs beside hogs)
+    quick = mixed_ttft_row(Arm(ttft_s=[0.4, 0.06]), Arm(ttft_s=[0.1, 0.1]))
+    assert quick.passed is None and quick.detail["verdict"] == "undetermined"
+    assert abs(quick.value - 0.6) < 1e-9  # shown: the prompt after the teaching one
+    # the full form: 12 prompts, the head loaded and the tail recomputed after the first
+    off = Arm(ttft_s=[0.1 + 0.001 * i for i in range(12)])
+    good = mixed_ttft_row(Arm(ttft_s=[0.4] + [0.6 * t for t in off.ttft_s[1:]]), off)
+    assert good.passed is True and abs(good.value - 0.6) < 1e-6
+    # a policy that keeps loading the slow tail is still a MISS
+    bad = mixed_ttft_row(Arm(ttft_s=[0.4] + [1.5 * t for t in off.ttft_s[1:]]), off)
+    assert bad.passed is False
