@@ -433,3 +433,32 @@ def test_a_call_that_finds_its_client_replaced_takes_the_new_one_uncounted(
     assert tier.read_into(key_of(0), dst) and bytes(dst.numpy()) == payload_of(0, SIZE)
     assert transport._reader is not old  # type: ignore[attr-defined]
     assert m.total("store_failures_total") == 0 and tier.breaker.state is State.CLOSED
+
+
+@pytest.mark.parametrize("unix", [False, True], ids=["tcp", "unix"])
+def test_records_planted_under_other_keys_cost_no_connection_storm(
+    closing: Callable, monkeypatch: pytest.MonkeyPatch, unix: bool
+) -> None:
+    """A read that gets another key's record replaces the connections (a reply out of step is
+    fixed so). Another writer of the store (untrusted) planting such copies made every read
+    open new connections: two per read, a storm of sockets on the host. At most one
+    replacement per second; every planted copy is still a counted miss, never served."""
+    s = closing(RedisServer(unix=unix).start())
+    m = Metrics(rank=0)
+    tier = closing(_tier(s.url, m))
+    _fill(tier, 1)
+    admin = closing(s.client())
+    valid = admin.get(tier.redis_key(key_of(0)))
+    n = 40
+    for i in range(1, n + 1):
+        admin.set(tier.redis_key(key_of(i)), valid)  # chunk 0's record under chunk i's key
+    replaced: list[float] = []
+    real = tier._transport.reconnect
+    monkeypatch.setattr(tier._transport, "reconnect", lambda: replaced.append(1) or real())
+    dst = torch.zeros(SIZE, dtype=torch.uint8)
+    t0 = time.monotonic()
+    assert not any(tier.read_into(key_of(i), dst) for i in range(1, n + 1))
+    elapsed = time.monotonic() - t0
+    assert m.total("verify_failures_total") == n
+    assert len(replaced) <= 1 + int(elapsed), f"{len(replaced)} replacements for {n} reads"
+    assert _ok(tier, 0)  # the valid record stays and serves

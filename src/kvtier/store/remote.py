@@ -47,6 +47,10 @@ from kvtier.store.secret import codec_for
 _TENANT = re.compile(r"[A-Za-z0-9._-]{0,64}")
 # verification failures that say the bytes are another chunk's record, not this one damaged
 _ANOTHER_KEYS = ("key_mismatch", "namespace_mismatch")
+# connections replaced after a read got another key's record, at most this often: one
+# replacement fixes a reply out of step, while copies planted under our keys by another
+# writer of the store (untrusted) cost two new connections per read, a storm of sockets
+RECONNECT_MIN_S = 1.0
 
 if TYPE_CHECKING:
     from kvtier.config import KVTierConfig
@@ -143,6 +147,8 @@ class RemoteTier(TierBase):
         self._retained_until: Callable[[bytes], float | None] = _unretained
         self._breakers = breakers if breakers is not None else ShardBreakers(5, 5.0, clock)
         self._lock = threading.Lock()
+        self._clock = clock
+        self._reconnected_at = -RECONNECT_MIN_S
         self._local = threading.local()
         self._resident = 0
         self._closed = False
@@ -552,7 +558,7 @@ class RemoteTier(TierBase):
                 # another chunk's record: a planted copy, or a reply to another request (a
                 # connection out of step after a lost reply, which every later read would
                 # repeat): the next calls go over new connections
-                self._transport.reconnect()
+                self._replace_connections()
             log.warning(
                 "kvtier: remote record %s failed verification (%s); deleting it if the store "
                 "still holds those bytes",
@@ -575,6 +581,15 @@ class RemoteTier(TierBase):
                     self._resident = max(0, self._resident - n)
                     self._publish_locked()
             return None
+
+    def _replace_connections(self) -> None:
+        """`reconnect` the transport unless it was done within `RECONNECT_MIN_S`."""
+        now = self._clock()
+        with self._lock:
+            if now - self._reconnected_at < RECONNECT_MIN_S:
+                return
+            self._reconnected_at = now
+        self._transport.reconnect()
 
     def _read_limit(self) -> int | None:
         """Bytes a record read asks for: one past the longest record, so a longer value fills
