@@ -24,13 +24,12 @@ import blake3
 
 from kvtier.errors import ConfigError
 from kvtier.lookup.keyfile import ENGINE_KEY_BYTES
+from kvtier.throttled_log import EVERY_S, ThrottledLog
 
 MAC_BYTES: Final = 32
 # BLAKE3 key-derivation contexts: globally unique, fixed forever for this wire format
 REQUESTS: Final = "kvtier 2026-05 lookup request frames"
 REPLIES: Final = "kvtier 2026-05 lookup reply frames"
-# a flood of refused frames is logged once per this many seconds, with the count in between
-_LOG_EVERY_S = 60.0
 
 
 def check_key(key: object) -> bytes:
@@ -80,30 +79,19 @@ class FrameMac:
 
 
 class RefusalLog:
-    """Logs refused frames without letting a flood of them fill the log: the first at once,
+    """Refused frames logged without letting a flood of them fill the log: the first at once,
     then at most one line per `every_s` of `clock`, counting the ones in between."""
 
     def __init__(
         self,
         log: logging.Logger,
         what: str,
-        every_s: float = _LOG_EVERY_S,
+        every_s: float = EVERY_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._log = log
+        self._lines = ThrottledLog(log, every_s, clock)
         self._what = what
-        self._every = every_s
-        self._clock = clock
-        self._next = float("-inf")
-        self._quiet = 0
 
     def refused(self, detail: str) -> None:
         """Log (or count for the next line) one refused frame."""
-        now = self._clock()
-        if now < self._next:
-            self._quiet += 1
-            return
-        more = f" ({self._quiet} more since the last line)" if self._quiet else ""
-        self._log.warning("kvtier: %s refused a frame: %s%s", self._what, detail, more)
-        self._quiet = 0
-        self._next = now + self._every
+        self._lines.warning("frame", "kvtier: %s refused a frame: %s", self._what, detail)

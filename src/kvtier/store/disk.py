@@ -52,6 +52,7 @@ from kvtier.store.lease import LeaseTable
 from kvtier.store.policy import NO_PARENT, ChainPolicy
 from kvtier.store.retention import RETENTION_FILE, RETENTION_TEMP_PREFIX
 from kvtier.store.secret import generated_secret
+from kvtier.throttled_log import ThrottledLog
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,7 @@ class DiskTier(TierBase):
         # chunks a client asked to keep (`protect`): never victims while retained
         self._retained: Callable[[bytes], bool] = _never
         self._leases = LeaseTable(metrics, lease_ttl_s, max_leases, clock)
+        self._bad_records = ThrottledLog(log, clock=clock)
         self._closed = False
         # keys a follower found untrusted on disk, counted once each
         self._untrusted: set[bytes] = set()
@@ -308,7 +310,11 @@ class DiskTier(TierBase):
         try:
             payload = self._codec.open(buf, key)
         except record.RecordError as e:
-            log.warning("kvtier: disk record %s failed verification: %s", path, e)
+            # files in the tier's directory are untrusted: a flood of bad ones may not fill
+            # the log (the counter carries the rate)
+            self._bad_records.warning(
+                e.reason, "kvtier: disk record %s failed verification: %s", path, e
+            )
             self._drop_bad(key, ino, e.reason)
             return None
         self._touch_if_due()

@@ -43,6 +43,7 @@ from kvtier.store.policy import NO_PARENT
 from kvtier.store.remote_guard import ShardGuard
 from kvtier.store.remote_transport import CredentialsRefused, StoreError, Timeouts, Transport
 from kvtier.store.secret import codec_for
+from kvtier.throttled_log import ThrottledLog
 
 _TENANT = re.compile(r"[A-Za-z0-9._-]{0,64}")
 # verification failures that say the bytes are another chunk's record, not this one damaged
@@ -149,6 +150,7 @@ class RemoteTier(TierBase):
         self._lock = threading.Lock()
         self._clock = clock
         self._reconnected_at = -RECONNECT_MIN_S
+        self._bad_records = ThrottledLog(log, clock=clock)
         self._local = threading.local()
         self._resident = 0
         self._closed = False
@@ -559,7 +561,10 @@ class RemoteTier(TierBase):
                 # connection out of step after a lost reply, which every later read would
                 # repeat): the next calls go over new connections
                 self._replace_connections()
-            log.warning(
+            # another writer of the store may plant records at will: a flood of them may not
+            # fill the log (the counter carries the rate)
+            self._bad_records.warning(
+                e.reason,
                 "kvtier: remote record %s failed verification (%s); deleting it if the store "
                 "still holds those bytes",
                 rkey.decode("ascii"),
