@@ -126,8 +126,11 @@ class LookupClient:
         self._clock = clock
         self._lock = threading.Lock()
         self._reqs = itertools.count(1)
+        # a context of its own unless given one: another library in the process may term()
+        # the process-wide one at its shutdown, and every lookup would fail from then on
+        self._own_ctx = zmq.Context() if context is None else None
         self._peers = Peers(
-            context if context is not None else zmq.Context.instance(),
+            context if context is not None else self._own_ctx,
             metrics,
             max_frame_bytes=self._codec.max_frame_bytes,
             miss_limit=miss_limit,
@@ -462,6 +465,8 @@ class LookupClient:
                 return
             self._closed = True
             self._peers.close()
+            if self._own_ctx is not None:
+                self._own_ctx.destroy(linger=0)  # its sockets are closed: returns at once
 
     def __enter__(self) -> LookupClient:
         return self

@@ -128,7 +128,10 @@ class LookupServer:
         self._m = metrics
         self._codec = Codec(max_frame_bytes)
         self._curve = curve_keys(key, rank) if transport == "tcp" else None
-        self._ctx = zmq.Context.instance()
+        # a context of its own: another library in the engine's process may term() or
+        # destroy() the process-wide one at its shutdown, ending this rank's serving thread
+        self._ctx = zmq.Context()
+        self._close_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._bound: str | None = None
         self._wake_send: zmq.Socket | None = None
@@ -189,15 +192,24 @@ class LookupServer:
 
     def close(self) -> None:
         """Stop serving and unbind; returns as soon as the thread is out of its current message."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._close_lock:  # two closers would use one zmq socket from two threads
+            if self._closed:
+                return
+            self._closed = True
         if self._thread is None:
+            self._ctx.destroy(linger=0)
             return
         assert self._wake_send is not None
-        self._wake_send.send(b"")
+        try:
+            # never blocking: a PAIR whose peer is gone (the serving thread ended) would
+            # block a send, and the engine's shutdown with it, forever
+            self._wake_send.send(b"", zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.warning("kvtier: lookup server rank %d: its thread had ended (%s)", self.rank, e)
         self._thread.join(_JOIN_TIMEOUT_S)
         self._wake_send.close()
+        if not self._thread.is_alive():
+            self._ctx.destroy(linger=0)  # its sockets are closed: returns at once
         if self._thread.is_alive():
             log.error(
                 "kvtier: lookup server rank %d still inside its backend %.0fs after close()",
@@ -245,8 +257,13 @@ class LookupServer:
                         break
                     try:
                         self._handle(router, frames)
-                    except Exception:  # one bad message must not stop the rank's lookups
+                    except (Exception, SystemExit):
+                        # one bad message (a backend calling sys.exit included) must not stop
+                        # the rank's lookups: every later one would time out, silently
                         log.exception("kvtier: lookup server rank %d failed a message", self.rank)
+        except BaseException:
+            log.exception("kvtier: lookup server rank %d stopped serving", self.rank)
+            raise
         finally:
             router.close()
             wake.close()
