@@ -14,6 +14,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TypeVar
 
 import pytest
@@ -468,3 +469,52 @@ def test_records_planted_under_other_keys_cost_no_connection_storm(
     lines = [r for r in caplog.records if "failed verification" in r.getMessage()]
     assert len(lines) <= 1 + int(elapsed / 60), f"{len(lines)} log lines for {n} reads"
     assert _ok(tier, 0)  # the valid record stays and serves
+
+
+def test_replaced_clients_are_freed(store: RedisServer, closing: Callable) -> None:
+    """glide_sync's create() registered an at-fork handler per client that held it for good: 6
+    KiB per reconnect, one with every breaker probe of a store that is down (a week of it:
+    about 700 MB). Replaced clients must be collected."""
+    import gc
+    import weakref
+
+    tier = closing(_tier(store.url, Metrics(rank=0)))
+    _fill(tier, 1)
+    transport = tier._transport
+    old = []
+    for _ in range(20):
+        old += [weakref.ref(h.client) for h in (transport._presence, transport._reader,
+                                                 transport._writer)]  # fmt: skip
+        transport.reconnect()
+        assert _ok(tier, 0)
+    gc.collect()
+    alive = sum(r() is not None for r in old)
+    assert alive == 0, f"{alive} of {len(old)} replaced glide clients never freed"
+
+
+def test_a_forked_child_reads_through_the_parents_tier(store: RedisServer) -> None:
+    """With glide's own per-client fork handler gone, the one kvtier registers reconnects each
+    live client in a forked child (a child inheriting a client without its runtime hangs)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        f"""
+        import os, sys, torch
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+        from kvtier.metrics import Metrics
+        from tests.store.test_remote_review import _tier, _fill, _ok
+        tier = _tier({store.url!r}, Metrics(rank=0))
+        _fill(tier, 1)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if _ok(tier, 0) else 3)
+        _, status = os.waitpid(pid, 0)
+        print("child exit", os.waitstatus_to_exitcode(status), "parent", _ok(tier, 0), flush=True)
+        os._exit(0)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert "child exit 0 parent True" in done.stdout, done.stdout + done.stderr[-2000:]

@@ -12,11 +12,13 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from glide_shared.commands.batch_options import BatchOptions, ClusterBatchOptions
 from glide_shared.commands.core_options import ExpirySet, ExpiryType
@@ -59,6 +61,7 @@ log = logging.getLogger(__name__)
 _DELETE_IF = Script(DELETE_IF_SCRIPT)
 
 _Client = GlideClient | GlideClusterClient
+_C = TypeVar("_C", GlideClient, GlideClusterClient)
 _RECONNECT = BackoffStrategy(num_of_retries=4, factor=5, exponent_base=2)
 # the slot map is re-read at most this often, however many calls report a moved shard, and
 # at least this often, so shard names follow a failover or migration glide handled silently
@@ -150,7 +153,8 @@ class GlideTransport:
         def make(timeout_s: float, replica: bool) -> _Client:
             ms = max(1, round(timeout_s * 1000))
             if self._cluster:
-                return GlideClusterClient.create(
+                return _create(
+                    GlideClusterClient,
                     GlideClusterClientConfiguration(
                         addresses,
                         use_tls=endpoint.tls,
@@ -163,9 +167,10 @@ class GlideTransport:
                             connection_timeout=connect_ms, tls_config=tls
                         ),
                         lazy_connect=True,
-                    )
+                    ),
                 )
-            return GlideClient.create(
+            return _create(
+                GlideClient,
                 GlideClientConfiguration(
                     addresses,
                     use_tls=endpoint.tls,
@@ -179,7 +184,7 @@ class GlideTransport:
                         connection_timeout=connect_ms, tls_config=tls
                     ),
                     lazy_connect=True,
-                )
+                ),
             )
 
         self._make = lambda: (
@@ -458,6 +463,33 @@ class GlideTransport:
             # the owner may have changed (failover, migration): name shards by the new map
             self.refresh()
         return error
+
+
+# glide_sync's create() registers an at-fork handler per client that holds the client for good:
+# 6 KiB a reconnect, and a reconnect comes with every breaker probe of a store that is down.
+# kvtier creates its clients itself, under one handler for them all that holds none
+_live: weakref.WeakSet[_Client] = weakref.WeakSet()
+
+
+def _recreate_in_child() -> None:
+    # a forked child has none of the parent's runtime threads: each live client connects anew
+    # (what glide's own handler does; a closed client does nothing)
+    for client in list(_live):
+        client._create_core_client()
+
+
+os.register_at_fork(after_in_child=_recreate_in_child)
+
+
+def _create(cls: type[_C], config: GlideClientConfiguration | GlideClusterClientConfiguration
+            ) -> _C:  # fmt: skip
+    """`cls.create(config)` (glide_sync 2.5.3's steps) without its per-client fork handler."""
+    client = cls(config)  # type: ignore[arg-type]
+    client._config = config
+    client._is_closed = False
+    _live.add(client)
+    client._create_core_client()
+    return client
 
 
 class _Held:
