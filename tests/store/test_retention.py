@@ -278,3 +278,28 @@ def test_retained_chunks_past_memorys_share_leave_room_for_unretained_saves(
         assert all(disk.get(k) == payload_of(i, SIZE) for i, k in enumerate(keys[:4]))
     finally:
         s.close()
+
+
+def test_a_prefetch_racing_close_starts_no_thread_over_closed_tiers(
+    tmp_path: Path, namespace: bytes, metrics: Metrics, monkeypatch: pytest.MonkeyPatch
+):
+    """A prefetch checked the tiers, then the stack closed (a shutdown), then the prefetch
+    started its thread: an idle thread over closed tiers, for good. Found by a review."""
+    import threading
+
+    disk = _disk(tmp_path, namespace, metrics, 8)
+    s = TierStack(_memory(namespace, metrics, 8), [disk], metrics, retention_limit=8)
+    keys = [key_of(300 + i) for i in range(2)]
+    assert disk.put(keys[0], payload_of(0, SIZE))
+    real = disk.contains_many
+
+    def closing_meanwhile(ks: object) -> list[bool]:
+        held = real(ks)  # type: ignore[arg-type]
+        s.close()  # the shutdown lands between the check and the thread's start
+        return held
+
+    monkeypatch.setattr(disk, "contains_many", closing_meanwhile)
+    assert s.admin("prefetch", keys, 0.0) == 0
+    assert not [t for t in threading.enumerate() if t.name == "kvtier-prefetch" and
+                t.is_alive() and getattr(t, "_target", None) == s._prefetch_loop]  # fmt: skip
+    assert s._prefetcher is None

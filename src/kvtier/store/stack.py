@@ -557,6 +557,8 @@ class TierStack:
             held = t.contains_many(keys)
             below = [b or (u and h) for b, u, h in zip(below, up, held, strict=True)]
         with self._cond:
+            if self._closed:
+                return 0  # closed meanwhile: no thread may start over closed tiers
             if self._prefetcher is None:
                 self._prefetcher = threading.Thread(
                     target=self._prefetch_loop, name="kvtier-prefetch", daemon=True
@@ -643,9 +645,11 @@ class TierStack:
     def close(self, timeout_s: float = 10.0) -> None:
         """Finish queued writes (dropping them if they cannot finish in time), stop the
         write-behind thread and close every tier."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._cond:  # a prefetch queued meanwhile sees it before starting its thread
+            if self._closed:
+                return
+            self._closed = True
+            prefetcher = self._prefetcher
         if self._thread is not None:
             if not self.flush(timeout_s):
                 log.warning("kvtier: write-behind did not drain in %.1fs; dropping", timeout_s)
@@ -658,12 +662,12 @@ class TierStack:
             if self._thread.is_alive():
                 log.warning("kvtier: write-behind thread still busy after %.1fs", timeout_s)
         self._save_retention()
-        if self._prefetcher is not None:
+        if prefetcher is not None:
             try:
                 self._prefetches.put(_STOP, timeout=timeout_s)
             except queue.Full:
                 log.warning("kvtier: prefetch queue stuck; a lower tier is not returning")
-            self._prefetcher.join(timeout_s)
+            prefetcher.join(timeout_s)
         for t in self._all():
             t.close()
 
