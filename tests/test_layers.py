@@ -36,6 +36,7 @@ FOUNDATION = frozenset(
         "private_file",
         "numbers",
         "data",
+        "throttled_log",
     }
 )
 TOOLS = frozenset(
