@@ -208,15 +208,15 @@ class LookupServer:
             log.warning("kvtier: lookup server rank %d: its thread had ended (%s)", self.rank, e)
         self._thread.join(_JOIN_TIMEOUT_S)
         self._wake_send.close()
-        if not self._thread.is_alive():
-            self._ctx.destroy(linger=0)  # its sockets are closed: returns at once
         if self._thread.is_alive():
             log.error(
                 "kvtier: lookup server rank %d still inside its backend %.0fs after close()",
                 self.rank,
                 _JOIN_TIMEOUT_S,
             )
-        elif self._transport == "ipc":
+            return
+        self._ctx.destroy(linger=0)  # its sockets are closed: returns at once
+        if self._transport == "ipc":
             self._wait_unbound()
 
     def _wait_unbound(self) -> None:
