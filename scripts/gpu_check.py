@@ -71,6 +71,14 @@ class Plan:
     out: Path
     quick: bool
 
+    @property
+    def burst_reps(self) -> int:
+        """Repetitions of the ring and GIL bursts: their rows are measured, never judged, and on
+        the CPU they only prove the paths run (one rep there saves the suite 10 s)."""
+        if not self.device.startswith("cuda"):
+            return 1 if self.quick else 3
+        return 3 if self.quick else 5
+
 
 def plan(device_arg: str, out: Path, quick: bool) -> Plan:
     """The run's arguments for `--device device_arg`; ValueError/ConfigError name the fix.
@@ -380,7 +388,7 @@ def ring(p: Plan) -> list[Row]:
     each job's end, arms interleaved (`kvtier.bench.ring_sim`); wall time kept / drained and
     the lanes' CPU per chunk. Measured, not judged: no GPU has run it yet."""
     device = torch.device(p.device)
-    got = measure_ring(lambda: ops_for(device), device, 3 if p.quick else 5, print)
+    got = measure_ring(lambda: ops_for(device), device, p.burst_reps, print)
     rows: list[Row] = []
     for what in ("save", "load"):
         kept, drained = (got.median("seconds", what, arm) for arm in ("kept", "drained"))
@@ -400,7 +408,7 @@ def gil(p: Plan) -> list[Row]:
     pause, at the interpreter's 5 ms GIL switch interval and at kvtier's `gil_switch_ms`, with
     the burst alone; time over alone, and the forward's slowdown. Measured, not judged."""
     device = torch.device(p.device)
-    got = measure_ring(lambda: ops_for(device), device, 3 if p.quick else 5, print,
+    got = measure_ring(lambda: ops_for(device), device, p.burst_reps, print,
                        arms=GIL_ARMS)  # fmt: skip
     alone_arm, *busy_arms = (a.name for a in GIL_ARMS)
     rows: list[Row] = []

@@ -33,6 +33,9 @@ def test_every_cuda_device_string_builds_its_plan_on_the_cpu(
     tp2 = EngineConfig(device=arg, tensor_parallel_size=2)
     assert tp2.rank_device(1) == torch.device("cuda", rank1)
     assert p.tier.chunk_size == gpu_check.RESTORE_CHUNK
+    # a GPU's ring and GIL bursts keep their repetitions; the CPU's unjudged quick form runs one
+    assert (p.burst_reps, gpu_check.plan(arg, tmp_path, quick=False).burst_reps) == (3, 5)
+    assert gpu_check.plan("cpu", tmp_path, quick=True).burst_reps == 1
 
 
 def test_a_bad_device_string_is_refused_naming_the_forms(tmp_path: Path) -> None:
