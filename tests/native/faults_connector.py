@@ -111,6 +111,9 @@ def kvtier_engine(
     cfg.setdefault("load_gate", False)
     # hit counts are asserted: on 2 oversubscribed cores a rank's lookup can miss 200 ms
     cfg.setdefault("lookup_timeout_ms", 2000)
+    if "remote_url" in cfg:
+        # and a remote read 100 ms (the default): 16 of 20 remote hits once, under 3 workers
+        cfg.setdefault("remote_timeout_ms", 1000)
     spec = connector_spec(KVTierConfig(**cfg), model, run_dir=run_dir)
     factory: Any = spec if fault is None else (f"{__name__}:build", {**spec.args, **fault})
     return Engine(
