@@ -328,9 +328,11 @@ class LookupServer:
             PROTOCOL_VERSION, req.lookup_id, req.req, self.rank, hit, error,
             tier if hit else "", runs, tuple(e for e in ends if 0 < e <= hit),
         )  # fmt: skip
-        self._send(router, peer, self._codec.encode(reply))
+        # counted before the reply leaves, as a rejection is: a client holding the reply (or
+        # pinging after it) sees it in the count, never a count one behind
         self.served += 1
         self._m.lookups.inc()
+        self._send(router, peer, self._codec.encode(reply))
 
     def _admin(self, router: zmq.Socket, peer: bytes, req: AdminRequest) -> None:
         admin = getattr(self._backend, "admin", None)
