@@ -416,8 +416,10 @@ class KVTierConfig:
     remote_tls_key_file: str | None = _f(None, "opt_str", "PEM client key (mTLS)")
     remote_tls_insecure: bool = _f(False, "bool", "skip TLS certificate verification")
     tenant: str = _f(
-        "", "str", "tenant of this engine: its own namespace, key prefix and record key on a "
-        "shared store (letters, digits, '.', '_', '-')"
+        "",
+        "str",
+        "tenant of this engine: its own namespace, key prefix and record key on a "
+        "shared store (letters, digits, '.', '_', '-')",
     )
     record_key: str | None = _f(
         None,
@@ -507,6 +509,12 @@ class KVTierConfig:
         86400.0, "float", "longest retention a hint may ask for; longer ones are clipped to it"
     )
     write_queue_depth: int = _f(256, "int", "bound of each write-behind queue")
+    write_wait_ms: float = _f(
+        500.0,
+        "float",
+        "how long a save waits for the write-behind to unpin a memory slot when every slot "
+        "holds a chunk still being written below (0: the save fails at once)",
+    )
     load_gate: bool = _f(
         True, "bool", "false = load_policy 'always' (kept for older configs; prefer load_policy)"
     )
@@ -868,6 +876,12 @@ class KVTierConfig:
                 raise _error(
                     key, f"{_show(key, value)} must be > 0; use {default!r} (the default) or more"
                 )
+        if self.write_wait_ms < 0:
+            raise _error(
+                "write_wait_ms",
+                f"{_show('write_wait_ms', self.write_wait_ms)} is negative; use 0 to fail a "
+                "save at once when memory is full, or 500 (the default)",
+            )
         if self.lookup_wait_ms < 0:
             raise _error(
                 "lookup_wait_ms",
@@ -1052,7 +1066,6 @@ class KVTierConfig:
             raise _error(exc.keys, f"{exc} [{'; '.join(sources)}]") from None
 
 
-
 def _merged(
     extra: Mapping[str, Any] | None,
     environ: Mapping[str, str] | None,
@@ -1071,6 +1084,7 @@ def _merged(
     if extra is not None:
         merged.update(_from_mapping(extra, "extra config"))
     return merged
+
 
 _FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(KVTierConfig))
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(KVTierConfig)}

@@ -91,6 +91,7 @@ class _Families:
     store_failures: Counter
     tier_full: Counter
     dropped_writes: Counter
+    slot_waits: Counter
     rejected_frames: Counter
     dropped_tier_changes: Counter
     breaker_open: Gauge
@@ -218,6 +219,13 @@ def _store_families(
         ),
         dropped_writes=c(
             "dropped_writes", "Write-behind chunks dropped, by reason.", "tier", "reason"
+        ),
+        slot_waits=c(
+            "slot_waits",
+            "Saves that found every memory slot pinned while chunks were still being written "
+            "below, and waited for the write-behind: outcome slot (got one) or none "
+            "(write_wait_ms passed, or no write was left to unpin one).",
+            "outcome",
         ),
         rejected_frames=c("rejected_frames", "Malformed or oversized frames rejected.", "reason"),
         dropped_tier_changes=c(
@@ -542,6 +550,9 @@ class Metrics:
 
     def dropped_write(self, tier: str, reason: str) -> Counter:
         return self._child(self.f.dropped_writes, tier, reason)
+
+    def slot_wait(self, outcome: str) -> Counter:
+        return self._child(self.f.slot_waits, outcome)
 
     def rejected_frame(self, reason: str) -> Counter:
         return self._child(self.f.rejected_frames, reason)

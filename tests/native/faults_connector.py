@@ -114,6 +114,9 @@ def kvtier_engine(
     if "remote_url" in cfg:
         # and a remote read 100 ms (the default): 16 of 20 remote hits once, under 3 workers
         cfg.setdefault("remote_timeout_ms", 1000)
+    # and a save's wait for the write-behind to unpin a memory slot (500 ms by default): a
+    # starved writer once cost every save of a 1 MiB memory tier in CI
+    cfg.setdefault("write_wait_ms", 5000)
     spec = connector_spec(KVTierConfig(**cfg), model, run_dir=run_dir)
     factory: Any = spec if fault is None else (f"{__name__}:build", {**spec.args, **fault})
     return Engine(

@@ -16,6 +16,7 @@ from kvtier.store.disk import DiskTier
 from kvtier.store.memory import MemoryTier
 from kvtier.store.record import HEADER_BYTES
 from kvtier.store.stack import TierStack
+from tests.redis_local import wait_for
 
 Key = Callable[[int], bytes]
 Payload = Callable[[int, int], bytes]
@@ -217,6 +218,84 @@ def test_full_queue_drops_and_counts_without_blocking(
     finally:
         slow.gate.set()
         s.close()
+
+
+def test_a_save_waits_for_the_write_behind_to_unpin_a_slot(
+    namespace: bytes, metrics: Metrics, make_key: Key, make_payload: Payload
+):
+    """A memory tier full of chunks still being written below: `reserve` waits for the writer
+    instead of failing (CI lost every save of a test this way: a starved writer, a 1 MiB
+    memory tier, no chunk reached the disk), and gets the slot the finished write unpinned."""
+    slow = BlockingTier()
+    s = TierStack(_memory(namespace, metrics, 2), [slow], metrics, write_wait_s=WAIT_S)
+    try:
+        assert s.put(make_key(0), make_payload(0, SIZE))
+        assert s.put(make_key(1), make_payload(1, SIZE))
+        assert slow.entered.wait(WAIT_S)  # both slots pinned: one in the put, one queued
+        got: list[torch.Tensor | None] = []
+        saver = threading.Thread(target=lambda: got.append(s.reserve(make_key(2))))
+        saver.start()
+        # the first try found every slot pinned (counted once); the saver now waits
+        wait_for(
+            lambda: metrics.value("store_failures_total", tier="memory", reason="all_pinned") == 1,
+            WAIT_S,
+            "the save's first try",
+        )
+        assert saver.is_alive() and not got, "reserve gave up instead of waiting for a write"
+        slow.gate.set()
+        saver.join(WAIT_S)
+        assert len(got) == 1 and got[0] is not None
+        got[0].copy_(torch.frombuffer(bytearray(make_payload(2, SIZE)), dtype=torch.uint8))
+        s.commit(make_key(2))
+        assert s.flush(WAIT_S)
+        assert slow.stored[make_key(2)] == make_payload(2, SIZE)
+        assert metrics.value("slot_waits_total", outcome="slot") == 1
+        # the retries are not counted again as failures
+        assert metrics.value("store_failures_total", tier="memory", reason="all_pinned") == 1
+    finally:
+        slow.gate.set()
+        s.close()
+
+
+def test_a_slot_wait_is_bounded_and_skipped_when_no_write_is_pending(
+    namespace: bytes, metrics: Metrics, make_key: Key, make_payload: Payload
+):
+    """The wait ends after `write_wait_s` (counted `none`); slots pinned by lookups while no
+    write is pending are not waited for; close() ends a wait at once."""
+    slow = BlockingTier()
+    s = TierStack(_memory(namespace, metrics, 2), [slow], metrics, write_wait_s=0.05)
+    try:
+        assert s.put(make_key(0), make_payload(0, SIZE))
+        assert s.put(make_key(1), make_payload(1, SIZE))
+        assert slow.entered.wait(WAIT_S)
+        assert s.reserve(make_key(2)) is None
+        assert metrics.value("slot_waits_total", outcome="none") == 1
+        slow.gate.set()
+        assert s.flush(WAIT_S)
+        # pinned by a lookup's lease, nothing below left to write: no wait, nothing counted
+        assert s.lookup([make_key(0), make_key(1)], "lookup-1") == 2
+        assert s.reserve(make_key(3)) is None
+        assert metrics.total("slot_waits_total") == 1
+    finally:
+        slow.gate.set()
+        s.close()
+
+    blocked, fresh = BlockingTier(), Metrics(rank=0)
+    s = TierStack(_memory(namespace, fresh, 1), [blocked], fresh, write_wait_s=6 * WAIT_S)
+    got: list[torch.Tensor | None] = []
+    closer = threading.Thread(target=lambda: s.close(timeout_s=0.05))
+    try:
+        assert s.put(make_key(5), make_payload(5, SIZE))
+        assert blocked.entered.wait(WAIT_S)
+        saver = threading.Thread(target=lambda: got.append(s.reserve(make_key(6))))
+        saver.start()
+        wait_for(lambda: fresh.total("store_failures_total") == 1, WAIT_S, "the first try")
+        closer.start()
+        saver.join(WAIT_S)
+        assert not saver.is_alive() and got == [None]  # the close woke it, well before 60 s
+    finally:
+        blocked.gate.set()
+        closer.join(WAIT_S)
 
 
 def test_slow_tier_outliving_the_lease_still_writes_correct_bytes(

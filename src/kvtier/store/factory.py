@@ -59,6 +59,7 @@ def build_stack(
         retention_limit=retention_limit(config, slot_bytes),
         state_parts=state_parts,
         retention_share=config.retention_budget,
+        write_wait_s=config.write_wait_ms / 1000,
     )
 
 

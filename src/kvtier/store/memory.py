@@ -313,13 +313,16 @@ class MemoryTier(TierBase):
             self._publish(key, slot, n, want, parent)
         return True
 
-    def reserve(self, key: bytes, parent: bytes = NO_PARENT) -> torch.Tensor | None:
+    def reserve(
+        self, key: bytes, parent: bytes = NO_PARENT, counted: bool = True
+    ) -> torch.Tensor | None:
         """A writable uint8 slot view for `key`, the chunk after `parent`; `commit(key)`
         publishes it, `abort(key)` frees it. The slot is never `parent`'s, and `parent` stays
         until the commit or abort.
 
         None when `key` is already resident (referenced) or reserved, or when every slot is
-        pinned (counted as store failure `all_pinned`); `contains(key)` tells them apart."""
+        pinned (counted as store failure `all_pinned` unless `counted=False`: a retry of a
+        reserve already counted); `holds_or_reserves(key)` tells them apart."""
         _check_key(key)
         with self._lock:
             self._check_open()
@@ -330,7 +333,7 @@ class MemoryTier(TierBase):
             if key in self._reserved:
                 return None
             self._writing[parent] += 1
-            slot = self._allocate()
+            slot = self._allocate(counted)
             if slot < 0:
                 self._done_writing(parent)
                 return None
@@ -359,6 +362,12 @@ class MemoryTier(TierBase):
             reserved_parent = self._reserved_parent.pop(key)
             self._done_writing(reserved_parent)
             self._publish(key, slot, n, want, parent or reserved_parent)
+
+    def holds_or_reserves(self, key: bytes) -> bool:
+        """Whether `key` is resident or has a slot reserved (a `reserve` of it returns None for
+        that reason, not for want of a slot)."""
+        with self._lock:
+            return key in self._index or key in self._reserved
 
     def abort(self, key: bytes) -> None:
         """Give back the slot reserved for `key` without publishing anything."""
@@ -555,15 +564,17 @@ class MemoryTier(TierBase):
         else:
             del self._writing[parent]
 
-    def _allocate(self) -> int:
-        """A private slot: free, reclaimed or evicted; -1 (counted) when every slot is pinned."""
+    def _allocate(self, counted: bool = True) -> int:
+        """A private slot: free, reclaimed or evicted; -1 (counted unless `counted=False`) when
+        every slot is pinned."""
         if not self._free and self._quarantine:
             self._reclaim()
         if self._free:
             return self._free.pop()
         key = self._victim()
         if key is None:
-            self._all_pinned.inc()
+            if counted:
+                self._all_pinned.inc()
             return -1
         slot = self._index.pop(key)
         self._policy.evict(key)

@@ -15,6 +15,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -67,6 +68,7 @@ class TierStack:
         clock: Callable[[], float] | None = None,
         state_parts: int = 0,
         retention_share: float = 1.0,
+        write_wait_s: float = 0.0,
     ) -> None:
         """`writes_lower=False`: the lower tiers are read only (another rank writes the records
         of a replicated layout there). `retention_limit`: chunks clients may retain on this rank
@@ -75,12 +77,16 @@ class TierStack:
         lower tier keeps them); `clock`: wall-clock seconds of retention deadlines (tests pass
         their own).
         `state_parts`: the parts of a hybrid model's boundary state record (0: no state groups),
-        which the admin ops carry out on along with the chunk it ends."""
+        which the admin ops carry out on along with the chunk it ends. `write_wait_s`: how
+        long `reserve` waits for the write-behind to unpin a slot (0: not at all)."""
         if metrics is None:
             raise ValueError("TierStack needs the rank's Metrics; pass metrics=Metrics(rank)")
         if state_parts < 0:
             raise ValueError(f"state_parts={state_parts} must be >= 0")
         self._state_parts = state_parts
+        if write_wait_s < 0:
+            raise ValueError(f"write_wait_s={write_wait_s} must be >= 0")
+        self._write_wait_s = write_wait_s
         if queue_depth <= 0 or max_leases <= 0:
             raise ValueError(
                 f"queue_depth ({queue_depth}) and max_leases ({max_leases}) must be > 0"
@@ -98,6 +104,8 @@ class TierStack:
         self._depth.set(0)
         # jobs enqueued and not yet finished; flush() waits on it reaching zero
         self._pending = 0
+        # jobs finished (each unpins its chunk's slot): a reserve waiting for a slot wakes on it
+        self._finished = 0
         self._cond = threading.Condition()
         self._seq = itertools.count()
         # lookup lease id -> indices of the tiers that hold it, so a release touches only those
@@ -392,9 +400,44 @@ class TierStack:
 
     def reserve(self, key: bytes, parent: bytes = NO_PARENT) -> torch.Tensor | None:
         """A memory slot to fill in place for `key`, the chunk after `parent` (which the slot
-        never evicts); `commit` or `abort` it afterwards."""
+        never evicts); `commit` or `abort` it afterwards. When every slot is pinned while
+        write-behind jobs are pending, wait up to `write_wait_s` for one to unpin a slot."""
         self._check_open()
-        return self._memory.reserve(key, parent)
+        slot = self._memory.reserve(key, parent)
+        if slot is not None or self._write_wait_s <= 0 or self._memory.holds_or_reserves(key):
+            return slot
+        return self._reserve_after_writes(key, parent)
+
+    def _reserve_after_writes(self, key: bytes, parent: bytes) -> torch.Tensor | None:
+        """Retry `reserve` each time a write-behind job finishes, until one succeeds, nothing
+        is left pending, or `write_wait_s` passed. Without this a memory tier smaller than the
+        lower tiers' backlog drops every save the slow writer falls behind on: those chunks
+        reach no tier at all, where waiting costs the save lane a few milliseconds a chunk."""
+        deadline = time.monotonic() + self._write_wait_s
+        with self._cond:
+            if self._pending == 0:
+                return None  # no write below will unpin anything: not a wait
+        while True:
+            with self._cond:
+                seen = self._finished
+                left = deadline - time.monotonic()
+                woke = left > 0 and self._cond.wait_for(
+                    lambda seen=seen: self._finished != seen or self._closed or self._pending == 0,
+                    timeout=left,
+                )
+                if not woke or self._closed:
+                    break
+            slot = self._memory.reserve(key, parent, counted=False)
+            if slot is not None:
+                self._m.slot_wait("slot").inc()
+                return slot
+            if self._memory.holds_or_reserves(key):
+                return None  # another writer stored or reserved it meanwhile
+            with self._cond:
+                if self._pending == 0:
+                    break
+        self._m.slot_wait("none").inc()
+        return None
 
     def commit(self, key: bytes, nbytes: int | None = None, parent: bytes = NO_PARENT) -> None:
         """Publish the slot reserved for `key` (its first `nbytes`, default all) as the chunk
@@ -452,6 +495,7 @@ class TierStack:
                 self._memory.release(job.lease_id)
                 with self._cond:
                     self._pending -= 1
+                    self._finished += 1
                     self._cond.notify_all()
 
     def _write_lower(self, job: _Job) -> None:
@@ -650,6 +694,7 @@ class TierStack:
                 return
             self._closed = True
             prefetcher = self._prefetcher
+            self._cond.notify_all()  # a reserve waiting for a slot gives up now
         if self._thread is not None:
             if not self.flush(timeout_s):
                 log.warning("kvtier: write-behind did not drain in %.1fs; dropping", timeout_s)
