@@ -356,6 +356,21 @@ def test_store_failures_warn_and_a_tier_refusing_writes_without_evicting_fails()
     assert fake.diagnose()[STORE_FAILURES].status is Status.WARN
 
 
+def test_memory_full_of_a_write_behind_backlog_names_the_knobs():
+    """Saves that waited for the write-behind in vain: the warning says the lower tier writes
+    slower than saves arrive, and names what to raise; waits that got a slot stay quiet."""
+    fake = Fake().healthy()
+    fake.rank[0].store_failure("memory", "all_pinned").inc(5)
+    fake.rank[0].slot_wait("slot").inc(5)
+    check = fake.diagnose()[STORE_FAILURES]
+    assert check.status is Status.WARN and "write_wait_ms" not in check.detail
+    fake.rank[0].slot_wait("none").inc(2)
+    check = fake.diagnose()[STORE_FAILURES]
+    assert check.status is Status.WARN and check.numbers["slot_waits"] == {"none": 2, "slot": 5}
+    assert "2 saves waited write_wait_ms in vain" in check.detail
+    assert "raise memory_bytes, or write_wait_ms" in check.detail
+
+
 def test_a_wedged_engine_fails_the_progress_check_and_its_signature_warns():
     # issue 10 item 1 as recorded: 8 waiting, none running, the KV cache full, no step for 120 s
     wedged = Fake(num_requests_waiting=8, kv_cache_usage=1.0).healthy()

@@ -44,6 +44,7 @@ LOOKUP_TIMEOUT_FAIL_MIN = 4
 # store-failure reasons after which a tier takes no write until space or rights come back
 WRITE_REFUSED = ("enospc", "read_only", "no_permission")
 WRITES_REFUSED = "kvtier_tier_writes_refused_seconds"
+SLOT_WAITS = "kvtier_slot_waits_total"
 FAILS_REQUEST = "kvtier_load_failure_fails_request"
 ADMITTED_TOTAL = "kvtier_admission_total"
 RETURNS_TOTAL = "kvtier_admission_returns_total"
@@ -252,6 +253,18 @@ def store_failures(s: Samples) -> Check:
             f"{said}; the {', '.join(frozen)} tier refuses writes ({', '.join(WRITE_REFUSED)}) "
             "and evicted nothing there: it is frozen, every new chunk is lost to it (free "
             "space or fix its permissions, or lower its budget)",
+            numbers,
+        )
+    waits = {o: v for (o,), v in s.group(SLOT_WAITS, "outcome").items() if v}
+    numbers["slot_waits"] = {o: num(v) for o, v in sorted(waits.items())}
+    if by.get("memory/all_pinned") and waits.get("none"):
+        return Check(
+            STORE_FAILURES,
+            Status.WARN,
+            f"{said}; every memory slot held a chunk the write-behind had not yet copied below, "
+            f"and {num(waits['none'])} saves waited write_wait_ms in vain: the disk or store "
+            "writes slower than the saves arrive (raise memory_bytes, or write_wait_ms, or "
+            "give the lower tier more bandwidth)",
             numbers,
         )
     return Check(
