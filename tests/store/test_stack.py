@@ -257,6 +257,33 @@ def test_a_save_waits_for_the_write_behind_to_unpin_a_slot(
         s.close()
 
 
+def test_a_write_finishing_right_after_a_failed_try_is_not_missed(
+    namespace: bytes, metrics: Metrics, make_key: Key, make_payload: Payload
+):
+    """The last pending write finishes between the failed try and the check for pending
+    writes: nothing is pending any more, yet the slot it unpinned is taken, not given up."""
+    slow = BlockingTier()
+    s = TierStack(_memory(namespace, metrics, 1), [slow], metrics, write_wait_s=WAIT_S)
+    memory_reserve = s.memory.reserve
+
+    def reserve_then_finish_the_write(*args, **kwargs):
+        slot = memory_reserve(*args, **kwargs)
+        if slot is None and not slow.gate.is_set():
+            slow.gate.set()
+            assert s.flush(WAIT_S)  # the write finished: nothing pending, its slot unpinned
+        return slot
+
+    try:
+        assert s.put(make_key(0), make_payload(0, SIZE))
+        assert slow.entered.wait(WAIT_S)
+        s.memory.reserve = reserve_then_finish_the_write  # type: ignore[method-assign]
+        assert s.reserve(make_key(1)) is not None
+        assert metrics.value("slot_waits_total", outcome="slot") == 1
+    finally:
+        slow.gate.set()
+        s.close()
+
+
 def test_a_slot_wait_is_bounded_and_skipped_when_no_write_is_pending(
     namespace: bytes, metrics: Metrics, make_key: Key, make_payload: Payload
 ):

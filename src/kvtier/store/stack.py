@@ -403,23 +403,26 @@ class TierStack:
         never evicts); `commit` or `abort` it afterwards. When every slot is pinned while
         write-behind jobs are pending, wait up to `write_wait_s` for one to unpin a slot."""
         self._check_open()
+        # read before the try (an int read needs no lock): a write that finishes between a
+        # failed try and the wait below is then seen, and retried at once
+        seen = self._finished
         slot = self._memory.reserve(key, parent)
         if slot is not None or self._write_wait_s <= 0 or self._memory.holds_or_reserves(key):
             return slot
-        return self._reserve_after_writes(key, parent)
+        return self._reserve_after_writes(key, parent, seen)
 
-    def _reserve_after_writes(self, key: bytes, parent: bytes) -> torch.Tensor | None:
-        """Retry `reserve` each time a write-behind job finishes, until one succeeds, nothing
-        is left pending, or `write_wait_s` passed. Without this a memory tier smaller than the
-        lower tiers' backlog drops every save the slow writer falls behind on: those chunks
-        reach no tier at all, where waiting costs the save lane a few milliseconds a chunk."""
+    def _reserve_after_writes(self, key: bytes, parent: bytes, seen: int) -> torch.Tensor | None:
+        """Retry `reserve` each time a write-behind job finishes (the first time: since
+        `seen`), until one succeeds, nothing is left pending, or `write_wait_s` passed. Without
+        this a memory tier smaller than the lower tiers' backlog drops every save the slow
+        writer falls behind on: those chunks reach no tier at all, where waiting costs the save
+        lane a few milliseconds a chunk."""
         deadline = time.monotonic() + self._write_wait_s
         with self._cond:
-            if self._pending == 0:
+            if self._pending == 0 and self._finished == seen:
                 return None  # no write below will unpin anything: not a wait
         while True:
             with self._cond:
-                seen = self._finished
                 left = deadline - time.monotonic()
                 woke = left > 0 and self._cond.wait_for(
                     lambda seen=seen: self._finished != seen or self._closed or self._pending == 0,
@@ -427,6 +430,8 @@ class TierStack:
                 )
                 if not woke or self._closed:
                     break
+                # taken before the retry: a write finishing during it wakes the next wait
+                seen = self._finished
             slot = self._memory.reserve(key, parent, counted=False)
             if slot is not None:
                 self._m.slot_wait("slot").inc()
@@ -434,7 +439,7 @@ class TierStack:
             if self._memory.holds_or_reserves(key):
                 return None  # another writer stored or reserved it meanwhile
             with self._cond:
-                if self._pending == 0:
+                if self._pending == 0 and self._finished == seen:
                     break
         self._m.slot_wait("none").inc()
         return None
