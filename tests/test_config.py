@@ -205,6 +205,11 @@ def test_memory_zero_is_error_only_when_enabled() -> None:
         ("lease_ttl_s", 0, "lease_ttl_s=0.0 must be > 0; use 30.0"),
         ("max_leases", -1, "max_leases=-1 must be > 0"),
         ("write_queue_depth", 0, "write_queue_depth=0 must be > 0"),
+        ("write_wait_ms", -1, "write_wait_ms=-1.0 is negative"),
+        ("write_wait_ms", "nan", "write_wait_ms='nan' is not a finite number"),
+        # a wait this long overflowed the save lane's Condition.wait (OverflowError: every save
+        # of the step failed as a hook error)
+        ("write_wait_ms", 1e300, "write_wait_ms=1e+300 is over 60000"),
         ("lookup_timeout_ms", 0, "lookup_timeout_ms=0 must be > 0"),
         ("remote_timeout_ms", -5, "remote_timeout_ms=-5 must be > 0"),
         ("memory_read_gbps", 0, "memory_read_gbps=0.0 must be > 0"),

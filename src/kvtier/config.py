@@ -369,6 +369,10 @@ def _f(default: Any, kind: str, doc: str) -> Any:
     return field(default=default, metadata={"kind": kind, "doc": doc})
 
 
+# the longest a save may wait for the write-behind to unpin a memory slot: a longer wait stalls
+# the save lane for nothing (and past ~1e9 s it overflowed the wait's timeout)
+MAX_WRITE_WAIT_MS = 60_000
+
 # ------------------------------------------------------------------------------------- config
 
 
@@ -881,6 +885,13 @@ class KVTierConfig:
                 "write_wait_ms",
                 f"{_show('write_wait_ms', self.write_wait_ms)} is negative; use 0 to fail a "
                 "save at once when memory is full, or 500 (the default)",
+            )
+        if self.write_wait_ms > MAX_WRITE_WAIT_MS:
+            raise _error(
+                "write_wait_ms",
+                f"{_show('write_wait_ms', self.write_wait_ms)} is over {MAX_WRITE_WAIT_MS} (a "
+                "minute of one save's wait for a slot); use 500 (the default), or raise "
+                "memory_bytes instead",
             )
         if self.lookup_wait_ms < 0:
             raise _error(

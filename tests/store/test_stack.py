@@ -492,6 +492,9 @@ def test_bad_arguments_raise_clear_errors(namespace: bytes, metrics: Metrics, di
         TierStack(memory, [disk, disk], metrics)
     with pytest.raises(ValueError, match="Metrics"):
         TierStack(memory, [disk])
+    for wait in (-1.0, float("nan"), 1e297):
+        with pytest.raises(ValueError, match="write_wait_s"):
+            TierStack(memory, [disk], metrics, write_wait_s=wait)
     s = TierStack(memory, [], metrics)
     with pytest.raises(ValueError, match="contiguous"):
         s.read_into(bytes(16), torch.zeros(SIZE * 2, dtype=torch.uint8)[::2])

@@ -84,8 +84,8 @@ class TierStack:
         if state_parts < 0:
             raise ValueError(f"state_parts={state_parts} must be >= 0")
         self._state_parts = state_parts
-        if write_wait_s < 0:
-            raise ValueError(f"write_wait_s={write_wait_s} must be >= 0")
+        if not 0 <= write_wait_s <= 60:
+            raise ValueError(f"write_wait_s={write_wait_s} must lie in [0, 60] seconds")
         self._write_wait_s = write_wait_s
         if queue_depth <= 0 or max_leases <= 0:
             raise ValueError(
