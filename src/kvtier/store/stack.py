@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvtier.config import MAX_WRITE_WAIT_MS
 from kvtier.keys import state_key
 from kvtier.metrics import Metrics
 from kvtier.store.base import Tier
@@ -84,8 +85,10 @@ class TierStack:
         if state_parts < 0:
             raise ValueError(f"state_parts={state_parts} must be >= 0")
         self._state_parts = state_parts
-        if not 0 <= write_wait_s <= 60:
-            raise ValueError(f"write_wait_s={write_wait_s} must lie in [0, 60] seconds")
+        if not 0 <= write_wait_s <= MAX_WRITE_WAIT_MS / 1000:
+            raise ValueError(
+                f"write_wait_s={write_wait_s} must lie in [0, {MAX_WRITE_WAIT_MS / 1000:g}] seconds"
+            )
         self._write_wait_s = write_wait_s
         if queue_depth <= 0 or max_leases <= 0:
             raise ValueError(
