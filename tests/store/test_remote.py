@@ -12,13 +12,14 @@ import pytest
 import redis
 import torch
 
+from kvtier.bench.throttle import ThrottledProxy
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, StartupError
 from kvtier.metrics import Metrics
 from kvtier.store import record
 from kvtier.store.breaker import ShardBreakers, State
 from kvtier.store.factory import build_stack
-from kvtier.store.remote import RemoteTier, mask_url
+from kvtier.store.remote import STARTUP_PATIENCE_S, RemoteTier, mask_url
 from kvtier.store.remote_transport import Timeouts
 from tests import redis_local
 from tests.record_key import RECORD_KEY, codec_for_tests
@@ -427,7 +428,11 @@ def test_down_at_construction_opens_breaker_instead_of_raising(
     caplog.set_level(logging.INFO, logger=LOGGER)
     own_server.kill()
     url = f"redis://:{PASSWORD}@127.0.0.1:{own_server.port}/0"
+    t0 = time.monotonic()
     tier = make_tier(url, breakers=ShardBreakers(3, 2.0, clock))
+    # nothing listens: no patience spent on it (glide itself calls the refusal a timeout)
+    assert time.monotonic() - t0 < STARTUP_PATIENCE_S
+    assert "connection refused" in caplog.text
     assert tier.breaker.state is State.OPEN
     assert metrics.value("breaker_open", tier="remote") == 1
     assert _breaker_open_warnings(caplog) == 1
@@ -444,6 +449,42 @@ def test_down_at_construction_opens_breaker_instead_of_raising(
     assert _closed_infos(caplog) == 1
     got = tier.get(key_of(0))
     assert got is not None and bytes(got) == b"abc"
+
+
+class _BusyAtStartup(ThrottledProxy):
+    """Every answer in the first 0.5 s after the first one comes 0.3 s late (a host busy
+    starting the engine), later ones at once."""
+
+    late = 0
+    _slow_until: float | None = None
+
+    def _pace(self, n: int, arrived: float) -> None:
+        if self._slow_until is None:
+            self._slow_until = arrived + 0.5
+        slow = arrived < self._slow_until
+        self.late += slow
+        self.latency_s = 0.3 if slow else 0.0
+        super()._pace(n, arrived)
+
+
+def test_a_store_slow_to_answer_at_startup_is_waited_for_not_shed(
+    server: RedisServer, make_tier: MakeTier, metrics: Metrics, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Startup's PING answered after 3x `timeout_ms` (a host busy starting the engine): the
+    store is up, so the breaker stays closed and the first writes land. CI lost every write of
+    a run when this opened the breaker: the run ended inside the 5 s before its first probe."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    with _BusyAtStartup(("127.0.0.1", server.port), rate=2e9) as proxy:
+        t0 = time.monotonic()
+        tier = make_tier(proxy.url(), timeout_ms=100)
+        started_s = time.monotonic() - t0
+        assert proxy.late > 0  # the check did meet a late answer
+        assert tier.breaker.state is State.CLOSED, caplog.text
+        assert _breaker_open_warnings(caplog) == 0
+        assert tier.put(key_of(6), payload_of(6, 256))
+        assert metrics.value("dropped_writes_total", tier="remote", reason="breaker_open") == 0
+    assert server.client().exists(tier._rkey(key_of(6))) == 1
+    assert started_s < 5.0
 
 
 def test_server_killed_mid_run_then_restarted(

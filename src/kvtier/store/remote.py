@@ -59,6 +59,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _DEFAULT_WRITE_TIMEOUT_MS = 1000
+# how long startup asks a store that times out before opening its breaker: a busy host's late
+# answer is not an outage, while a store that is really gone costs startup at most this
+STARTUP_PATIENCE_S = 3.0
+_STARTUP_RETRY_S = 0.05
 _DEFAULT_TIMEOUT_GBPS = 0.1
 # Redis' and Valkey's default `proto-max-bulk-len`, assumed when the server will not say
 _DEFAULT_MAX_VALUE = 512 << 20
@@ -479,10 +483,10 @@ class RemoteTier(TierBase):
             raise StartupError(f"remote tier {self._url}: {e}") from None
 
     def _check_server(self) -> bool:
-        """PING every shard once: bad credentials stop startup; an unreachable store opens the
-        breakers. Whether the store answered."""
+        """PING every shard: bad credentials stop startup; a store that does not answer within
+        `STARTUP_PATIENCE_S` opens the breakers. Whether the store answered."""
         try:
-            self._transport.check()
+            self._check_patiently()
         except CredentialsRefused as e:
             self.close()
             raise StartupError(
@@ -501,6 +505,32 @@ class RemoteTier(TierBase):
         for shard in self._transport.shards():
             self._guard.transition(shard, self._breakers[shard].success(), None)
         return True
+
+    def _check_patiently(self) -> None:
+        """`Transport.check`, asked again while it times out, for up to `STARTUP_PATIENCE_S`.
+        A host busy starting the engine answers one PING late; opening the breaker for that
+        dropped every write until the first probe, `breaker_probe_s` later. A refused
+        connection is no slowness: it ends the check at once."""
+        deadline = time.monotonic() + STARTUP_PATIENCE_S
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                self._transport.check()
+            except StoreError as e:
+                if e.reason != "timeout" or time.monotonic() >= deadline:
+                    raise
+                log.debug("kvtier: remote tier %s startup check timed out (%s)", self._url, e)
+                time.sleep(_STARTUP_RETRY_S)  # a pause between tries, not a wait for a thread
+                continue
+            if tries > 1:
+                log.info(
+                    "kvtier: remote tier %s answered its startup check on try %d (each try "
+                    "timed out after remote_timeout_ms before); serving with it",
+                    self._url,
+                    tries,
+                )
+            return
 
     def _check_eviction(self, full: str) -> None:
         """A store that evicts nothing, with records that never expire, fills up and then

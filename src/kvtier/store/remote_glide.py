@@ -13,6 +13,7 @@ import bisect
 import contextlib
 import logging
 import os
+import socket
 import threading
 import time
 import weakref
@@ -67,6 +68,8 @@ _RECONNECT = BackoffStrategy(num_of_retries=4, factor=5, exponent_base=2)
 # at least this often, so shard names follow a failover or migration glide handled silently
 _REFRESH_MIN_S = 0.5
 _REFRESH_MAX_S = 10.0
+# a refused connect answers at once; a listener slower than this counts as one
+_LISTEN_PROBE_S = 0.5
 # replies a live server gives promptly: (text in glide's message, reason label)
 _REFUSALS: tuple[tuple[str, str], ...] = (
     ("OOM", "oom"),
@@ -143,6 +146,7 @@ class GlideTransport:
         self._timeouts = timeouts
         self._clock = clock
         self._seed = _addr(*endpoint.seeds[0])
+        self._seeds = list(endpoint.seeds)
         tls = _tls_config(endpoint.tls, tls_ca_file, tls_cert_file, tls_key_file, tls_insecure)
         creds = None
         if password is not None or username is not None:
@@ -266,7 +270,11 @@ class GlideTransport:
             except GlideError as e:
                 if any(text in str(e) for text in _AUTH):
                     raise CredentialsRefused(str(e)) from None
-                raise self._error(e, self._seed) from None
+                error = self._error(e, self._seed)
+                if error.reason == "timeout" and not any(_listening(*a) for a in self._seeds):
+                    # glide reports a refused connect as timed out, once its retries are spent
+                    error = StoreError("connection", True, self._seed, f"{e}; connection refused")
+                raise error from None
         self.refresh()
 
     def max_value_bytes(self) -> int | None:
@@ -538,6 +546,17 @@ class _Held:
 
 def _is_error(reply: object) -> bool:
     return isinstance(reply, GlideError | Exception)
+
+
+def _listening(host: str, port: int) -> bool:
+    """Whether a TCP connect to host:port is not refused (a timeout may be a busy host: True)."""
+    try:
+        socket.create_connection((host, port), timeout=_LISTEN_PROBE_S).close()
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def _addr(host: str, port: int) -> str:
