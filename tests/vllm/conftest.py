@@ -84,6 +84,10 @@ class DriverRun:
     stderr: str
     seconds: float
 
+    def warnings(self) -> list[str]:
+        """kvtier's WARNING lines: what a failed count's message shows to say why."""
+        return [x for x in self.stderr.splitlines() if "WARNING" in x and "kvtier" in x]
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Whichever driver test runs first may build .venv-vllm (minutes, from PyPI): give every

@@ -19,7 +19,10 @@ def test_v2_hook_order_restores_exact_kv_through_preemptions(
     r = run.result
     assert r["bad"] == [] and r["checked"] > 0
     assert r["pass1"]["preemptions"] > 0 and r["pass2"]["preemptions"] > 0
-    assert r["pass2"]["external_hits"] == loadable_tokens(r["prompt_lens"], CHUNK)
+    assert r["pass2"]["external_hits"] == loadable_tokens(r["prompt_lens"], CHUNK), (
+        r,
+        run.warnings(),
+    )
     assert r["pass2"]["prefix_hits"] == 0
     lines = retrieved_lines(run.stderr)
     assert lines and not [x for x in lines if x.failed]

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from kvtier.bench.ports import free_port
-from tests.vllm.drivers.common import args, emit, make_prompts
+from tests.vllm.drivers.common import args, emit, make_prompts, registry_totals
 
 LAYERS = 2
 SAMPLED = 7
@@ -195,7 +195,12 @@ def main() -> None:
         if not sched.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache")
         run_pass("p2", prompts)
+        from prometheus_client import REGISTRY
+
         result.update(
+            # what a shortfall of hits is explained by, shown by the test when it fails
+            skipped_loads=registry_totals(REGISTRY, "skipped_loads"),
+            lookup_timeouts=registry_totals(REGISTRY, "lookup_timeouts"),
             checked=checked["blocks"],
             bad=checked["bad"],
             pass1=p1,
