@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import logging
+import re
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -485,6 +487,22 @@ def test_a_store_slow_to_answer_at_startup_is_waited_for_not_shed(
         assert metrics.value("dropped_writes_total", tier="remote", reason="breaker_open") == 0
     assert server.client().exists(tier._rkey(key_of(6))) == 1
     assert started_s < 5.0
+
+
+def test_a_store_that_never_answers_at_startup_opens_the_breaker_once_patience_is_spent(
+    make_tier: MakeTier, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A listener that accepts and never answers: startup asks it for `STARTUP_PATIENCE_S`,
+    then serves without it, the warning saying how long it asked."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        t0 = time.monotonic()
+        tier = make_tier(f"redis://127.0.0.1:{silent.getsockname()[1]}/0", timeout_ms=100)
+        took = time.monotonic() - t0
+    assert tier.breaker.state is State.OPEN
+    assert STARTUP_PATIENCE_S <= took < STARTUP_PATIENCE_S + 3.0
+    assert _breaker_open_warnings(caplog) == 1
+    assert re.search(r"unreachable at startup \(timeout .*; \d+ tries in \d+\.\d s\)", caplog.text)
 
 
 def test_server_killed_mid_run_then_restarted(

@@ -273,7 +273,9 @@ class GlideTransport:
                 error = self._error(e, self._seed)
                 if error.reason == "timeout" and not any(_listening(*a) for a in self._seeds):
                     # glide reports a refused connect as timed out, once its retries are spent
-                    error = StoreError("connection", True, self._seed, f"{e}; connection refused")
+                    error = StoreError(
+                        "connection", True, self._seed, f"{str(e).rstrip()}; connection refused"
+                    )
                 raise error from None
         self.refresh()
 
