@@ -242,6 +242,30 @@ def test_slow_rank_late_reply_is_never_used_for_a_later_lookup(run_dir: Path) ->
             s.close()
 
 
+def test_a_rank_slower_than_the_first_probe_is_found_ready(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank whose every frame takes 0.2 s (a starved host) answers each 50 ms probe too late,
+    and each unanswered probe queues one more frame ahead of the next: the probes must widen,
+    or a live rank is refused at startup as silent."""
+    handle = LookupServer._handle
+
+    def slow(self: LookupServer, *args: Any) -> None:
+        time.sleep(0.2)  # the rank's own slowness, not a wait for another thread
+        handle(self, *args)
+
+    monkeypatch.setattr(LookupServer, "_handle", slow)
+    servers, eps = _servers(run_dir, {0: FakeBackend(0, make_keys(2))})
+    c = LookupClient(eps, Metrics(0), chunk_size=CHUNK, world=1, tier_order=TIER_ORDER)
+    try:
+        t0 = time.perf_counter()
+        c.wait_ready(10.0)
+        assert time.perf_counter() - t0 < 5.0
+    finally:
+        c.close()
+        servers[0].close()
+
+
 def test_a_lookup_in_flight_never_blocks_its_caller_past_the_wait(run_dir: Path) -> None:
     """`begin` + `poll(wait_ms)`: the scheduler is blocked for at most the wait, the answer is
     collected by a later poll, and two lookups in flight each get their own replies."""

@@ -23,9 +23,13 @@ def test_every_identity_holds_when_requests_are_preempted_after_their_load(
     prompts = make_prompts(3, 320, seed=13)  # 5 whole 64-token chunks each
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     # 60 blocks of 16 hold two requests' prompts and decode: the third preempts the latest
-    # every load inside its step: an asynchronous one lands when the host lets it, and on an
-    # oversubscribed host the three admissions drifted apart and none was preempted
-    with kvtier_engine(tiny_model, tmp_path / "run", num_blocks=60, sync_load_fraction=1e6) as eng:
+    # the three must be admitted in one step: every load inside its step (an asynchronous one
+    # lands when the host lets it), and every lookup answered at its first ask (one answered
+    # after lookup_wait_ms, 5 ms, admits its request a step later: on an oversubscribed host
+    # the admissions drifted apart, the third waited for blocks, and none was preempted)
+    with kvtier_engine(
+        tiny_model, tmp_path / "run", num_blocks=60, sync_load_fraction=1e6, lookup_wait_ms=2000
+    ) as eng:
         eng.generate(prompts[:1], params)
         eng.generate(prompts[1:2], params)
         eng.generate(prompts[2:], params)  # one at a time: every chunk stored, no preemption

@@ -45,6 +45,8 @@ log = logging.getLogger("kvtier")
 
 # Lookup ids per release message; keeps each frame far below the frame cap.
 _RELEASE_BATCH = 1024
+# the longest one startup probe waits (each waits twice the one before)
+MAX_PROBE_MS = 1000
 # Keys per admin message: about 600 KB of msgpack, far below the default 4 MiB frame cap.
 _ADMIN_BATCH = 32768
 
@@ -432,12 +434,19 @@ class LookupClient:
         return got
 
     def wait_ready(self, timeout_s: float = 10.0, probe_ms: int = 50) -> None:
-        """Ping until every rank answers, or raise StartupError naming the silent ranks."""
+        """Ping until every rank answers, or raise StartupError naming the silent ranks. Each
+        probe waits twice as long as the one before (up to `MAX_PROBE_MS`): a rank slower than
+        the first probe answers a later one, where fixed probes each queued one more ping ahead
+        of the next on it and a live rank was refused as silent."""
         deadline = time.perf_counter() + timeout_s
+        wait_ms = probe_ms
         while True:
-            down = [r for r, ok in self.ping(probe_ms).items() if not ok]
+            left_ms = (deadline - time.perf_counter()) * 1000.0
+            probe = max(1, int(min(wait_ms, left_ms)))
+            down = [r for r, ok in self.ping(probe).items() if not ok]
             if not down:
                 return
+            wait_ms = min(2 * wait_ms, MAX_PROBE_MS)
             left_ms = (deadline - time.perf_counter()) * 1000.0
             if left_ms <= 0:
                 eps = {r: self._peers.by_rank[r].endpoint for r in down}
