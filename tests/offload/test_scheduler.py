@@ -187,6 +187,34 @@ def test_save_frontier_commits_on_success_and_rolls_back_on_failure():
     assert sched.saved_frontier("a") == (2 * CHUNK, 2 * CHUNK)
 
 
+def test_a_save_cancelled_by_a_preemption_is_saved_again_at_the_readmission():
+    """The ranks cancel a preempted request's saves; their failure comes back when the save lane
+    gets to it. Re-admitted and finished before that (a short request, a busy lane), the request
+    saved the range nowhere: no later step of it was left to save it again. Seen as 3 chunks
+    missing from a vLLM run's second pass."""
+    sched, _, _ = make(hits=0, world=1)
+    p = prompt(4 * CHUNK)
+    view = SlotView("a", p)
+    assert sched.get_num_new_matched_tokens(view, 0) == 0
+    view.advance(0, blocks(len(p)))
+    (first,) = sched.build_meta([StepRequest(view, 2 * CHUNK + 3)]).saves
+    sched.request_preempted(view)
+    assert sched.build_meta([], preempted=["a"]).preempted == ["a"]
+    # admitted again at once: the range goes out again, from the new blocks
+    view.advance(0, blocks(len(p), base=200))
+    assert sched.get_num_new_matched_tokens(view, 0) == 0
+    (again,) = sched.build_meta([StepRequest(view, 2 * CHUNK + 3)]).saves
+    assert [c.key for c in again.chunks] == [c.key for c in first.chunks]
+    assert [c.block_ids for c in again.chunks] == [blocks(len(p), base=200)[0:2],
+                                                   blocks(len(p), base=200)[2:4]]  # fmt: skip
+    # the cancelled save's failure while the second is out sends no third one
+    sched.process_reports([WorkerReport(0, [OpResult(first.op_id, False, "preempted")])])
+    assert sched.build_meta([StepRequest(view, 2 * CHUNK + 4)]).saves == []
+    assert sched.request_finished(view) is True  # its save is still out: its free waits
+    sched.process_reports([WorkerReport(0, [OpResult(again.op_id, True)])])
+    assert sched.saved_frontier("a") is None and not sched.has_pending_work()
+
+
 def test_finished_request_with_save_in_flight_delays_its_free():
     sched, _, _ = make(hits=0, world=1)
     p = prompt(2 * CHUNK)

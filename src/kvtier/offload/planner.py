@@ -195,7 +195,9 @@ class SavePlanner:
                 st.saved = max(st.saved, end)
             return
         self._m.save_failure(term.reason or "unknown").inc()
-        st.emitted = min(st.emitted, start)
+        if not any(s <= start and end <= e for s, e in st.saves.values()):
+            # (a save still out that covers the range, sent again after a preemption, decides)
+            st.emitted = min(st.emitted, start)
         if term.reason == HOOK_ERROR:
             st.quarantined = True  # a defect, not a full tier: trying again fails again
         # a cancelled sliding-window save comes back only while the host still holds its blocks

@@ -387,10 +387,17 @@ class OffloadScheduler:
 
     def mark_readmitted(self, req_id: str) -> None:
         """The request was preempted: its later admissions (and the load one of them may
-        already hold) are counted apart from first admissions, as the hosts count them."""
+        already hold) are counted apart from first admissions, as the hosts count them, and
+        what its saves on the ranks cover is saved again by its next admission."""
         st = self._reqs.get(req_id)
-        if st is not None:
-            st.readmitted = True
+        if st is None:
+            return
+        st.readmitted = True
+        if st.saves:
+            # the ranks cancel those saves this step, and their failure comes back when the
+            # save lane gets to it: after a short re-admission has finished, no later step of
+            # the request would save the range. A range that did commit is found resident.
+            st.emitted = min(st.emitted, min(start for start, _ in st.saves.values()))
 
     def reset(self) -> None:
         """Start a new namespace epoch: lookups and saves from now on chain from a fresh random
