@@ -184,6 +184,14 @@ class SavePlanner:
         self._inflight.open_save(op_id, keys, window)
         return op_id
 
+    def preempted(self, st: RequestState) -> None:
+        """The ranks cancel the request's saves still out: what they cover goes out again with
+        its next admission. Their failure comes back when the save lane gets to it; after a
+        short re-admission has finished, no later step of the request would save the range.
+        A range that did commit is found resident."""
+        if st.saves:
+            st.emitted = min(st.emitted, min(start for start, _ in st.saves.values()))
+
     def ended(self, st: RequestState | None, term: Terminal) -> None:
         """A save's terminal: its range commits, or goes back to be saved on a later step."""
         self._inflight.close_save(term.op_id)

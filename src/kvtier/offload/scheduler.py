@@ -393,11 +393,7 @@ class OffloadScheduler:
         if st is None:
             return
         st.readmitted = True
-        if st.saves:
-            # the ranks cancel those saves this step, and their failure comes back when the
-            # save lane gets to it: after a short re-admission has finished, no later step of
-            # the request would save the range. A range that did commit is found resident.
-            st.emitted = min(st.emitted, min(start for start, _ in st.saves.values()))
+        self.planner.preempted(st)
 
     def reset(self) -> None:
         """Start a new namespace epoch: lookups and saves from now on chain from a fresh random
