@@ -4,13 +4,51 @@ they depend on this host's load)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import torch
 
 from kvtier.bench.datapath_sim import SIM_MODEL, SIM_TARGET, run_sim
 from kvtier.bench.layerwise_sim import run_layerwise
-from kvtier.bench.ring_sim import COPY_S, PER_STEP, STEPS, measure_ring, run_gil, run_ring
+from kvtier.bench.ring_sim import (
+    COPY_S,
+    PER_STEP,
+    STEPS,
+    RingTimes,
+    measure_ring,
+    run_gil,
+    run_ring,
+)
 from kvtier.bench.table import Report
 from kvtier.offload.simdevice import CopyModel, SimOps
+
+MORE_REPS = 5  # repetitions when the first are not clear
+T = TypeVar("T")
+Rows = dict[str, dict[str, Any]]
+WHAT = ("save", "load")
+# step boundaries a kept ring may leave idle, half of the drained ring's: a quiet host leaves
+# none, a lane thread starved by a loaded one misses some
+KEPT_GAPS = (STEPS - 1) // 2
+
+
+def _judged(measure: Callable[[int], T], reps: int, clear: Callable[[T], bool]) -> T:
+    """`measure(reps)` when it is `clear`, else `measure(MORE_REPS)`, judged by its medians: a
+    host stall that lands in one burst of a loaded host (CI's 3 workers on 2 cores) moves that
+    burst, and one burst must not decide."""
+    got = measure(reps)
+    return got if clear(got) else measure(MORE_REPS)
+
+
+def _rows(run: Callable[[Report, int, Callable[[str], None]], None]) -> Callable[[int], Rows]:
+    """`run`'s rows by id, from a report of `n` repetitions."""
+
+    def measure(n: int) -> Rows:
+        report = Report("tier", "sim")
+        run(report, n, lambda m: None)
+        return {r["id"]: r for r in report.to_json()["rows"]}
+
+    return measure
 
 
 def test_sim_rows_put_the_pipeline_next_to_the_serial_design() -> None:
@@ -43,9 +81,8 @@ def test_sim_rows_put_the_pipeline_next_to_the_serial_design() -> None:
 def test_the_layerwise_row_puts_a_restore_in_waves_next_to_one_joined_before_the_forward() -> None:
     """Compute equal to the transfer: in waves the forward overlaps the link (0.625 of the
     joined time at full overlap); joined before it, the two add up."""
-    report = Report("tier", "sim")
-    run_layerwise(report, 2, lambda m: None)
-    (row,) = report.to_json()["rows"]
+    rows = _judged(_rows(run_layerwise), 2, lambda rs: all(r["ratio"] < 0.85 for r in rs.values()))
+    (row,) = rows.values()
     assert row["id"] == "datapath.sim.layerwise.restore"
     # the joined restore takes at least transfer + compute; waves well under it
     assert row["raw"] >= 2 * row["detail"]["transfer_ms"] * 0.95, row
@@ -74,12 +111,23 @@ def test_a_ring_kept_across_steps_leaves_the_engine_no_idle_time_between_them() 
     every step boundary are idle time on the engine. 10 ms a chunk: a lane thread of a loaded
     2-core host still issues the next step's chunk well inside one copy."""
     gbps = SIM_MODEL.chunk_bytes / 0.01 / 1e9
-    got = measure_ring(lambda: SimOps(CopyModel(gbps=gbps)), torch.device("cpu"), 1, print)
-    for what in ("save", "load"):
-        # drained: the engine waits at every one of the burst's step boundaries; kept: at none
-        # (a lane thread starved by an overloaded host may still miss one now and then)
-        kept, drained = (got.median("gaps", what, arm) for arm in ("kept", "drained"))
-        assert drained >= STEPS - 1 and kept <= 3, (what, got.gaps, got.idle_s)
+
+    def measure(n: int) -> RingTimes:
+        return measure_ring(lambda: SimOps(CopyModel(gbps=gbps)), torch.device("cpu"), n, print)
+
+    def gaps(got: RingTimes, what: str) -> tuple[float, float]:
+        return got.median("gaps", what, "kept"), got.median("gaps", what, "drained")
+
+    def clear(got: RingTimes) -> bool:
+        return all(k <= KEPT_GAPS and d >= STEPS - 1 for k, d in (gaps(got, w) for w in WHAT))
+
+    got = _judged(measure, 1, clear)
+    for what in WHAT:
+        # drained: the engine waits at every one of the burst's step boundaries; kept: at none,
+        # but a lane thread starved by an overloaded host misses some (beside 8 busy processes
+        # on 2 cores 5 and 10 of 15)
+        kept, drained = gaps(got, what)
+        assert drained >= STEPS - 1 and kept <= KEPT_GAPS, (what, got.gaps, got.idle_s)
 
 
 def test_the_gil_rows_show_a_python_busy_forward_starving_the_lanes_at_5_ms_and_not_at_05() -> None:
@@ -88,15 +136,16 @@ def test_the_gil_rows_show_a_python_busy_forward_starving_the_lanes_at_5_ms_and_
     wait that long and the engine idles (2.2-2.3x the burst alone with the lanes issuing spans,
     2.6-2.9x before); at kvtier's 0.5 ms the burst keeps the engine busy. Judged by a wide
     margin: a loaded host moves both arms, not the 5 ms arm's waits at every step."""
-    report = Report("tier", "sim")
-    run_gil(report, 1, lambda m: None)
-    rows = {r["id"]: r for r in report.to_json()["rows"]}
+    rows = _judged(
+        _rows(run_gil), 1, lambda rs: all(r["raw"] >= 1.2 * r["value"] for r in rs.values())
+    )
     assert set(rows) == {"datapath.sim.gil.save", "datapath.sim.gil.load"}
     busy_ms = STEPS * PER_STEP * COPY_S * 1e3
     for r in rows.values():
         d = r["detail"]
         assert d["alone_ms"] >= busy_ms * 0.99, r
-        # 5 ms against 0.5 ms: 2.1-2.4x in 15 of 16 runs, 1.42x the least
+        # 5 ms against 0.5 ms: 2.1-2.4x in 15 of 16 runs, 1.42x the least; beside 3 and 8
+        # busy processes on 2 cores 1.4-2.6x a repetition
         assert r["raw"] >= 1.2 * r["value"], r
         assert d["idle_ms_per_step_busy_5ms"] >= 1.0, r
         for arm in ("busy_5ms", "busy_0.5ms"):
