@@ -9,13 +9,16 @@ every node, all nodes agreeing on the slot owners), never a blind sleep.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 
@@ -182,6 +185,20 @@ class RedisServer:
                 last = e
         self.port = 0
         raise RedisServerError(f"redis-server failed {_PORT_ATTEMPTS} times: {last}")
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The server stopped (SIGSTOP) for the block: the kernel still accepts its connections
+        and their data, nothing answers, for exactly as long as the block runs. A timed DEBUG
+        SLEEP ends on its own, and a loaded host can run a test's requests past it."""
+        if self._proc is None:
+            raise RuntimeError("paused(): the server is not running")
+        pid = self._proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(pid, signal.SIGCONT)
 
     def kill(self) -> None:
         """SIGKILL the server (a crash); the address is kept for `restart()`."""

@@ -104,7 +104,10 @@ class Cluster:
 
     def close(self) -> None:
         for r, p in self.procs.items():
-            self.stops[r].set()
+            # a terminated rank's event has that sleeper: setting it would hang this teardown
+            # (a test that failed before restarting the rank held its worker 300 s)
+            if p.is_alive():
+                self.stops[r].set()
             p.join(10)
             if p.is_alive():
                 p.kill()
@@ -122,8 +125,9 @@ def cluster() -> Iterator[Cluster]:
 @pytest.fixture
 def client(cluster: Cluster) -> Iterator[tuple[LookupClient, Metrics]]:
     m = Metrics(0)
+    # exact per-rank counts below: on 2 oversubscribed cores a spawned rank can miss 300 ms
     c = LookupClient(
-        cluster.endpoints, m, chunk_size=CHUNK, world=4, timeout_ms=300, tier_order=TIER_ORDER
+        cluster.endpoints, m, chunk_size=CHUNK, world=4, timeout_ms=2000, tier_order=TIER_ORDER
     )
     c.wait_ready(30.0)
     yield c, m
@@ -179,11 +183,13 @@ def test_killed_rank_counts_zero_within_deadline_then_recovers_after_restart(
     cluster.procs[2].join(10)
     assert not cluster.procs[2].is_alive()
 
-    timeout_ms = 200
+    # long enough for the live ranks of a loaded host to answer; the dead one never holds the
+    # lookup past it
+    timeout_ms = 1000
     t0 = time.perf_counter()
     res = c.lookup(keys, "dead-1", timeout_ms=timeout_ms)
     elapsed = time.perf_counter() - t0
-    assert elapsed < timeout_ms / 1000 + 0.15, elapsed
+    assert elapsed < timeout_ms / 1000 + 0.5, elapsed
     assert res.timed_out == (2,)
     assert res.per_rank == {**HELD, 2: 0}
     assert (res.hit_chunks, res.limiting_rank) == (0, 2)
@@ -487,7 +493,7 @@ def test_dead_rank_never_hangs_then_is_skipped_until_probed_and_recovers(run_dir
         for i in range(2):
             t0 = time.perf_counter()
             res = c.lookup(keys, f"nobody-{i}")
-            assert time.perf_counter() - t0 < 0.1 + 0.15
+            assert time.perf_counter() - t0 < 0.1 + 0.5
             assert (res.hit_chunks, res.timed_out, res.limiting_rank) == (0, (0,), 0)
         # Two misses in a row: the rank is down and its socket was replaced.
         assert c.socket_resets[0] == 1
@@ -503,10 +509,11 @@ def test_dead_rank_never_hangs_then_is_skipped_until_probed_and_recovers(run_dir
             res = c.lookup(keys, "skipped")
             assert (res.hit_chunks, res.timed_out) == (0, (0,))
             now[0] = 10.0  # probe due
-            res = c.lookup(keys, "probe")
+            # the live server's answers get a loaded host's deadline, not the dead rank's 100 ms
+            res = c.lookup(keys, "probe", timeout_ms=2000)
             assert (res.hit_chunks, res.timed_out) == (2, ())
             assert backend.lookups == 1  # only the probe reached the backend
-            assert c.lookup(keys, "back").hit_chunks == 2
+            assert c.lookup(keys, "back", timeout_ms=2000).hit_chunks == 2
         assert m.value("lookup_timeouts_total", target="0") == 3
     finally:
         c.close()

@@ -166,8 +166,13 @@ def test_lookup_server_killed_mid_run_costs_hits_not_requests(
 def test_load_failing_on_one_rank_fails_the_op_recomputes_and_saves_again(
     tiny_model, tmp_path, prompts, baseline
 ):
+    # exact hit counts, as kvtier_engine's: a loaded host's rank can miss 200 ms
     config = KVTierConfig(
-        chunk_size=64, memory_bytes="64MiB", load_gate=False, verify_memory_reads=True
+        chunk_size=64,
+        memory_bytes="64MiB",
+        load_gate=False,
+        verify_memory_reads=True,
+        lookup_timeout_ms=2000,
     )
     base = connector_spec(config, tiny_model, run_dir=tmp_path / "run")
     spec = ("tests.native.faulty:build", {**base.args, "fail_rank": 1})

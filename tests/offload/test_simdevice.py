@@ -66,7 +66,9 @@ def test_one_engine_runs_copies_one_after_another_and_two_engines_side_by_side()
             took = time.monotonic() - t0
             assert took >= at_least, (engines, took)
             if below is not None:
-                assert took < below, (engines, took)
+                # the model's own end, not this thread's wake-up: a loaded host wakes it late
+                modelled = max(m.t_done for m in marks) - t0
+                assert modelled < below, (engines, modelled, took)
             assert ops.stats.engine_busy_s == pytest.approx(0.16, rel=0.01)
         finally:
             ops.close()

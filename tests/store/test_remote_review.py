@@ -8,7 +8,6 @@ import contextlib
 import logging
 import os
 import shutil
-import signal
 import socket
 import tempfile
 import threading
@@ -275,9 +274,7 @@ def test_hung_store_with_many_readers_bounded_then_breaker_closes(
         if not tier.read_into(key_of(i % 4), torch.zeros(SIZE, dtype=torch.uint8)):
             times.append(time.monotonic() - t0)
 
-    pid = s._proc.pid  # type: ignore[union-attr]
-    os.kill(pid, signal.SIGSTOP)  # accepts connections (the kernel does), answers nothing
-    try:
+    with s.paused():  # accepts connections (the kernel does), answers nothing
         readers = _run(read, 48, 0)
         during = _status("Threads:")
         for t in readers:
@@ -285,8 +282,6 @@ def test_hung_store_with_many_readers_bounded_then_breaker_closes(
         assert len(times) == 48 and max(times) < 1.5, f"misses {len(times)}/48, {max(times)} s"
         assert during <= base + 48 + 4 and _status("Threads:") <= base + 4  # no thread per call
         assert tier.breaker.state is State.OPEN
-    finally:
-        os.kill(pid, signal.SIGCONT)
     wait_for(lambda: _ok(tier, 1), 8.0, "the breaker closing once the store answers")
     assert tier.breaker.state is State.CLOSED
 
@@ -439,7 +434,9 @@ def test_a_call_that_finds_its_client_replaced_takes_the_new_one_uncounted(
 
 @pytest.mark.parametrize("unix", [False, True], ids=["tcp", "unix"])
 def test_records_planted_under_other_keys_cost_no_connection_storm(
-    closing: Callable, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    closing: Callable,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
     unix: bool,
 ) -> None:
     """A read that gets another key's record replaces the connections (a reply out of step is
