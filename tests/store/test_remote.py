@@ -23,7 +23,7 @@ from kvtier.store.remote import STARTUP_PATIENCE_S, RemoteTier, mask_url
 from kvtier.store.remote_transport import Timeouts
 from tests import redis_local
 from tests.record_key import RECORD_KEY, codec_for_tests
-from tests.redis_local import RedisServer, RedisServerError
+from tests.redis_local import LOADED_TIMEOUT_MS, RedisServer, RedisServerError
 
 from .conftest import FakeClock, key_of, payload_of
 
@@ -79,6 +79,9 @@ def make_tier(metrics: Metrics, namespace: bytes) -> Iterator[MakeTier]:
         ns = kwargs.pop("namespace", namespace)
         m = kwargs.pop("metrics", metrics)
         kwargs.setdefault("codec", codec_for_tests(ns, str(kwargs.get("tenant", ""))))
+        if "timeout_ms" not in kwargs:  # a loaded host's, where the test is not about timeouts
+            kwargs.setdefault("write_timeout_ms", LOADED_TIMEOUT_MS)
+            kwargs["timeout_ms"] = LOADED_TIMEOUT_MS
         tier = RemoteTier(url, ns, m, **kwargs)  # type: ignore[arg-type]
         made.append(tier)
         return tier
@@ -429,8 +432,9 @@ def test_down_at_construction_opens_breaker_instead_of_raising(
     own_server.kill()
     url = f"redis://:{PASSWORD}@127.0.0.1:{own_server.port}/0"
     t0 = time.monotonic()
-    tier = make_tier(url, breakers=ShardBreakers(3, 2.0, clock))
-    # nothing listens: no patience spent on it (glide itself calls the refusal a timeout)
+    # the default 100 ms: glide itself calls the refusal a timeout within it
+    tier = make_tier(url, timeout_ms=100, breakers=ShardBreakers(3, 2.0, clock))
+    # nothing listens: no patience spent on it
     assert time.monotonic() - t0 < STARTUP_PATIENCE_S
     assert "connection refused" in caplog.text
     assert tier.breaker.state is State.OPEN
