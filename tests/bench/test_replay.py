@@ -521,6 +521,9 @@ def multi_turn_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path / "run"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVTIER_LOAD_POLICY", "always")
+        # the model row holds the live arm to its hits: a lookup a loaded host answers after
+        # the 200 ms default is a hit lost to the host, not to the tier
+        mp.setenv("KVTIER_LOOKUP_TIMEOUT_MS", "2000")
         _multi_turn_cli(model, out)
     return out
 

@@ -13,6 +13,9 @@ from kvtier.native.modelgen import init_model
 def test_the_quick_retention_bench_measures_both_arms(tmp_path: Path, monkeypatch) -> None:
     model = init_model(tmp_path / "model", dtype="float32")  # the tiny preset's shape
     monkeypatch.chdir(tmp_path)  # the servers' logs go under ./runs
+    # hit shares are compared: a lookup a loaded host answers after the 200 ms default is a hit
+    # lost to the host, not to the hints
+    monkeypatch.setenv("KVTIER_LOOKUP_TIMEOUT_MS", "2000")
     doc = retention.run(
         quick=True, model_dir=model, json_path=tmp_path / "r.json", progress=lambda m: None
     )
