@@ -87,7 +87,7 @@ def test_another_library_ending_the_global_zmq_context_does_not_end_the_rank() -
     which libzmq calls undefined)."""
     body = textwrap.dedent(
         """
-        import os, threading, time, zmq
+        import os, threading, zmq
         from kvtier.lookup.server import LookupServer
         from kvtier.metrics import Metrics
 
@@ -97,10 +97,12 @@ def test_another_library_ending_the_global_zmq_context_does_not_end_the_rank() -
 
         server = LookupServer(0, Backend(), "tcp://127.0.0.1:*", Metrics(0), key=b"k" * 32)
         server.start()
-        time.sleep(0.2)
-        # another library's shutdown of "its" context (term blocks until sockets close)
-        threading.Thread(target=zmq.Context.instance().term, daemon=True).start()
-        time.sleep(1.0)
+        # another library's shutdown of "its" context: term blocks until that context's
+        # sockets close, so it returns at once only if none of them is kvtier's
+        term = threading.Thread(target=zmq.Context.instance().term, daemon=True)
+        term.start()
+        term.join(10.0)
+        print("term returned:", not term.is_alive(), flush=True)
         print("serving thread alive:", server._thread.is_alive(), flush=True)
         os._exit(0)
         """
@@ -108,4 +110,6 @@ def test_another_library_ending_the_global_zmq_context_does_not_end_the_rank() -
     done = subprocess.run(
         [sys.executable, "-c", body], capture_output=True, text=True, timeout=30
     )
-    assert "serving thread alive: True" in done.stdout, done.stdout + done.stderr[-2000:]
+    said = done.stdout + done.stderr[-2000:]
+    assert "term returned: True" in done.stdout, said
+    assert "serving thread alive: True" in done.stdout, said
