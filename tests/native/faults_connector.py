@@ -23,6 +23,7 @@ from kvtier.native.offload import build as build_kvtier
 from kvtier.offload.worker import OffloadWorker
 from tests.faults.inject import intercept_reads
 from tests.record_key import RECORD_KEY
+from tests.redis_local import LOADED_TIMEOUT_MS
 
 FAULTS = ("raise", "stuck")
 # a stuck read gives up after this long even if nobody releases it (keeps a failing test bounded)
@@ -113,7 +114,7 @@ def kvtier_engine(
     cfg.setdefault("lookup_timeout_ms", 2000)
     if "remote_url" in cfg:
         # and a remote read 100 ms (the default): 16 of 20 remote hits once, under 3 workers
-        cfg.setdefault("remote_timeout_ms", 1000)
+        cfg.setdefault("remote_timeout_ms", LOADED_TIMEOUT_MS)
     # and a save's wait for the write-behind to unpin a memory slot (500 ms by default): a
     # starved writer once cost every save of a 1 MiB memory tier in CI
     cfg.setdefault("write_wait_ms", 5000)
