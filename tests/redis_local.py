@@ -37,6 +37,14 @@ _INSTALL = "install it with `apt-get install redis-server` (Debian/Ubuntu; bring
 LOADED_TIMEOUT_MS = 1000
 
 
+def loaded_timeouts(kwargs: dict[str, object]) -> dict[str, object]:
+    """A remote tier's keyword arguments with `LOADED_TIMEOUT_MS` for reads and writes, unless
+    the test gives its own `timeout_ms` (a test about timeouts)."""
+    if "timeout_ms" in kwargs:
+        return kwargs
+    return {"write_timeout_ms": LOADED_TIMEOUT_MS, **kwargs, "timeout_ms": LOADED_TIMEOUT_MS}
+
+
 class RedisServerError(StartupError):
     """A local redis-server (or redis-cli) could not be found or started."""
 

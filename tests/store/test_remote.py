@@ -23,7 +23,7 @@ from kvtier.store.remote import STARTUP_PATIENCE_S, RemoteTier, mask_url
 from kvtier.store.remote_transport import Timeouts
 from tests import redis_local
 from tests.record_key import RECORD_KEY, codec_for_tests
-from tests.redis_local import LOADED_TIMEOUT_MS, RedisServer, RedisServerError
+from tests.redis_local import RedisServer, RedisServerError, loaded_timeouts
 
 from .conftest import FakeClock, key_of, payload_of
 
@@ -79,9 +79,7 @@ def make_tier(metrics: Metrics, namespace: bytes) -> Iterator[MakeTier]:
         ns = kwargs.pop("namespace", namespace)
         m = kwargs.pop("metrics", metrics)
         kwargs.setdefault("codec", codec_for_tests(ns, str(kwargs.get("tenant", ""))))
-        if "timeout_ms" not in kwargs:  # a loaded host's, where the test is not about timeouts
-            kwargs.setdefault("write_timeout_ms", LOADED_TIMEOUT_MS)
-            kwargs["timeout_ms"] = LOADED_TIMEOUT_MS
+        kwargs = loaded_timeouts(kwargs)
         tier = RemoteTier(url, ns, m, **kwargs)  # type: ignore[arg-type]
         made.append(tier)
         return tier
@@ -577,8 +575,8 @@ def test_slow_server_times_out_to_a_miss(
     key, payload = key_of(4), payload_of(4, 256)
     assert tier.put(key, payload)
 
-    # stopped for the whole block: a read and a write that outlive a timed stall are not
-    # possible, however late a loaded host runs them
+    # the store answers nothing until the block ends, however late a loaded host runs the
+    # read and the write below
     with server.paused():
         t0 = time.monotonic()
         got = tier.get(key)

@@ -17,7 +17,7 @@ from kvtier.store.breaker import ShardBreakers, State
 from kvtier.store.remote import RemoteTier
 from tests.record_key import codec_for_tests
 from tests.redis_cluster import command_calls, flush, redis_cluster, reset_stats  # noqa: F401
-from tests.redis_local import LOADED_TIMEOUT_MS, LocalCluster, wait_for
+from tests.redis_local import LocalCluster, loaded_timeouts, wait_for
 
 from .conftest import FakeClock, key_of, payload_of
 
@@ -40,9 +40,7 @@ def make_tier(metrics: Metrics, namespace: bytes) -> Iterator[MakeTier]:
 
     def make(url: str, **kwargs: object) -> RemoteTier:
         kwargs.setdefault("codec", codec_for_tests(namespace))
-        if "timeout_ms" not in kwargs:  # a loaded host's, where the test is not about timeouts
-            kwargs.setdefault("write_timeout_ms", LOADED_TIMEOUT_MS)
-            kwargs["timeout_ms"] = LOADED_TIMEOUT_MS
+        kwargs = loaded_timeouts(kwargs)
         tier = RemoteTier(url, namespace, kwargs.pop("metrics", metrics), **kwargs)  # type: ignore[arg-type]
         made.append(tier)
         return tier
